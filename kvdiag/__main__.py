@@ -1,0 +1,3 @@
+from kvdiag.cli.main import run
+
+run()

@@ -1,0 +1,1 @@
+"""Watch stage: log tailing, banner parsing, health and metrics polling, stall detection."""
