@@ -1,0 +1,56 @@
+"""`kvdiag banner LOGFILE|-`: parse PageAllocator banners and print the static risk check."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import typer
+
+from kvdiag.errors import ExitCode, UsageError
+from kvdiag.watch.banner import assess_risk, parse_banners
+
+
+def banner_cmd(
+    logfile: str = typer.Argument(..., help="Log file to scan, or - for standard input."),
+    as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
+) -> int:
+    """Exit 0 when no banner predicts the prealloc deadlock, 10 when one does."""
+    if logfile == "-":
+        lines = sys.stdin.read().splitlines()
+        source = "<stdin>"
+    else:
+        path = Path(logfile)
+        try:
+            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+        except FileNotFoundError:
+            raise UsageError(f"{logfile}: file not found") from None
+        except OSError as exc:
+            raise UsageError(f"{logfile}: cannot read: {exc.strerror}") from None
+        source = logfile
+    banners = parse_banners(lines, source)
+    risks = [assess_risk(b) for b in banners]
+    risky = any(r.risky for r in risks)
+    if as_json:
+        typer.echo(json.dumps({"banners": [b.model_dump(mode="json") for b in banners],
+                               "risks": [r.model_dump(mode="json") for r in risks], "risky": risky}, indent=2))
+    else:
+        if not banners:
+            typer.echo(f"{source}: no 'Init C++ PageAllocator' banner found")
+        for b, r in zip(banners, risks):
+            typer.echo(f"line {b.line_no}: group_id={b.group_id} num_layers={b.num_layers} "
+                       f"mem_size_per_layer={b.mem_size_per_layer_mb}MB page_size={b.page_size_mb}MB "
+                       f"pages/layer={r.pages_per_layer} enable_prealloc={int(b.enable_prealloc)} "
+                       f"min_reserved={b.min_reserved_pages} max_reserved={b.max_reserved_pages}")
+            if r.risky:
+                for reason in r.reasons:
+                    typer.echo(f"  RISK: {reason}")
+                typer.echo("  workaround: KVCACHED_PAGE_PREALLOC_ENABLED=false, or a kvcached with the #422 fix")
+            else:
+                typer.echo("  no deadlock risk from this banner")
+    return ExitCode.DEADLOCK if risky else ExitCode.OK
+
+
+def register(app: typer.Typer) -> None:
+    app.command("banner")(banner_cmd)

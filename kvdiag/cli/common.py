@@ -1,0 +1,34 @@
+"""Small helpers shared by command modules (console, summary printing)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from kvdiag.runner import RunArtifacts
+
+
+def console() -> Console:
+    """Progress and summaries go to stderr so --json stdout stays machine-readable."""
+    return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def print_summary(arts: RunArtifacts, con: Console) -> None:
+    try:
+        from kvdiag.report import render_terminal
+        from kvdiag.report import build_report
+
+        report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
+                              verdicts_by_engine=arts.verdicts_by_engine)
+        render_terminal(report, con)
+    except ImportError:
+        con.print(f"verdict: {arts.verdict.kind.value}: {arts.verdict.summary}")
+    for name in ("report.html", "report.json", "report.md"):
+        p = arts.paths.get(name) or (arts.out_dir / name)
+        if Path(p).exists():
+            con.print(f"  {name}: {p}")
+    con.print(f"  bundle: {arts.out_dir / 'bundle'}")
+    con.print(f"exit code {arts.exit_code}")
+    sys.stderr.flush()

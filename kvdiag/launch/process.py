@@ -1,0 +1,198 @@
+"""Engine processes: each in its own process group, logged to a file, always torn down."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from types import FrameType, TracebackType
+
+from kvdiag.errors import EngineFailed, Interrupted
+from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, pids_with_marker
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the OS picks it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+class Reaper:
+    """Handle on the out-of-process reaper (kvdiag.launch.reaper)."""
+
+    def __init__(self, run_id: str, grace_s: float = 3.0) -> None:
+        self.run_id = run_id
+        self._proc = subprocess.Popen(
+            [sys.executable, "-m", "kvdiag.launch.reaper", run_id, str(grace_s)],
+            stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+            start_new_session=True, close_fds=True,
+        )
+
+    def _send(self, line: str) -> None:
+        if self._proc.stdin is None:
+            return
+        try:
+            self._proc.stdin.write(f"{line}\n".encode())
+            self._proc.stdin.flush()
+        except (BrokenPipeError, ValueError):
+            pass
+
+    def register(self, pgid: int) -> None:
+        self._send(f"+{pgid}")
+
+    def unregister(self, pgid: int) -> None:
+        self._send(f"-{pgid}")
+
+    def close(self) -> None:
+        """Tell the reaper everything is already cleaned up and wait for it."""
+        self._send("exit")
+        if self._proc.stdin is not None:
+            try:
+                self._proc.stdin.close()
+            except BrokenPipeError:
+                pass
+        try:
+            self._proc.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait(timeout=5)
+
+
+class EngineProcess:
+    """One launched engine (its process group leader and everything under it)."""
+
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log_path: Path,
+                 cwd: str | None = None) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log_path = log_path
+        self.cwd = cwd
+        self.popen: subprocess.Popen[bytes] | None = None
+        self.started_at: float | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.popen.pid if self.popen else None
+
+    def start(self, reaper: Reaper | None) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab", buffering=0)  # noqa: SIM115 - handed to the child
+        try:
+            self.popen = subprocess.Popen(
+                self.argv, env=self.env, cwd=self.cwd, stdin=subprocess.DEVNULL,
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, close_fds=True,
+            )
+        except FileNotFoundError:
+            raise EngineFailed(f"engine {self.name!r}: command not found: {self.argv[0]}",
+                               hint="check the scenario's command (is it installed and on PATH?)") from None
+        except PermissionError:
+            raise EngineFailed(f"engine {self.name!r}: cannot execute {self.argv[0]}") from None
+        finally:
+            log.close()
+        self.started_at = time.monotonic()
+        if reaper is not None:
+            reaper.register(self.popen.pid)
+
+    def returncode(self) -> int | None:
+        return self.popen.poll() if self.popen else None
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, grace_s: float = 5.0, reaper: Reaper | None = None) -> None:
+        """SIGTERM the whole group, SIGKILL after grace_s; reap the leader."""
+        if self.popen is None:
+            return
+        pgid = self.popen.pid
+        kill_groups([pgid], None, grace_s)
+        try:
+            self.popen.wait(timeout=2)
+        except subprocess.TimeoutExpired:
+            self.popen.kill()
+            self.popen.wait(timeout=2)
+        if reaper is not None:
+            reaper.unregister(pgid)
+
+
+class ProcessSet:
+    """All engines of one run, with signal handling that guarantees teardown.
+
+    Use as a context manager: SIGTERM and SIGHUP become :class:`Interrupted`
+    (Ctrl-C arrives as KeyboardInterrupt), and on exit every engine group is
+    stopped. If kvdiag is SIGKILLed, the reaper does it instead.
+    """
+
+    def __init__(self, grace_s: float = 5.0) -> None:
+        self.run_id = uuid.uuid4().hex[:12]
+        self.grace_s = grace_s
+        self.engines: list[EngineProcess] = []
+        self.reaper: Reaper | None = None
+        self._old_handlers: dict[int, object] = {}
+
+    def __enter__(self) -> ProcessSet:
+        self.reaper = Reaper(self.run_id)
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            try:
+                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
+            except ValueError:  # not the main thread: rely on the reaper
+                pass
+        return self
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        raise Interrupted(f"received {signal.Signals(signum).name}")
+
+    def env_for(self, extra: dict[str, str]) -> dict[str, str]:
+        env = dict(os.environ)
+        env.update(extra)
+        env[RUN_ID_ENV] = self.run_id
+        env["PYTHONUNBUFFERED"] = "1"
+        return env
+
+    def start(self, engine: EngineProcess) -> None:
+        self.engines.append(engine)
+        engine.start(self.reaper)
+
+    def stop_all(self) -> None:
+        # Block SIGTERM/SIGINT handlers from interrupting teardown half-way.
+        for engine in reversed(self.engines):
+            try:
+                engine.stop(self.grace_s, self.reaper)
+            except (Interrupted, KeyboardInterrupt):
+                continue
+        leftovers = pids_with_marker(self.run_id)
+        if leftovers:
+            kill_groups([], self.run_id, self.grace_s)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        old_int = signal.getsignal(signal.SIGINT)
+        try:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+        except ValueError:
+            old_int = None
+        try:
+            self.stop_all()
+        finally:
+            if self.reaper is not None:
+                self.reaper.close()
+            for sig, handler in self._old_handlers.items():
+                signal.signal(sig, handler)  # type: ignore[arg-type]
+            if old_int is not None:
+                signal.signal(signal.SIGINT, old_int)

@@ -1,0 +1,112 @@
+"""Out-of-process reaper: kills everything kvdiag started once kvdiag is gone.
+
+kvdiag starts it in its own session and keeps a pipe to its stdin. kvdiag writes
+``+PGID`` / ``-PGID`` lines as it starts and reaps engines. When the pipe
+reaches EOF — kvdiag exited, crashed or was SIGKILLed — the reaper SIGTERMs
+every registered process group, SIGKILLs what is left after a grace period, and
+sweeps any process whose environment carries ``KVDIAG_RUN_ID=<run id>`` (a
+child that left its process group). It ignores SIGINT/SIGTERM/SIGHUP so a
+Ctrl-C or a terminal hang-up cannot stop it before it has cleaned up.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from collections.abc import Iterable
+
+RUN_ID_ENV = "KVDIAG_RUN_ID"
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def pids_with_marker(run_id: str) -> list[int]:
+    """Pids whose environment holds KVDIAG_RUN_ID=run_id (zombies excluded)."""
+    needle = f"{RUN_ID_ENV}={run_id}".encode()
+    me = os.getpid()
+    found: list[int] = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == me:
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                env = fh.read()
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        state = stat.rsplit(b")", 1)[-1].split()[0:1]
+        if state == [b"Z"]:
+            continue
+        if needle in env.split(b"\0"):
+            found.append(int(entry))
+    return found
+
+
+def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> None:
+    """SIGTERM the groups (and marked stragglers), wait up to grace_s, then SIGKILL."""
+    groups = [g for g in set(pgids) if g > 1 and g != os.getpgrp()]
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    strays = pids_with_marker(run_id) if run_id else []
+    for pid in strays:
+        try:
+            os.kill(pid, signal.SIGTERM)
+        except (ProcessLookupError, PermissionError):
+            pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline:
+        if not any(_group_alive(g) for g in groups) and not (run_id and pids_with_marker(run_id)):
+            return
+        time.sleep(0.05)
+    for pgid in groups:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+    if run_id:
+        for pid in pids_with_marker(run_id):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def main(argv: list[str]) -> int:
+    run_id = argv[0] if argv else None
+    grace_s = float(argv[1]) if len(argv) > 1 else 3.0
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    groups: set[int] = set()
+    stdin = sys.stdin.buffer
+    while True:
+        line = stdin.readline()
+        if not line:
+            break
+        text = line.decode(errors="replace").strip()
+        if text == "exit":
+            return 0  # clean shutdown: kvdiag already tore everything down
+        if len(text) > 1 and text[1:].isdigit():
+            if text[0] == "+":
+                groups.add(int(text[1:]))
+            elif text[0] == "-":
+                groups.discard(int(text[1:]))
+    kill_groups(groups, run_id, grace_s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,245 @@
+"""Sequence the pipeline for scenario commands: launch → watch → capture → analyze → report.
+
+CLI modules stay thin and call in here; every stage is reached only through
+its package's public functions and the Bundle passed between them.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import os
+import platform
+import secrets
+import shutil
+import socket
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from kvdiag import __version__
+from kvdiag.bundle_io import save_bundle
+from kvdiag.errors import ExitCode, Interrupted, KvdiagError
+from kvdiag.launch.process import ProcessSet
+from kvdiag.launch.session import Outcome, RunResult, ScenarioRun
+from kvdiag.model import (
+    Bundle,
+    Confidence,
+    EngineRecord,
+    Finding,
+    ProcessEvidence,
+    ProcessRole,
+    TimelineEvent,
+    Verdict,
+    VerdictKind,
+)
+from kvdiag.scenario.models import Scenario
+from kvdiag.watch.banner import assess_risk
+
+
+def default_out_dir(command: str) -> Path:
+    """reports/<command>-<timestamp>-<random>/ under the current directory (never reused)."""
+    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path("reports") / f"{command.replace(' ', '-')}-{stamp}-{secrets.token_hex(2)}"
+
+
+def prepare_out_dir(out: Path | None, command: str) -> Path:
+    path = out if out is not None else default_out_dir(command)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "bundle").mkdir(exist_ok=True)
+        probe = path / ".kvdiag-write-test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as exc:
+        raise KvdiagError(f"cannot write output folder {path}: {exc.strerror or exc}",
+                          hint="pass --out DIR pointing at a writable folder") from None
+    return path
+
+
+def host_info() -> dict[str, str]:
+    return {"hostname": socket.gethostname(), "platform": platform.platform(),
+            "python": platform.python_version(), "cpus": str(os.cpu_count() or 0)}
+
+
+def new_bundle(command: str) -> Bundle:
+    return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
+                  created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+
+
+def banner_findings(engines: list[EngineRecord]) -> list[Finding]:
+    out: list[Finding] = []
+    for e in engines:
+        for b in e.banners:
+            risk = assess_risk(b)
+            for reason in risk.reasons:
+                out.append(Finding(kind="banner_risk", message=reason, engine=e.name))
+    return out
+
+
+def exit_code_for(verdict: Verdict) -> int:
+    if verdict.kind.is_hang:
+        return ExitCode.DEADLOCK
+    if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
+        return ExitCode.ENGINE_FAILED
+    if verdict.kind is VerdictKind.HEALTHY:
+        return ExitCode.OK
+    return ExitCode.FAILED
+
+
+@dataclass
+class RunArtifacts:
+    out_dir: Path
+    bundle: Bundle
+    verdict: Verdict
+    verdicts_by_engine: dict[str, Verdict]
+    exit_code: int
+    paths: dict[str, Path]
+
+
+def _capture_stalled(result: RunResult, bundle_dir: Path, tools: list[str], timeout_s: float,
+                     bundle: Bundle) -> None:
+    """Capture every process of each stalled engine into the bundle (read-only)."""
+    from kvdiag.capture import capture_processes, find_engine_processes
+
+    for w in result.stalled:
+        if w.proc.pid is None:
+            continue
+        roles = find_engine_processes(w.proc.pid, dict(w.state.pids))
+        pids: list[int] = []
+        for role in (ProcessRole.ENGINE_CORE, ProcessRole.API_SERVER, ProcessRole.WORKER, ProcessRole.OTHER):
+            for pid in roles.get(role, []):
+                if pid not in pids:
+                    pids.append(pid)
+        if not pids:
+            pids = [w.proc.pid]
+        raw_dir = bundle_dir / "raw" / w.spec.name
+        evidence, findings = capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=tools)
+        for ev in evidence:
+            ev.engine = w.spec.name
+            for role, role_pids in roles.items():
+                if ev.pid in role_pids:
+                    ev.role = role
+        _relativize(evidence, bundle_dir)
+        bundle.processes.extend(evidence)
+        for f in findings:
+            f.engine = f.engine or w.spec.name
+        bundle.findings.extend(findings)
+
+
+def _relativize(evidence: list[ProcessEvidence], bundle_dir: Path) -> None:
+    for ev in evidence:
+        for tool in ev.tools:
+            if tool.raw_path and Path(tool.raw_path).is_absolute():
+                try:
+                    tool.raw_path = str(Path(tool.raw_path).relative_to(bundle_dir))
+                except ValueError:
+                    pass
+
+
+def _copy_logs_redacted(result: RunResult | None, raw_log_dir: Path, bundle_dir: Path) -> None:
+    from kvdiag.report import redact_text
+
+    logs_dir = bundle_dir / "logs"
+    logs_dir.mkdir(parents=True, exist_ok=True)
+    for src in sorted(raw_log_dir.glob("*.log")):
+        text = src.read_text(encoding="utf-8", errors="replace")
+        (logs_dir / src.name).write_text(redact_text(text), encoding="utf-8")
+
+
+def analyze_bundle(bundle: Bundle) -> tuple[Verdict, dict[str, Verdict]]:
+    from kvdiag.analyze import analyze, analyze_by_engine
+
+    return analyze(bundle), analyze_by_engine(bundle)
+
+
+def finish(out_dir: Path, bundle: Bundle, command: str, ab: dict[str, object] | None = None,
+           verdict: Verdict | None = None, by_engine: dict[str, Verdict] | None = None,
+           exit_code: int | None = None) -> RunArtifacts:
+    """Analyze (unless given), save the bundle and write report.json/html/md."""
+    from kvdiag.report import write_outputs
+
+    if verdict is None:
+        verdict, by_engine = analyze_bundle(bundle)
+    code = exit_code if exit_code is not None else exit_code_for(verdict)
+    save_bundle(bundle, out_dir / "bundle")
+    paths = write_outputs(out_dir, bundle, verdict, command=command, exit_code=code,
+                          verdicts_by_engine=by_engine or {}, ab=ab)
+    return RunArtifacts(out_dir, bundle, verdict, by_engine or {}, code, paths)
+
+
+def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, command: str,
+                 console: Console, allocator: str | None = None,
+                 on_event: Callable[[str], None] | None = None) -> RunArtifacts:
+    """Run a co-location scenario end to end and write its report into ``out_dir``."""
+    if allocator is not None:
+        for e in scenario.engines:
+            if e.kind == "sim":
+                e.allocator = allocator  # type: ignore[assignment]
+    bundle = new_bundle(command)
+    bundle.scenario = scenario.model_dump(mode="json")
+    bundle.scenario_path = scenario_name
+    bundle.stall_window_s = scenario.windows.stall_s
+    bundle_dir = out_dir / "bundle"
+    (bundle_dir / "scenario.yaml").write_text(scenario_text, encoding="utf-8")
+    raw_log_dir = Path(tempfile.mkdtemp(prefix="kvdiag-logs-"))
+    result: RunResult | None = None
+    interrupted: KvdiagError | None = None
+    started = time.monotonic()
+
+    def progress(msg: str, _w: object) -> None:
+        console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {msg}", highlight=False, markup=True)
+        if on_event:
+            on_event(msg)
+
+    try:
+        with ProcessSet() as procs:
+            device = scenario.device.name or f"kvdiag-{procs.run_id}"
+            # Engines log into a private temp dir; the bundle gets redacted copies at the end.
+            run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
+            try:
+                result = run.run()
+                if result.stalled and scenario.capture.on != "never":
+                    progress(f"capturing {', '.join(w.spec.name for w in result.stalled)} "
+                             f"({', '.join(scenario.capture.tools)})", None)
+                    _capture_stalled(result, bundle_dir, list(scenario.capture.tools),
+                                     scenario.capture.tool_timeout_s, bundle)
+                    t_cap = round(time.monotonic() - run.t0, 3)
+                    run.timeline.append(TimelineEvent(t=t_cap, event="capture finished"))
+            except (Interrupted, KeyboardInterrupt) as exc:
+                interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
+                result = RunResult(run.watches, run.timeline, run.metrics, run.t0)
+            # Records are taken while processes still exist (pids, exit codes), before teardown.
+            bundle.engines = [w.record(f"logs/{w.spec.name}.log") for w in result.watches]
+            bundle.timeline = list(result.timeline)
+            bundle.metrics = list(result.metrics)
+            bundle.stall_detected = bool(result.stalled)
+            for w in result.watches:
+                if w.outcome is Outcome.STALLED and w.quiet_since_t is not None:
+                    bundle.timeline.append(TimelineEvent(t=round(w.quiet_since_t - result.t0, 3),
+                                                         event="stall onset (last progress)", engine=w.spec.name))
+            bundle.timeline.sort(key=lambda e: e.t)
+        # Teardown is done; now the slow parts that need no live process.
+    except (Interrupted, KeyboardInterrupt) as exc:
+        interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
+    finally:
+        _copy_logs_redacted(result, raw_log_dir, bundle_dir)
+        shutil.rmtree(raw_log_dir, ignore_errors=True)
+    bundle.findings = banner_findings(bundle.engines) + bundle.findings
+    if interrupted is not None:
+        bundle.interrupted = True
+        verdict = Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {interrupted.message}",
+                          confidence=Confidence.LOW)
+        finish(out_dir, bundle, command, verdict=verdict, by_engine={}, exit_code=ExitCode.INTERRUPTED)
+        console.print(f"interrupted; partial report written to {out_dir}")
+        raise interrupted
+    return finish(out_dir, bundle, command)
+
+
+def _esc(text: str) -> str:
+    from rich.markup import escape
+
+    return escape(text)

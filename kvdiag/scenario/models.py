@@ -1,0 +1,147 @@
+"""Scenario models: what a YAML scenario may say. Unknown keys are errors."""
+
+from __future__ import annotations
+
+import re
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SimParams(_Strict):
+    """Parameters of a built-in simulated engine (kvdiag sim serve)."""
+
+    layers: int = Field(28, ge=1, le=4096)
+    kv_per_layer_mb: float = Field(11, gt=0)
+    page_size_mb: int = Field(2, ge=1)
+    min_reserved_pages: int = Field(5, ge=0)
+    max_reserved_pages: int = Field(10, ge=0)
+    weights_gb: float = Field(0.0, ge=0)
+    gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
+    max_running: int = Field(16, ge=1)
+    step_ms: float = Field(5.0, ge=0)
+    backend: Literal["host", "cuda"] = "host"
+    map_latency_us: int = Field(0, ge=0)
+    startup_s: float | None = Field(None, ge=0)
+    extra_args: list[str] = Field(default_factory=list)
+
+    @model_validator(mode="after")
+    def _reserved_order(self) -> SimParams:
+        if self.min_reserved_pages > self.max_reserved_pages:
+            raise ValueError("min_reserved_pages must not exceed max_reserved_pages")
+        return self
+
+
+class EngineSpec(_Strict):
+    name: str = Field(min_length=1, max_length=64)
+    kind: Literal["sim", "command"] = "sim"
+    model: str = "sim-model"
+    port: int = Field(0, ge=0, le=65535)          # 0 = pick a free port
+    host: str = "127.0.0.1"
+    allocator: Literal["stock", "fixed", "external"] = "stock"
+    prealloc: bool | None = None                  # None = leave KVCACHED_PAGE_PREALLOC_ENABLED as env says
+    start_after: str | None = None                # start once this engine is ready
+    ready: str = "health"                         # "health" or "log:<regex>"
+    env: dict[str, str] = Field(default_factory=dict)
+    command: list[str] = Field(default_factory=list)
+    cwd: str | None = None
+    sim: SimParams = Field(default_factory=SimParams)
+    expect: Literal["healthy", "hang", "any"] = "any"
+
+    @field_validator("name")
+    @classmethod
+    def _name_ok(cls, v: str) -> str:
+        if not re.fullmatch(r"[A-Za-z0-9_.-]+", v):
+            raise ValueError("engine names use letters, digits, '.', '_' and '-' only")
+        return v
+
+    @field_validator("ready")
+    @classmethod
+    def _ready_ok(cls, v: str) -> str:
+        if v == "health":
+            return v
+        if v.startswith("log:"):
+            try:
+                re.compile(v[4:])
+            except re.error as exc:
+                raise ValueError(f"invalid regex in ready: {exc}") from exc
+            return v
+        raise ValueError("ready must be 'health' or 'log:<regex>'")
+
+    @field_validator("env")
+    @classmethod
+    def _env_keys(cls, v: dict[str, str]) -> dict[str, str]:
+        for key in v:
+            if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", key):
+                raise ValueError(f"invalid environment variable name {key!r}")
+        return v
+
+    @model_validator(mode="after")
+    def _command_needed(self) -> EngineSpec:
+        if self.kind == "command" and not self.command:
+            raise ValueError("engines of kind 'command' need a command")
+        return self
+
+
+class Windows(_Strict):
+    stall_s: float = Field(5.0, gt=0, le=3600)          # no progress this long = stall
+    startup_timeout_s: float = Field(120.0, gt=0)        # per engine, to become ready
+    timeout_s: float = Field(300.0, gt=0)                # whole run
+    poll_s: float = Field(0.25, gt=0, le=10)
+
+
+class CaptureSpec(_Strict):
+    tools: list[Literal["pystack", "py-spy", "gdb", "proc"]] = Field(
+        default_factory=lambda: ["pystack", "py-spy", "gdb", "proc"])
+    tool_timeout_s: float = Field(15.0, gt=0, le=600)
+    on: Literal["stall", "always", "never"] = "stall"
+
+
+class DeviceSpec(_Strict):
+    """The modelled device shared by co-located simulated engines."""
+
+    name: str | None = None          # None = unique per run, so parallel runs never collide
+    size_gb: float = Field(96.0, gt=0)
+
+
+class Scenario(_Strict):
+    name: str = "scenario"
+    description: str = ""
+    engines: list[EngineSpec] = Field(min_length=1)
+    windows: Windows = Field(default_factory=Windows)
+    capture: CaptureSpec = Field(default_factory=CaptureSpec)
+    device: DeviceSpec = Field(default_factory=DeviceSpec)
+
+    @model_validator(mode="after")
+    def _references(self) -> Scenario:
+        names = [e.name for e in self.engines]
+        if len(set(names)) != len(names):
+            raise ValueError("engine names must be unique")
+        ports = [e.port for e in self.engines if e.port]
+        if len(set(ports)) != len(ports):
+            raise ValueError("two engines use the same port")
+        for e in self.engines:
+            if e.start_after is not None and e.start_after not in names:
+                raise ValueError(f"engine {e.name!r}: start_after names unknown engine {e.start_after!r}")
+            if e.start_after == e.name:
+                raise ValueError(f"engine {e.name!r} cannot start after itself")
+        return self
+
+    def ordered_engines(self) -> list[EngineSpec]:
+        """Engines in start order: file order, moved after their start_after dependency."""
+        done: list[EngineSpec] = []
+        pending = list(self.engines)
+        while pending:
+            progressed = False
+            for e in list(pending):
+                if e.start_after is None or any(d.name == e.start_after for d in done):
+                    done.append(e)
+                    pending.remove(e)
+                    progressed = True
+            if not progressed:
+                raise ValueError("start_after forms a cycle")
+        return done
