@@ -196,7 +196,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             on_event(msg)
 
     try:
-        with ProcessSet() as procs:
+        with ProcessSet(grace_s=scenario.windows.kill_grace_s) as procs:
             device = scenario.device.name or f"kvdiag-{procs.run_id}"
             # Engines log into a private temp dir; the bundle gets redacted copies at the end.
             run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))

@@ -92,6 +92,7 @@ class Windows(_Strict):
     startup_timeout_s: float = Field(120.0, gt=0)        # per engine, to become ready
     timeout_s: float = Field(300.0, gt=0)                # whole run
     poll_s: float = Field(0.25, gt=0, le=10)
+    kill_grace_s: float = Field(5.0, ge=0, le=120)       # SIGTERM → SIGKILL grace at teardown
 
 
 class CaptureSpec(_Strict):

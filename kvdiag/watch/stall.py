@@ -52,11 +52,17 @@ class StallDetector:
             if obs.new_log_lines > 0:
                 progressed = True
             if obs.cpu_ticks is not None:
-                if self._last_cpu is not None and self._last_cpu_t is not None:
-                    dt = max(obs.now - self._last_cpu_t, 1e-6)
-                    if (obs.cpu_ticks - self._last_cpu) / dt > self.cpu_ticks_per_s:
+                # Rate since the last progress point, over at least a second: single clock
+                # ticks over short polls would otherwise look like activity.
+                if self._last_cpu is None or self._last_cpu_t is None:
+                    self._last_cpu, self._last_cpu_t = obs.cpu_ticks, obs.now
+                else:
+                    dt = obs.now - self._last_cpu_t
+                    used = obs.cpu_ticks - self._last_cpu
+                    if dt >= 1.0 and used > 2 and used / dt > self.cpu_ticks_per_s:
                         progressed = True
-                self._last_cpu, self._last_cpu_t = obs.cpu_ticks, obs.now
+                    if dt >= 1.0:
+                        self._last_cpu, self._last_cpu_t = obs.cpu_ticks, obs.now
             if obs.all_threads_blocked is False:
                 progressed = progressed or obs.cpu_ticks is None
         if progressed:

@@ -1,0 +1,122 @@
+"""No orphans: whatever signal kills kvdiag, and whenever, nothing it started survives.
+
+Engines here are stubborn fakes (ignore SIGTERM, fork a child) so only a real
+process-group teardown with SIGKILL escalation, or the out-of-process reaper,
+gets rid of them.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).resolve().parent
+STUBBORN = HERE.parent / "fixtures" / "engines" / "stubborn.py"
+RUNS = int(os.environ.get("KVDIAG_ORPHAN_RUNS", "20"))
+
+
+def _scenario(tmp: Path, marker: str, ready_after: float) -> Path:
+    text = f"""
+name: stubborn
+windows: {{stall_s: 30, startup_timeout_s: 60, timeout_s: 60, poll_s: 0.1, kill_grace_s: 0.5}}
+capture: {{on: never}}
+engines:
+  - name: one
+    kind: command
+    command: ["{sys.executable}", "{STUBBORN}", "--ready-after", "0.1", "--max-life", "90"]
+    ready: "log:READY"
+    env: {{KVDIAG_TEST_MARKER: "{marker}"}}
+  - name: two
+    kind: command
+    start_after: one
+    command: ["{sys.executable}", "{STUBBORN}", "--ready-after", "{ready_after}", "--max-life", "90"]
+    ready: "log:READY"
+    env: {{KVDIAG_TEST_MARKER: "{marker}"}}
+"""
+    path = tmp / "s.yaml"
+    path.write_text(text)
+    return path
+
+
+def _marked(marker: str) -> list[int]:
+    needle = f"KVDIAG_TEST_MARKER={marker}".encode()
+    out = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{e}/environ").read_bytes()
+            state = Path(f"/proc/{e}/stat").read_bytes().rsplit(b")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and needle in env.split(b"\0"):
+            out.append(int(e))
+    return out
+
+
+def _wait_gone(marker: str, bound_s: float) -> list[int]:
+    deadline = time.monotonic() + bound_s
+    left = _marked(marker)
+    while left and time.monotonic() < deadline:
+        time.sleep(0.1)
+        left = _marked(marker)
+    return left
+
+
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM, signal.SIGKILL], ids=lambda s: s.name)
+def test_no_orphans_after_signal(tmp_path: Path, sig: signal.Signals) -> None:
+    rng = random.Random(f"{sig.name}-{RUNS}")
+    orphans: list[int] = []
+    for i in range(RUNS):
+        marker = uuid.uuid4().hex
+        # ready_after -1 = engine two never gets ready (it "hangs" in startup); else healthy after a while
+        scen = _scenario(tmp_path, marker, rng.choice([-1.0, 0.3, 1.0]))
+        proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "repro", "two-engine", "--scenario", str(scen),
+                                 "--out", str(tmp_path / f"out{i}")],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            time.sleep(rng.uniform(0.3, 2.5))
+            proc.send_signal(sig)
+            proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        left = _wait_gone(marker, bound_s=10)
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        orphans.extend(left)
+        if sig is not signal.SIGKILL:
+            assert proc.returncode == 130, f"run {i}: exit {proc.returncode}"
+    assert orphans == [], f"{len(orphans)} orphan(s) over {RUNS} runs"
+
+
+def test_interrupted_run_leaves_readable_report(tmp_path: Path) -> None:
+    marker = uuid.uuid4().hex
+    scen = _scenario(tmp_path, marker, -1.0)
+    out = tmp_path / "out"
+    proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "repro", "two-engine", "--scenario", str(scen),
+                             "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            start_new_session=True)
+    time.sleep(2.0)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130, err
+    import json
+
+    report = json.loads((out / "report.json").read_text())
+    assert report["verdict"]["kind"] == "unknown" and "interrupted" in report["verdict"]["summary"]
+    assert [e["name"] for e in report["engines"]] == ["one", "two"]
+    assert (out / "bundle" / "logs" / "one.log").read_text().strip().startswith("READY")
+    assert _wait_gone(marker, 10) == []

@@ -1,0 +1,95 @@
+"""Log phase tracking, log following and the stall detector (clock injected, no sleeping)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdiag.model import EnginePhase
+from kvdiag.watch.logs import LogFollower, LogState, feed_line, scan_file
+from kvdiag.watch.probe import parse_metrics
+from kvdiag.watch.stall import Observation, StallDetector
+
+VLLM = Path(__file__).resolve().parents[2].parent / "shared" / "vllm"
+
+
+def test_phases_and_pids_from_lines() -> None:
+    st = LogState()
+    feed_line(st, "(APIServer pid=6790) INFO 12-03 06:15:30 [api_utils.py:286] non-default args: {}")
+    feed_line(st, "(Worker pid=6946) INFO 12-03 06:15:45 [cpu_model_runner.py:68] Starting to load model x...")
+    feed_line(st, "(EngineCore pid=6898) INFO 12-03 06:15:45 [kv_cache_utils.py:2327] CPU KV cache size: 2,048 tokens")
+    assert st.phase is EnginePhase.KV_INIT
+    feed_line(st, "Init C++ PageAllocator: num_layers=28, mem_size_per_layer=11MB, total_mem_size=616MB, "
+                  "page_size=2MB, world_size=1, pp_rank=0, async_sched=1, contiguous_layout=1, enable_prealloc=1, "
+                  "num_kv_buffers=2, group_id=0, min_reserved_pages=5, max_reserved_pages=5")
+    assert st.phase is EnginePhase.BANNER and len(st.banners) == 1
+    assert st.pids == {"api_server": 6790, "worker": 6946, "engine_core": 6898}
+    feed_line(st, "(EngineCore pid=6898) INFO later: Starting to load model again")
+    assert st.phase is EnginePhase.BANNER  # never moves back
+
+
+def test_real_vllm_startup_log_reaches_serving() -> None:
+    log = VLLM / "startup.log"
+    if not log.exists():
+        import pytest
+
+        pytest.skip("shared vLLM captures not present")
+    st = scan_file(log)
+    assert st.phase is EnginePhase.SERVING
+    assert st.pids["engine_core"] == 6898 and st.pids["api_server"] == 6790
+
+
+def test_oom_and_errors_detected() -> None:
+    st = LogState()
+    feed_line(st, "RuntimeError: CUDA error: out of memory")
+    assert st.oom and st.errors
+
+
+def test_follower_handles_partial_lines(tmp_path: Path) -> None:
+    p = tmp_path / "x.log"
+    f = LogFollower(p)
+    assert f.read_new() == []
+    p.write_bytes(b"one\ntw")
+    assert f.read_new() == ["one"]
+    with open(p, "ab") as fh:
+        fh.write(b"o\nthree\n")
+    assert f.read_new() == ["two", "three"]
+
+
+def test_stall_detector_startup_window() -> None:
+    d = StallDetector(window_s=5.0)
+    assert not d.observe(Observation(now=0, new_log_lines=3, cpu_ticks=100, healthy=False))
+    assert not d.observe(Observation(now=2, new_log_lines=0, cpu_ticks=100, healthy=False))
+    assert not d.observe(Observation(now=4.9, new_log_lines=0, cpu_ticks=100, healthy=False))
+    assert d.observe(Observation(now=5.0, new_log_lines=0, cpu_ticks=101, healthy=False))
+    assert d.stalled_since == 0
+
+
+def test_cpu_progress_is_slow_start_not_stall() -> None:
+    d = StallDetector(window_s=5.0)
+    ticks = 0
+    for i in range(40):
+        ticks += 50  # half a core busy, no log output
+        assert not d.observe(Observation(now=i * 0.5, new_log_lines=0, cpu_ticks=ticks, healthy=False))
+
+
+def test_decode_stall_when_serving() -> None:
+    d = StallDetector(window_s=5.0)
+    assert not d.observe(Observation(now=0, new_log_lines=0, cpu_ticks=None, healthy=True, tokens=10, running=4))
+    assert not d.observe(Observation(now=1, new_log_lines=0, cpu_ticks=None, healthy=True, tokens=20, running=4))
+    assert not d.observe(Observation(now=5, new_log_lines=0, cpu_ticks=None, healthy=True, tokens=20, running=4))
+    assert d.observe(Observation(now=6, new_log_lines=0, cpu_ticks=None, healthy=True, tokens=20, running=4))
+    # idle (nothing running) is never a stall
+    d2 = StallDetector(window_s=1.0)
+    for t in range(10):
+        assert not d2.observe(Observation(now=t, new_log_lines=0, cpu_ticks=None, healthy=True, tokens=0, running=0))
+
+
+def test_parse_real_metrics() -> None:
+    path = VLLM / "metrics_after_load.txt"
+    if not path.exists():
+        import pytest
+
+        pytest.skip("shared vLLM captures not present")
+    snap = parse_metrics(path.read_text(), t=1.0)
+    assert snap.kv_cache_usage is not None and snap.generation_tokens is not None
+    assert snap.running is not None
