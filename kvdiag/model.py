@@ -126,11 +126,13 @@ class ThreadEvidence(_Model):
     futex_addr: int | None = None    # first syscall argument when blocked in futex(2)
     gil: GilState = GilState.UNKNOWN
     in_gil_struct: bool | None = None   # futex address lies in the interpreter's GIL (via _PyRuntime)
+    futex_owner_tid: int | None = None  # owner TID of the mutex this thread's futex wait is on (read-only mem read)
     utime_ticks: int | None = None
     stime_ticks: int | None = None
     cpu_ticks_delta: int | None = None  # over the capture's CPU sampling interval
     frames: list[Frame] = Field(default_factory=list)      # best merged stack, innermost first
     frames_by_tool: dict[str, list[Frame]] = Field(default_factory=dict)
+    gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
 
 
 class ProcessEvidence(_Model):
@@ -292,3 +294,8 @@ class Report(_Model):
     soak: SoakStats | None = None
     ab: dict[str, object] | None = None
     bundle_path: str | None = None
+    # Added by the report stage: environment and run context for the human reader.
+    host: dict[str, str] = Field(default_factory=dict)
+    scenario: str | None = None      # scenario name or path the run used
+    stall_window_s: float | None = None
+    interrupted: bool = False        # the run was cut short; the report holds what it got

@@ -28,8 +28,6 @@ from kvdiag.launch.session import Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
     Confidence,
-    EngineRecord,
-    Finding,
     ProcessEvidence,
     ProcessRole,
     TimelineEvent,
@@ -37,7 +35,6 @@ from kvdiag.model import (
     VerdictKind,
 )
 from kvdiag.scenario.models import Scenario
-from kvdiag.watch.banner import assess_risk
 
 
 def default_out_dir(command: str) -> Path:
@@ -68,16 +65,6 @@ def host_info() -> dict[str, str]:
 def new_bundle(command: str) -> Bundle:
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
-
-
-def banner_findings(engines: list[EngineRecord]) -> list[Finding]:
-    out: list[Finding] = []
-    for e in engines:
-        for b in e.banners:
-            risk = assess_risk(b)
-            for reason in risk.reasons:
-                out.append(Finding(kind="banner_risk", message=reason, engine=e.name))
-    return out
 
 
 def exit_code_for(verdict: Verdict) -> int:
@@ -124,6 +111,7 @@ def _capture_stalled(result: RunResult, bundle_dir: Path, tools: list[str], time
                 if ev.pid in role_pids:
                     ev.role = role
         _relativize(evidence, bundle_dir)
+        redact_tree(raw_dir)
         bundle.processes.extend(evidence)
         for f in findings:
             f.engine = f.engine or w.spec.name
@@ -140,7 +128,22 @@ def _relativize(evidence: list[ProcessEvidence], bundle_dir: Path) -> None:
                     pass
 
 
-def _copy_logs_redacted(result: RunResult | None, raw_log_dir: Path, bundle_dir: Path) -> None:
+def redact_tree(folder: Path) -> None:
+    """Rewrite every text file under ``folder`` with secrets redacted (raw tool outputs)."""
+    from kvdiag.report import redact_text
+
+    for path in folder.rglob("*"):
+        if path.is_file():
+            try:
+                text = path.read_text(encoding="utf-8")
+            except (UnicodeDecodeError, OSError):
+                continue
+            red = redact_text(text)
+            if red != text:
+                path.write_text(red, encoding="utf-8")
+
+
+def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path) -> None:
     from kvdiag.report import redact_text
 
     logs_dir = bundle_dir / "logs"
@@ -165,7 +168,9 @@ def finish(out_dir: Path, bundle: Bundle, command: str, ab: dict[str, object] | 
     if verdict is None:
         verdict, by_engine = analyze_bundle(bundle)
     code = exit_code if exit_code is not None else exit_code_for(verdict)
-    save_bundle(bundle, out_dir / "bundle")
+    from kvdiag.report import redact_obj
+
+    save_bundle(redact_obj(bundle), out_dir / "bundle")
     paths = write_outputs(out_dir, bundle, verdict, command=command, exit_code=code,
                           verdicts_by_engine=by_engine or {}, ab=ab)
     return RunArtifacts(out_dir, bundle, verdict, by_engine or {}, code, paths)
@@ -184,7 +189,9 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     bundle.scenario_path = scenario_name
     bundle.stall_window_s = scenario.windows.stall_s
     bundle_dir = out_dir / "bundle"
-    (bundle_dir / "scenario.yaml").write_text(scenario_text, encoding="utf-8")
+    from kvdiag.report import redact_text
+
+    (bundle_dir / "scenario.yaml").write_text(redact_text(scenario_text), encoding="utf-8")
     raw_log_dir = Path(tempfile.mkdtemp(prefix="kvdiag-logs-"))
     result: RunResult | None = None
     interrupted: KvdiagError | None = None
@@ -195,10 +202,11 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
         if on_event:
             on_event(msg)
 
+    arts: RunArtifacts | None = None
     try:
         with ProcessSet(grace_s=scenario.windows.kill_grace_s) as procs:
             device = scenario.device.name or f"kvdiag-{procs.run_id}"
-            # Engines log into a private temp dir; the bundle gets redacted copies at the end.
+            # Engines log into a private temp dir; the bundle gets redacted copies.
             run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
             try:
                 result = run.run()
@@ -207,36 +215,48 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                              f"({', '.join(scenario.capture.tools)})", None)
                     _capture_stalled(result, bundle_dir, list(scenario.capture.tools),
                                      scenario.capture.tool_timeout_s, bundle)
-                    t_cap = round(time.monotonic() - run.t0, 3)
-                    run.timeline.append(TimelineEvent(t=t_cap, event="capture finished"))
+                    run.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3),
+                                                      event="capture finished"))
             except (Interrupted, KeyboardInterrupt) as exc:
                 interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
                 result = RunResult(run.watches, run.timeline, run.metrics, run.t0)
-            # Records are taken while processes still exist (pids, exit codes), before teardown.
-            bundle.engines = [w.record(f"logs/{w.spec.name}.log") for w in result.watches]
-            bundle.timeline = list(result.timeline)
-            bundle.metrics = list(result.metrics)
-            bundle.stall_detected = bool(result.stalled)
-            for w in result.watches:
-                if w.outcome is Outcome.STALLED and w.quiet_since_t is not None:
-                    bundle.timeline.append(TimelineEvent(t=round(w.quiet_since_t - result.t0, 3),
-                                                         event="stall onset (last progress)", engine=w.spec.name))
-            bundle.timeline.sort(key=lambda e: e.t)
-        # Teardown is done; now the slow parts that need no live process.
+            _fill_bundle(bundle, result)
+            _copy_logs_redacted(raw_log_dir, bundle_dir)
+            if interrupted is None:
+                # Verdict and report before teardown: the user gets them as soon as the
+                # evidence is in, and stopping hung engines (grace period) adds no delay.
+                verdict, by_engine = analyze_bundle(bundle)
+                bundle.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3), event="verdict",
+                                                     detail=verdict.kind.value))
+                arts = finish(out_dir, bundle, command, verdict=verdict, by_engine=by_engine)
+                progress(f"verdict {verdict.kind.value}; stopping engines", None)
     except (Interrupted, KeyboardInterrupt) as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
     finally:
-        _copy_logs_redacted(result, raw_log_dir, bundle_dir)
+        _copy_logs_redacted(raw_log_dir, bundle_dir)  # final copy: what engines printed until teardown
         shutil.rmtree(raw_log_dir, ignore_errors=True)
-    bundle.findings = banner_findings(bundle.engines) + bundle.findings
-    if interrupted is not None:
+    if interrupted is not None or arts is None:
+        stop = interrupted or Interrupted("interrupted")
         bundle.interrupted = True
-        verdict = Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {interrupted.message}",
+        verdict = Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {stop.message}",
                           confidence=Confidence.LOW)
         finish(out_dir, bundle, command, verdict=verdict, by_engine={}, exit_code=ExitCode.INTERRUPTED)
         console.print(f"interrupted; partial report written to {out_dir}")
-        raise interrupted
-    return finish(out_dir, bundle, command)
+        raise stop
+    return arts
+
+
+def _fill_bundle(bundle: Bundle, result: RunResult) -> None:
+    """Engine records and timeline, taken while processes still exist (pids, exit codes)."""
+    bundle.engines = [w.record(f"logs/{w.spec.name}.log") for w in result.watches]
+    bundle.timeline = list(result.timeline)
+    bundle.metrics = list(result.metrics)
+    bundle.stall_detected = bool(result.stalled)
+    for w in result.watches:
+        if w.outcome is Outcome.STALLED and w.quiet_since_t is not None:
+            bundle.timeline.append(TimelineEvent(t=round(w.quiet_since_t - result.t0, 3),
+                                                 event="stall onset (last progress)", engine=w.spec.name))
+    bundle.timeline.sort(key=lambda e: e.t)
 
 
 def _esc(text: str) -> str:

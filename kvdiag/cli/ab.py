@@ -22,8 +22,9 @@ def _side(arts: RunArtifacts, base: Path) -> dict[str, object]:
 
 
 def ab_cmd(
-    scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML [default: embedded two-engine]."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder [default: reports/ab-<timestamp>]"),
+    scenario: Path | None = typer.Option(None, "--scenario", "-s",
+                                         help="Scenario YAML (default: embedded two-engine)."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/ab-<timestamp>)."),
 ) -> int:
     """Exit 0 when the fixed allocator is healthy and the stock one reproduced the hang; 1 otherwise."""
     scen, name, text = load_scenario(scenario)
@@ -42,7 +43,8 @@ def ab_cmd(
     ok = reproduced and fixed_ok
     summary = (f"stock: {stock.verdict.kind.value}; fixed: {fixed.verdict.kind.value} — "
                + ("the fixed allocator removes the hang the stock one reproduces" if ok
-                  else "A/B did not separate: " + ("stock did not reproduce" if not reproduced else "fixed is not healthy")))
+                  else "A/B did not separate: "
+                  + ("stock did not reproduce" if not reproduced else "fixed is not healthy")))
     bundle = new_bundle("ab")
     bundle.scenario_path = name
     bundle.engines = [e.model_copy(update={"name": f"{side}/{e.name}"})

@@ -38,7 +38,7 @@ def banner_cmd(
     else:
         if not banners:
             typer.echo(f"{source}: no 'Init C++ PageAllocator' banner found")
-        for b, r in zip(banners, risks):
+        for b, r in zip(banners, risks, strict=True):
             typer.echo(f"line {b.line_no}: group_id={b.group_id} num_layers={b.num_layers} "
                        f"mem_size_per_layer={b.mem_size_per_layer_mb}MB page_size={b.page_size_mb}MB "
                        f"pages/layer={r.pages_per_layer} enable_prealloc={int(b.enable_prealloc)} "

@@ -17,8 +17,7 @@ def console() -> Console:
 
 def print_summary(arts: RunArtifacts, con: Console) -> None:
     try:
-        from kvdiag.report import render_terminal
-        from kvdiag.report import build_report
+        from kvdiag.report import build_report, render_terminal
 
         report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
                               verdicts_by_engine=arts.verdicts_by_engine)

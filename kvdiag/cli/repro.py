@@ -26,7 +26,8 @@ def two_engine(
                                          "two simulated engines with the seed's parameters, no GPU)."),
     allocator: AllocatorChoice | None = typer.Option(None, "--allocator", help="Override the allocator of "
                                                      "every simulated engine."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder [default: reports/repro-two-engine-<timestamp>]"),
+    out: Path | None = typer.Option(None, "--out", "-o",
+                                    help="Output folder (default: reports/repro-two-engine-<timestamp>)."),
 ) -> int:
     """Run co-located engines; exit 0 if all are healthy, 10 if a deadlock/stall was found."""
     scen, name, text = load_scenario(scenario)

@@ -13,7 +13,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from kvdiag.errors import EngineFailed, Interrupted
-from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, pids_with_marker
+from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -170,15 +170,17 @@ class ProcessSet:
         engine.start(self.reaper)
 
     def stop_all(self) -> None:
-        # Block SIGTERM/SIGINT handlers from interrupting teardown half-way.
-        for engine in reversed(self.engines):
-            try:
-                engine.stop(self.grace_s, self.reaper)
-            except (Interrupted, KeyboardInterrupt):
-                continue
-        leftovers = pids_with_marker(self.run_id)
-        if leftovers:
-            kill_groups([], self.run_id, self.grace_s)
+        """Stop every engine group at once (one grace period in all, not one per engine)."""
+        groups = [e.pid for e in self.engines if e.pid is not None]
+        kill_groups(groups, self.run_id, self.grace_s)
+        for engine in self.engines:
+            if engine.popen is not None:
+                try:
+                    engine.popen.wait(timeout=2)
+                except subprocess.TimeoutExpired:
+                    engine.popen.kill()
+                if self.reaper is not None and engine.pid is not None:
+                    self.reaper.unregister(engine.pid)
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:

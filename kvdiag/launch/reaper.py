@@ -21,13 +21,28 @@ RUN_ID_ENV = "KVDIAG_RUN_ID"
 
 
 def _group_alive(pgid: int) -> bool:
+    """True while a non-zombie process is in group ``pgid``.
+
+    killpg(pgid, 0) alone is not enough: an unreaped zombie leader keeps the
+    group "existing" although nothing in it runs any more.
+    """
     try:
         os.killpg(pgid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return True
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                rest = fh.read().rsplit(b")", 1)[-1].split()
+        except OSError:
+            continue
+        if len(rest) > 3 and int(rest[3]) == pgid and rest[0] not in (b"Z", b"X"):
+            return True
+    return False
 
 
 def pids_with_marker(run_id: str) -> list[int]:

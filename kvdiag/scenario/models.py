@@ -7,6 +7,9 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+ToolName = Literal["pystack", "py-spy", "gdb", "proc"]
+_ALL_TOOLS: tuple[ToolName, ...] = ("pystack", "py-spy", "gdb", "proc")
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
@@ -96,8 +99,8 @@ class Windows(_Strict):
 
 
 class CaptureSpec(_Strict):
-    tools: list[Literal["pystack", "py-spy", "gdb", "proc"]] = Field(
-        default_factory=lambda: ["pystack", "py-spy", "gdb", "proc"])
+    tools: list[ToolName] = Field(
+        default_factory=lambda: list(_ALL_TOOLS))
     tool_timeout_s: float = Field(15.0, gt=0, le=600)
     on: Literal["stall", "always", "never"] = "stall"
 

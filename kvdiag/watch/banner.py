@@ -65,7 +65,7 @@ def parse_banner(line: str, line_no: int | None = None, source: str | None = Non
     if "total_mem_size_mb" not in fields:
         fields["total_mem_size_mb"] = (int(fields["num_kv_buffers"]) * int(fields["num_layers"])
                                        * int(fields["mem_size_per_layer_mb"]))
-    return BannerInfo(raw=line[idx:].strip()[:2000], line_no=line_no, source=source, **fields)  # type: ignore[arg-type]
+    return BannerInfo(raw=line[idx:].strip()[:2000], line_no=line_no, source=source, **fields)
 
 
 def parse_banners(lines: Iterable[str], source: str | None = None) -> list[BannerInfo]:

@@ -18,7 +18,8 @@ _UVICORN_PID = re.compile(r"Started server process \[(?P<pid>\d+)\]")
 _PHASE_PATTERNS: list[tuple[EnginePhase, re.Pattern[str]]] = [
     (EnginePhase.LOADING, re.compile(r"Starting to load model|Loading weights|Loading safetensors|load model")),
     (EnginePhase.PROFILING, re.compile(r"[Pp]rofil|determine_available_memory|Memory profiling")),
-    (EnginePhase.KV_INIT, re.compile(r"KV cache size|Available KV cache memory|init engine \(profile, create kv cache")),
+    (EnginePhase.KV_INIT,
+     re.compile(r"KV cache size|Available KV cache memory|init engine \(profile, create kv cache")),
     (EnginePhase.BANNER, re.compile(re.escape(BANNER_MARKER))),
     (EnginePhase.SERVING, re.compile(r"Application startup complete")),
 ]

@@ -1,0 +1,133 @@
+// kvdiag native allocators: the FIXED page allocator (same interface as stock, all six fixes).
+//
+// Contract of this file (pure C++; the bindings add the Python side):
+//   Locks:   mu_ guards lists, counters and the worker state; it is NEVER held across a map, an
+//            unmap, mem_get_info, a device-lock wait, a sleep or a Python callback. ctl_mu_
+//            serialises start/stop of the worker. The backend's device VMM lock is taken inside
+//            map/unmap with mu_ released. Lock order: ctl_mu_ -> mu_.
+//   GIL:     the bindings release the GIL around every call that can block (alloc_page slow path,
+//            free with unmap, resize, trim, start/stop, trigger, wait_prealloc_idle,
+//            get_avail_physical_pages). Fast paths run with the GIL held but only try_lock mu_.
+//   Python:  only the broadcast map/unmap callbacks, called with no allocator lock held, from the
+//            mapping thread (worker or caller). The use-worker-ipc decision is an atomic
+//            (set_use_worker_ipc); set_should_use_worker_ipc_callback calls its callable once, on
+//            the caller's thread, and caches the answer.
+//   Waits:   alloc_page waits on pages_cv_ in slices of wait_timeout_ms, for at most
+//            map_timeout_ms in total, then raises AllocatorTimeout. Backend maps/unmaps are bounded
+//            by map_timeout_ms (device lock + injected latency). The worker's waits are woken by
+//            triggers/stop and its back-off sleeps are wait_for(backoff_ms). stop waits at most
+//            stop_timeout_ms for the worker, then detaches it (it keeps the allocator alive through
+//            a shared_ptr and exits when its map returns). A Python callback that never returns
+//            cannot be interrupted, but no caller ever waits for it beyond map_timeout_ms.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "backend.hpp"
+#include "common.hpp"
+
+namespace kvdiag {
+namespace fixed {
+
+class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
+ public:
+  // Prefer create(): the worker keeps a shared_ptr so a detached worker never dangles.
+  static std::shared_ptr<PageAllocator> create(const AllocatorConfig& cfg);
+  explicit PageAllocator(const AllocatorConfig& cfg);
+  ~PageAllocator();
+  PageAllocator(const PageAllocator&) = delete;
+  PageAllocator& operator=(const PageAllocator&) = delete;
+
+  void start_prealloc_thread();
+  void stop_prealloc_thread();
+  page_id_t alloc_page();
+  void free_page(page_id_t page_id);
+  void free_pages(const std::vector<page_id_t>& page_ids);
+  bool resize(int64_t new_mem_size);
+  void trim();
+  void trigger_preallocation();
+
+  // Non-blocking fast paths for callers that hold the GIL: -1 / false means "take the slow path".
+  page_id_t try_alloc_fast();
+  bool try_free_fast(page_id_t page_id);
+
+  int64_t get_num_free_pages() const { return a_num_free_.load(std::memory_order_relaxed); }
+  int64_t get_num_inuse_pages() const;
+  int64_t get_num_total_pages() const { return a_num_total_.load(std::memory_order_relaxed); }
+  int64_t get_num_reserved_pages() const { return a_reserved_.load(std::memory_order_relaxed); }
+  int64_t get_num_inflight_pages() const { return a_inflight_.load(std::memory_order_relaxed); }
+  int64_t get_avail_physical_pages() const;
+  int64_t get_num_mapped_pages() const { return backend_->mapped_pages(); }
+  bool wait_prealloc_idle(double timeout_s) const;
+
+  void set_broadcast_map_callback(MapCallback cb);
+  void set_broadcast_unmap_callback(MapCallback cb);
+  void set_should_use_worker_ipc_callback(const BoolCallback& cb);
+  void set_use_worker_ipc(bool v) { use_worker_ipc_.store(v); }
+
+  CounterSnapshot counters() const;
+  const std::string& banner() const { return banner_; }
+  const AllocatorConfig& config() const { return cfg_; }
+  int64_t min_reserved_pages() const { return min_reserved_pages_; }
+  int64_t max_reserved_pages() const { return max_reserved_pages_; }
+
+ private:
+  void prealloc_worker(uint64_t gen);
+  MapOutcome map_pages(const std::vector<page_id_t>& page_ids, Clock::time_point deadline);
+  MapOutcome unmap_pages(const std::vector<page_id_t>& page_ids, Clock::time_point deadline);
+  page_id_t take_reserved_locked();
+  void wake_worker_locked();
+  void publish_locked();
+  int64_t inflight_locked() const;
+  void check_allocated_locked(page_id_t page_id) const;
+  void notify_waiters(bool had_waiters);
+  void unmap_and_return(std::vector<page_id_t> pages, bool to_reclaimed);
+  Clock::time_point map_deadline() const { return Clock::now() + std::chrono::milliseconds(cfg_.map_timeout_ms); }
+
+  AllocatorConfig cfg_;
+  std::string banner_;
+  int64_t max_pages_;
+  int64_t min_reserved_pages_;
+  int64_t max_reserved_pages_;
+  bool enable_page_prealloc_;
+  std::unique_ptr<MappingBackend> backend_;
+
+  mutable std::mutex mu_;
+  std::condition_variable pages_cv_;   // alloc_page waiters: pages published or returned
+  std::condition_variable worker_cv_;  // the worker: trigger or stop
+  std::condition_variable exit_cv_;    // stop: the worker has exited
+  std::mutex ctl_mu_;                  // start/stop
+
+  // Guarded by mu_.
+  int64_t num_free_pages_;
+  int64_t num_total_pages_;
+  std::deque<page_id_t> free_page_list_;
+  std::deque<page_id_t> reserved_page_list_;
+  std::deque<page_id_t> reclaimed_page_list_;
+  std::vector<uint8_t> in_use_;
+  int64_t waiters_ = 0;
+  bool running_ = false;
+  bool signaled_ = false;
+  bool worker_waiting_ = false;
+  bool worker_busy_ = false;
+  bool worker_exited_ = true;
+  uint64_t worker_gen_ = 0;
+  std::shared_ptr<const MapCallback> map_cb_;
+  std::shared_ptr<const MapCallback> unmap_cb_;
+
+  std::thread worker_;  // guarded by ctl_mu_
+  std::atomic<bool> use_worker_ipc_{false};
+
+  // Published copies for lock-free getters (written under mu_).
+  std::atomic<int64_t> a_num_free_{0}, a_num_total_{0}, a_reserved_{0}, a_inflight_{0};
+  Counters counters_;
+};
+
+}  // namespace fixed
+}  // namespace kvdiag

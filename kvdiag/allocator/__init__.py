@@ -1,0 +1,104 @@
+"""Page allocators: the stock kvcached model, the fixed one, and a pure-Python twin.
+
+``make_allocator("stock" | "fixed" | "reference", num_layers=..., mem_size_per_layer=...,
+page_size=..., **kwargs)`` builds one. The native kinds live in ``kvdiag._native`` (C++, see
+csrc/); the stock one deadlocks on purpose in kvcached #371's cycle.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from types import ModuleType
+from typing import Any, cast
+
+from kvdiag.allocator.protocol import (
+    ALLOCATOR_KINDS,
+    AllocatorKind,
+    BoolCallback,
+    MapCallback,
+    PageAllocator,
+)
+from kvdiag.allocator.reference import ReferenceAllocator
+from kvdiag.errors import AllocatorError
+
+__all__ = [
+    "ALLOCATOR_KINDS",
+    "AllocatorKind",
+    "BoolCallback",
+    "MapCallback",
+    "PageAllocator",
+    "ReferenceAllocator",
+    "kvcached_env_kwargs",
+    "make_allocator",
+    "native_module",
+]
+
+_BUILD_HINT = (
+    "build it with `pip install --no-build-isolation -e .` from the kvdiag checkout "
+    "(needs a C++17 compiler, cmake, scikit-build-core and nanobind)"
+)
+
+
+def native_module() -> ModuleType:
+    """Return ``kvdiag._native``; raise AllocatorError with a build hint if it is not built."""
+    try:
+        return importlib.import_module("kvdiag._native")
+    except ImportError as exc:
+        raise AllocatorError(f"the native allocator module kvdiag._native is not available: {exc}",
+                             hint=_BUILD_HINT) from exc
+
+
+def make_allocator(kind: str, **kwargs: Any) -> PageAllocator:
+    """Build a page allocator of ``kind`` ("stock", "fixed" or "reference").
+
+    kwargs are kvcached's PageAllocator arguments (num_layers, mem_size_per_layer, page_size,
+    world_size, pp_rank, async_sched, contiguous_layout, enable_prealloc, num_kv_buffers,
+    group_id, min_reserved_pages, max_reserved_pages, gpu_utilization) plus kvdiag's backend and
+    bound options (backend, device_name, device_size, map_latency_us, wait_timeout_ms, ...).
+    Invalid values raise ValueError naming the parameter.
+    """
+    if kind == "reference":
+        return ReferenceAllocator(**kwargs)
+    if kind not in ("stock", "fixed"):
+        raise AllocatorError(f"unknown allocator kind {kind!r}",
+                             hint=f"use one of {', '.join(ALLOCATOR_KINDS)}")
+    # The reference-only knob is meaningless natively; the device model counts real usage.
+    kwargs.pop("device_used_bytes", None)
+    native = native_module()
+    cls = native.StockPageAllocator if kind == "stock" else native.FixedPageAllocator
+    try:
+        num_layers = kwargs.pop("num_layers")
+        mem_size_per_layer = kwargs.pop("mem_size_per_layer")
+        page_size = kwargs.pop("page_size")
+    except KeyError as exc:
+        raise TypeError(f"make_allocator() missing required keyword argument {exc.args[0]!r}") from None
+    return cast(PageAllocator, cls(num_layers, mem_size_per_layer, page_size, **kwargs))
+
+
+def _env_bool(value: str) -> bool:
+    return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def kvcached_env_kwargs(env: Mapping[str, str]) -> dict[str, Any]:
+    """Translate kvcached's environment variables into allocator kwargs.
+
+    KVCACHED_PAGE_PREALLOC_ENABLED (only the word "true", any case, enables it),
+    KVCACHED_MIN_RESERVED_PAGES, KVCACHED_MAX_RESERVED_PAGES, KVCACHED_GPU_UTILIZATION,
+    KVCACHED_PAGE_SIZE_MB and KVCACHED_CONTIGUOUS_LAYOUT. Unset variables are left out so the
+    allocator defaults (kvcached's) apply.
+    """
+    out: dict[str, Any] = {}
+    if "KVCACHED_PAGE_PREALLOC_ENABLED" in env:
+        out["enable_prealloc"] = env["KVCACHED_PAGE_PREALLOC_ENABLED"].strip().lower() == "true"
+    if "KVCACHED_MIN_RESERVED_PAGES" in env:
+        out["min_reserved_pages"] = int(env["KVCACHED_MIN_RESERVED_PAGES"])
+    if "KVCACHED_MAX_RESERVED_PAGES" in env:
+        out["max_reserved_pages"] = int(env["KVCACHED_MAX_RESERVED_PAGES"])
+    if "KVCACHED_GPU_UTILIZATION" in env:
+        out["gpu_utilization"] = float(env["KVCACHED_GPU_UTILIZATION"])
+    if "KVCACHED_PAGE_SIZE_MB" in env:
+        out["page_size"] = int(env["KVCACHED_PAGE_SIZE_MB"]) * 1024 * 1024
+    if "KVCACHED_CONTIGUOUS_LAYOUT" in env:
+        out["contiguous_layout"] = _env_bool(env["KVCACHED_CONTIGUOUS_LAYOUT"])
+    return out

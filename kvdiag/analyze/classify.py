@@ -1,0 +1,256 @@
+"""Classify every thread of a captured process: what it is doing and what it waits for.
+
+Pure: reads ThreadEvidence/ProcessEvidence only. Sources, in order of trust:
+the interpreter's own flags (pystack "Has the GIL" / the GIL struct read from
+/proc), the innermost native frames (what the thread is blocked in), then
+the kernel's view (wchan, syscall number, futex address) when no stack tool
+could read the thread.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from kvdiag.analyze import vocab as v
+from kvdiag.model import Frame, GilState, ProcessEvidence, ThreadEvidence, ThreadState
+
+# A thread that used at least this many CPU ticks over the sampling interval is running; a GIL
+# waiter's 5 ms timed waits never add up to that.
+RUNNING_TICKS = 2
+
+
+class WaitKind(str, Enum):
+    RUNNING = "running"
+    GIL_WAIT = "gil_wait"
+    COND_WAIT = "cond_wait"            # native condition variable
+    MUTEX_WAIT = "mutex_wait"
+    PY_LOCK_WAIT = "py_lock_wait"      # Python-level Lock/Condition/Event/Queue/join (semaphore)
+    FUTEX_WAIT = "futex_wait"          # a futex wait we cannot attribute further
+    IO_READ = "io_read"
+    EVENT_WAIT = "event_wait"          # poll/epoll/select/accept/signal wait: waits for the outside world
+    SLEEP = "sleep"
+    STOPPED = "stopped"
+    ZOMBIE = "zombie"
+    UNKNOWN = "unknown"
+
+
+BLOCKED_KINDS = frozenset({WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT,
+                           WaitKind.IO_READ, WaitKind.GIL_WAIT})
+
+
+@dataclass
+class ThreadView:
+    """One thread as the rules see it."""
+
+    pid: int
+    tid: int
+    name: str
+    is_main: bool
+    kind: WaitKind
+    running: bool = False
+    stopped: bool = False
+    holds_gil: bool = False
+    gil_holder_sources: list[str] = field(default_factory=list)   # "pystack", "proc", "py-spy", "inferred"
+    waits_gil: bool = False
+    gil_wait_signals: list[str] = field(default_factory=list)      # why we think it waits for the GIL
+    wait_addr: int | None = None
+    owner_tid: int | None = None
+    socket_read: bool = False          # the read is on a socket (wchan), not a pipe or tty
+    tty_read: bool = False
+    py_wait: str | None = None         # "py_cond", "join", "read", "event" from Python frames
+    idle_by_design: bool = False
+    timed: bool = False                # the wait has a timeout: it ends by itself, so it cannot deadlock
+    wait_frame: str | None = None      # the frame that decided the kind
+    frames: list[Frame] = field(default_factory=list)
+    libraries: frozenset[str] = frozenset()
+    has_frames: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"thread {self.tid} ({self.name})" if self.name else f"thread {self.tid}"
+
+
+def _arch_syscalls(machine: str | None) -> dict[str, frozenset[int]]:
+    return v.SYSCALLS.get(machine or "x86_64", v.SYSCALLS["x86_64"])
+
+
+def _kind_from_frames(segment: list[Frame]) -> tuple[WaitKind | None, str | None]:
+    """Innermost frame that says what the thread waits in."""
+    for f in segment:
+        name = f.name
+        if v.matches(name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
+            return WaitKind.GIL_WAIT, name
+        if v.matches(name, v.MUTEX_WAIT, v.MUTEX_WAIT_SUBSTR):
+            return WaitKind.MUTEX_WAIT, name
+        if v.matches(name, v.PY_LOCK_WAIT):
+            return WaitKind.PY_LOCK_WAIT, name
+        if v.matches(name, v.COND_WAIT, v.COND_WAIT_SUBSTR):
+            return WaitKind.COND_WAIT, name
+        if v.matches(name, v.IO_READ):
+            return WaitKind.IO_READ, name
+        if v.matches(name, v.EVENT_WAIT):
+            return WaitKind.EVENT_WAIT, name
+        if v.matches(name, v.SLEEP):
+            return WaitKind.SLEEP, name
+        if v.matches(name, v.SPIN):
+            return WaitKind.RUNNING, name
+    return None, None
+
+
+def _gil_frames(segment: list[Frame]) -> str | None:
+    for f in segment:
+        if v.matches(f.name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
+            return f.name
+    return None
+
+
+def _python_wait(stacks: list[list[Frame]]) -> str | None:
+    """Meaning of the innermost Python frames (first three per stack) when they name a wait."""
+    for frames in stacks:
+        seen = 0
+        for f in frames:
+            if f.kind != "python":
+                continue
+            kind = v.python_kind(f)
+            if kind:
+                return kind
+            seen += 1
+            if seen >= 3:
+                break
+    return None
+
+
+def _idle_by_design(th: ThreadEvidence, frames_all: list[Frame]) -> bool:
+    if th.name and v.IDLE_THREAD_NAMES.search(th.name):
+        return True
+    for f in frames_all:
+        if f.name in v.IDLE_FRAME_NAMES or v.norm(f.name) in v.IDLE_FRAME_NAMES:
+            return True
+        text = f"{f.name} {f.file or ''}"
+        if any(s in text for s in v.IDLE_FRAME_SUBSTR):
+            return True
+    return False
+
+
+def _libraries(frames: list[Frame]) -> frozenset[str]:
+    """Application components on the stack (not libc, the interpreter, libffi, libstdc++)."""
+    return frozenset(k for f in frames if not v.is_system_frame(f) and (k := v.library_key(f)))
+
+
+def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | None = None) -> ThreadView:
+    """What ``th`` is doing, from all the evidence captured for it."""
+    frames = list(th.frames)
+    all_stacks = [frames] + [fs for fs in th.frames_by_tool.values() if fs is not frames]
+    segments = [v.innermost_segment(fs) for fs in all_stacks if fs]
+    frames_all = [f for fs in all_stacks for f in fs]
+    view = ThreadView(pid=proc.pid, tid=th.tid, name=th.name or "", is_main=th.tid == proc.pid,
+                      kind=WaitKind.UNKNOWN, frames=frames, has_frames=bool(frames_all),
+                      libraries=_libraries(frames_all))
+    view.stopped = th.state is ThreadState.STOPPED
+    view.idle_by_design = _idle_by_design(th, frames_all) or any(
+        m in " ".join(proc.cmdline) for m in v.IDLE_PROCESS_MARKERS)
+
+    # GIL: interpreter flags first.
+    holders = [tool for tool, st in th.gil_by_tool.items() if st is GilState.HOLDS]
+    if not holders and th.gil is GilState.HOLDS:
+        holders = ["merged"]
+    view.holds_gil = bool(holders)
+    view.gil_holder_sources = holders
+    signals: list[str] = []
+    if th.gil_by_tool.get("pystack") is GilState.WAITING:
+        signals.append("pystack: Waiting for the GIL")
+    gil_frame = next((g for g in (_gil_frames(s) for s in segments) if g), None)
+    if gil_frame:
+        signals.append(f"frame {gil_frame}")
+    if th.in_gil_struct:
+        signals.append("futex in the GIL struct (_PyRuntime)")
+    if not holders and th.gil is GilState.WAITING and not signals:
+        signals.append("GIL waiting flag")
+    view.waits_gil = bool(signals) and not view.holds_gil
+    view.gil_wait_signals = signals if view.waits_gil else []
+
+    # What it is blocked in: frames (every tool's innermost segment), then the kernel.
+    kind: WaitKind | None = None
+    wait_frame: str | None = None
+    for seg in segments:
+        kind, wait_frame = _kind_from_frames(seg)
+        if kind is not None:
+            break
+    view.py_wait = _python_wait(all_stacks)
+    sysnames = _arch_syscalls(machine)
+    wchan = th.wchan or ""
+    nr = th.syscall_nr
+    view.wait_addr = th.futex_addr
+    view.owner_tid = th.futex_owner_tid
+    view.socket_read = any(wchan.startswith(w) for w in v.WCHAN_SOCKET_READ)
+    view.tty_read = any(wchan.startswith(w) for w in v.WCHAN_TTY)
+    if kind is None:
+        if view.py_wait == "join" or view.py_wait == "py_cond":
+            kind = WaitKind.PY_LOCK_WAIT
+        elif view.py_wait == "read":
+            kind = WaitKind.IO_READ
+        elif view.py_wait == "event":
+            kind = WaitKind.EVENT_WAIT
+    if kind is None:
+        if any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"]):
+            kind = WaitKind.IO_READ
+        elif any(wchan.startswith(w) for w in v.WCHAN_EVENT) or (nr is not None and nr in sysnames["event"]):
+            kind = WaitKind.EVENT_WAIT
+        elif any(wchan.startswith(w) for w in v.WCHAN_SLEEP) or (nr is not None and nr in sysnames["sleep"]):
+            kind = WaitKind.SLEEP
+        elif th.futex_addr is not None or any(wchan.startswith(w) for w in v.WCHAN_FUTEX) or (
+                nr is not None and nr in sysnames["futex"]):
+            op = _futex_cmd(th.syscall)
+            kind = WaitKind.MUTEX_WAIT if op == 0 or th.futex_owner_tid else WaitKind.FUTEX_WAIT
+        if kind is not None:
+            wait_frame = f"wchan {wchan}" if wchan else f"syscall {nr}"
+    if view.waits_gil:
+        kind = WaitKind.GIL_WAIT
+        wait_frame = gil_frame or wait_frame
+    running = (th.cpu_ticks_delta is not None and th.cpu_ticks_delta >= RUNNING_TICKS) or (
+        th.cpu_ticks_delta is None and th.state is ThreadState.RUNNING) or kind is WaitKind.RUNNING
+    view.running = running and not view.stopped
+    if view.running:
+        kind = WaitKind.RUNNING
+    elif th.state is ThreadState.ZOMBIE:
+        kind = WaitKind.ZOMBIE
+    elif kind is None:
+        kind = WaitKind.STOPPED if view.stopped else WaitKind.UNKNOWN
+    view.kind = kind
+    view.wait_frame = wait_frame
+    view.timed = _is_timed(th, segments, kind)
+    return view
+
+
+_TIMED_MARKERS = ("timedwait", "clockwait", "timedlock", "clocklock", "wait_until", "wait_for", "sem_timedwait")
+
+
+def _is_timed(th: ThreadEvidence, segments: list[list[Frame]], kind: WaitKind | None) -> bool:
+    """A futex wait's timeout argument is the ground truth; otherwise the wait function's name."""
+    if th.syscall and th.futex_addr is not None:
+        parts = th.syscall.split()
+        if len(parts) > 4:
+            try:
+                return int(parts[4], 16) != 0
+            except ValueError:
+                pass
+    if kind in (WaitKind.GIL_WAIT, WaitKind.EVENT_WAIT, WaitKind.SLEEP):
+        return False
+    return any(m in f.name for seg in segments for f in seg[:8] for m in _TIMED_MARKERS)
+
+
+def _futex_cmd(raw: str | None) -> int | None:
+    if not raw:
+        return None
+    parts = raw.split()
+    if len(parts) < 3:
+        return None
+    try:
+        return int(parts[2], 16) & 0x7F
+    except ValueError:
+        return None
+
+
+def classify_process(proc: ProcessEvidence, machine: str | None = None) -> list[ThreadView]:
+    return [classify_thread(t, proc, machine) for t in proc.threads]

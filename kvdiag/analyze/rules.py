@@ -1,0 +1,473 @@
+"""Rules: classified threads and engine records → a Verdict. Pure functions, no I/O, no clock.
+
+Process rules, strongest first: GIL cycle, lock-order inversion, blocked IPC
+read, lost wakeup, then "stopped / GIL waiters without a known holder"
+(unknown). Engine rules add what only the run knows: OOM and crash text,
+exit codes, the decode-stall metrics signature and start-up progress.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable
+
+from kvdiag.analyze import vocab as v
+from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.model import (
+    Bundle,
+    Confidence,
+    EnginePhase,
+    EngineRecord,
+    EvidenceItem,
+    Finding,
+    MetricsSnapshot,
+    ProcessEvidence,
+    ProcessRole,
+    Verdict,
+    VerdictKind,
+)
+from kvdiag.watch.banner import assess_risk
+
+# Worst first: the overall verdict is the worst engine's.
+SEVERITY: tuple[VerdictKind, ...] = (
+    VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
+    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
+    VerdictKind.UNKNOWN, VerdictKind.SLOW_START, VerdictKind.HEALTHY,
+)
+KV_NEAR_FULL = 0.9
+_OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|\bOOM\b|oom[-_ ]kill|"
+                  r"Killed process \d+|Cannot allocate memory|std::bad_alloc|MemoryError", re.IGNORECASE)
+_CRASH = re.compile(r"Traceback \(most recent call last\)|Segmentation fault|core dumped|Aborted|"
+                    r"Fatal Python error|terminate called|EngineDeadError|SIGSEGV|SIGABRT|"
+                    r"failed in CUDA driver", re.IGNORECASE)
+_HOLDER_BLOCKED = frozenset({WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.FUTEX_WAIT, WaitKind.IO_READ,
+                             WaitKind.PY_LOCK_WAIT})
+_WAIT_WORDS = {
+    WaitKind.COND_WAIT: "waiting on a condition variable", WaitKind.MUTEX_WAIT: "waiting for a mutex",
+    WaitKind.FUTEX_WAIT: "blocked in a futex wait", WaitKind.IO_READ: "blocked reading a socket/pipe",
+    WaitKind.PY_LOCK_WAIT: "blocked on a lock", WaitKind.GIL_WAIT: "waiting for the GIL",
+}
+_PY_INTERNAL_LOCK_FRAMES = ("PyThread_acquire_lock_timed", "acquire_timed", "lock_PyThread_acquire_lock")
+
+
+def severity(kind: VerdictKind) -> int:
+    return SEVERITY.index(kind)
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _tnode(g: WaitGraph, t: ThreadView, doing: str = "") -> str:
+    """Thread node; the first caller's ``doing`` becomes part of its label."""
+    return g.node(f"T{t.pid}:{t.tid:08d}", f"{t.label}: {doing}" if doing else t.label)
+
+
+def _obj_label(t: ThreadView) -> str:
+    word = {WaitKind.COND_WAIT: "condvar", WaitKind.MUTEX_WAIT: "mutex", WaitKind.IO_READ: "read",
+            WaitKind.PY_LOCK_WAIT: "lock"}.get(t.kind, "futex")
+    return f"{word} {t.wait_addr:#x}" if t.wait_addr else f"{word} of thread {t.tid}"
+
+
+def _onode(g: WaitGraph, t: ThreadView) -> str:
+    key = f"{t.wait_addr:x}" if t.wait_addr else f"t{t.tid}"
+    return g.node(f"OBJ{t.pid}:{key}", _obj_label(t))
+
+
+def where(view: ThreadView, n: int = 2) -> str:
+    """`` in map_pages ← prealloc_worker``: the application frames nearest the wait."""
+    segment = v.innermost_segment(view.frames)
+    # functor/lambda call operators are wrappers; the named function under them says more
+    names = [v.short_name(f.name, components=2) for f in segment
+             if not v.is_system_frame(f) and not f.name.endswith("operator()") and "{lambda" not in f.name]
+    names += [f.name for f in view.frames[len(segment):] if f.kind == "python" and not f.name.startswith("<")]
+    unique = list(dict.fromkeys(names))[:n]
+    return f" in {' ← '.join(unique)}" if unique else ""
+
+
+def cite(view: ThreadView, limit: int = 12) -> list[str]:
+    """The frames that prove what the thread waits in, innermost first: from the deciding wait frame
+    up to the second Python frame, without libc internals, binding glue or unnamed frames."""
+    frames = view.frames
+    start = next((i for i, f in enumerate(frames) if view.wait_frame and f.name == view.wait_frame), None)
+    if start is None:
+        start = next((i for i, f in enumerate(frames) if v.norm(f.name) in v.WAIT_PRIMITIVES), 0)
+    out: list[str] = []
+    python_seen = 0
+    for f in frames[start:]:
+        if f.name in ("???", "??"):
+            continue
+        if python_seen and f.kind != "python":
+            continue   # interpreter internals between Python frames add nothing
+        if v.is_binding_glue(f) and not v.matches(f.name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
+            continue
+        text = v.describe(f)
+        if out and out[-1] == text:
+            continue
+        out.append(text)
+        if f.kind == "python":
+            python_seen += 1
+            if python_seen >= 2:
+                break
+        if len(out) >= limit:
+            break
+    return out
+
+
+def _has_frame(view: ThreadView, needle: str) -> bool:
+    return any(needle in f.name for f in view.frames)
+
+
+def _holder_role(h: ThreadView) -> str:
+    what = _WAIT_WORDS.get(h.kind, "blocked")
+    if _has_frame(h, "alloc_page"):
+        return f"alloc_page caller (holds the GIL, {what})"
+    return f"GIL holder ({what})"
+
+
+def _waiter_role(w: ThreadView) -> str:
+    if _has_frame(w, "map_pages"):
+        return "prealloc worker in map_pages (waits for the GIL)"
+    if _has_frame(w, "prealloc_worker"):
+        return "prealloc worker (waits for the GIL)"
+    return "waits for the GIL"
+
+
+def _item(t: ThreadView, role: str, engine: str | None) -> EvidenceItem:
+    return EvidenceItem(pid=t.pid, tid=t.tid, role=role, frames=cite(t), engine=engine)
+
+
+# ---------------------------------------------------------------- process rules
+
+
+def _pick_holder(views: list[ThreadView]) -> ThreadView | None:
+    holders = [t for t in views if t.holds_gil]
+    if not holders:
+        return None
+    for src in ("pystack", "proc", "py-spy", "merged"):
+        ranked = [t for t in holders if src in t.gil_holder_sources]
+        if ranked:
+            blocked = [t for t in ranked if not t.running]
+            return (blocked or ranked)[0]
+    return holders[0]
+
+
+def _infer_holder(views: list[ThreadView]) -> ThreadView | None:
+    """Without an interpreter flag: the one blocked, non-idle thread that did not release the GIL."""
+    if any(t.running and not t.idle_by_design for t in views):
+        return None
+    cands = [t for t in views if not t.waits_gil and not t.idle_by_design and not t.running
+             and t.kind in (WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.FUTEX_WAIT, WaitKind.IO_READ)
+             and not any(f.name in _PY_INTERNAL_LOCK_FRAMES for f in t.frames)]
+    return cands[0] if len(cands) == 1 else None
+
+
+def _released_gil(t: ThreadView) -> bool:
+    """A Python-level lock wait has released the GIL; such a thread cannot be holding it."""
+    return t.kind is WaitKind.PY_LOCK_WAIT and any(v.norm(f.name) in _PY_INTERNAL_LOCK_FRAMES for f in t.frames)
+
+
+def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    waiters = [t for t in views if t.kind is WaitKind.GIL_WAIT]
+    if not waiters:
+        return None
+    holder = _pick_holder(views)
+    inferred = False
+    if holder is None:
+        holder = _infer_holder(views)
+        inferred = holder is not None
+    if (holder is None or holder.running or holder.timed or holder.kind not in _HOLDER_BLOCKED
+            or _released_gil(holder)):
+        return None   # a timed wait ends by itself: GIL-heavy, not a cycle
+    waiters = [w for w in waiters if w.tid != holder.tid]
+    if not waiters:
+        return None
+    g = WaitGraph()
+    gil = g.node(f"GIL{proc.pid}", f"the GIL of pid {proc.pid}")
+    h = _tnode(g, holder, f"holds the GIL, {_WAIT_WORDS.get(holder.kind, 'blocked')}{where(holder, 1)}")
+    g.edge(gil, h, "held by")
+    for w in waiters:
+        g.edge(_tnode(g, w, f"waits for the GIL{where(w, 1)}"), gil, "waits for")
+    obj = _onode(g, holder)
+    g.edge(h, obj, "waits on")
+    by_tid = {t.tid: t for t in views}
+    if holder.kind is WaitKind.MUTEX_WAIT and holder.owner_tid in by_tid:
+        g.edge(obj, _tnode(g, by_tid[holder.owner_tid]), "owned by")
+    else:
+        # Nobody else can run: the object can only be released by a thread that first needs the GIL.
+        for w in waiters:
+            if not w.idle_by_design:
+                g.edge(obj, _tnode(g, w), "can only be signalled by", inferred=True)
+    cycles = [c for c in g.cycles() if gil in c]
+    if not cycles:
+        return None
+    cycle = min(cycles, key=len)
+    in_cycle = [t for t in waiters if _tnode(g, t) in cycle]
+    ranked = sorted(in_cycle or waiters, key=lambda w: (
+        not (w.libraries & holder.libraries), not _has_frame(w, "map_pages"), any(f.kind == "python" for f in
+                                                                                   w.frames), w.tid))
+    main_waiter = ranked[0]
+    strong_holder = any(s in ("pystack", "proc") for s in holder.gil_holder_sources)
+    strong_waiter = any(len(w.gil_wait_signals) >= 2 for w in ranked)
+    holder_frames = holder.wait_frame is not None and not holder.wait_frame.startswith(("wchan", "syscall"))
+    if strong_holder and strong_waiter and holder_frames:
+        conf = Confidence.HIGH
+    elif inferred and not strong_waiter:
+        conf = Confidence.LOW
+    else:
+        conf = Confidence.MEDIUM
+    more = f" (+{len(ranked) - 1} more GIL waiter{'s' if len(ranked) > 2 else ''})" if len(ranked) > 1 else ""
+    how = " (holder inferred: no interpreter flag)" if inferred else ""
+    summary = (f"GIL cycle in pid {proc.pid}: {holder.label} holds the GIL while "
+               f"{_WAIT_WORDS.get(holder.kind, 'blocked')}{where(holder)}; {main_waiter.label} waits for the "
+               f"GIL{where(main_waiter)}{more}{how}")
+    evidence = [_item(holder, _holder_role(holder), engine)]
+    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine) for w in ranked[:4]]
+    return Verdict(kind=VerdictKind.GIL_CYCLE, summary=summary, confidence=conf, evidence=evidence,
+                   engine=engine, cycle=g.describe_cycle(cycle))
+
+
+def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    waiters = [t for t in views if t.kind is WaitKind.MUTEX_WAIT and not t.running and not t.timed]
+    if len(waiters) < 2:
+        return None
+    g = WaitGraph()
+    by_tid = {t.tid: t for t in views}
+    held: dict[int, list[str]] = {}
+    for t in waiters:
+        if t.owner_tid is not None and t.wait_addr:
+            held.setdefault(t.owner_tid, []).append(f"{t.wait_addr:#x}")
+    for t in waiters:   # label every waiter first: the first label given to a node sticks
+        holds = f"holds mutex {', '.join(held[t.tid])}, " if t.tid in held else ""
+        _tnode(g, t, f"{holds}waits for mutex {t.wait_addr:#x}" if t.wait_addr else "")
+    for t in waiters:
+        obj = _onode(g, t)
+        g.edge(_tnode(g, t), obj, "waits for")
+        if t.owner_tid in by_tid:
+            g.edge(obj, _tnode(g, by_tid[t.owner_tid]), "owned by")
+    cycles = g.cycles()
+    if cycles:
+        cycle = min(cycles, key=len)
+        members = [t for t in waiters if _tnode(g, t) in cycle]
+        from_frames = all(m.wait_frame and not m.wait_frame.startswith(("wchan", "syscall")) for m in members)
+        conf = Confidence.HIGH if from_frames else Confidence.MEDIUM
+        desc = "; ".join(f"{m.label} holds mutex {', '.join(held.get(m.tid, ['?']))} and waits for "
+                         f"{m.wait_addr:#x}{where(m, 1)}" for m in members if m.wait_addr)
+        evidence = [_item(m, f"holds mutex {', '.join(held.get(m.tid, ['?']))}, waits for mutex "
+                             f"{m.wait_addr:#x}" if m.wait_addr else "waits for a mutex", engine) for m in members]
+        return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine,
+                       summary=f"lock-order inversion in pid {proc.pid}: {desc}", evidence=evidence,
+                       cycle=g.describe_cycle(cycle))
+    owners_known = any(t.owner_tid is not None for t in waiters)
+    addrs = {t.wait_addr for t in waiters if t.wait_addr}
+    if not owners_known and len(addrs) >= 2 and not any(t.running and not t.idle_by_design for t in views):
+        evidence = [_item(t, f"waits for mutex {t.wait_addr:#x} (owner unknown)" if t.wait_addr else
+                          "waits for a mutex (owner unknown)", engine) for t in waiters[:4]]
+        return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=Confidence.LOW, engine=engine,
+                       summary=(f"likely lock-order inversion in pid {proc.pid}: {len(waiters)} threads wait on "
+                                f"{len(addrs)} different mutexes and nothing runs (owners could not be read)"),
+                       evidence=evidence)
+    return None
+
+
+def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    if any(t.running and not t.idle_by_design for t in views):
+        return None
+    readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read]
+    if not readers:
+        return None
+    event_loops = [t for t in views if t.kind is WaitKind.EVENT_WAIT and not t.idle_by_design]
+    picked = [t for t in readers if t.is_main or t.holds_gil or not event_loops]
+    if not picked:
+        return None
+    r = sorted(picked, key=lambda t: (not t.holds_gil, not t.is_main, t.tid))[0]
+    from_frames = r.wait_frame is not None and not r.wait_frame.startswith(("wchan", "syscall"))
+    conf = Confidence.HIGH if (from_frames and r.socket_read) else Confidence.MEDIUM
+    what = "a socket" if r.socket_read else "a socket/pipe"
+    evidence = [_item(r, f"blocked reading {what} with no timeout" + (" (holds the GIL)" if r.holds_gil else ""),
+                      engine)]
+    others = [t for t in views if t.tid != r.tid and not t.idle_by_design and t.kind in (
+        WaitKind.PY_LOCK_WAIT, WaitKind.COND_WAIT, WaitKind.GIL_WAIT)]
+    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine) for t in others[:3]]
+    return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=conf, engine=engine, evidence=evidence,
+                   summary=(f"blocked IPC read in pid {proc.pid}: {r.label} waits for data on {what}"
+                            f"{where(r)} and no thread of the process is running"))
+
+
+def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    if any(t.kind is WaitKind.GIL_WAIT for t in views):
+        return None   # GIL involved: not this rule's business
+    live = [t for t in views if not t.idle_by_design]
+    waiters = [t for t in live if not t.running and not t.timed and (
+        t.kind is WaitKind.COND_WAIT or t.kind is WaitKind.FUTEX_WAIT
+        or (t.kind is WaitKind.PY_LOCK_WAIT and t.py_wait == "py_cond"))]
+    if not waiters:
+        return None
+    signallers = [t for t in live if t.running or t.kind in (
+        WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP, WaitKind.UNKNOWN)]
+    if signallers:
+        return None
+    waiters.sort(key=lambda t: (t.is_main, t.tid))   # the main thread is usually the one joining
+    native = [t for t in waiters if t.kind is WaitKind.COND_WAIT]
+    first = (native or waiters)[0]
+    if native:
+        conf = Confidence.HIGH
+    elif any(t.kind is WaitKind.PY_LOCK_WAIT for t in waiters):
+        conf = Confidence.MEDIUM
+    else:
+        conf = Confidence.LOW
+    evidence = [_item(t, f"waits on {'condition variable' if t.kind is WaitKind.COND_WAIT else 'a futex'}"
+                         f"{f' {t.wait_addr:#x}' if t.wait_addr else ''} that no live thread will signal", engine)
+                for t in (native or waiters)[:3]]
+    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine)
+                 for t in live if t not in waiters and t.kind in _HOLDER_BLOCKED][:3]
+    return Verdict(kind=VerdictKind.LOST_WAKEUP, confidence=conf, engine=engine, evidence=evidence,
+                   summary=(f"lost wakeup in pid {proc.pid}: {first.label} waits on a condition variable"
+                            f"{where(first)}; every other thread is blocked too, so nobody can signal it"))
+
+
+def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    if views and all(t.stopped or t.kind is WaitKind.STOPPED for t in views):
+        return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.MEDIUM, engine=engine,
+                       summary=f"pid {proc.pid} is stopped (SIGSTOP or job control): none of its threads can run",
+                       evidence=[_item(t, "stopped", engine) for t in views[:2]])
+    waiters = [t for t in views if t.kind is WaitKind.GIL_WAIT]
+    if waiters and not any(t.running for t in views):
+        holder = _pick_holder(views)
+        if holder is not None and holder.timed:
+            return None   # the holder's wait times out: the GIL will move
+        what = (f"{holder.label} holds it but shows no wait we can name" if holder is not None
+                else "the GIL holder could not be identified")
+        evidence = ([_item(holder, "GIL holder", engine)] if holder is not None else [])
+        evidence += [_item(w, _waiter_role(w), engine) for w in waiters[:4]]
+        return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW, engine=engine, evidence=evidence,
+                       summary=f"pid {proc.pid}: {len(waiters)} thread(s) wait for the GIL and nothing runs; {what}")
+    return None
+
+
+PROCESS_RULES = (rule_gil_cycle, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup, rule_stuck_unknown)
+
+
+def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> Verdict | None:
+    """The first rule that matches ``proc``'s threads, or None (no hang evidence)."""
+    if not proc.alive or not proc.threads:
+        return None
+    views = classify_process(proc, machine)
+    for rule in PROCESS_RULES:
+        verdict = rule(proc, views, engine)
+        if verdict is not None:
+            return verdict
+    return None
+
+
+# ---------------------------------------------------------------- engine rules
+
+
+def _engine_text(e: EngineRecord) -> str:
+    return "\n".join([e.error or "", e.last_log_line or "", *e.log_tail])
+
+
+def decode_stalled(e: EngineRecord, metrics: Iterable[MetricsSnapshot], window_s: float) -> str | None:
+    """A sentence when the metrics show requests running, KV near full and no new tokens for ``window_s``."""
+    snaps = sorted((m for m in metrics if m.engine in (e.name, None)), key=lambda m: m.t)
+    snaps = [m for m in snaps if m.generation_tokens is not None]
+    if len(snaps) < 2 or not (e.healthy or e.phase in (EnginePhase.SERVING, EnginePhase.STALLED)):
+        return None
+    last = snaps[-1]
+    if (last.running or 0) <= 0 or (last.kv_cache_usage or 0) < KV_NEAR_FULL:
+        return None
+    i = len(snaps) - 1
+    while i > 0 and snaps[i - 1].generation_tokens == last.generation_tokens:
+        i -= 1
+    flat = last.t - snaps[i].t
+    if flat < window_s or not all((m.running or 0) > 0 for m in snaps[i:]):
+        return None
+    return (f"{last.running:.0f} request(s) running, KV cache {last.kv_cache_usage:.1%} full, "
+            f"no token generated for {flat:.1f}s")
+
+
+def banner_findings(e: EngineRecord) -> list[Finding]:
+    out: list[Finding] = []
+    for b in e.banners:
+        # one finding per reason, worded like the run's own banner findings so they merge
+        out += [Finding(kind="banner_risk", engine=e.name, message=reason) for reason in assess_risk(b).reasons]
+    return out
+
+
+def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine: str | None) -> list[Verdict]:
+    ordered = sorted(procs, key=lambda p: (p.role is not ProcessRole.ENGINE_CORE, p.role is ProcessRole.API_SERVER))
+    out = [v for p in ordered if (v := analyze_process(p, machine, engine)) is not None]
+    # stable: worst first, engine core first among equals
+    return sorted(out, key=lambda v: severity(v.kind))
+
+
+def _any_running(procs: list[ProcessEvidence], machine: str | None) -> bool:
+    for p in procs:
+        if any(t.running and not t.idle_by_design for t in classify_process(p, machine)):
+            return True
+    return False
+
+
+_STARTING = (EnginePhase.LAUNCHING, EnginePhase.LOADING, EnginePhase.PROFILING, EnginePhase.KV_INIT,
+             EnginePhase.BANNER)
+
+
+def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidence], bundle: Bundle,
+                   relevant: list[Finding]) -> Verdict:
+    """Verdict for one engine (or one group of processes captured without an engine record)."""
+    machine = bundle.host.get("machine")
+    findings = (banner_findings(e) if e else []) + relevant
+    pverdicts = _process_verdicts(procs, machine, e.name if e else None)
+    hang = pverdicts[0] if pverdicts else None
+
+    def done(verdict: Verdict) -> Verdict:
+        verdict.engine = e.name if e else verdict.engine
+        seen = {(f.kind, f.message) for f in verdict.findings}
+        verdict.findings += [f for f in findings if (f.kind, f.message) not in seen]
+        if verdict.kind.is_hang and any(f.kind == "banner_risk" for f in findings):
+            verdict.summary += "; the PageAllocator banner predicts it (see banner_risk)"
+        return verdict
+
+    if e is not None:
+        text = _engine_text(e)
+        exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)
+        if _OOM.search(text) and (exited_badly or e.error):
+            line = next((ln for ln in text.splitlines() if _OOM.search(ln)), "")
+            return done(Verdict(kind=VerdictKind.OOM, confidence=Confidence.HIGH,
+                                summary=f"{name}: out of memory: {line.strip()[:200]}"))
+        if exited_badly or (e.error and _CRASH.search(e.error)):
+            line = next((ln for ln in text.splitlines() if _CRASH.search(ln)), e.error or "")
+            code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
+            return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH,
+                                summary=f"{name}: engine exited{code}: {line.strip()[:200]}".rstrip(": ")))
+        stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or 5.0)
+        if stall is not None:
+            if hang is not None:
+                return done(Verdict(kind=VerdictKind.DECODE_STALL, confidence=hang.confidence,
+                                    summary=f"{name}: decode stall: {stall}; mechanism: {hang.kind.value}: "
+                                            f"{hang.summary}",
+                                    evidence=hang.evidence, cycle=hang.cycle,
+                                    findings=[Finding(kind="mechanism", engine=e.name, message=hang.kind.value)]))
+            return done(Verdict(kind=VerdictKind.DECODE_STALL, confidence=Confidence.MEDIUM,
+                                summary=f"{name}: decode stall: {stall}"))
+    if hang is not None:
+        return done(hang)
+    stalled = e is not None and (e.phase is EnginePhase.STALLED or (bundle.stall_detected and not e.healthy))
+    if stalled and e is not None:
+        if _any_running(procs, machine):
+            return done(Verdict(kind=VerdictKind.SLOW_START, confidence=Confidence.MEDIUM,
+                                summary=f"{name}: no log progress, but threads are still using CPU: slow, "
+                                        "not deadlocked"))
+        what = "no stacks were captured" if not procs else "the captured threads match no rule"
+        return done(Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW,
+                            summary=f"{name}: stalled in phase {e.phase.value}; {what}"))
+    if e is not None and e.phase in _STARTING and not e.healthy:
+        return done(Verdict(kind=VerdictKind.SLOW_START, confidence=Confidence.LOW,
+                            summary=f"{name}: still starting (phase {e.phase.value}), no hang evidence"))
+    running = _any_running(procs, machine)
+    if procs:
+        detail = "threads are running" if running else "threads are idle in normal waits"
+        return done(Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.MEDIUM if running else Confidence.LOW,
+                            summary=f"{name}: no hang evidence ({detail})"))
+    state = "serving" if e is not None and (e.healthy or e.phase is EnginePhase.SERVING) else "no hang seen"
+    return done(Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.MEDIUM, summary=f"{name}: {state}"))

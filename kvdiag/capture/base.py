@@ -1,0 +1,187 @@
+"""The capture-backend protocol and the bounded subprocess runner every tool goes through.
+
+A backend reads one process and returns what it saw as partial
+:class:`~kvdiag.model.ThreadEvidence` records (only the fields that tool
+knows), the :class:`~kvdiag.model.ToolRun` that describes the attempt, and
+findings. The orchestrator (:mod:`kvdiag.capture.orchestrate`) merges the
+per-tool threads. Backends never raise for a missing tool, a timeout or a
+dead target: they report it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+from kvdiag.model import Finding, ProcessEvidence, ThreadEvidence, ToolRun
+
+# After SIGTERM a tool gets this long to detach cleanly (gdb detaches on SIGTERM) before SIGKILL.
+KILL_GRACE_S = 0.5
+
+
+@dataclass
+class BackendResult:
+    """What one backend learned about one process."""
+
+    tool: ToolRun
+    threads: list[ThreadEvidence] = field(default_factory=list)
+    process: ProcessEvidence | None = None      # process-level facts (proc backend only)
+    findings: list[Finding] = field(default_factory=list)
+    python_version: str | None = None
+
+
+@runtime_checkable
+class CaptureBackend(Protocol):
+    """One evidence source. ``stops_target`` backends ptrace-stop the process (serialised per pid)."""
+
+    name: str
+    stops_target: bool
+
+    def available(self) -> str | None:
+        """None when usable, else one line saying why not (e.g. "gdb not installed ...")."""
+        ...
+
+    def capture(self, pid: int, timeout_s: float, raw_dir: Path) -> BackendResult:
+        """Read ``pid`` within ``timeout_s`` seconds; raw output goes under ``raw_dir``."""
+        ...
+
+
+def tool_search_dirs() -> list[Path]:
+    """PATH first (so a user's or a test's tool wins), then the running interpreter's bin dir."""
+    dirs = [Path(p) for p in os.environ.get("PATH", "").split(os.pathsep) if p]
+    for extra in (Path(sys.executable).parent, Path(sys.prefix) / "bin"):
+        if extra not in dirs:
+            dirs.append(extra)
+    return dirs
+
+
+def resolve_tool(name: str) -> str | None:
+    """Absolute path of executable ``name`` or None."""
+    for d in tool_search_dirs():
+        found = shutil.which(name, path=str(d))
+        if found:
+            return found
+    return None
+
+
+def missing_reason(name: str) -> str:
+    if os.sep in name:
+        return f"{os.path.basename(name)} not installed ({name} is missing or not executable)"
+    return f"{name} not installed (not on PATH nor in {Path(sys.executable).parent})"
+
+
+@dataclass
+class ToolOutcome:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    duration_s: float
+    timed_out: bool
+    error: str | None = None      # could not start it at all
+
+
+def _kill_group(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the tool's process group, then SIGKILL whatever is left after a short grace."""
+    for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 1.0)):
+        try:
+            os.killpg(proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            return
+        try:
+            proc.wait(timeout=grace)
+            # The leader exited; members of its group may linger (a shell script's children).
+            os.killpg(proc.pid, signal.SIGKILL)
+            return
+        except subprocess.TimeoutExpired:
+            continue
+        except (ProcessLookupError, PermissionError):
+            return
+
+
+def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ToolOutcome:
+    """Run ``argv`` in its own process group with a hard wall-clock bound.
+
+    On timeout the whole group is terminated (TERM, then KILL) and the partial
+    output is returned. Never raises for tool failures.
+    """
+    start = time.monotonic()
+    try:
+        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, env=env)
+    except OSError as exc:
+        return ToolOutcome(None, "", "", time.monotonic() - start, False, f"cannot start {argv[0]}: {exc}")
+    timed_out = False
+    out_b = err_b = b""
+    try:
+        out_b, err_b = proc.communicate(timeout=max(0.05, timeout_s))
+    except subprocess.TimeoutExpired:
+        timed_out = True
+        _kill_group(proc)
+        try:
+            # Bounded: a grandchild that escaped the group could hold the pipes open.
+            out_b, err_b = proc.communicate(timeout=1.0)
+        except subprocess.TimeoutExpired:
+            for stream in (proc.stdout, proc.stderr):
+                if stream is not None:
+                    stream.close()
+    finally:
+        if proc.poll() is None:
+            _kill_group(proc)
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
+    return ToolOutcome(proc.returncode, out_b.decode("utf-8", "replace"), err_b.decode("utf-8", "replace"),
+                       time.monotonic() - start, timed_out)
+
+
+def write_raw(raw_dir: Path, name: str, argv: list[str], outcome: ToolOutcome) -> Path | None:
+    """Save a tool's full output (stdout, then stderr) for the bundle; None if it cannot be written."""
+    path = raw_dir / name
+    head = (f"# {' '.join(argv)}\n# rc={outcome.returncode} duration_s={outcome.duration_s:.3f}"
+            f"{' TIMED OUT' if outcome.timed_out else ''}\n")
+    body = outcome.stdout
+    if outcome.stderr.strip():
+        body += "\n# --- stderr ---\n" + outcome.stderr
+    try:
+        raw_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(head + body, encoding="utf-8")
+    except OSError:
+        return None
+    return path
+
+
+def first_error_line(text: str) -> str:
+    """The most telling line of a tool's error output, without decoration."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        low = ln.lower()
+        if "error" in low or "fail" in low or "denied" in low or "not permitted" in low:
+            return _clean(ln)
+    return _clean(lines[-1]) if lines else ""
+
+
+def _clean(line: str) -> str:
+    # pystack decorates errors with emoji; keep the report to plain text.
+    return "".join(ch for ch in line if ord(ch) < 0x2000).strip()[:300]
+
+
+def failed_run(tool: str, argv: list[str], outcome: ToolOutcome, timeout_s: float,
+               raw: Path | None) -> ToolRun:
+    """ToolRun for a tool that did not produce usable output."""
+    if outcome.error:
+        err = outcome.error
+    elif outcome.timed_out:
+        err = f"{tool} timed out after {timeout_s:.1f}s (killed)"
+    else:
+        detail = first_error_line(outcome.stderr) or first_error_line(outcome.stdout)
+        err = f"{tool} exited {outcome.returncode}" + (f": {detail}" if detail else "")
+    return ToolRun(tool=tool, ok=False, duration_s=round(outcome.duration_s, 3), error=err,
+                   raw_path=str(raw) if raw else None, command=argv)

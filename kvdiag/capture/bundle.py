@@ -1,0 +1,46 @@
+"""Capture one process tree into a bundle folder: discover roles, capture, save bundle.json."""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Sequence
+from datetime import datetime, timezone
+from pathlib import Path
+
+from kvdiag import __version__
+from kvdiag.bundle_io import save_bundle
+from kvdiag.capture.base import CaptureBackend
+from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.orchestrate import capture_processes
+from kvdiag.model import Bundle, ProcessRole
+
+
+def host_info() -> dict[str, str]:
+    """What an offline reader needs to interpret syscall numbers and stacks (no hostname)."""
+    return {"machine": platform.machine(), "kernel": platform.release(), "system": platform.system(),
+            "python": platform.python_version(), "cpus": str(os.cpu_count() or 0)}
+
+
+def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
+                 backends: Sequence[str | CaptureBackend] | None = None,
+                 log_pids: dict[str, int] | None = None, command: str = "") -> Bundle:
+    """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/)."""
+    roles = find_engine_processes(root_pid, log_pids)
+    pids = process_tree(root_pid) or [root_pid]
+    evidence, findings = capture_processes(pids, bundle_dir / "raw", timeout_s=timeout_s, backends=backends,
+                                           bundle_dir=bundle_dir)
+    for ev in evidence:
+        for role, role_pids in roles.items():
+            if ev.pid in role_pids:
+                ev.role = role
+    # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
+    evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
+    bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
+                    created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    host=host_info(), processes=evidence, findings=findings)
+    save_bundle(bundle, bundle_dir)
+    return bundle
+
+
+__all__ = ["capture_tree", "host_info"]

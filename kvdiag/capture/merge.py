@@ -1,0 +1,54 @@
+"""Merge what each backend saw of one process into one ThreadEvidence per task.
+
+/proc owns the kernel-side fields (state, wchan, syscall, futex, CPU); the
+stack tools contribute frames (kept per tool in ``frames_by_tool``; the
+richest becomes ``frames``) and GIL readings (kept per tool in
+``gil_by_tool``; pystack's interpreter flag wins, then /proc's futex/GIL-struct
+inference, then py-spy's ``+gil`` marker).
+"""
+
+from __future__ import annotations
+
+from kvdiag.capture.base import BackendResult
+from kvdiag.model import Frame, GilState, ThreadEvidence
+
+# Which tool's GIL reading to trust first.
+_GIL_PRECEDENCE = ("pystack", "proc", "py-spy", "gdb")
+# Tie-break between equally rich stacks: pystack interleaves Python and native frames.
+_FRAME_PREFERENCE = {"pystack": 3, "gdb": 2, "py-spy": 1}
+
+
+def stack_richness(tool: str, frames: list[Frame]) -> tuple[int, int, int]:
+    """Sort key: stacks with both Python and native frames first, then named frames, then tool."""
+    named = sum(1 for f in frames if f.name not in ("???", "??", "") and not f.name.startswith("0x"))
+    mixed = int(any(f.kind == "python" for f in frames) and any(f.kind == "native" for f in frames))
+    return mixed, named, _FRAME_PREFERENCE.get(tool, 0)
+
+
+def merge_threads(results: dict[str, BackendResult]) -> list[ThreadEvidence]:
+    """One ThreadEvidence per TID seen by any backend, sorted by TID."""
+    merged: dict[int, ThreadEvidence] = {}
+    proc = results.get("proc")
+    if proc is not None:
+        for t in proc.threads:
+            merged[t.tid] = t.model_copy(deep=True)
+            merged[t.tid].frames = []
+            if t.gil is not GilState.UNKNOWN:
+                merged[t.tid].gil_by_tool["proc"] = t.gil
+    for tool, res in results.items():
+        if tool == "proc":
+            continue
+        for t in res.threads:
+            into = merged.setdefault(t.tid, ThreadEvidence(tid=t.tid))
+            if t.frames:
+                into.frames_by_tool[tool] = list(t.frames)
+            if t.gil is not GilState.UNKNOWN:
+                into.gil_by_tool[tool] = t.gil
+            if t.name and (tool == "py-spy" or not into.name):
+                into.name = t.name   # py-spy has the Python thread name ("MainThread", "ticker")
+    for t in merged.values():
+        t.gil = next((t.gil_by_tool[k] for k in _GIL_PRECEDENCE if k in t.gil_by_tool), GilState.UNKNOWN)
+        if t.frames_by_tool:
+            best = max(t.frames_by_tool.items(), key=lambda kv: stack_richness(kv[0], kv[1]))
+            t.frames = list(best[1])
+    return [merged[tid] for tid in sorted(merged)]

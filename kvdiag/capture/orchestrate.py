@@ -1,0 +1,287 @@
+"""Run every capture backend against every process, in parallel, within one wall-clock bound.
+
+Scheduling per process:
+1. /proc first (state, syscalls, CPU sampled over a short interval) so the
+   kernel-side picture is taken before anything attaches; py-spy
+   (``--nonblocking``, never pauses the target) runs alongside;
+2. then the ptrace-based tools (pystack, then gdb) one after the other:
+   Linux allows one tracer at a time, so running them together would make
+   one of them fail.
+Different processes are captured concurrently. Each tool runs in its own
+process group and is killed at the deadline; a backend thread that is still
+stuck then is abandoned (daemon) and reported.
+
+Read-only guarantee: the state, tracer and task list of every target are
+read before and after; a target left traced or stopped is a bug we report
+(and a stopped one is resumed with SIGCONT, as it was running before).
+
+Bound: :func:`capture_processes` returns within ``timeout_s + CAPTURE_SLACK_S``.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvdiag.capture.base import BackendResult, CaptureBackend
+from kvdiag.capture.merge import merge_threads
+from kvdiag.capture.procfs import ProcBackend, list_tids, read_status
+from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
+from kvdiag.model import Finding, ProcessEvidence, ToolRun
+
+CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
+DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
+_FACTORIES = {"proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
+              "pystack": PystackBackend, "gdb": GdbBackend}
+# A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung
+# pystack still leaves gdb time to run.
+_CHAIN_SHARE = 0.35
+_MIN_TOOL_S = 2.0
+
+
+def make_backends(spec: Sequence[str | CaptureBackend] | None = None) -> list[CaptureBackend]:
+    """Backend objects from names ("proc", "py-spy", "pystack", "gdb") or ready instances."""
+    out: list[CaptureBackend] = []
+    for item in spec if spec is not None else DEFAULT_BACKENDS:
+        if isinstance(item, str):
+            factory = _FACTORIES.get(item.lower())
+            if factory is None:
+                raise ValueError(f"unknown capture backend {item!r} (known: {', '.join(DEFAULT_BACKENDS)})")
+            out.append(factory())
+        else:
+            out.append(item)
+    return out
+
+
+@dataclass
+class _Before:
+    exists: bool
+    state: str = ""
+    tracer: int = 0
+    tids: list[int] = field(default_factory=list)
+
+
+def _observe(pid: int) -> _Before:
+    st = read_status(pid)
+    if not st:
+        return _Before(exists=False)
+    tracer = st.get("TracerPid", "0")
+    return _Before(True, st.get("State", "?")[:1], int(tracer) if tracer.isdigit() else 0, list_tids(pid))
+
+
+def _stopped(code: str) -> bool:
+    return code in ("T", "t")
+
+
+def verify_untouched(pid: int, before: _Before, settle_s: float = 1.0) -> list[Finding]:
+    """Findings when capture left ``pid`` traced, stopped or short of threads; resumes a stop we caused."""
+    findings: list[Finding] = []
+    if not before.exists:
+        return findings
+    deadline = time.monotonic() + settle_s
+    after = _observe(pid)
+    # A tool killed mid-attach detaches as the kernel reaps it; give that a moment.
+    while after.exists and ((after.tracer and not before.tracer) or (_stopped(after.state) and not
+                                                                      _stopped(before.state))):
+        if time.monotonic() >= deadline:
+            break
+        time.sleep(0.02)
+        after = _observe(pid)
+    if not after.exists:
+        findings.append(Finding(kind="target_exited", pid=pid,
+                                message=f"process {pid} exited during capture"))
+        return findings
+    if after.tracer and not before.tracer:
+        findings.append(Finding(kind="capture_left_traced", pid=pid,
+                                message=f"process {pid} is still ptrace-attached by pid {after.tracer} after capture"))
+    if _stopped(after.state) and not _stopped(before.state) and not after.tracer:
+        try:
+            os.kill(pid, signal.SIGCONT)
+            how = "resumed it with SIGCONT"
+        except OSError as exc:
+            how = f"could not resume it: {exc}"
+        findings.append(Finding(kind="capture_left_stopped", pid=pid,
+                                message=f"process {pid} was left stopped after capture; {how}"))
+    gone = sorted(set(before.tids) - set(after.tids))
+    if gone:
+        findings.append(Finding(kind="threads_exited", pid=pid,
+                                message=f"{len(gone)} thread(s) of {pid} exited during capture: "
+                                        f"{', '.join(map(str, gone[:10]))}"))
+    return findings
+
+
+class _ProcessJob:
+    """All backends for one pid: quiet backends at once, ptrace backends after /proc, in sequence."""
+
+    def __init__(self, pid: int, backends: list[CaptureBackend], unavailable: dict[str, str],
+                 raw_dir: Path, timeout_s: float, deadline: float) -> None:
+        self.pid = pid
+        self.backends = backends
+        self.unavailable = unavailable
+        self.raw_dir = raw_dir / str(pid)
+        self.timeout_s = timeout_s
+        self.deadline = deadline
+        self.results: dict[str, BackendResult] = {}
+        self.started: dict[str, float] = {}
+        self._lock = threading.Lock()
+        self._proc_done = threading.Event()
+        self.threads: list[threading.Thread] = []
+
+    def _remaining(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def _run_one(self, b: CaptureBackend, budget: float) -> None:
+        with self._lock:
+            self.started[b.name] = time.monotonic()
+        try:
+            res = b.capture(self.pid, budget, self.raw_dir)
+        except Exception as exc:  # a backend bug must not cost the other evidence
+            res = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=f"{type(exc).__name__}: {exc}"))
+        with self._lock:
+            self.results[b.name] = res
+
+    def _quiet(self, b: CaptureBackend) -> None:
+        try:
+            self._run_one(b, self._remaining())
+        finally:
+            if b.name == "proc":
+                self._proc_done.set()
+
+    def _chain(self, chain: list[CaptureBackend]) -> None:
+        self._proc_done.wait(timeout=self._remaining())
+        for i, b in enumerate(chain):
+            budget = self._remaining()
+            if i < len(chain) - 1:
+                budget = min(budget, max(_MIN_TOOL_S, self.timeout_s * _CHAIN_SHARE))
+            if budget <= 0.05:
+                with self._lock:
+                    spent = f"{b.name} skipped: capture budget of {self.timeout_s:.1f}s spent"
+                    self.results[b.name] = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=spent))
+                continue
+            self._run_one(b, budget)
+
+    def usable_backends(self) -> tuple[list[CaptureBackend], list[CaptureBackend]]:
+        ready = [b for b in self.backends if b.name not in self.unavailable]
+        quiet = [b for b in ready if not b.stops_target]
+        chain = [b for b in ready if b.stops_target]
+        if not any(b.name == "proc" for b in quiet):
+            self._proc_done.set()
+        return quiet, chain
+
+    def start(self) -> None:
+        quiet, chain = self.usable_backends()
+        for b in quiet:
+            self.threads.append(threading.Thread(target=self._quiet, args=(b,), daemon=True,
+                                                 name=f"kvdiag-capture-{b.name}-{self.pid}"))
+        if chain:
+            self.threads.append(threading.Thread(target=self._chain, args=(chain,), daemon=True,
+                                                 name=f"kvdiag-capture-chain-{self.pid}"))
+        for t in self.threads:
+            t.start()
+
+    def run_serially(self) -> None:
+        quiet, chain = self.usable_backends()
+        for b in quiet:
+            self._quiet(b)
+        self._chain(chain)
+
+    def join(self, until: float) -> None:
+        for t in self.threads:
+            t.join(timeout=max(0.0, until - time.monotonic()))
+
+    def snapshot_results(self) -> dict[str, BackendResult]:
+        with self._lock:
+            out = dict(self.results)
+            started = dict(self.started)
+        now = time.monotonic()
+        for b in self.backends:
+            if b.name in out or b.name in self.unavailable:
+                continue
+            ran = now - started[b.name] if b.name in started else 0.0
+            out[b.name] = BackendResult(tool=ToolRun(
+                tool=b.name, ok=False, duration_s=round(ran, 3),
+                error=f"{b.name} timed out after {self.timeout_s:.1f}s (abandoned)"))
+        return out
+
+
+def _relative(path: str | None, bundle_dir: Path | None) -> str | None:
+    if path is None or bundle_dir is None:
+        return path
+    try:
+        return os.path.relpath(path, bundle_dir)
+    except ValueError:
+        return path
+
+
+def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.0,
+                      backends: Sequence[str | CaptureBackend] | None = None, *,
+                      bundle_dir: Path | None = None, parallel: bool = True,
+                      ) -> tuple[list[ProcessEvidence], list[Finding]]:
+    """Capture evidence from ``pids`` read-only; never raises for tool problems.
+
+    ``backends``: names ("proc", "py-spy", "pystack", "gdb") or backend objects; default all.
+    Raw tool outputs go to ``raw_dir/<pid>/``; ToolRun.raw_path is relative to ``bundle_dir``
+    when given (absolute otherwise). ``parallel=False`` runs everything one after the other
+    (the benchmark's baseline). Returns within ``timeout_s + CAPTURE_SLACK_S`` seconds.
+    """
+    chosen = make_backends(backends)
+    findings: list[Finding] = []
+    unavailable: dict[str, str] = {}
+    for b in chosen:
+        reason = b.available()
+        if reason is not None:
+            unavailable[b.name] = reason
+            findings.append(Finding(kind="tool_missing", message=reason))
+    start = time.monotonic()
+    deadline = start + timeout_s
+    befores = {pid: _observe(pid) for pid in pids}
+    jobs: list[_ProcessJob] = []
+    for pid in dict.fromkeys(pids):
+        if not befores[pid].exists:
+            findings.append(Finding(kind="process_gone", pid=pid, message=f"process {pid} does not exist"))
+            continue
+        job = _ProcessJob(pid, chosen, unavailable, raw_dir, timeout_s,
+                          deadline if parallel else time.monotonic() + timeout_s)
+        jobs.append(job)
+        if parallel:
+            job.start()
+        else:
+            job.run_serially()
+    if parallel:
+        for job in jobs:
+            job.join(deadline + CAPTURE_SLACK_S - 1.0)
+
+    evidence: list[ProcessEvidence] = []
+    for pid in dict.fromkeys(pids):
+        if not befores[pid].exists:
+            evidence.append(ProcessEvidence(pid=pid, alive=False))
+    for job in jobs:
+        results = job.snapshot_results()
+        proc_res = results.get("proc")
+        ev = (proc_res.process.model_copy(deep=True) if proc_res and proc_res.process
+              else ProcessEvidence(pid=job.pid))
+        ev.threads = merge_threads(results)
+        for b in chosen:
+            if b.name in unavailable:
+                ev.tools.append(ToolRun(tool=b.name, ok=False, error=unavailable[b.name]))
+                continue
+            res = results[b.name]
+            run = res.tool.model_copy()
+            run.raw_path = _relative(run.raw_path, bundle_dir)
+            ev.tools.append(run)
+            if not ev.python_version and res.python_version:
+                ev.python_version = res.python_version
+            findings.extend(f.model_copy(update={"pid": f.pid or job.pid}) for f in res.findings)
+            if not run.ok and run.error:
+                kind = "tool_timeout" if "timed out" in run.error else "tool_failed"
+                findings.append(Finding(kind=kind, pid=job.pid, message=f"pid {job.pid}: {run.error}"))
+        findings.extend(verify_untouched(job.pid, befores[job.pid]))
+        evidence.append(ev)
+    order = {pid: i for i, pid in enumerate(pids)}
+    evidence.sort(key=lambda e: order.get(e.pid, len(order)))
+    return evidence, findings

@@ -1,0 +1,418 @@
+"""The /proc backend: state, wchan, kernel stack, syscall and CPU of every task, without stopping it.
+
+Besides the plain readings it does two symbol-free, stop-free inferences by
+reading the target's memory through /proc/PID/mem (root or same-user with
+ptrace rights, the same permission the stack tools need):
+
+- the GIL: ``_PyRuntime`` is an exported dynamic symbol even in stripped
+  interpreters; the GIL struct lives inside it. A thread whose futex(2)
+  address falls in that struct waits for the GIL; the struct's ``locked``
+  flag and ``last_holder`` thread state name the holder (its
+  ``native_thread_id`` is one of the process's TIDs);
+- mutex owners: a thread in ``FUTEX_WAIT`` on a glibc mutex waits for the TID
+  stored in the mutex's ``__owner`` field (PI mutexes store it in the word).
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import re
+import struct
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvdiag.capture.base import BackendResult
+from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
+from kvdiag.capture.parsers import parse_kernel_stack
+from kvdiag.model import Finding, GilState, ProcessEvidence, ThreadEvidence, ThreadState, ToolRun
+
+_MACHINE = platform.machine()
+# futex(2) syscall number per architecture (the first argument is the futex address).
+FUTEX_SYSCALL_NR = {"x86_64": 202, "aarch64": 98}.get(_MACHINE, 202)
+_FUTEX_CMD_MASK = 0x7F          # strips FUTEX_PRIVATE_FLAG (128) and FUTEX_CLOCK_REALTIME (256)
+FUTEX_WAIT = 0
+_FUTEX_PI_CMDS = {6, 11, 13}    # LOCK_PI, WAIT_REQUEUE_PI, LOCK_PI2: the word holds the owner TID
+_FUTEX_TID_MASK = 0x3FFFFFFF
+
+# Offset of the GIL struct inside _PyRuntime, per CPython version, read from debug builds with gdb
+# (``p (char*)&_PyRuntime.ceval.gil - (char*)&_PyRuntime``); other versions are located by scanning.
+_GIL_OFFSETS: dict[tuple[int, int], int] = {(3, 11): 360}
+_DEFAULT_SWITCH_INTERVAL_US = 5000
+# interval, last_holder, locked(+pad), switch_number, then cond, mutex, switch_cond, switch_mutex.
+_PTHREAD_MUTEX_SIZE = 48 if _MACHINE == "aarch64" else 40
+_PTHREAD_COND_SIZE = 48
+GIL_STRUCT_SIZE = 32 + 2 * (_PTHREAD_COND_SIZE + _PTHREAD_MUTEX_SIZE)
+_MAX_RUNTIME_SCAN = 4 << 20
+
+_STATE = {"R": ThreadState.RUNNING, "S": ThreadState.SLEEPING, "D": ThreadState.DISK_SLEEP,
+          "T": ThreadState.STOPPED, "t": ThreadState.STOPPED, "Z": ThreadState.ZOMBIE,
+          "X": ThreadState.ZOMBIE, "I": ThreadState.SLEEPING}
+
+
+def thread_state(code: str) -> ThreadState:
+    return _STATE.get(code[:1], ThreadState.UNKNOWN)
+
+
+def _read(path: str) -> str | None:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return None
+
+
+def _stat_fields(text: str) -> list[str]:
+    """Fields of /proc/.../stat from field 3 on (comm may contain spaces and parentheses)."""
+    return text[text.rfind(")") + 2:].split()
+
+
+@dataclass
+class TaskSample:
+    tid: int
+    comm: str | None = None
+    state: str = "?"
+    utime: int | None = None
+    stime: int | None = None
+    wchan: str | None = None
+    syscall: str | None = None
+    kernel_stack: list[str] = field(default_factory=list)
+
+    @property
+    def ticks(self) -> int | None:
+        if self.utime is None or self.stime is None:
+            return None
+        return self.utime + self.stime
+
+
+def read_task(pid: int, tid: int, full: bool = True) -> TaskSample | None:
+    base = f"/proc/{pid}/task/{tid}"
+    stat = _read(f"{base}/stat")
+    if stat is None:
+        return None
+    sample = TaskSample(tid=tid)
+    f = _stat_fields(stat)
+    if len(f) > 12:
+        sample.state = f[0]
+        sample.utime, sample.stime = int(f[11]), int(f[12])
+    if not full:
+        return sample
+    comm = _read(f"{base}/comm")
+    sample.comm = comm.strip() if comm is not None else None
+    wchan = _read(f"{base}/wchan")
+    sample.wchan = wchan.strip() if wchan and wchan.strip() not in ("", "0") else None
+    syscall = _read(f"{base}/syscall")
+    sample.syscall = syscall.strip() if syscall else None
+    stack = _read(f"{base}/stack")
+    sample.kernel_stack = parse_kernel_stack(stack) if stack else []
+    return sample
+
+
+def list_tids(pid: int) -> list[int]:
+    try:
+        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit())
+    except OSError:
+        return []
+
+
+def snapshot(pid: int, full: bool = True) -> dict[int, TaskSample]:
+    out: dict[int, TaskSample] = {}
+    for tid in list_tids(pid):
+        s = read_task(pid, tid, full)
+        if s is not None:
+            out[tid] = s
+    return out
+
+
+def read_status(pid: int) -> dict[str, str]:
+    text = _read(f"/proc/{pid}/status") or ""
+    out: dict[str, str] = {}
+    for line in text.splitlines():
+        key, sep, val = line.partition(":")
+        if sep:
+            out[key.strip()] = val.strip()
+    return out
+
+
+def parse_syscall(raw: str | None) -> tuple[int | None, list[int]]:
+    """``202 0x7f.. 0x189 ...`` → (202, [args]); ``running`` / ``-1 sp pc`` → (None or -1, [])."""
+    if not raw:
+        return None, []
+    parts = raw.split()
+    try:
+        nr = int(parts[0])
+    except ValueError:
+        return None, []
+    if nr < 0:
+        return nr, []
+    args: list[int] = []
+    for p in parts[1:7]:
+        try:
+            args.append(int(p, 16))
+        except ValueError:
+            break
+    return nr, args
+
+
+def futex_wait_of(raw: str | None) -> tuple[int, int] | None:
+    """(address, command) when the syscall line is a futex wait."""
+    nr, args = parse_syscall(raw)
+    if nr != FUTEX_SYSCALL_NR or len(args) < 2:
+        return None
+    return args[0], args[1] & _FUTEX_CMD_MASK
+
+
+class TargetMemory:
+    """Read-only access to another process's memory; never stops it."""
+
+    def __init__(self, pid: int) -> None:
+        self._fd: int | None = None
+        try:
+            self._fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    @property
+    def ok(self) -> bool:
+        return self._fd is not None
+
+    def read(self, addr: int, size: int) -> bytes | None:
+        if self._fd is None or addr <= 0:
+            return None
+        try:
+            data = os.pread(self._fd, size, addr)
+        except (OSError, OverflowError, ValueError):
+            return None
+        return data if len(data) == size else None
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+def _version_of(path: str) -> tuple[int, int] | None:
+    m = re.search(r"python(\d)\.(\d+)", os.path.basename(path))
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+@dataclass
+class GilInfo:
+    runtime: RuntimeSymbol
+    start: int
+    end: int
+    precise: bool                # the GIL struct itself, not all of _PyRuntime
+    locked: bool | None = None
+    holder_tid: int | None = None
+    how: str = ""
+
+
+def _plausible_gil(head: bytes) -> bool:
+    interval, last_holder, locked = struct.unpack_from("<QQi", head, 0)
+    if not 0 < interval < 10**9 or locked not in (0, 1):
+        return False
+    return bool(last_holder == 0 or (last_holder > 0x10000 and last_holder % 8 == 0))
+
+
+def locate_gil(pid: int, mem: TargetMemory, tids: list[int]) -> GilInfo | None:
+    """Find the GIL struct of ``pid`` and, when it is held, the holder's TID."""
+    rt = find_runtime_symbol(pid)
+    if rt is None:
+        return None
+    info = GilInfo(runtime=rt, start=rt.address, end=rt.address + max(rt.size, 1), precise=False,
+                   how="_PyRuntime extent (GIL offset unknown for this interpreter)")
+    version = _version_of(rt.object_path) or _version_of(os.path.realpath(f"/proc/{pid}/exe"))
+    start: int | None = None
+    if version in _GIL_OFFSETS:
+        cand = rt.address + _GIL_OFFSETS[version]
+        head = mem.read(cand, 24)
+        if head is not None and _plausible_gil(head):
+            start = cand
+            info.how = f"_PyRuntime+{_GIL_OFFSETS[version]} (CPython {version[0]}.{version[1]})"
+    if start is None and rt.size:
+        blob = mem.read(rt.address, min(rt.size, _MAX_RUNTIME_SCAN))
+        if blob is not None:
+            hits = [off for off in range(0, len(blob) - 24, 8)
+                    if struct.unpack_from("<Q", blob, off)[0] == _DEFAULT_SWITCH_INTERVAL_US
+                    and _plausible_gil(blob[off:off + 24])]
+            if len(hits) == 1:
+                start = rt.address + hits[0]
+                info.how = f"_PyRuntime+{hits[0]} (found by its switch interval)"
+    if start is None:
+        return info
+    info.start, info.end, info.precise = start, start + GIL_STRUCT_SIZE, True
+    head = mem.read(start, 24)
+    if head is None:
+        return info
+    _, last_holder, locked = struct.unpack_from("<QQi", head, 0)
+    info.locked = locked == 1
+    if info.locked and last_holder:
+        tstate = mem.read(last_holder, 1024)
+        if tstate is not None:
+            wanted = set(tids)
+            found = {v for off in range(0, len(tstate) - 7, 8)
+                     if (v := struct.unpack_from("<Q", tstate, off)[0]) in wanted}
+            if len(found) == 1:
+                info.holder_tid = found.pop()
+    return info
+
+
+def futex_owner(mem: TargetMemory, addr: int, cmd: int, tids: set[int], waiter: int) -> int | None:
+    """Owner TID of the lock a FUTEX_WAIT / LOCK_PI waiter sleeps on, if it is a mutex we can read."""
+    if cmd in _FUTEX_PI_CMDS:
+        word = mem.read(addr, 4)
+        if word is None:
+            return None
+        owner = struct.unpack("<I", word)[0] & _FUTEX_TID_MASK
+    elif cmd == FUTEX_WAIT:
+        data = mem.read(addr, 12)
+        if data is None:
+            return None
+        lock, _count, owner = struct.unpack("<IIi", data)
+        if lock == 0:
+            return None
+    else:
+        return None
+    return owner if owner in tids and owner != waiter else None
+
+
+class ProcBackend:
+    """Reads /proc (and, read-only, /proc/PID/mem). Never stops the target."""
+
+    name = "proc"
+    stops_target = False
+
+    def __init__(self, cpu_interval_s: float = 0.25) -> None:
+        self.cpu_interval_s = cpu_interval_s
+
+    def available(self) -> str | None:
+        return None if os.path.isdir("/proc/self/task") else "/proc is not mounted"
+
+    def capture(self, pid: int, timeout_s: float, raw_dir: Path) -> BackendResult:
+        start = time.monotonic()
+        argv = [f"/proc/{pid}"]
+        status = read_status(pid)
+        if not status:
+            run = ToolRun(tool=self.name, ok=False, duration_s=0.0, command=argv,
+                          error=f"process {pid} does not exist")
+            return BackendResult(tool=run, process=ProcessEvidence(pid=pid, alive=False))
+        first = snapshot(pid, full=True)
+        interval = max(0.0, min(self.cpu_interval_s, timeout_s / 4))
+        time.sleep(interval)
+        second = snapshot(pid, full=False)
+        second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
+        elapsed = max(time.monotonic() - start, 1e-6)
+
+        proc = self._process(pid, status)
+        tids = list(first)
+        mem = TargetMemory(pid)
+        mem_ok = mem.ok
+        findings: list[Finding] = []
+        try:
+            gil = locate_gil(pid, mem, tids) if mem_ok else None
+            threads = self._threads(pid, first, second, second_sys, mem, gil)
+        finally:
+            mem.close()
+        if not mem_ok:
+            findings.append(Finding(kind="tool_failed", pid=pid,
+                                    message=f"/proc/{pid}/mem unreadable: no GIL or mutex-owner inference"))
+        if gil is not None:
+            proc.gil_futex_range = (gil.start, gil.end)
+            proc.python_version = proc.python_version or _fmt_version(gil.runtime.object_path)
+        total = sum(t.cpu_ticks_delta or 0 for t in threads)
+        clk = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        proc.cpu_percent = round(100.0 * total / clk / elapsed, 1)
+        proc.threads = threads
+        raw = self._write_raw(raw_dir, proc, gil)
+        run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - start, 3),
+                      raw_path=str(raw) if raw else None, command=argv)
+        return BackendResult(tool=run, threads=threads, process=proc, findings=findings,
+                             python_version=proc.python_version)
+
+    @staticmethod
+    def _process(pid: int, status: dict[str, str]) -> ProcessEvidence:
+        proc = ProcessEvidence(pid=pid)
+        proc.comm = (_read(f"/proc/{pid}/comm") or "").strip() or None
+        cmd = _read(f"/proc/{pid}/cmdline") or ""
+        proc.cmdline = [a for a in cmd.split("\x00") if a][:64]
+        proc.state = thread_state(status.get("State", "?"))
+        wchan = (_read(f"/proc/{pid}/wchan") or "").strip()
+        proc.wchan = wchan if wchan not in ("", "0") else None
+        try:
+            proc.exe = os.readlink(f"/proc/{pid}/exe")
+        except OSError:
+            proc.exe = None
+        ppid = status.get("PPid")
+        proc.ppid = int(ppid) if ppid and ppid.isdigit() else None
+        stat = _read(f"/proc/{pid}/stat")
+        if stat:
+            f = _stat_fields(stat)
+            if len(f) > 2 and f[2].lstrip("-").isdigit():
+                proc.pgid = int(f[2])
+        return proc
+
+    @staticmethod
+    def _threads(pid: int, first: dict[int, TaskSample], second: dict[int, TaskSample],
+                 second_sys: dict[int, str | None], mem: TargetMemory, gil: GilInfo | None) -> list[ThreadEvidence]:
+        tidset = set(first)
+        out: list[ThreadEvidence] = []
+        for tid, s in sorted(first.items()):
+            raw_sys = s.syscall
+            nr, _ = parse_syscall(raw_sys)
+            if nr is None or nr < 0:
+                alt = (second_sys.get(tid) or "").strip() or None
+                alt_nr, _ = parse_syscall(alt)
+                if alt_nr is not None and alt_nr >= 0:
+                    raw_sys, nr = alt, alt_nr
+            th = ThreadEvidence(tid=tid, name=s.comm, state=thread_state(s.state), wchan=s.wchan,
+                                kernel_stack=s.kernel_stack, syscall=raw_sys, syscall_nr=nr)
+            later = second.get(tid)
+            if later is not None:
+                th.utime_ticks, th.stime_ticks = later.utime, later.stime
+                if s.ticks is not None and later.ticks is not None:
+                    th.cpu_ticks_delta = max(0, later.ticks - s.ticks)
+            fw = futex_wait_of(raw_sys)
+            if fw is not None:
+                th.futex_addr = fw[0]
+                if mem.ok:
+                    th.futex_owner_tid = futex_owner(mem, fw[0], fw[1], tidset, tid)
+            if gil is not None:
+                th.in_gil_struct = th.futex_addr is not None and gil.start <= th.futex_addr < gil.end
+                if gil.holder_tid == tid:
+                    th.gil = GilState.HOLDS
+                elif th.in_gil_struct:
+                    th.gil = GilState.WAITING
+                elif gil.precise and gil.locked is not None:
+                    th.gil = GilState.NONE
+            out.append(th)
+        return out
+
+    @staticmethod
+    def _write_raw(raw_dir: Path, proc: ProcessEvidence, gil: GilInfo | None) -> Path | None:
+        lines = [f"# /proc/{proc.pid}: comm={proc.comm!r} state={proc.state.value} wchan={proc.wchan} "
+                 f"ppid={proc.ppid} pgid={proc.pgid} cpu%={proc.cpu_percent}",
+                 f"# cmdline: {' '.join(proc.cmdline)}", f"# exe: {proc.exe}"]
+        if gil is not None:
+            lines.append(f"# _PyRuntime {gil.runtime.address:#x}+{gil.runtime.size} in {gil.runtime.object_path}")
+            lines.append(f"# GIL range {gil.start:#x}-{gil.end:#x} via {gil.how}; locked={gil.locked} "
+                         f"holder_tid={gil.holder_tid}")
+        else:
+            lines.append("# _PyRuntime not found (not a CPython process, or maps unreadable)")
+        lines.append("tid\tcomm\tstate\twchan\tcpu_delta\tsyscall\tfutex_owner\tgil\tkernel_stack")
+        for t in proc.threads:
+            lines.append("\t".join([str(t.tid), t.name or "", t.state.value, t.wchan or "",
+                                    str(t.cpu_ticks_delta), t.syscall or "", str(t.futex_owner_tid or ""),
+                                    t.gil.value, " <- ".join(t.kernel_stack)]))
+        path = raw_dir / "proc.txt"
+        try:
+            raw_dir.mkdir(parents=True, exist_ok=True)
+            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        except OSError:
+            return None
+        return path
+
+
+def _fmt_version(path: str) -> str | None:
+    v = _version_of(path)
+    return f"{v[0]}.{v[1]}" if v else None

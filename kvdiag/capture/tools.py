@@ -1,0 +1,122 @@
+"""Backends that run an external stack tool: pystack, py-spy and gdb.
+
+- pystack ptrace-attaches briefly (it is the only source of the interpreter's own
+  "Has the GIL" flag); ``--native-all`` also covers native threads that never
+  registered with the interpreter (a C++ worker thread).
+- py-spy runs ``--nonblocking`` so the target is never paused. py-spy cannot
+  combine that with ``--native``; Python frames and thread names are what it
+  adds here.
+- gdb runs in batch mode, reads all native stacks and detaches; auto-loading
+  and debuginfod are off so it never reaches the network or runs target scripts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from kvdiag.capture.base import (
+    BackendResult,
+    ToolOutcome,
+    failed_run,
+    missing_reason,
+    resolve_tool,
+    run_tool,
+    write_raw,
+)
+from kvdiag.capture.parsers import parse_gdb, parse_pyspy, parse_pystack
+from kvdiag.model import ThreadEvidence, ToolRun
+
+
+class _ToolBackend:
+    """Shared plumbing: resolve the binary, run it bounded, save raw output, parse."""
+
+    name = ""
+    binary = ""
+    stops_target = False
+    raw_name = ""
+
+    def __init__(self, binary: str | None = None) -> None:
+        # An explicit path (or a name to look up) overrides the default tool name.
+        if binary is not None:
+            self.binary = binary
+
+    def _exe(self) -> str | None:
+        if os.sep in self.binary:
+            return self.binary if os.access(self.binary, os.X_OK) else None
+        return resolve_tool(self.binary)
+
+    def available(self) -> str | None:
+        return None if self._exe() else missing_reason(self.binary)
+
+    def argv(self, exe: str, pid: int) -> list[str]:
+        raise NotImplementedError
+
+    def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
+        raise NotImplementedError
+
+    def usable(self, outcome: ToolOutcome, threads: list[ThreadEvidence]) -> bool:
+        return not outcome.timed_out and outcome.returncode == 0 and bool(threads)
+
+    def capture(self, pid: int, timeout_s: float, raw_dir: Path) -> BackendResult:
+        exe = self._exe()
+        if exe is None:
+            return BackendResult(tool=ToolRun(tool=self.name, ok=False, error=missing_reason(self.binary)))
+        argv = self.argv(exe, pid)
+        outcome = run_tool(argv, timeout_s)
+        raw = write_raw(raw_dir, self.raw_name, argv, outcome)
+        threads, version = self.parse(outcome.stdout) if not outcome.error else ([], None)
+        if not self.usable(outcome, threads):
+            run = failed_run(self.name, argv, outcome, timeout_s, raw)
+            if run.error and not outcome.timed_out and threads:
+                run.error += f" (partial output: {len(threads)} threads kept)"
+            return BackendResult(tool=run, threads=threads, python_version=version)
+        run = ToolRun(tool=self.name, ok=True, duration_s=round(outcome.duration_s, 3),
+                      raw_path=str(raw) if raw else None, command=argv)
+        return BackendResult(tool=run, threads=threads, python_version=version)
+
+
+class PystackBackend(_ToolBackend):
+    name = "pystack"
+    binary = "pystack"
+    stops_target = True
+    raw_name = "pystack.txt"
+
+    def argv(self, exe: str, pid: int) -> list[str]:
+        return [exe, "remote", str(pid), "--native-all", "--no-color"]
+
+    def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
+        return parse_pystack(text)
+
+
+class PyspyBackend(_ToolBackend):
+    name = "py-spy"
+    binary = "py-spy"
+    stops_target = False
+    raw_name = "py-spy.txt"
+
+    def argv(self, exe: str, pid: int) -> list[str]:
+        return [exe, "dump", "--pid", str(pid), "--nonblocking"]
+
+    def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
+        return parse_pyspy(text)
+
+
+class GdbBackend(_ToolBackend):
+    name = "gdb"
+    binary = "gdb"
+    stops_target = True
+    raw_name = "gdb.txt"
+
+    def argv(self, exe: str, pid: int) -> list[str]:
+        return [exe, "-p", str(pid), "-batch", "-nx",
+                "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
+                "-ex", "set pagination off", "-ex", "set confirm off",
+                "-ex", "thread apply all bt"]
+
+    def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
+        return parse_gdb(text), None
+
+    def usable(self, outcome: ToolOutcome, threads: list[ThreadEvidence]) -> bool:
+        # gdb exits 0 even when attach fails ("ptrace: Operation not permitted"); threads decide.
+        return not outcome.timed_out and bool(threads) and any(t.frames for t in threads)

@@ -1,0 +1,90 @@
+"""`kvdiag capture --pid PID [--out DIR] [--timeout S]`: read-only capture of a live process tree, analyzed."""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+
+import typer
+
+from kvdiag.analyze import analyze, analyze_by_engine, exit_code_for
+from kvdiag.analyze.text import format_verdict
+from kvdiag.capture.bundle import capture_tree
+from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, DEFAULT_BACKENDS, make_backends
+from kvdiag.errors import UsageError
+from kvdiag.model import Bundle, Verdict
+
+
+def _default_out() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("reports") / f"capture-{stamp}-{secrets.token_hex(2)}"
+
+
+def _write_report(out_dir: Path, bundle: Bundle, verdict: Verdict, by_engine: dict[str, Verdict],
+                  code: int) -> dict[str, Path]:
+    """report.json/html/md through kvdiag.report when that stage is installed; {} otherwise."""
+    try:
+        from kvdiag.report import write_outputs
+    except ImportError:
+        return {}
+    try:
+        return write_outputs(out_dir, bundle, verdict, command=bundle.command, exit_code=code,
+                             verdicts_by_engine=by_engine)
+    except Exception as exc:  # the bundle and the verdict are already safe; say what failed
+        typer.echo(f"kvdiag: warning: report not written: {type(exc).__name__}: {exc}", err=True)
+        return {}
+
+
+def capture_cmd(
+    pid: int = typer.Option(..., "--pid", help="Process to capture; its children are captured too."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder [default: reports/capture-<timestamp>/]"),
+    timeout: float = typer.Option(10.0, "--timeout", help="Bound on the whole capture, seconds."),
+    tools: str = typer.Option(",".join(DEFAULT_BACKENDS), "--tools",
+                              help="Comma-separated capture backends to run."),
+    as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
+) -> int:
+    """Capture stacks, GIL state and /proc readings without stopping the target; exit 0 no hang evidence,
+    10 deadlock found."""
+    if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
+        raise UsageError(f"--pid {pid}: no such process", hint="pass the pid of the EngineCore or its API server")
+    if pid == os.getpid():
+        raise UsageError("--pid: refusing to capture kvdiag itself")
+    if not 0 < timeout <= 600:
+        raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
+    names = [t.strip() for t in tools.split(",") if t.strip()]
+    try:
+        make_backends(names)
+    except ValueError as exc:
+        raise UsageError(f"--tools: {exc}") from None
+    out_dir = out or _default_out()
+    bundle_dir = out_dir / "bundle"
+    try:
+        bundle_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"--out {out_dir}: cannot create: {exc.strerror}") from None
+    typer.echo(f"capturing pid {pid} and its children with {', '.join(names)} "
+               f"(read-only, at most {timeout + CAPTURE_SLACK_S:.0f}s)", err=True)
+    bundle = capture_tree(pid, bundle_dir, timeout_s=timeout, backends=names, command=f"capture --pid {pid}")
+    verdict = analyze(bundle)
+    by_engine = analyze_by_engine(bundle)
+    code = exit_code_for(verdict)
+    paths = _write_report(out_dir, bundle, verdict, by_engine, code)
+    if as_json:
+        typer.echo(json.dumps({"verdict": verdict.model_dump(mode="json"),
+                               "verdicts_by_engine": {k: v.model_dump(mode="json") for k, v in by_engine.items()},
+                               "bundle": str(bundle_dir), "reports": {k: str(p) for k, p in paths.items()},
+                               "exit_code": code}, indent=2))
+        return code
+    typer.echo(format_verdict(verdict, by_engine))
+    typer.echo(f"bundle: {bundle_dir}")
+    for name, path in paths.items():
+        typer.echo(f"{name}: {path}")
+    typer.echo(f"exit code {code}")
+    return code
+
+
+def register(app: typer.Typer) -> None:
+    app.command("capture")(capture_cmd)

@@ -1,0 +1,489 @@
+"""report.html: one self-contained page (no network) rendered with jinja2.
+
+Everything shown comes from the redacted report, the (redacted) bundle and
+raw files inside the bundle folder. All text goes through jinja2's
+autoescape; the only unescaped insertions are this package's own CSS/JS and
+the report as JSON, escaped for a ``<script type="application/json">`` block.
+A Content-Security-Policy admits only the page's own script (by hash), so a
+bug in escaping still could not run injected code.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import math
+import re
+import shlex
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+from markupsafe import Markup
+
+from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence
+from kvdiag.report.json import report_dict
+from kvdiag.report.redact import redact_obj, redact_shapes, redact_text
+
+TEMPLATES = Path(__file__).parent / "templates"
+RAW_FILE_CAP = 256 * 1024        # characters kept per raw file (head and tail)
+RAW_TOTAL_CAP = 4 * 1024 * 1024  # characters of raw text embedded in one page
+MAX_CYCLE_NODES = 10
+
+_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
+_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+KIND_CLASS = {
+    "healthy": "ok", "slow_start": "warn", "crash": "fail", "oom": "fail", "unknown": "unk",
+    "gil_cycle": "bad", "lock_order_inversion": "bad", "lost_wakeup": "bad", "blocked_ipc_read": "bad",
+    "decode_stall": "bad",
+}
+
+
+# ---------------------------------------------------------------- escaping helpers
+
+def script_json(data: object) -> Markup:
+    """JSON safe inside ``<script type="application/json">``: no ``</script>``, no HTML comments.
+
+    ``<``, ``>`` and ``&`` become ``\\u003c`` etc. (still valid JSON, parsed back
+    unchanged); U+2028/2029 are escaped because older JS parsers treat them as
+    line breaks.
+    """
+    text = json.dumps(data, ensure_ascii=False, sort_keys=True)
+    text = (text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
+            .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
+    return Markup(text)
+
+
+def clean_text(text: str) -> str:
+    """Strip ANSI colour codes and control characters a browser would mangle."""
+    return _CONTROL.sub("\ufffd", _ANSI.sub("", text))
+
+
+def format_frame(frame: Frame) -> str:
+    """``name (file:line)`` for Python frames, ``name (file:line) [library]`` for native ones."""
+    where = ""
+    if frame.file:
+        where = f" ({frame.file}:{frame.line})" if frame.line is not None else f" ({frame.file})"
+    lib = f" [{frame.library}]" if frame.library and frame.kind == "native" else ""
+    return f"{frame.name}{where}{lib}"
+
+
+_EVIDENCE_PREFIX = re.compile(r"^\s*(?:#\d+\s+)?(?:0x[0-9a-fA-F]+\s+in\s+)?")
+_EVIDENCE_SUFFIX = re.compile(r"\s+(?:\(|at\s|in\s|\[).*$")
+
+
+def frame_key(text: str) -> str:
+    """The function name in an evidence frame string (``#3 0x.. in f (a.cpp:1)`` → ``f``)."""
+    text = _EVIDENCE_PREFIX.sub("", text)
+    return _EVIDENCE_SUFFIX.sub("", text).strip()
+
+
+def _names_match(a: str, b: str) -> bool:
+    if not a or not b:
+        return False
+    if a == b:
+        return True
+    for sep in ("::", "."):
+        if a.endswith(sep + b) or b.endswith(sep + a):
+            return True
+    return False
+
+
+def frame_cited(frame: Frame, cited: list[str]) -> bool:
+    """Whether the analyzer's evidence names this frame."""
+    text = format_frame(frame)
+    return any(c == text or _names_match(frame.name, frame_key(c)) for c in cited)
+
+
+# ---------------------------------------------------------------- the wait-for cycle diagram
+
+@dataclass
+class DiagramNode:
+    x: float
+    y: float
+    w: float
+    h: float
+    lines: list[str]
+    title: str
+    kind: str                         # "gil" or "thread"
+
+
+@dataclass
+class DiagramEdge:
+    d: str
+    label: str
+    lx: float
+    ly: float
+
+
+@dataclass
+class Diagram:
+    width: int
+    height: int
+    nodes: list[DiagramNode] = field(default_factory=list)
+    edges: list[DiagramEdge] = field(default_factory=list)
+
+
+def _wrap(label: str, width: int = 30, max_lines: int = 3) -> list[str]:
+    words = label.split()
+    lines: list[str] = []
+    cur = ""
+    for word in words:
+        while len(word) > width:  # very long identifiers are split hard
+            if cur:
+                lines.append(cur)
+                cur = ""
+            lines.append(word[:width])
+            word = word[width:]
+        if not cur:
+            cur = word
+        elif len(cur) + 1 + len(word) <= width:
+            cur += " " + word
+        else:
+            lines.append(cur)
+            cur = word
+    if cur:
+        lines.append(cur)
+    if len(lines) > max_lines:
+        lines = lines[:max_lines]
+        lines[-1] = lines[-1][: width - 1] + "…"
+    return lines or [""]
+
+
+def _is_gil(label: str) -> bool:
+    return bool(re.search(r"\bGIL\b", label)) and len(label) <= 24
+
+
+def _boundary(cx: float, cy: float, hw: float, hh: float, dx: float, dy: float) -> tuple[float, float]:
+    """Where a ray from the centre of a box in direction (dx, dy) leaves the box."""
+    ts = []
+    if abs(dx) > 1e-9:
+        ts.append(hw / abs(dx))
+    if abs(dy) > 1e-9:
+        ts.append(hh / abs(dy))
+    t = min(ts) if ts else 0.0
+    return cx + dx * t, cy + dy * t
+
+
+def cycle_diagram(labels: list[str]) -> Diagram | None:
+    """Lay out the wait-for cycle: nodes on a circle, edge A→B meaning "A waits for B".
+
+    An edge leaving a GIL node reads "held by" (the GIL waits for its holder to
+    release it). Returns None when there is nothing (or too much) to draw.
+    """
+    nodes_labels = [lab for lab in labels if lab]
+    if len(nodes_labels) > 1 and nodes_labels[0] == nodes_labels[-1]:
+        nodes_labels = nodes_labels[:-1]  # a closed cycle lists its first node again
+    n = len(nodes_labels)
+    if n == 0 or n > MAX_CYCLE_NODES:
+        return None
+    nw, nh = 230.0, 58.0
+    if n <= 2:
+        width, height = 760, 250
+        centers = [(150.0, 125.0), (610.0, 125.0)][:n]
+    else:
+        radius = 95.0 + 16.0 * n
+        ring = [(radius * math.sin(2 * math.pi * i / n), -radius * math.cos(2 * math.pi * i / n))
+                for i in range(n)]
+        # Crop to the nodes (plus room for bent edges): a triangle leaves the bottom of its circle empty.
+        pad = 50.0
+        min_x = min(x for x, _ in ring) - nw / 2 - pad
+        min_y = min(y for _, y in ring) - nh / 2 - pad
+        width = int(max(x for x, _ in ring) + nw / 2 + pad - min_x)
+        height = int(max(y for _, y in ring) + nh / 2 + pad - min_y)
+        centers = [(x - min_x, y - min_y) for x, y in ring]
+    diagram = Diagram(width=width, height=height)
+    for (x, y), label in zip(centers, nodes_labels, strict=True):
+        gil = _is_gil(label)
+        w = 120.0 if gil else nw
+        diagram.nodes.append(DiagramNode(x=x - w / 2, y=y - nh / 2, w=w, h=nh, lines=_wrap(label),
+                                         title=label, kind="gil" if gil else "thread"))
+    if n == 1:
+        x, y = centers[0]
+        top = y - nh / 2
+        d = f"M {x - 30:.1f} {top:.1f} C {x - 60:.1f} {top - 70:.1f} {x + 60:.1f} {top - 70:.1f} {x + 30:.1f} {top:.1f}"
+        diagram.edges.append(DiagramEdge(d=d, label="waits for itself", lx=x, ly=top - 58))
+        return diagram
+    bend = 55.0 if n == 2 else 35.0
+    for i in range(n):
+        (ax, ay), (bx, by) = centers[i], centers[(i + 1) % n]
+        a_node, b_node = diagram.nodes[i], diagram.nodes[(i + 1) % n]
+        dx, dy = bx - ax, by - ay
+        length = math.hypot(dx, dy) or 1.0
+        # Bend every edge to its left, so A→B and B→A (two nodes) do not overlap.
+        px, py = -dy / length, dx / length
+        mx, my = (ax + bx) / 2 + px * bend, (ay + by) / 2 + py * bend
+        sx, sy = _boundary(ax, ay, a_node.w / 2 + 4, nh / 2 + 4, mx - ax, my - ay)
+        ex, ey = _boundary(bx, by, b_node.w / 2 + 8, nh / 2 + 8, mx - bx, my - by)
+        lx, ly = 0.25 * sx + 0.5 * mx + 0.25 * ex, 0.25 * sy + 0.5 * my + 0.25 * ey
+        label = "held by" if a_node.kind == "gil" else "waits for"
+        diagram.edges.append(DiagramEdge(d=f"M {sx:.1f} {sy:.1f} Q {mx:.1f} {my:.1f} {ex:.1f} {ey:.1f}",
+                                         label=label, lx=lx, ly=ly))
+    return diagram
+
+
+# ---------------------------------------------------------------- timeline diagram
+
+@dataclass
+class TimelineMark:
+    x: float
+    y: float
+    cls: str
+    title: str
+
+
+@dataclass
+class TimelineDiagram:
+    width: int
+    height: int
+    lanes: list[tuple[str, float]]
+    marks: list[TimelineMark]
+    ticks: list[tuple[float, str]]
+    left: float
+    right: float
+
+
+def _event_class(event: str) -> str:
+    e = event.lower()
+    if "stall" in e or "hang" in e or "timeout" in e or "timed out" in e:
+        return "bad"
+    if "exit" in e or "crash" in e or "oom" in e or "fail" in e or "error" in e:
+        return "fail"
+    if "banner" in e:
+        return "warn"
+    if "capture" in e:
+        return "info"
+    if "ready" in e or "healthy" in e or "serving" in e or "startup complete" in e:
+        return "ok"
+    return "plain"
+
+
+def timeline_diagram(report: Report) -> TimelineDiagram | None:
+    events = report.timeline
+    if not events:
+        return None
+    lane_names: list[str] = []
+    for ev in events:
+        name = ev.engine or "run"
+        if name not in lane_names:
+            lane_names.append(name)
+    left, right, top, lane_h = 170.0, 880.0, 30.0, 30.0
+    width = 900
+    height = int(top + lane_h * len(lane_names) + 20)
+    t0 = min(ev.t for ev in events)
+    t1 = max(ev.t for ev in events)
+    span = (t1 - t0) or 1.0
+
+    def xpos(t: float) -> float:
+        return left + (right - left) * (t - t0) / span
+
+    lanes = [(name, top + lane_h * i + lane_h / 2) for i, name in enumerate(lane_names)]
+    lane_y = dict(lanes)
+    marks: list[TimelineMark] = []
+    for ev in events:
+        title = f"t={ev.t:.2f}s {ev.engine + ': ' if ev.engine else ''}{ev.event}"
+        if ev.detail:
+            title += f" — {ev.detail}"
+        marks.append(TimelineMark(x=xpos(ev.t), y=lane_y[ev.engine or "run"], cls=_event_class(ev.event),
+                                  title=title))
+    step = _nice_step(span / 6)
+    ticks: list[tuple[float, str]] = []
+    k = math.ceil(t0 / step)
+    while k * step <= t1 + 1e-9 and len(ticks) < 20:
+        ticks.append((xpos(k * step), f"{k * step:g}s"))
+        k += 1
+    return TimelineDiagram(width=width, height=height, lanes=lanes, marks=marks, ticks=ticks,
+                           left=left, right=right)
+
+
+def _nice_step(raw: float) -> float:
+    if raw <= 0:
+        return 1.0
+    mag = 10 ** math.floor(math.log10(raw))
+    for m in (1, 2, 5, 10):
+        if raw <= m * mag:
+            return float(m * mag)
+    return float(10 * mag)
+
+
+# ---------------------------------------------------------------- processes, threads, raw files
+
+def _evidence_index(evidence: list[EvidenceItem]) -> dict[tuple[int, int], list[EvidenceItem]]:
+    index: dict[tuple[int, int], list[EvidenceItem]] = {}
+    for item in evidence:
+        index.setdefault((item.pid, item.tid), []).append(item)
+    return index
+
+
+def _thread_view(proc: ProcessEvidence, th: ThreadEvidence,
+                 index: dict[tuple[int, int], list[EvidenceItem]]) -> dict[str, Any]:
+    items = index.get((proc.pid, th.tid), [])
+    cited_frames = [f for item in items for f in item.frames]
+    frames = [{"text": clean_text(format_frame(f)), "kind": f.kind, "source": clean_text(f.source or ""),
+               "cited": bool(items) and frame_cited(f, cited_frames)} for f in th.frames]
+    return {
+        "tid": th.tid,
+        "name": clean_text(th.name or ""),
+        "state": th.state.value,
+        "wchan": th.wchan,
+        "gil": th.gil.value,
+        "in_gil_struct": th.in_gil_struct,
+        "syscall": th.syscall,
+        "cpu_ticks_delta": th.cpu_ticks_delta,
+        "kernel_stack": [clean_text(k) for k in th.kernel_stack],
+        "frames": frames,
+        "by_tool": [(tool, [clean_text(format_frame(f)) for f in fs]) for tool, fs in th.frames_by_tool.items()],
+        "cited": bool(items),
+        "roles": [item.role for item in items],
+    }
+
+
+_ROLE_ORDER = {ProcessRole.ENGINE_CORE: 0, ProcessRole.WORKER: 1, ProcessRole.API_SERVER: 2, ProcessRole.OTHER: 3}
+
+
+def processes_view(bundle: Bundle | None, report: Report) -> list[dict[str, Any]]:
+    if bundle is None:
+        return []
+    index = _evidence_index(report.verdict.evidence)
+    out: list[dict[str, Any]] = []
+    for proc in bundle.processes:
+        threads = [_thread_view(proc, th, index) for th in proc.threads]
+        threads.sort(key=lambda t: not t["cited"])  # stable: cited threads first, else capture order
+        out.append({
+            "pid": proc.pid, "ppid": proc.ppid, "role": proc.role.value, "engine": proc.engine,
+            "comm": proc.comm, "cmdline": clean_text(shlex.join(proc.cmdline)) if proc.cmdline else "",
+            "state": proc.state.value, "wchan": proc.wchan, "cpu_percent": proc.cpu_percent,
+            "alive": proc.alive, "python_version": proc.python_version, "exe": proc.exe,
+            "tools": [t.model_dump(mode="json") for t in proc.tools],
+            "threads": threads,
+            "cited": any(t["cited"] for t in threads),
+            "_order": _ROLE_ORDER.get(proc.role, 9),
+        })
+    out.sort(key=lambda p: (not p["cited"], p["_order"]))
+    return out
+
+
+def _read_capped(path: Path, cap: int) -> tuple[str, int, bool]:
+    """Text of ``path`` (head and tail when larger than ``cap``), its size, and whether it was cut."""
+    size = path.stat().st_size
+    with path.open("rb") as fh:
+        if size <= cap:
+            data = fh.read(cap + 1)
+            return data.decode("utf-8", errors="replace"), size, False
+        head = fh.read(cap // 2)
+        fh.seek(max(size - cap // 2, 0))
+        tail = fh.read(cap // 2)
+    omitted = size - len(head) - len(tail)
+    text = (head.decode("utf-8", errors="replace") + f"\n\n… {omitted} bytes omitted …\n\n"
+            + tail.decode("utf-8", errors="replace"))
+    return text, size, True
+
+
+def _inside(base: Path, rel: str) -> Path | None:
+    """``base/rel`` if it stays inside ``base`` (a foreign bundle may name ../../etc/...)."""
+    try:
+        root = base.resolve()
+        target = (base / rel).resolve()
+    except (OSError, RuntimeError):
+        return None
+    if target == root or root not in target.parents:
+        return None
+    return target
+
+
+def raw_outputs(bundle: Bundle | None, bundle_dir: Path | None) -> list[dict[str, Any]]:
+    """Raw tool outputs and engine logs from the bundle folder, redacted and size-capped."""
+    if bundle is None or bundle_dir is None or not bundle_dir.is_dir():
+        return []
+    wanted: list[tuple[str, str]] = []
+    for eng in bundle.engines:
+        if eng.log_path:
+            wanted.append((f"log of {eng.name}", eng.log_path))
+    for proc in bundle.processes:
+        for tool in proc.tools:
+            if tool.raw_path:
+                wanted.append((f"{tool.tool} — pid {proc.pid} ({proc.role.value})", tool.raw_path))
+    if (bundle_dir / "scenario.yaml").is_file():
+        wanted.append(("scenario", "scenario.yaml"))
+    out: list[dict[str, Any]] = []
+    budget = RAW_TOTAL_CAP
+    seen: set[str] = set()
+    for title, rel in wanted:
+        if rel in seen:
+            continue
+        seen.add(rel)
+        entry: dict[str, Any] = {"title": redact_text(title), "path": redact_text(rel), "text": None,
+                                 "size": None, "truncated": False, "note": None}
+        path = _inside(bundle_dir, rel)
+        if path is None:
+            entry["note"] = "path is outside the bundle folder; not embedded"
+        elif not path.is_file():
+            entry["note"] = "file not in the bundle"
+        elif budget <= 0:
+            entry["note"] = "not embedded: the page's size limit is reached (see the bundle folder)"
+        else:
+            try:
+                text, size, cut = _read_capped(path, min(RAW_FILE_CAP, budget))
+            except OSError as exc:
+                entry["note"] = f"cannot read: {exc.strerror or exc}"
+            else:
+                budget -= len(text)
+                entry.update(text=clean_text(redact_text(text)), size=size, truncated=cut)
+        out.append(entry)
+    return out
+
+
+# ---------------------------------------------------------------- page
+
+def _env() -> jinja2.Environment:
+    env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
+                             undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
+    env.filters["kindclass"] = lambda kind: KIND_CLASS.get(str(kind), "unk")
+    env.filters["num"] = _fmt_num
+    env.filters["clean"] = lambda s: clean_text(str(s)) if s is not None else ""
+    # Plain text (autoescaped by the template), unlike jinja's tojson which returns markup.
+    env.filters["jsontext"] = lambda v: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+    return env
+
+
+def _fmt_num(value: object, digits: int = 2) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> str:
+    """Render the self-contained HTML page for ``report``.
+
+    ``bundle`` adds per-process, per-thread stacks (cited frames highlighted);
+    ``bundle_dir`` adds the raw tool outputs and logs found in it.
+    """
+    safe_bundle = redact_obj(bundle) if bundle is not None else None
+    data = report_dict(report)
+    script = (TEMPLATES / "report.js").read_text(encoding="utf-8")
+    digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
+    csp = (f"default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'sha256-{digest}'; "
+           "base-uri 'none'; form-action 'none'")
+    page = _env().get_template("report.html.j2").render(
+        r=report,
+        data=data,
+        kind=report.verdict.kind.value,
+        hang=report.verdict.kind.is_hang,
+        diagram=cycle_diagram(report.verdict.cycle),
+        timeline=timeline_diagram(report),
+        processes=processes_view(safe_bundle, report),
+        raw=raw_outputs(safe_bundle, bundle_dir),
+        have_bundle=safe_bundle is not None,
+        report_json=script_json(data),
+        page_js=Markup(script),
+        csp=csp,
+    )
+    # Last line of defence for token shapes that arrived by a path not redacted above.
+    return redact_shapes(page)

@@ -1,0 +1,112 @@
+"""Build the :class:`Report` (report.json) from a bundle and its verdict.
+
+The report is the user-facing contract (schema/report.schema.json): every
+other renderer (HTML, Markdown, terminal) reads it, never the raw bundle
+alone. It is redacted when built, so nothing downstream can leak a secret.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvdiag import __version__
+from kvdiag.model import Bundle, EngineRecord, Finding, Report, Verdict
+from kvdiag.report.redact import redact_obj
+from kvdiag.watch.banner import assess_risk
+
+# Keys every engine entry carries (null when unknown); the schema requires them.
+ENGINE_PID_ROLES = ("api_server", "engine_core")
+
+
+def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str, object]:
+    """One ``report.engines[]`` item: the record plus banner risk and the engine's own verdict."""
+    risks = [assess_risk(b) for b in rec.banners]
+    banners: list[dict[str, Any]] = []
+    for banner, risk in zip(rec.banners, risks, strict=True):
+        entry = banner.model_dump(mode="json")
+        entry["risk"] = risk.model_dump(mode="json")
+        banners.append(entry)
+    banner_risk: dict[str, object] | None = None
+    if risks:
+        reasons: list[str] = []
+        for risk in risks:
+            reasons.extend(r for r in risk.reasons if r not in reasons)
+        banner_risk = {"risky": any(r.risky for r in risks),
+                       "pages_per_layer": min(r.pages_per_layer for r in risks),
+                       "reasons": reasons}
+    pids: dict[str, int | None] = {role: rec.pids.get(role) for role in ENGINE_PID_ROLES}
+    pids.update({k: v for k, v in rec.pids.items() if k not in pids})
+    return {
+        "name": rec.name,
+        "allocator": rec.allocator,
+        "phase": rec.phase.value,
+        "healthy": rec.healthy,
+        "url": rec.url,
+        "exit_code": rec.exit_code,
+        "pids": pids,
+        "startup_s": rec.startup_s,
+        "banner": rec.banners[0].model_dump(mode="json") if rec.banners else None,
+        "banners": banners,
+        "banner_risk": banner_risk,
+        "last_log_line": rec.last_log_line,
+        "log_path": rec.log_path,
+        "log_tail": list(rec.log_tail[-40:]),
+        "error": rec.error,
+        "verdict": verdict.kind.value if verdict is not None else None,
+        "verdict_summary": verdict.summary if verdict is not None else None,
+    }
+
+
+def _merge_findings(*groups: list[Finding]) -> list[Finding]:
+    seen: set[tuple[str, str, int | None, str | None]] = set()
+    out: list[Finding] = []
+    for group in groups:
+        for f in group:
+            key = (f.kind, f.message, f.pid, f.engine)
+            if key not in seen:
+                seen.add(key)
+                out.append(f)
+    return out
+
+
+def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
+                 verdicts_by_engine: dict[str, Verdict] | None = None,
+                 ab: dict[str, object] | None = None, bundle_path: str | None = None) -> Report:
+    """Assemble the (redacted) report for ``bundle`` judged as ``verdict``.
+
+    Pure: no I/O, no clock (``created_at`` is the bundle's). Works on a partial
+    bundle from an interrupted run: no processes, no engines, empty evidence.
+    """
+    by_engine = dict(verdicts_by_engine or {})
+    engines = [engine_entry(e, by_engine.get(e.name)) for e in bundle.engines]
+    report = Report(
+        kvdiag_version=__version__,
+        command=command or bundle.command,
+        created_at=bundle.created_at,
+        exit_code=exit_code,
+        verdict=verdict,
+        verdicts_by_engine=by_engine,
+        engines=engines,
+        timeline=sorted(bundle.timeline, key=lambda e: e.t),
+        findings=_merge_findings(bundle.findings, verdict.findings),
+        soak=bundle.soak,
+        ab=ab,
+        bundle_path=bundle_path,
+        host=dict(bundle.host),
+        scenario=bundle.scenario_path,
+        stall_window_s=bundle.stall_window_s,
+        interrupted=bundle.interrupted,
+    )
+    return redact_obj(report)
+
+
+def report_dict(report: Report) -> dict[str, Any]:
+    """The JSON-ready form of ``report`` (redacted again: reports may be built by hand)."""
+    data: dict[str, Any] = redact_obj(report.model_dump(mode="json"))
+    return data
+
+
+def render_json(report: Report) -> str:
+    """report.json text: pretty-printed, stable key order, UTF-8 (not ASCII-escaped)."""
+    return json.dumps(report_dict(report), indent=2, ensure_ascii=False) + "\n"

@@ -1,0 +1,171 @@
+"""report.md: a summary to paste into a GitHub issue (verdict, frames, banners, engines, environment)."""
+
+from __future__ import annotations
+
+import re
+
+from kvdiag.model import Bundle, Report
+from kvdiag.report.html import clean_text, format_frame
+from kvdiag.report.redact import redact_text
+
+MAX_TIMELINE = 40
+MAX_THREAD_FRAMES = 30
+
+
+def _cell(value: object) -> str:
+    """A table cell: one line, pipes escaped, HTML neutralised (GitHub renders inline HTML)."""
+    if value is None:
+        return "—"
+    text = clean_text(str(value)).replace("\r", " ").replace("\n", " ")
+    return _inline(text).replace("|", "\\|")
+
+
+def _inline(text: str) -> str:
+    # GitHub strips unknown tags; escape so log text like "<pad>" stays visible and inert.
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
+def _fence(lines: list[str], lang: str = "text") -> str:
+    """A code block whose fence is longer than any backtick run inside it."""
+    body = "\n".join(clean_text(line) for line in lines)
+    longest = max((len(m) for m in re.findall(r"`+", body)), default=0)
+    fence = "`" * max(3, longest + 1)
+    return f"{fence}{lang}\n{body}\n{fence}"
+
+
+def _code(text: str) -> str:
+    text = clean_text(text).replace("\n", " ")
+    longest = max((len(m) for m in re.findall(r"`+", text)), default=0)
+    ticks = "`" * (longest + 1)
+    pad = " " if text.startswith("`") or text.endswith("`") else ""
+    return f"{ticks}{pad}{text}{pad}{ticks}"
+
+
+def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
+    """Render the Markdown summary; ``bundle`` adds the stacks of the cited threads."""
+    v = report.verdict
+    out: list[str] = []
+    out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
+    out.append("")
+    out.append(f"**{_inline(clean_text(v.summary))}**")
+    out.append("")
+    facts = [f"command: {_code(report.command)}", f"exit code: {report.exit_code}"]
+    if v.engine:
+        facts.append(f"engine: {_code(v.engine)}")
+    if report.scenario:
+        facts.append(f"scenario: {_code(report.scenario)}")
+    out.append(" · ".join(facts))
+    if report.interrupted:
+        out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
+    if v.cycle:
+        out += ["", "**Wait-for cycle** (A → B: A waits for B)", "",
+                _fence([" → ".join(v.cycle + [v.cycle[0]] if v.cycle[0] != v.cycle[-1] else v.cycle)])]
+
+    if v.evidence:
+        out += ["", "#### Evidence"]
+        for item in v.evidence:
+            where = f"pid {item.pid}, tid {item.tid}" + (f", engine {_code(item.engine)}" if item.engine else "")
+            out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
+            if item.frames:
+                out += ["", _fence(list(item.frames))]
+
+    findings = report.findings
+    if findings:
+        out += ["", "#### Findings", ""]
+        for f in findings:
+            who = f" ({_code(f.engine)})" if f.engine else ""
+            out.append(f"- **{_inline(f.kind)}**{who}: {_inline(clean_text(f.message))}")
+
+    banners = [(e, b) for e in report.engines for b in _list(e.get("banners"))]
+    if banners:
+        out += ["", "#### PageAllocator banners", "",
+                "| engine | group | layers | mem/layer | page | pages/layer | prealloc | min/max reserved | risk |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for e, b in banners:
+            risk = _dict(b.get("risk"))
+            out.append("| " + " | ".join(_cell(x) for x in (
+                e.get("name"), b.get("group_id"), b.get("num_layers"), f"{b.get('mem_size_per_layer_mb')} MB",
+                f"{b.get('page_size_mb')} MB", risk.get("pages_per_layer"),
+                "on" if b.get("enable_prealloc") else "off",
+                f"{b.get('min_reserved_pages')}/{b.get('max_reserved_pages')}",
+                "**risky**" if risk.get("risky") else "ok")) + " |")
+        reasons = [(e.get("name"), r) for e, b in banners for r in _list(_dict(b.get("risk")).get("reasons"))]
+        for name, reason in reasons:
+            out.append(f"- {_cell(name)}: {_inline(clean_text(str(reason)))}")
+
+    if report.engines:
+        out += ["", "#### Engines", "",
+                "| engine | allocator | phase | healthy | verdict | api_server | engine_core | startup "
+                "| last log line |",
+                "|---|---|---|---|---|---|---|---|---|"]
+        for e in report.engines:
+            pids = _dict(e.get("pids"))
+            startup = e.get("startup_s")
+            out.append("| " + " | ".join(_cell(x) for x in (
+                e.get("name"), e.get("allocator"), e.get("phase"), "yes" if e.get("healthy") else "no",
+                e.get("verdict"), pids.get("api_server"), pids.get("engine_core"),
+                f"{startup:.1f} s" if isinstance(startup, (int, float)) else None,
+                _short(e.get("last_log_line")))) + " |")
+        errors = [(e.get("name"), e.get("error")) for e in report.engines if e.get("error")]
+        for name, err in errors:
+            out.append(f"- {_cell(name)} error: {_code(str(err))}")
+
+    cited = _cited_stacks(report, bundle)
+    if cited:
+        out += ["", "<details><summary>Stacks of the cited threads</summary>", ""]
+        for title, lines in cited:
+            out += [f"**{_inline(title)}**", "", _fence(lines), ""]
+        out.append("</details>")
+
+    if report.timeline:
+        out += ["", "<details><summary>Timeline</summary>", ""]
+        lines = [f"{ev.t:8.2f}s  {ev.engine or '-':<12} {ev.event}" + (f" — {ev.detail}" if ev.detail else "")
+                 for ev in report.timeline[:MAX_TIMELINE]]
+        if len(report.timeline) > MAX_TIMELINE:
+            lines.append(f"… {len(report.timeline) - MAX_TIMELINE} more events in report.json")
+        out += [_fence(lines), "", "</details>"]
+
+    out += ["", "#### Environment", ""]
+    env_lines = [f"kvdiag {report.kvdiag_version}"]
+    env_lines += [f"{k}: {val}" for k, val in report.host.items()]
+    if report.stall_window_s is not None:
+        env_lines.append(f"stall window: {report.stall_window_s:g} s")
+    if report.created_at:
+        env_lines.append(f"created: {report.created_at}")
+    out.append(_fence(env_lines))
+    out.append("")
+    return redact_text("\n".join(out))
+
+
+def _list(value: object) -> list[dict[str, object]]:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+def _dict(value: object) -> dict[str, object]:
+    return value if isinstance(value, dict) else {}
+
+
+def _short(value: object, width: int = 120) -> str | None:
+    if value is None:
+        return None
+    text = str(value)
+    return text if len(text) <= width else text[: width - 1] + "…"
+
+
+def _cited_stacks(report: Report, bundle: Bundle | None) -> list[tuple[str, list[str]]]:
+    if bundle is None:
+        return []
+    cited = {(item.pid, item.tid): item.role for item in report.verdict.evidence}
+    out: list[tuple[str, list[str]]] = []
+    for proc in bundle.processes:
+        for th in proc.threads:
+            role = cited.get((proc.pid, th.tid))
+            if role is None or not th.frames:
+                continue
+            lines = [format_frame(f) for f in th.frames[:MAX_THREAD_FRAMES]]
+            if len(th.frames) > MAX_THREAD_FRAMES:
+                lines.append(f"… {len(th.frames) - MAX_THREAD_FRAMES} outer frames")
+            name = f' "{th.name}"' if th.name else ""
+            out.append((redact_text(f"pid {proc.pid} tid {th.tid}{name} — {role}"),
+                        [redact_text(line) for line in lines]))
+    return out

@@ -1,0 +1,101 @@
+"""A rich summary for the terminal: verdict first, then evidence, engines and where the files are.
+
+All data is passed to rich as :class:`~rich.text.Text` (never as markup), so
+log text such as ``[bold]`` or ``[link=...]`` prints literally.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+from rich.text import Text
+
+from kvdiag.model import Report
+
+KEY_FRAMES = 8
+_KIND_STYLE = {
+    "healthy": "bold green", "slow_start": "bold yellow", "crash": "bold magenta", "oom": "bold magenta",
+    "unknown": "bold white",
+}
+
+
+def _kind_style(kind: str) -> str:
+    return _KIND_STYLE.get(kind, "bold red")
+
+
+def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] | None = None) -> None:
+    """Print the verdict, cited threads with their key frames, engines, findings and report files."""
+    v = report.verdict
+    kind = v.kind.value
+    head = Text()
+    head.append("verdict: ", style="bold")
+    head.append(kind, style=_kind_style(kind))
+    head.append(f"  ({v.confidence.value} confidence)", style="dim")
+    if v.engine:
+        head.append("  engine ", style="dim")
+        head.append(v.engine, style="bold")
+    # Plain lines, not a Panel: callers print with soft_wrap, which would crop text inside a box.
+    console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
+    console.print(head)
+    console.print(Text(v.summary))
+    if report.interrupted:
+        console.print(Text("the run was interrupted: partial report", style="yellow"))
+    if v.cycle:
+        cycle = list(v.cycle)
+        if cycle[0] != cycle[-1]:
+            cycle.append(cycle[0])
+        console.print(Text("cycle: " + " → ".join(cycle), style="red" if v.kind.is_hang else ""))
+
+    for item in v.evidence:
+        title = Text()
+        title.append(f"pid {item.pid} tid {item.tid}", style="bold")
+        if item.engine:
+            title.append(f" [{item.engine}]", style="dim")
+        title.append("  " + item.role, style="cyan")
+        console.print(title)
+        for frame in item.frames[:KEY_FRAMES]:
+            console.print(Text("    " + frame))
+        if len(item.frames) > KEY_FRAMES:
+            console.print(Text(f"    … {len(item.frames) - KEY_FRAMES} more frames", style="dim"))
+
+    if report.engines:
+        table = Table(title="engines", title_justify="left", show_edge=False, pad_edge=False)
+        for col in ("engine", "allocator", "phase", "healthy", "verdict", "engine_core", "banner"):
+            table.add_column(col, overflow="fold")
+        for e in report.engines:
+            risk = e.get("banner_risk")
+            if isinstance(risk, dict):
+                risk_text = Text("RISK", style="bold red") if risk.get("risky") else Text("ok", style="green")
+            else:
+                risk_text = Text("none", style="dim")
+            pids_obj = e.get("pids")
+            pids = pids_obj if isinstance(pids_obj, dict) else {}
+            verdict = e.get("verdict")
+            table.add_row(
+                Text(str(e.get("name"))), Text(str(e.get("allocator") or "—")), Text(str(e.get("phase"))),
+                Text("yes", style="green") if e.get("healthy") else Text("no", style="red"),
+                Text(str(verdict), style=_kind_style(str(verdict))) if verdict else Text("—"),
+                Text(str(pids.get("engine_core") or "—")), risk_text)
+        console.print(table)
+        for e in report.engines:
+            if not e.get("healthy") and e.get("last_log_line"):
+                line = Text(f"  {e.get('name')} last log line: ", style="dim")
+                line.append(str(e.get("last_log_line")), style="")
+                console.print(line)
+
+    for f in report.findings:
+        line = Text("  ")
+        line.append(f.kind, style="yellow")
+        if f.engine:
+            line.append(f" [{f.engine}]", style="dim")
+        line.append(": " + f.message)
+        console.print(line)
+
+    if paths:
+        for name, path in paths.items():
+            console.print(Text(f"  {name}: {path}"))
+    elif report.bundle_path:
+        console.print(Text(f"  bundle: {report.bundle_path}"))
