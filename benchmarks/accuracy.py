@@ -44,7 +44,7 @@ def main() -> int:
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-accuracy-"))
     stripped = hk.stripped_libpython(tmp / "stripped")
-    cases: list[tuple[str, str, dict[str, str] | None]] = [(k, k, None) for k in hk.KINDS]
+    cases: list[tuple[str, str, dict[str, str] | None]] = [(k, k, None) for k in hk.KINDS if k != "dstate"]
     if stripped is not None:
         cases.insert(2, ("gil_cycle_stripped", "gil_cycle_native", dict(os.environ, LD_LIBRARY_PATH=str(stripped))))
     modes: dict[str, list[str | CaptureBackend]] = {

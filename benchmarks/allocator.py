@@ -127,7 +127,7 @@ def rounds(fn: Callable[[str], float], n: int) -> tuple[float, float]:
     return statistics.median(stock), statistics.median(fixed)
 
 
-def engine2_once(kind: str, hang_after_s: float) -> tuple[bool, float]:
+def engine2_once(native: Any, kind: str, hang_after_s: float) -> tuple[bool, float]:
     """Run the engine-2 fixture once; (hung, seconds from READY to started or to the verdict)."""
     proc = subprocess.Popen([sys.executable, str(FIXTURE), "--allocator", kind, "--prealloc", "on",
                              "--alarm-s", "60"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -162,11 +162,12 @@ def engine2_once(kind: str, hang_after_s: float) -> tuple[bool, float]:
         reader.join(timeout=10)
         if proc.stdout is not None:
             proc.stdout.close()
+        native.remove_stale_device_files(f"kvdiag-e2-{proc.pid}")
 
 
-def engine2_runs(kind: str, runs: int, hang_after_s: float) -> tuple[int, list[float]]:
+def engine2_runs(native: Any, kind: str, runs: int, hang_after_s: float) -> tuple[int, list[float]]:
     with ThreadPoolExecutor(max_workers=4) as pool:
-        results = list(pool.map(lambda _: engine2_once(kind, hang_after_s), range(runs)))
+        results = list(pool.map(lambda _: engine2_once(native, kind, hang_after_s), range(runs)))
     return sum(1 for hung, _ in results if hung), [s for hung, s in results if not hung]
 
 
@@ -223,8 +224,8 @@ def main() -> int:
         stalls += 1
 
     runs = 5 if q else 20
-    stock_hangs, _ = engine2_runs("stock", runs, 3.0)
-    fixed_hangs, fixed_times = engine2_runs("fixed", runs, 3.0)
+    stock_hangs, _ = engine2_runs(native, "stock", runs, 3.0)
+    fixed_hangs, fixed_times = engine2_runs(native, "fixed", runs, 3.0)
     say("")
     say(f"engine-2 repro, prealloc on, {runs} runs each: stock hung {stock_hangs}/{runs}; fixed hung "
         f"{fixed_hangs}/{runs}" + (f", started in median {statistics.median(fixed_times):.3f} s "

@@ -235,6 +235,8 @@ void shutdown_all_fixed() {
   }
   nb::gil_scoped_release release;
   for (auto& a : all) a->stop_prealloc_thread();
+  // Objects still alive at exit are never destroyed, so remove device files we were last to use.
+  device_exit_cleanup();
 }
 
 // ---- device lock handle for Python (simulated co-located VMM activity) ----------------------
@@ -385,6 +387,8 @@ NB_MODULE(_native, m) {
         "Register this process's non-KV bytes (e.g. weights) on a modelled host device.");
   m.def("device_used_bytes", &device_used_bytes, "device_name"_a,
         "Bytes in use on a modelled host device by all live processes.");
+  m.def("remove_stale_device_files", &remove_stale_device_files, "device_name"_a,
+        "Remove a modelled device's /dev/shm files if no live process uses it (e.g. after SIGKILL).");
   m.def("device_lock_path", &device_lock_path, "device_name"_a);
   m.def("device_account_path", &device_account_path, "device_name"_a);
 
@@ -461,6 +465,7 @@ NB_MODULE(_native, m) {
       "page_size"_a = 65536, "kwargs"_a,
       "Run a native multi-threaded stress loop (GIL released) and return its statistics.");
 
-  m.def("_shutdown_all", &shutdown_all_fixed, "Stop every live fixed allocator's worker (registered with atexit).");
+  m.def("_shutdown_all", &shutdown_all_fixed,
+        "At exit: stop every live fixed allocator's worker and drop device files we were last to use.");
   nb::module_::import_("atexit").attr("register")(m.attr("_shutdown_all"));
 }

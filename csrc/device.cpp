@@ -22,6 +22,7 @@
 #include <cstring>
 #include <map>
 #include <thread>
+#include <vector>
 
 namespace kvdiag {
 
@@ -106,14 +107,23 @@ std::shared_ptr<DeviceAccount> DeviceAccount::open(const std::string& device_nam
   return sp;
 }
 
-DeviceAccount::DeviceAccount(const std::string& device_name) : path_(device_account_path(device_name)) {
+DeviceAccount::DeviceAccount(const std::string& device_name)
+    : path_(device_account_path(device_name)), lock_path_(device_lock_path(device_name)) {
   static_assert(sizeof(Slot) == 32, "slot layout is shared between processes");
   static_assert(std::atomic<int64_t>::is_always_lock_free, "shared atomics must be lock free");
   size_ = sizeof(Header) + kSlots * sizeof(Slot);
-  fd_ = open_shared(path_);
-  if (flock_retry(fd_, LOCK_EX) != 0) {
+  for (;;) {
+    fd_ = open_shared(path_);
+    if (flock_retry(fd_, LOCK_EX) != 0) {
+      ::close(fd_);
+      throw std::runtime_error("flock " + path_ + " failed: " + std::strerror(errno));
+    }
+    // The last user may have unlinked the file while we waited for its lock: start over.
+    struct stat held, named;
+    if (fstat(fd_, &held) == 0 && stat(path_.c_str(), &named) == 0 && held.st_ino == named.st_ino &&
+        held.st_dev == named.st_dev)
+      break;
     ::close(fd_);
-    throw std::runtime_error("flock " + path_ + " failed: " + std::strerror(errno));
   }
   struct stat st;
   bool ok = fstat(fd_, &st) == 0 && (static_cast<size_t>(st.st_size) >= size_ || ftruncate(fd_, size_) == 0);
@@ -157,10 +167,21 @@ DeviceAccount::DeviceAccount(const std::string& device_name) : path_(device_acco
 
 DeviceAccount::~DeviceAccount() {
   if (slot_) {
+    flock_retry(fd_, LOCK_EX);
     // Leave the slot empty so other processes stop counting us at once.
     slot_->kv_bytes.store(0);
     slot_->weight_bytes.store(0);
     slot_->pid.store(0);
+    // The last live user removes the device's files so /dev/shm does not fill up. Anyone who
+    // opened them meanwhile re-checks the inode after taking the flock (see the constructor).
+    auto* slots = reinterpret_cast<Slot*>(static_cast<Header*>(base_) + 1);
+    bool anyone = false;
+    for (int i = 0; i < kSlots && !anyone; ++i) anyone = pid_alive(slots[i].pid.load());
+    if (!anyone) {
+      ::unlink(lock_path_.c_str());
+      ::unlink(path_.c_str());
+    }
+    flock_retry(fd_, LOCK_UN);
   }
   if (base_ && base_ != MAP_FAILED) munmap(base_, size_);
   if (fd_ >= 0) ::close(fd_);
@@ -184,19 +205,87 @@ int64_t DeviceAccount::used_bytes_all() const {
   return total;
 }
 
+void DeviceAccount::unlink_if_sole_user() {
+  if (!slot_) return;
+  flock_retry(fd_, LOCK_EX);
+  auto* slots = reinterpret_cast<Slot*>(static_cast<Header*>(base_) + 1);
+  bool others = false;
+  for (int i = 0; i < kSlots && !others; ++i) {
+    int32_t pid = slots[i].pid.load();
+    others = pid != 0 && pid != getpid() && pid_alive(pid);
+  }
+  if (!others) {
+    ::unlink(lock_path_.c_str());
+    ::unlink(path_.c_str());
+  }
+  flock_retry(fd_, LOCK_UN);
+}
+
+bool remove_stale_device_files(const std::string& device_name) {
+  const std::string acct = device_account_path(device_name);
+  const std::string lock = device_lock_path(device_name);
+  int fd = ::open(acct.c_str(), O_RDWR | O_CLOEXEC);
+  if (fd < 0) {
+    // Every user of the lock file holds a slot in the accounting file, so a lone lock file is stale.
+    return ::unlink(lock.c_str()) == 0;
+  }
+  bool removed = false;
+  if (flock_retry(fd, LOCK_EX) == 0) {
+    const size_t size = sizeof(DeviceAccount::Header) + kSlots * sizeof(DeviceAccount::Slot);
+    struct stat st;
+    bool live = false;
+    if (fstat(fd, &st) == 0 && static_cast<size_t>(st.st_size) >= size) {
+      void* base = mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+      if (base == MAP_FAILED) {
+        live = true;  // cannot tell: keep the files
+      } else {
+        auto* slots = reinterpret_cast<const DeviceAccount::Slot*>(static_cast<const DeviceAccount::Header*>(base) + 1);
+        for (int i = 0; i < kSlots && !live; ++i) live = pid_alive(slots[i].pid.load());
+        munmap(base, size);
+      }
+    }
+    if (!live) {
+      ::unlink(lock.c_str());
+      removed = ::unlink(acct.c_str()) == 0;
+    }
+    flock_retry(fd, LOCK_UN);
+  }
+  ::close(fd);
+  return removed;
+}
+
+void device_exit_cleanup() {
+  std::vector<std::shared_ptr<DeviceAccount>> all;
+  {
+    std::lock_guard<std::mutex> g(g_registry_mu);
+    for (auto& kv : account_registry())
+      if (auto sp = kv.second.lock()) all.push_back(sp);
+  }
+  for (auto& a : all) a->unlink_if_sole_user();
+}
+
 void register_device_usage(const std::string& device_name, int64_t bytes) {
   if (bytes < 0) throw InvalidArgument("bytes", "must be >= 0, got " + std::to_string(bytes));
   auto acct = DeviceAccount::open(device_name);
   acct->set_weight_bytes(bytes);
+  std::shared_ptr<DeviceAccount> unpinned;  // released after the registry lock
   std::lock_guard<std::mutex> g(g_registry_mu);
-  pinned_accounts()[device_name] = acct;
+  if (bytes > 0) {
+    pinned_accounts()[device_name] = acct;
+  } else {
+    auto it = pinned_accounts().find(device_name);
+    if (it != pinned_accounts().end()) {
+      unpinned = std::move(it->second);
+      pinned_accounts().erase(it);
+    }
+  }
 }
 
 int64_t device_used_bytes(const std::string& device_name) {
   return DeviceAccount::open(device_name)->used_bytes_all();
 }
 
-DeviceVmmLock::DeviceVmmLock(const std::string& device_name) {
+DeviceVmmLock::DeviceVmmLock(const std::string& device_name) : presence_(DeviceAccount::open(device_name)) {
   const std::string path = device_lock_path(device_name);
   fd_ = open_shared(path);
   probe_fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC);

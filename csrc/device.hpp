@@ -4,8 +4,9 @@
 //   Locks:   DeviceVmmLock = a process-local gate (mutex + condvar) + flock(LOCK_EX) on
 //            /dev/shm/kvdiag-vmm-<device>.lock. It models the driver's device-wide VMM
 //            serialization: every host-backend map/unmap holds it. DeviceAccount takes
-//            flock(LOCK_EX) on /dev/shm/kvdiag-dev-<device>.acct only while claiming a slot;
-//            byte counts are lock-free atomics in the shared mapping.
+//            flock(LOCK_EX) on /dev/shm/kvdiag-dev-<device>.acct only while claiming or releasing
+//            a slot; byte counts are lock-free atomics in the shared mapping. The last live user
+//            of a device unlinks both files.
 //   GIL:     never touched; nothing here calls into Python.
 //   Waits:   DeviceVmmLock::lock() is UNBOUNDED (the stock model: a driver call that waits as long
 //            as it must). lock_until() is bounded by its deadline (polling LOCK_NB with a capped
@@ -39,12 +40,18 @@ class DeviceAccount {
   // Bytes held on the device by every live process (this one included).
   int64_t used_bytes_all() const;
   int64_t own_kv_bytes() const;
+  // Unlinks the device's files when no other live process holds a slot (used at exit; our own
+  // mapping stays valid until the process ends).
+  void unlink_if_sole_user();
+
+  // Shared-file layout (defined in device.cpp).
+  struct Slot;
+  struct Header;
 
  private:
   explicit DeviceAccount(const std::string& device_name);
-  struct Slot;
-  struct Header;
   std::string path_;
+  std::string lock_path_;
   int fd_ = -1;
   void* base_ = nullptr;
   size_t size_ = 0;
@@ -74,6 +81,9 @@ class DeviceVmmLock {
   bool gate_busy_ = false;
   std::mutex probe_mu_;
   std::atomic<bool> held_here_{false};
+  // A slot in the device's accounting file marks this process as a user of the device, so the
+  // last user's cleanup never unlinks a lock file that is still in use.
+  std::shared_ptr<DeviceAccount> presence_;
   int fd_ = -1;
   int probe_fd_ = -1;
 };
@@ -83,8 +93,14 @@ std::string device_lock_path(const std::string& device_name);
 std::string device_account_path(const std::string& device_name);
 
 // Register this process's non-KV usage ("weights") on a modelled device; replaces the earlier value.
+// A positive value keeps the registration for the process lifetime; 0 drops it.
 void register_device_usage(const std::string& device_name, int64_t bytes);
 // Bytes in use on a modelled device by all live processes.
 int64_t device_used_bytes(const std::string& device_name);
+// Removes a device's files if no live process uses it (e.g. after a fixture was SIGKILLed).
+// Returns true if something was removed.
+bool remove_stale_device_files(const std::string& device_name);
+// At interpreter exit: unlink the files of every device this process is the last user of.
+void device_exit_cleanup();
 
 }  // namespace kvdiag

@@ -67,16 +67,6 @@ def new_bundle(command: str) -> Bundle:
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
 
 
-def exit_code_for(verdict: Verdict) -> int:
-    if verdict.kind.is_hang:
-        return ExitCode.DEADLOCK
-    if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
-        return ExitCode.ENGINE_FAILED
-    if verdict.kind is VerdictKind.HEALTHY:
-        return ExitCode.OK
-    return ExitCode.FAILED
-
-
 @dataclass
 class RunArtifacts:
     out_dir: Path
@@ -163,6 +153,7 @@ def finish(out_dir: Path, bundle: Bundle, command: str, ab: dict[str, object] | 
            verdict: Verdict | None = None, by_engine: dict[str, Verdict] | None = None,
            exit_code: int | None = None) -> RunArtifacts:
     """Analyze (unless given), save the bundle and write report.json/html/md."""
+    from kvdiag.analyze import exit_code_for
     from kvdiag.report import write_outputs
 
     if verdict is None:
@@ -203,6 +194,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             on_event(msg)
 
     arts: RunArtifacts | None = None
+    device: str | None = None
     try:
         with ProcessSet(grace_s=scenario.windows.kill_grace_s) as procs:
             device = scenario.device.name or f"kvdiag-{procs.run_id}"
@@ -235,6 +227,11 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     finally:
         _copy_logs_redacted(raw_log_dir, bundle_dir)  # final copy: what engines printed until teardown
         shutil.rmtree(raw_log_dir, ignore_errors=True)
+        if device is not None and scenario.device.name is None:
+            # The modelled device was this run's own: drop its shared lock/accounting files.
+            from kvdiag.sim.harness import remove_device_files
+
+            remove_device_files(device)
     if interrupted is not None or arts is None:
         stop = interrupted or Interrupted("interrupted")
         bundle.interrupted = True

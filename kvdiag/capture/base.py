@@ -10,11 +10,13 @@ dead target: they report it.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -105,6 +107,33 @@ def _kill_group(proc: subprocess.Popen[bytes]) -> None:
             return
 
 
+try:
+    _LIBC: ctypes.CDLL | None = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+except OSError:
+    _LIBC = None
+_PR_SET_PDEATHSIG = 1
+
+
+def _die_with_kvdiag() -> None:
+    """In the tool's child before exec: SIGKILL it if the kvdiag thread that started it dies (even by
+    SIGKILL), so a hung debugger never outlives us attached to the target."""
+    if _LIBC is not None:
+        _LIBC.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+
+
+_ACTIVE: set[subprocess.Popen[bytes]] = set()
+_ACTIVE_LOCK = threading.Lock()
+
+
+def kill_active_tools() -> int:
+    """Kill every tool still running (capture interrupted): none may outlive kvdiag attached to a target."""
+    with _ACTIVE_LOCK:
+        procs = list(_ACTIVE)
+    for proc in procs:
+        _kill_group(proc)
+    return len(procs)
+
+
 def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ToolOutcome:
     """Run ``argv`` in its own process group with a hard wall-clock bound.
 
@@ -114,9 +143,12 @@ def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = Non
     start = time.monotonic()
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, env=env)
+                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, env=env,
+                                preexec_fn=_die_with_kvdiag)
     except OSError as exc:
         return ToolOutcome(None, "", "", time.monotonic() - start, False, f"cannot start {argv[0]}: {exc}")
+    with _ACTIVE_LOCK:
+        _ACTIVE.add(proc)
     timed_out = False
     out_b = err_b = b""
     try:
@@ -138,6 +170,8 @@ def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = Non
                 proc.wait(timeout=1.0)
             except subprocess.TimeoutExpired:
                 pass
+        with _ACTIVE_LOCK:
+            _ACTIVE.discard(proc)
     return ToolOutcome(proc.returncode, out_b.decode("utf-8", "replace"), err_b.decode("utf-8", "replace"),
                        time.monotonic() - start, timed_out)
 

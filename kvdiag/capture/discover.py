@@ -36,6 +36,25 @@ def _log_role(key: str) -> ProcessRole | None:
     return _LOG_KEYS.get(norm) or _LOG_KEYS.get(norm.replace("_", ""))
 
 
+_LOG_PREFIX = re.compile(r"\((\w[\w-]*) pid=(\d+)\)")
+
+
+def log_prefix_pids(lines: list[str]) -> dict[str, int]:
+    """``(EngineCore pid=6898)``, ``(APIServer pid=6790)``, ``(Worker pid=6946)`` → role key → pid.
+
+    Keys are normalised to ``engine_core`` / ``api_server`` / ``worker`` (the first pid seen wins;
+    data-parallel suffixes like ``EngineCore_DP1`` keep their own key).
+    """
+    out: dict[str, int] = {}
+    for line in lines:
+        for name, pid in _LOG_PREFIX.findall(line):
+            role = _log_role(name)
+            plain = name in ("EngineCore", "APIServer", "Worker") or name.startswith("VllmWorker")
+            key = role.value if role is not None and plain else name
+            out.setdefault(key, int(pid))
+    return out
+
+
 def _title(pid: int) -> tuple[str, str]:
     """(cmdline joined by spaces, comm); empty strings when unreadable."""
     try:

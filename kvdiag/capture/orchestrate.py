@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdiag.capture.base import BackendResult, CaptureBackend
+from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, list_tids, read_status
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
@@ -241,20 +241,25 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     deadline = start + timeout_s
     befores = {pid: _observe(pid) for pid in pids}
     jobs: list[_ProcessJob] = []
-    for pid in dict.fromkeys(pids):
-        if not befores[pid].exists:
-            findings.append(Finding(kind="process_gone", pid=pid, message=f"process {pid} does not exist"))
-            continue
-        job = _ProcessJob(pid, chosen, unavailable, raw_dir, timeout_s,
-                          deadline if parallel else time.monotonic() + timeout_s)
-        jobs.append(job)
+    try:
+        for pid in dict.fromkeys(pids):
+            if not befores[pid].exists:
+                findings.append(Finding(kind="process_gone", pid=pid, message=f"process {pid} does not exist"))
+                continue
+            job = _ProcessJob(pid, chosen, unavailable, raw_dir, timeout_s,
+                              deadline if parallel else time.monotonic() + timeout_s)
+            jobs.append(job)
+            if parallel:
+                job.start()
+            else:
+                job.run_serially()
         if parallel:
-            job.start()
-        else:
-            job.run_serially()
-    if parallel:
-        for job in jobs:
-            job.join(deadline + CAPTURE_SLACK_S - 1.0)
+            for job in jobs:
+                job.join(deadline + CAPTURE_SLACK_S - 1.0)
+    except BaseException:
+        # Ctrl-C / SIGTERM mid-capture: no debugger may stay attached to the target after we are gone.
+        kill_active_tools()
+        raise
 
     evidence: list[ProcessEvidence] = []
     for pid in dict.fromkeys(pids):

@@ -317,6 +317,7 @@ class ProcBackend:
         if not mem_ok:
             findings.append(Finding(kind="tool_failed", pid=pid,
                                     message=f"/proc/{pid}/mem unreadable: no GIL or mutex-owner inference"))
+        findings += _state_findings(pid, proc, threads)
         if gil is not None:
             proc.gil_futex_range = (gil.start, gil.end)
             proc.python_version = proc.python_version or _fmt_version(gil.runtime.object_path)
@@ -411,6 +412,22 @@ class ProcBackend:
         except OSError:
             return None
         return path
+
+
+def _state_findings(pid: int, proc: ProcessEvidence, threads: list[ThreadEvidence]) -> list[Finding]:
+    """Say up front what a stopped or uninterruptible target will keep from us."""
+    out: list[Finding] = []
+    if proc.state is ThreadState.STOPPED:
+        out.append(Finding(kind="target_stopped", pid=pid, message=(
+            f"pid {pid} is stopped (SIGSTOP or job control): stacks can be read, but CPU use cannot show "
+            "which threads would run; left stopped as found")))
+    dstate = [t for t in threads if t.state is ThreadState.DISK_SLEEP]
+    if dstate:
+        where = ", ".join(f"{t.tid} ({t.wchan or '?'})" for t in dstate[:5])
+        out.append(Finding(kind="target_uninterruptible", pid=pid, message=(
+            f"pid {pid} has {len(dstate)} thread(s) in uninterruptible sleep: {where}; ptrace-based tools "
+            "(pystack, gdb) cannot stop them and may time out")))
+    return out
 
 
 def _fmt_version(path: str) -> str | None:

@@ -5,8 +5,12 @@ from __future__ import annotations
 import json
 import os
 import secrets
+import signal
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
+from types import FrameType
 
 import typer
 
@@ -38,16 +42,35 @@ def _write_report(out_dir: Path, bundle: Bundle, verdict: Verdict, by_engine: di
         return {}
 
 
+def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
+    raise KeyboardInterrupt
+
+
+def _interruptible(work: Callable[[], Bundle]) -> Bundle:
+    """Run ``work`` with SIGTERM turned into KeyboardInterrupt, so the capture kills its tools first."""
+    if threading.current_thread() is not threading.main_thread():
+        return work()
+    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
+    try:
+        return work()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def capture_cmd(
     pid: int = typer.Option(..., "--pid", help="Process to capture; its children are captured too."),
-    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder [default: reports/capture-<timestamp>/]"),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/capture-<timestamp>/)."),
     timeout: float = typer.Option(10.0, "--timeout", help="Bound on the whole capture, seconds."),
     tools: str = typer.Option(",".join(DEFAULT_BACKENDS), "--tools",
                               help="Comma-separated capture backends to run."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
 ) -> int:
-    """Capture stacks, GIL state and /proc readings without stopping the target; exit 0 no hang evidence,
-    10 deadlock found."""
+    """Read-only capture of a process and its children (stacks, GIL state, /proc), analyzed.
+
+    pystack and gdb pause the target briefly while they read it (one at a time, bounded by --timeout);
+    py-spy (--nonblocking) and /proc never do; use --tools proc,py-spy for a capture that never pauses.
+    Exit 0 no hang evidence, 10 deadlock found, 4 crash or OOM.
+    """
     if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
         raise UsageError(f"--pid {pid}: no such process", hint="pass the pid of the EngineCore or its API server")
     if pid == os.getpid():
@@ -67,7 +90,8 @@ def capture_cmd(
         raise UsageError(f"--out {out_dir}: cannot create: {exc.strerror}") from None
     typer.echo(f"capturing pid {pid} and its children with {', '.join(names)} "
                f"(read-only, at most {timeout + CAPTURE_SLACK_S:.0f}s)", err=True)
-    bundle = capture_tree(pid, bundle_dir, timeout_s=timeout, backends=names, command=f"capture --pid {pid}")
+    bundle = _interruptible(lambda: capture_tree(pid, bundle_dir, timeout_s=timeout, backends=names,
+                                                 command=f"capture --pid {pid}"))
     verdict = analyze(bundle)
     by_engine = analyze_by_engine(bundle)
     code = exit_code_for(verdict)

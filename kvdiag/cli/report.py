@@ -2,46 +2,13 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import typer
-from pydantic import ValidationError
 
+from kvdiag.analyze import analyze, analyze_by_engine, exit_code_for
 from kvdiag.bundle_io import atomic_write_text, load_bundle
 from kvdiag.errors import ExitCode, KvdiagError
-from kvdiag.model import Bundle, Confidence, Verdict, VerdictKind
-
-
-def _verdicts(bundle: Bundle, bundle_dir: Path) -> tuple[Verdict, dict[str, Verdict]]:
-    """Re-run the analyzer; without one, reuse the verdict saved next to the bundle."""
-    try:
-        from kvdiag.analyze import analyze, analyze_by_engine
-    except ImportError:
-        pass
-    else:
-        return analyze(bundle), analyze_by_engine(bundle)
-    saved = bundle_dir.parent / "report.json"
-    if saved.is_file():
-        try:
-            data = json.loads(saved.read_text(encoding="utf-8"))
-            verdict = Verdict.model_validate(data["verdict"])
-            by_engine = {str(k): Verdict.model_validate(v)
-                         for k, v in (data.get("verdicts_by_engine") or {}).items()}
-            return verdict, by_engine
-        except (OSError, ValueError, KeyError, TypeError, AttributeError, ValidationError):
-            pass
-    return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW,
-                   summary="no analyzer available and no saved verdict: showing the captured evidence only"), {}
-
-
-def _exit_code_for(verdict: Verdict) -> int:
-    """The exit code the original command would have returned for this verdict (shown in the report)."""
-    if verdict.kind.is_hang:
-        return ExitCode.DEADLOCK
-    if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
-        return ExitCode.ENGINE_FAILED
-    return ExitCode.OK if verdict.kind is VerdictKind.HEALTHY else ExitCode.FAILED
 
 
 def report_cmd(
@@ -55,9 +22,9 @@ def report_cmd(
     from kvdiag.report import build_report, render_html, render_terminal, write_outputs
 
     loaded, bundle_dir = load_bundle(bundle)
-    verdict, by_engine = _verdicts(loaded, bundle_dir)
+    verdict, by_engine = analyze(loaded), analyze_by_engine(loaded)
     command = loaded.command or "report"
-    code = _exit_code_for(verdict)
+    code = exit_code_for(verdict)
     con = console()
     paths: dict[str, Path]
     try:

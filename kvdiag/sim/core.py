@@ -98,6 +98,7 @@ class EngineCore:
         self.outq: queue.Queue[P.Message | None] = queue.Queue()
         self._last_stats_t = 0.0
         self._idle_stats_sent = False
+        self._output_thread: threading.Thread | None = None
 
     # -- failure injection ----------------------------------------------------------------------------
     def _maybe_fail(self, phase: str) -> None:
@@ -277,6 +278,10 @@ class EngineCore:
         cfg = self.cfg
         from kvdiag.allocator import make_allocator
 
+        # Logged before the allocator exists: as in the seed, the banner is the last line of a hung engine.
+        self.log.info("kvdiag sim: building the KV pool: %d pages of %d MiB x %d layers, %d tokens/page, on %s/%s",
+                      cfg.pages_per_layer, cfg.page_size_mb, cfg.layers, cfg.tokens_per_page, cfg.backend,
+                      cfg.device_name)
         vlog.flush()  # the banner comes from C++ on the same stdout: keep the order
         native = make_allocator(
             cfg.allocator, num_layers=cfg.layers, mem_size_per_layer=cfg.mem_size_per_layer,
@@ -306,9 +311,6 @@ class EngineCore:
             native.set_broadcast_map_callback(self._worker_map)
             native.set_broadcast_unmap_callback(self._worker_unmap)
             self.log.info("Set up broadcast callbacks for multi-process (world_size=1, use_worker_ipc=True)")
-        self.log.info("kvdiag sim: KV pool of %d pages (%d MiB pages, %d layers, %d tokens/page) on %s/%s",
-                      native.get_num_total_pages(), cfg.page_size_mb, cfg.layers, cfg.tokens_per_page,
-                      cfg.backend, cfg.device_name)
         native.start_prealloc_thread()
 
     def _take_null_block(self) -> None:
@@ -432,8 +434,24 @@ class EngineCore:
 
     def serve(self) -> None:
         threading.Thread(target=self._input_loop, name="process_input_sockets", daemon=True).start()
-        threading.Thread(target=self._output_loop, name="process_output_sockets", daemon=True).start()
+        self._output_thread = threading.Thread(target=self._output_loop, name="process_output_sockets",
+                                               daemon=True)
+        self._output_thread.start()
         self.busy_loop()
+
+    def report_error(self, text: str) -> None:
+        """Tell the API server why we die; through the output thread once it owns the pipe."""
+        msg = (P.ERROR, text)
+        thread = self._output_thread
+        try:
+            if thread is None:
+                self.conn.send(msg)
+                return
+            self.outq.put(msg)
+            self.outq.put(None)
+            thread.join(timeout=1.0)
+        except (OSError, ValueError):
+            pass
 
 
 def _always_true() -> bool:
@@ -482,10 +500,7 @@ def run_engine_core(cfg: SimConfig, conn: Connection, parent_pid: int) -> None:
             log.exception("EngineCore encountered a fatal error.")
         else:
             log.exception("EngineCore failed to start.")
-        try:
-            conn.send((P.ERROR, "".join(traceback.format_exception_only(type(exc), exc)).strip()))
-        except (OSError, ValueError):
-            pass
+        core.report_error("".join(traceback.format_exception_only(type(exc), exc)).strip())
         code = 1
     vlog.flush()
     # No interpreter teardown: the stock allocator's destructor joins its worker with the GIL held,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("kvdiag._native")
+native = pytest.importorskip("kvdiag._native")
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURE = ROOT / "tests" / "fixtures" / "alloc_engine2.py"
@@ -72,6 +72,8 @@ def engine2(allocator: str, prealloc: str) -> Iterator[Engine2]:
         proc.wait(timeout=30)
         if proc.stdout is not None:
             proc.stdout.close()
+        # A SIGKILLed fixture cannot remove its modelled device's files itself.
+        native.remove_stale_device_files(f"kvdiag-e2-{proc.pid}")
 
 
 def _thread_stacks(gdb_out: str) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import shutil
 import signal
 import stat
 import sys
@@ -130,12 +131,7 @@ def test_stopped_target_stays_stopped_and_capture_is_bounded(build_dir: Path, tm
 
 
 def test_hanging_tool_is_killed_and_reported(build_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    fake_bin = tmp_path / "bin"
-    fake_bin.mkdir()
-    marker = f"kvdiag-fake-gdb-{os.getpid()}"
-    gdb = fake_bin / "gdb"
-    gdb.write_text(f"#!/bin/sh\n# {marker}\nexec sleep 600\n")
-    gdb.chmod(gdb.stat().st_mode | stat.S_IXUSR)
+    fake_bin, marker = fake_hung_gdb(tmp_path, "inproc")
     monkeypatch.setenv("PATH", f"{fake_bin}{os.pathsep}{os.environ.get('PATH', '')}")
     with hk.running("gil_cycle", build_dir=build_dir, bound_s=60) as h:
         before = observe(h.pid)
@@ -155,6 +151,19 @@ def test_hanging_tool_is_killed_and_reported(build_dir: Path, tmp_path: Path, mo
     assert analyze(Bundle(processes=evidence, findings=findings)).kind is VerdictKind.GIL_CYCLE
 
 
+def fake_hung_gdb(tmp_path: Path, tag: str) -> tuple[Path, str]:
+    """A `gdb` that never returns: it execs a uniquely named `sleep`, so leftovers can be found."""
+    fake_bin = tmp_path / "bin"
+    fake_bin.mkdir()
+    marker = f"kvdiag-fake-gdb-{os.getpid()}-{tag}"
+    sleeper = fake_bin / marker
+    sleeper.symlink_to(shutil.which("sleep") or "/bin/sleep")
+    gdb = fake_bin / "gdb"
+    gdb.write_text(f"#!/bin/sh\nexec {sleeper} 600\n")
+    gdb.chmod(gdb.stat().st_mode | stat.S_IXUSR)
+    return fake_bin, marker
+
+
 def _cmdline(pid: int) -> str:
     try:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
@@ -170,3 +179,58 @@ def test_missing_pystack_is_a_finding_not_a_crash(build_dir: Path, tmp_path: Pat
     run = next(r for r in evidence[0].tools if r.tool == "pystack")
     assert not run.ok and run.error and "not installed" in run.error
     assert analyze(Bundle(processes=evidence, findings=findings)).kind is VerdictKind.GIL_CYCLE
+
+
+def test_uninterruptible_thread_does_not_hang_capture(build_dir: Path, tmp_path: Path) -> None:
+    """A thread in state D (vfork parent) cannot be ptrace-stopped: the tools are killed at the bound."""
+    with hk.running("dstate", build_dir=build_dir, bound_s=60) as h:
+        timeout = 5.0
+        start = time.monotonic()
+        evidence, findings = capture_processes([h.pid], tmp_path / "raw", timeout_s=timeout)
+        elapsed = time.monotonic() - start
+        state, tracer, _ = observe(h.pid)
+    assert elapsed <= timeout + CAPTURE_SLACK_S
+    assert tracer == 0 and state != "T"
+    assert any(f.kind == "target_uninterruptible" for f in findings)
+    for run in evidence[0].tools:
+        if not run.ok:   # whatever could not be read is named, with the reason
+            assert run.error and any(run.tool in f.message for f in findings)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL])
+def test_killing_kvdiag_mid_capture_leaves_no_tool_behind(sig: signal.Signals, build_dir: Path,
+                                                          tmp_path: Path) -> None:
+    """A hung gdb must not outlive kvdiag, however kvdiag dies (TERM: handled; KILL: PDEATHSIG)."""
+    import subprocess
+
+    fake_bin, marker = fake_hung_gdb(tmp_path, sig.name)
+    env = dict(os.environ, PATH=f"{fake_bin}{os.pathsep}{os.environ.get('PATH', '')}")
+    with hk.running("gil_cycle", build_dir=build_dir, bound_s=60) as h:
+        before = observe(h.pid)
+        proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "capture", "--pid", str(h.pid), "--timeout", "60",
+                                 "--out", str(tmp_path / "run")], env=env, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline and not _with_marker(marker):
+                time.sleep(0.05)
+            assert _with_marker(marker), "the fake gdb never started"
+            proc.send_signal(sig)
+            proc.wait(timeout=20)
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(timeout=10)
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and _with_marker(marker):
+            time.sleep(0.05)
+        after = observe(h.pid)
+    assert not _with_marker(marker)
+    assert after == before
+    if sig is signal.SIGTERM:
+        assert proc.returncode == 130
+
+
+def _with_marker(marker: str) -> list[int]:
+    return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
+            and marker in _cmdline(int(p))]

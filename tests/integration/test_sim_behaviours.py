@@ -102,9 +102,8 @@ def test_colocated_second_engine_deadlocks_in_the_gil_cycle(engine1: SimProcess,
         time.sleep(2.0)
         # Hung right after the banner: never ready, port refuses, nothing more logged by EngineCore.
         log = e2.log_text()
-        after_banner = log[log.index(BANNER_ENGINE2) + len(BANNER_ENGINE2):]
         assert "Application startup complete" not in log
-        assert not re.search(r"^\(EngineCore pid=\d+\) (?!INFO .*kvdiag sim: KV pool)", after_banner, re.M)
+        assert log.rstrip("\n").endswith(BANNER_ENGINE2), "the banner is the last line, as in the seed"
         assert _refused(e2.port)
         assert e2.returncode() is None
         # Every thread parked on a futex, no CPU: a lock wait, not a busy loop.
@@ -304,11 +303,12 @@ def test_exception_at_startup_fails_like_vllm(tmp_path: Path) -> None:
         remove_device_files(dev)
 
 
-def test_engine_core_killed_while_serving(tmp_path: Path) -> None:
+@pytest.mark.parametrize("mode", ["signal", "raise"])
+def test_engine_core_dies_while_serving(tmp_path: Path, mode: str) -> None:
     dev = _device()
     try:
-        with SimProcess(tmp_path / "kill.log", allocator="fixed", device_name=dev,
-                        extra={"fail-mode": "signal", "fail-signal": "SIGKILL", "fail-at": "serving",
+        with SimProcess(tmp_path / "die.log", allocator="fixed", device_name=dev,
+                        extra={"fail-mode": mode, "fail-signal": "SIGKILL", "fail-at": "serving",
                                "fail-after-tokens": 20, "engine-dead-exit-s": 1.0}) as sp:
             assert sp.wait_healthy(30), sp.log_text()[-2000:]
             core = sp.engine_core_pid(2)
@@ -325,6 +325,10 @@ def test_engine_core_killed_while_serving(tmp_path: Path) -> None:
             log = sp.log_text()
             assert "[shutdown] MPClient: engine core exited unexpectedly; starting cleanup" in log
             assert "EngineDeadError: EngineCore encountered an issue." in log
+            if mode == "raise":
+                assert re.search(r"^\(EngineCore pid=\d+\) ERROR .* EngineCore encountered a fatal error\.$", log,
+                                 re.M)
+                assert "SimulatedEngineError: simulated engine failure" in log
     finally:
         remove_device_files(dev)
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvdiag.capture.base import BackendResult
-from kvdiag.capture.discover import classify_title
+from kvdiag.capture.discover import _log_role, classify_title, log_prefix_pids
 from kvdiag.capture.elfsym import elf_symbol
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.parsers import parse_gdb, parse_gdb_frame, parse_kernel_stack, parse_pyspy, parse_pystack
@@ -187,3 +187,13 @@ def test_elf_symbol_matches_nm() -> None:
 ])
 def test_classify_title(cmdline: str, comm: str, role: ProcessRole) -> None:
     assert classify_title(cmdline, comm) is role
+
+
+def test_log_prefix_pids() -> None:
+    lines = ["(APIServer pid=6790) INFO 12-03 06:15:30 [api_utils.py:286] non-default args: {}",
+             "(EngineCore pid=6898) INFO 12-03 06:15:40 [core.py:133] Initializing a V1 LLM engine",
+             "(VllmWorker-0 pid=6946) WARNING 12-03 06:15:45 [vllm.py:725] ...",
+             "(EngineCore_DP1 pid=7001) INFO ...", "(EngineCore pid=1) a later line does not win"]
+    pids = log_prefix_pids(lines)
+    assert pids == {"api_server": 6790, "engine_core": 6898, "worker": 6946, "EngineCore_DP1": 7001}
+    assert _log_role("EngineCore_DP1") is ProcessRole.ENGINE_CORE

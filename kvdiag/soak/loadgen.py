@@ -1,0 +1,360 @@
+"""Saturating streaming load: N asyncio clients looping OpenAI streaming requests until stopped.
+
+Each client sends ``/v1/completions`` (or ``/v1/chat/completions``) with ``stream: true``,
+``ignore_eos`` and ``max_tokens``, reads the SSE body incrementally, and records per request
+the time to first token, the gaps between tokens, the token count and how it ended. Live
+counters (requests in flight, tokens, time of the last token) feed the no-progress watchdog.
+
+Every wait is bounded: connect, write and pool timeouts, and a read timeout that ends a
+request when the server sends no byte for ``read_timeout_s``. :meth:`LoadGenerator.stop`
+cancels in-flight requests (they count as cancelled, not failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+import httpx
+
+from kvdiag.soak.sse import SSEParser, SSEProtocolError
+from kvdiag.soak.stats import LatencySummary, SampleReservoir, SoakSummary
+
+Clock = Callable[[], float]
+
+DEFAULT_PROMPT = ("You are a GPU memory allocator. Describe, step by step and at length, how a KV cache "
+                  "page moves between the free list, the reserved list and a running request.")
+
+
+class RequestStatus(str, Enum):
+    OK = "ok"                  # 200, stream ended with [DONE]
+    HTTP_ERROR = "http_error"  # non-200 status
+    TIMED_OUT = "timed_out"    # connect/read/write/pool timeout
+    ERROR = "error"            # connection refused/reset, stream cut, malformed SSE, error event
+    CANCELLED = "cancelled"    # stopped by the soak (duration over, stall captured, Ctrl-C)
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What the clients send and how long they wait."""
+
+    base_url: str
+    model: str | None = None
+    concurrency: int = 32
+    max_tokens: int = 256
+    prompt: str = DEFAULT_PROMPT
+    chat: bool = False
+    ignore_eos: bool = True
+    include_usage: bool = True
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 60.0     # no byte at all for this long ends the request as timed out
+    write_timeout_s: float = 10.0
+    retry_delay_s: float = 0.2       # pause after a failed request, so a refusing server is not hammered
+    keep_records: int = 10_000       # most recent per-request records kept for inspection
+
+    def __post_init__(self) -> None:
+        if self.concurrency < 1:
+            raise ValueError("concurrency must be >= 1")
+        if self.max_tokens < 1:
+            raise ValueError("max_tokens must be >= 1")
+        for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+
+    @property
+    def endpoint(self) -> str:
+        return "/v1/chat/completions" if self.chat else "/v1/completions"
+
+    def body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": self.max_tokens, "stream": True}
+        if self.model:
+            body["model"] = self.model
+        if self.chat:
+            body["messages"] = [{"role": "user", "content": self.prompt}]
+        else:
+            body["prompt"] = self.prompt
+        if self.ignore_eos:
+            body["ignore_eos"] = True  # vLLM's extension: always generate max_tokens
+        if self.include_usage:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it. Times come from the generator's clock."""
+
+    start: float
+    status: RequestStatus = RequestStatus.CANCELLED
+    end: float | None = None
+    ttft_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+    tokens: int = 0                       # token events received
+    usage_tokens: int | None = None       # completion_tokens from the usage chunk, when sent
+    finish_reason: str | None = None
+    http_status: int | None = None
+    error: str | None = None
+
+
+class StreamReader:
+    """Turns the SSE events of one OpenAI streaming response into token timings."""
+
+    def __init__(self, record: RequestRecord, on_token: Callable[[float], None]) -> None:
+        self.record = record
+        self.on_token = on_token
+        self.parser = SSEParser()
+        self.done = False
+        self._last_t: float | None = None
+
+    def feed(self, chunk: bytes, now: float) -> None:
+        """Parse one network chunk received at ``now``; every token event in it gets that time."""
+        for ev in self.parser.feed(chunk):
+            if self.done:
+                continue
+            if ev.is_done:
+                self.done = True
+                continue
+            self._event(ev.data, now)
+
+    def _event(self, data: str, now: float) -> None:
+        rec = self.record
+        try:
+            obj = json.loads(data)
+        except json.JSONDecodeError as exc:
+            raise SSEProtocolError(f"malformed SSE data ({exc.msg} at {exc.pos}): {data[:80]!r}") from None
+        if not isinstance(obj, dict):
+            raise SSEProtocolError(f"SSE data is not a JSON object: {data[:80]!r}")
+        err = obj.get("error")
+        if err is not None:
+            msg = err.get("message") if isinstance(err, dict) else err
+            raise _ServerStreamError(str(msg)[:300])
+        usage = obj.get("usage")
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            rec.usage_tokens = usage["completion_tokens"]
+        choices = obj.get("choices")
+        if not choices or not isinstance(choices, list):
+            return
+        choice = choices[0]
+        if not isinstance(choice, dict):
+            return
+        if choice.get("finish_reason"):
+            rec.finish_reason = str(choice["finish_reason"])
+        if "text" in choice:
+            is_token = True
+        else:
+            delta = choice.get("delta")
+            # Chat: the first delta only announces the role; it carries no generated token.
+            is_token = isinstance(delta, dict) and bool(
+                delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls")
+                or ("content" in delta and "role" not in delta))
+        if not is_token:
+            return
+        if self._last_t is None:
+            rec.ttft_s = now - rec.start
+        else:
+            rec.itl_s.append(now - self._last_t)
+        self._last_t = now
+        rec.tokens += 1
+        self.on_token(now)
+
+
+class _ServerStreamError(Exception):
+    """The server sent an error object inside the stream."""
+
+
+class LoadGenerator:
+    """N concurrent streaming clients. Use :meth:`start`, then :meth:`stop` (or :meth:`run_for`)."""
+
+    def __init__(self, cfg: LoadConfig, clock: Clock = time.monotonic,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
+        self.cfg = cfg
+        self.clock = clock
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stopping = False
+        self._stop_event: asyncio.Event | None = None
+        self.started_at: float | None = None
+        self.stopped_at: float | None = None
+        # live counters (read by the watchdog and the progress view)
+        self.in_flight = 0
+        self.sent = 0
+        self.ok = 0
+        self.failed = 0
+        self.timed_out = 0
+        self.cancelled = 0
+        self.http_errors = 0
+        self.tokens = 0
+        self.last_token_t: float | None = None
+        self.first_error: str | None = None
+        self.last_error: str | None = None
+        self.ttft = SampleReservoir()
+        self.itl = SampleReservoir(seed=1)
+        self.records: deque[RequestRecord] = deque(maxlen=max(1, cfg.keep_records))
+
+    # -- lifecycle ---------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start the clients on the running event loop."""
+        if self._tasks:
+            raise RuntimeError("load generator already started")
+        cfg = self.cfg
+        limits = httpx.Limits(max_connections=cfg.concurrency + 2, max_keepalive_connections=cfg.concurrency + 2)
+        timeout = httpx.Timeout(connect=cfg.connect_timeout_s, read=cfg.read_timeout_s,
+                                write=cfg.write_timeout_s, pool=cfg.connect_timeout_s + cfg.read_timeout_s)
+        self._client = httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout, trust_env=False,
+                                         transport=self._transport)
+        self._stop_event = asyncio.Event()
+        self.started_at = self.clock()
+        self._tasks = [asyncio.create_task(self._client_loop(), name=f"kvdiag-soak-client-{i}")
+                       for i in range(cfg.concurrency)]
+
+    async def stop(self, timeout_s: float = 10.0) -> None:
+        """Stop sending, cancel in-flight requests and close the connections (bounded)."""
+        if self._stopping:
+            return
+        self._stopping = True
+        if self.stopped_at is None:
+            self.stopped_at = self.clock()
+        if self._stop_event is not None:
+            self._stop_event.set()
+        for t in self._tasks:
+            t.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=timeout_s)
+        if self._client is not None:
+            try:
+                await asyncio.wait_for(self._client.aclose(), timeout=timeout_s)
+            except (asyncio.TimeoutError, httpx.HTTPError, OSError):
+                pass
+
+    async def run_for(self, duration_s: float) -> SoakSummary:
+        """Start, run for ``duration_s`` seconds, stop; returns the summary."""
+        self.start()
+        try:
+            await asyncio.sleep(duration_s)
+        finally:
+            await self.stop()
+        return self.summary()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping
+
+    # -- one client --------------------------------------------------------------------------------
+    async def _client_loop(self) -> None:
+        stop = self._stop_event
+        assert stop is not None
+        while not stop.is_set():
+            rec = await self._one_request()
+            if rec.status not in (RequestStatus.OK, RequestStatus.CANCELLED) and self.cfg.retry_delay_s > 0:
+                try:
+                    await asyncio.wait_for(stop.wait(), timeout=self.cfg.retry_delay_s)
+                except asyncio.TimeoutError:
+                    pass
+
+    def _token(self, now: float) -> None:
+        self.tokens += 1
+        self.last_token_t = now
+
+    async def _one_request(self) -> RequestRecord:
+        client = self._client
+        assert client is not None
+        rec = RequestRecord(start=self.clock())
+        self.sent += 1
+        self.in_flight += 1
+        reader = StreamReader(rec, self._token)
+        try:
+            async with client.stream("POST", self.cfg.endpoint, json=self.cfg.body()) as resp:
+                rec.http_status = resp.status_code
+                if resp.status_code != 200:
+                    text = await _read_some(resp, 2048)
+                    rec.status = RequestStatus.HTTP_ERROR
+                    rec.error = f"HTTP {resp.status_code}: {_error_text(text)}"
+                else:
+                    async for chunk in resp.aiter_bytes():
+                        reader.feed(chunk, self.clock())
+                    reader.parser.close()
+                    if reader.done:
+                        rec.status = RequestStatus.OK
+                    else:
+                        rec.status = RequestStatus.ERROR
+                        rec.error = "stream ended without [DONE]"
+        except asyncio.CancelledError:
+            rec.status = RequestStatus.CANCELLED
+            self._finish(rec)
+            raise
+        except httpx.TimeoutException as exc:
+            rec.status = RequestStatus.TIMED_OUT
+            rec.error = f"{type(exc).__name__}: no response within the timeout"
+        except (SSEProtocolError, _ServerStreamError) as exc:
+            rec.status = RequestStatus.ERROR
+            rec.error = str(exc)
+        except (httpx.HTTPError, OSError) as exc:
+            rec.status = RequestStatus.ERROR
+            rec.error = f"{type(exc).__name__}: {exc}"[:300]
+        self._finish(rec)
+        return rec
+
+    def _finish(self, rec: RequestRecord) -> None:
+        rec.end = self.clock()
+        self.in_flight -= 1
+        if rec.ttft_s is not None:
+            self.ttft.add(rec.ttft_s)
+        self.itl.extend(rec.itl_s)
+        st = rec.status
+        if st is RequestStatus.OK:
+            self.ok += 1
+        elif st is RequestStatus.CANCELLED:
+            self.cancelled += 1
+        elif st is RequestStatus.TIMED_OUT:
+            self.timed_out += 1
+        else:
+            self.failed += 1
+            if st is RequestStatus.HTTP_ERROR:
+                self.http_errors += 1
+        if rec.error:
+            self.last_error = rec.error
+            if self.first_error is None:
+                self.first_error = rec.error
+        self.records.append(rec)
+
+    # -- results -----------------------------------------------------------------------------------
+    def summary(self, stalled: bool = False, stall_after_s: float | None = None) -> SoakSummary:
+        start = self.started_at if self.started_at is not None else self.clock()
+        end = self.stopped_at if self.stopped_at is not None else self.clock()
+        return SoakSummary(
+            duration_s=max(0.0, end - start), requests_sent=self.sent, requests_ok=self.ok,
+            requests_failed=self.failed, requests_timed_out=self.timed_out,
+            requests_cancelled=self.cancelled + self.in_flight, tokens=self.tokens,
+            ttft=LatencySummary.of(self.ttft), itl=LatencySummary.of(self.itl),
+            stalled=stalled, stall_after_s=stall_after_s,
+        )
+
+
+async def _read_some(resp: httpx.Response, limit: int) -> str:
+    buf = bytearray()
+    async for chunk in resp.aiter_bytes():
+        buf += chunk
+        if len(buf) >= limit:
+            break
+    return bytes(buf[:limit]).decode("utf-8", errors="replace")
+
+
+def _error_text(text: str) -> str:
+    """The message of an OpenAI-style error body, else the body's start."""
+    try:
+        obj = json.loads(text)
+    except json.JSONDecodeError:
+        return text.strip()[:200]
+    if isinstance(obj, dict):
+        err = obj.get("error", obj.get("detail", obj))
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:200]
+        return str(err)[:200]
+    return text.strip()[:200]
