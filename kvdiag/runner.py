@@ -24,7 +24,7 @@ from kvdiag import __version__
 from kvdiag.bundle_io import save_bundle
 from kvdiag.errors import ExitCode, Interrupted, KvdiagError
 from kvdiag.launch.process import ProcessSet
-from kvdiag.launch.session import Outcome, RunResult, ScenarioRun
+from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -77,12 +77,12 @@ class RunArtifacts:
     paths: dict[str, Path]
 
 
-def _capture_stalled(result: RunResult, bundle_dir: Path, tools: list[str], timeout_s: float,
+def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[str], timeout_s: float,
                      bundle: Bundle) -> None:
-    """Capture every process of each stalled engine into the bundle (read-only)."""
+    """Capture every process of each given engine into the bundle (read-only)."""
     from kvdiag.capture import capture_processes, find_engine_processes
 
-    for w in result.stalled:
+    for w in watches:
         if w.proc.pid is None:
             continue
         roles = find_engine_processes(w.proc.pid, dict(w.state.pids))
@@ -202,10 +202,13 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
             try:
                 result = run.run()
-                if result.stalled and scenario.capture.on != "never":
-                    progress(f"capturing {', '.join(w.spec.name for w in result.stalled)} "
+                when = scenario.capture.when
+                targets = (result.stalled if when == "stall" else
+                           [w for w in result.watches if w.proc.alive()] if when == "always" else [])
+                if targets:
+                    progress(f"capturing {', '.join(w.spec.name for w in targets)} "
                              f"({', '.join(scenario.capture.tools)})", None)
-                    _capture_stalled(result, bundle_dir, list(scenario.capture.tools),
+                    _capture_engines(targets, bundle_dir, list(scenario.capture.tools),
                                      scenario.capture.tool_timeout_s, bundle)
                     run.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3),
                                                       event="capture finished"))

@@ -59,6 +59,14 @@ class Reaper:
     def unregister(self, pgid: int) -> None:
         self._send(f"-{pgid}")
 
+    def abandon(self) -> None:
+        """Close the pipe without "exit": the reaper then tears down every registered group."""
+        if self._proc.stdin is not None:
+            try:
+                self._proc.stdin.close()
+            except BrokenPipeError:
+                pass
+
     def close(self) -> None:
         """Tell the reaper everything is already cleaned up and wait for it."""
         self._send("exit")
@@ -184,17 +192,22 @@ class ProcessSet:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        old_int = signal.getsignal(signal.SIGINT)
-        try:
-            signal.signal(signal.SIGINT, signal.SIG_IGN)
-        except ValueError:
-            old_int = None
+        # Teardown must not be cut short by a second Ctrl-C or SIGTERM: ignore both until done.
+        saved: dict[int, object] = {}
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            try:
+                saved[sig] = signal.signal(sig, signal.SIG_IGN)
+            except ValueError:
+                pass
+        clean = False
         try:
             self.stop_all()
+            clean = True
         finally:
             if self.reaper is not None:
-                self.reaper.close()
-            for sig, handler in self._old_handlers.items():
-                signal.signal(sig, handler)  # type: ignore[arg-type]
-            if old_int is not None:
-                signal.signal(signal.SIGINT, old_int)
+                if clean:
+                    self.reaper.close()
+                else:
+                    self.reaper.abandon()  # EOF: the reaper kills whatever is left
+            for signum, handler in {**saved, **self._old_handlers}.items():
+                signal.signal(signum, handler)  # type: ignore[arg-type]

@@ -102,7 +102,7 @@ class CaptureSpec(_Strict):
     tools: list[ToolName] = Field(
         default_factory=lambda: list(_ALL_TOOLS))
     tool_timeout_s: float = Field(15.0, gt=0, le=600)
-    on: Literal["stall", "always", "never"] = "stall"
+    when: Literal["stall", "always", "never"] = "stall"   # ("on" would parse as a YAML boolean)
 
 
 class DeviceSpec(_Strict):

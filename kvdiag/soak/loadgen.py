@@ -192,6 +192,10 @@ class LoadGenerator:
         self.http_errors = 0
         self.tokens = 0
         self.last_token_t: float | None = None
+        # Progress for the watchdog: tokens plus requests the server answered (ok or an error
+        # response), so a server that rejects requests fast is never mistaken for a stall.
+        self.progress = 0
+        self.last_progress_t: float | None = None
         self.first_error: str | None = None
         self.last_error: str | None = None
         self.ttft = SampleReservoir()
@@ -261,6 +265,8 @@ class LoadGenerator:
     def _token(self, now: float) -> None:
         self.tokens += 1
         self.last_token_t = now
+        self.progress += 1
+        self.last_progress_t = now
 
     async def _one_request(self) -> RequestRecord:
         client = self._client
@@ -318,6 +324,9 @@ class LoadGenerator:
             self.failed += 1
             if st is RequestStatus.HTTP_ERROR:
                 self.http_errors += 1
+        if st in (RequestStatus.OK, RequestStatus.HTTP_ERROR, RequestStatus.ERROR):
+            self.progress += 1
+            self.last_progress_t = rec.end
         if rec.error:
             self.last_error = rec.error
             if self.first_error is None:

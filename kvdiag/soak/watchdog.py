@@ -42,7 +42,11 @@ class NoProgressWatchdog:
             raise ValueError("window_s must be > 0")
 
     def observe(self, in_flight: int, tokens: int, last_token_t: float | None = None) -> bool:
-        """One look at the load; True while stalled. ``tokens`` is the cumulative token count."""
+        """One look at the load; True while stalled.
+
+        ``tokens`` is a cumulative progress count (tokens received, plus requests the server
+        answered), ``last_token_t`` the clock time of its last increase when known.
+        """
         now = self.clock()
         if self._last_progress is None:
             self._last_progress = now

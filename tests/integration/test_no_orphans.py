@@ -27,7 +27,7 @@ def _scenario(tmp: Path, marker: str, ready_after: float) -> Path:
     text = f"""
 name: stubborn
 windows: {{stall_s: 30, startup_timeout_s: 60, timeout_s: 60, poll_s: 0.1, kill_grace_s: 0.5}}
-capture: {{on: never}}
+capture: {{when: never}}
 engines:
   - name: one
     kind: command
@@ -98,7 +98,10 @@ def test_no_orphans_after_signal(tmp_path: Path, sig: signal.Signals) -> None:
                 pass
         orphans.extend(left)
         if sig is not signal.SIGKILL:
-            assert proc.returncode == 130, f"run {i}: exit {proc.returncode}"
+            # 130 when the signal cut the run short; 0 only if the run had already finished
+            # (both engines ready) and written its healthy report before the signal landed.
+            finished = (tmp_path / f"out{i}" / "report.json").exists() and proc.returncode == 0
+            assert proc.returncode == 130 or finished, f"run {i}: exit {proc.returncode}"
     assert orphans == [], f"{len(orphans)} orphan(s) over {RUNS} runs"
 
 

@@ -1,0 +1,65 @@
+"""`kvdiag soak`: single-engine saturation load with a no-progress watchdog."""
+
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+
+import typer
+
+from kvdiag.cli.common import console, print_summary
+
+
+class AllocatorChoice(str, Enum):
+    stock = "stock"
+    fixed = "fixed"
+
+
+def soak(
+    model: str = typer.Option("sim", "--model", "-m", help="Model to load. 'sim' launches the embedded simulated "
+                              "engine (no GPU); with --url, the model name requests use (default: the first one "
+                              "the server lists)."),
+    url: str | None = typer.Option(None, "--url", help="Drive an already running OpenAI-compatible server "
+                                   "(e.g. http://127.0.0.1:8000) instead of launching one."),
+    scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML whose first engine is "
+                                         "launched (default: embedded soak-hybrid, the seed's reproduction B)."),
+    duration: float = typer.Option(60.0, "--duration", "-d", help="Seconds of load when nothing stalls."),
+    concurrency: int = typer.Option(32, "--concurrency", "-c", help="Concurrent streaming requests."),
+    max_tokens: int = typer.Option(256, "--max-tokens", help="max_tokens of each request (sent with ignore_eos)."),
+    allocator: AllocatorChoice | None = typer.Option(None, "--allocator", help="Allocator of the launched "
+                                                     "simulated engine (default: the scenario's, stock)."),
+    stall_window: float | None = typer.Option(None, "--stall-window", help="Requests in flight and no token for "
+                                              "this many seconds is a stall (default: the scenario's, 5)."),
+    chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions instead of /v1/completions."),
+    read_timeout: float = typer.Option(60.0, "--read-timeout", help="A request that receives no byte for this "
+                                       "long ends as timed out."),
+    capture: bool = typer.Option(True, "--capture/--no-capture", help="Capture the engine's stacks on a stall."),
+    out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/soak-<timestamp>)."),
+) -> int:
+    """Saturate one engine with streaming requests; exit 0 if tokens keep flowing, 10 if decode stalls."""
+    from kvdiag.runner import prepare_out_dir
+    from kvdiag.soak.session import SoakOptions, SoakRun
+
+    opts = SoakOptions(model=model, url=url, scenario=scenario, duration_s=duration, concurrency=concurrency,
+                       max_tokens=max_tokens, allocator=allocator.value if allocator else None,
+                       stall_window_s=stall_window, chat=chat, read_timeout_s=read_timeout, capture=capture)
+    opts.validate()  # usage errors before any folder is created
+    out_dir = prepare_out_dir(out, "soak")
+    con = console()
+    subject = url if url else f"scenario {scenario}" if scenario else "simulated engine (soak-hybrid)"
+    con.print(f"kvdiag soak: {subject}, {concurrency} streams, output {out_dir}", highlight=False)
+    arts = SoakRun(opts, out_dir, con).run()
+    if arts.bundle.soak is not None:
+        s = arts.bundle.soak
+        rate = s.tokens / s.duration_s if s.duration_s else 0.0
+        def ms(v: float | None) -> str:
+            return "-" if v is None else f"{v * 1000:.1f} ms"
+        con.print(f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out; "
+                  f"{s.tokens} tokens in {s.duration_s:.1f}s ({rate:.0f} tok/s); TTFT p50 {ms(s.ttft_p50_s)} "
+                  f"p99 {ms(s.ttft_p99_s)}; ITL p50 {ms(s.itl_p50_s)} p99 {ms(s.itl_p99_s)}", highlight=False)
+    print_summary(arts, con)
+    return arts.exit_code
+
+
+def register(app: typer.Typer) -> None:
+    app.command("soak")(soak)

@@ -1,0 +1,35 @@
+"""Drive upstream kvcached (0.1.6 sdist, C++ PageAllocator with the #422 fix) through the seed's
+engine-2 start-up on a real GPU: KV tensors for 28 layers x 11 MB, a prealloc-enabled
+PageAllocator (5 pages == min_reserved_pages), then the null-block alloc_page on the main thread,
+the way vLLM's EngineCore does at TP=1. Prints the banner (from C++) and "STARTED <seconds>".
+Used by scripts/gpu_proof.sh; needs torch with CUDA and kvcached installed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+signal.alarm(50)  # a regression must not wedge the GPU proof run
+os.environ.setdefault("KVCACHED_PAGE_PREALLOC_ENABLED", "true")
+os.environ.setdefault("KVCACHED_IPC_NAME", "KVDIAG_ENG2")
+
+import torch  # noqa: E402
+import kvcached.vmm_ops as ops  # noqa: E402
+
+MB = 1024 * 1024
+LAYERS, PER_LAYER, PAGE = 28, 11 * MB, 2 * MB
+
+t0 = time.monotonic()
+torch.cuda.init()
+ops.init_kvcached("cuda:0", PAGE, True)
+ops.create_kv_tensors(PER_LAYER, 2, "cuda:0", LAYERS, 2, 0, False)
+alloc = ops.PageAllocator(num_layers=LAYERS, mem_size_per_layer=PER_LAYER, page_size=PAGE, world_size=1,
+                          pp_rank=0, async_sched=True, contiguous_layout=True, enable_page_prealloc=True,
+                          num_kv_buffers=2, group_id=0, ipc_name="KVDIAG_ENG2")
+alloc.start_prealloc_thread()
+page = alloc.alloc_page()  # the null block; with the pre-fix allocator this is where it hung
+print(f"STARTED {time.monotonic() - t0:.3f} page={page.page_id} free={alloc.get_num_free_pages()}", flush=True)
+alloc.stop_prealloc_thread()
+ops.shutdown_kvcached()
