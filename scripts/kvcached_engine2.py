@@ -18,15 +18,22 @@ os.environ.setdefault("KVCACHED_IPC_NAME", "KVDIAG_ENG2")
 import torch  # noqa: E402
 import kvcached.vmm_ops as ops  # noqa: E402
 
+import faulthandler  # noqa: E402
+import sys  # noqa: E402
+
+faulthandler.enable()
 MB = 1024 * 1024
-LAYERS, PER_LAYER, PAGE = 28, 11 * MB, 2 * MB
+# The seed's 11 MB per layer is rounded by kvcached to whole 2 MB pages; 10 MB keeps the same
+# 5-page pool (== min_reserved_pages) without the alignment step. argv[1] may override (MB).
+LAYERS, PER_LAYER, PAGE = 28, int(sys.argv[1] if len(sys.argv) > 1 else 10) * MB, 2 * MB
+ASYNC = (sys.argv[2] if len(sys.argv) > 2 else "0") == "1"
 
 t0 = time.monotonic()
 torch.cuda.init()
 ops.init_kvcached("cuda:0", PAGE, True)
 ops.create_kv_tensors(PER_LAYER, 2, "cuda:0", LAYERS, 2, 0, False)
 alloc = ops.PageAllocator(num_layers=LAYERS, mem_size_per_layer=PER_LAYER, page_size=PAGE, world_size=1,
-                          pp_rank=0, async_sched=True, contiguous_layout=True, enable_page_prealloc=True,
+                          pp_rank=0, async_sched=ASYNC, contiguous_layout=True, enable_page_prealloc=True,
                           num_kv_buffers=2, group_id=0, ipc_name="KVDIAG_ENG2")
 alloc.start_prealloc_thread()
 page = alloc.alloc_page()  # the null block; with the pre-fix allocator this is where it hung

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
+import threading
+from types import FrameType
 
 import typer
 
 from kvdiag import __version__
-from kvdiag.errors import ExitCode, KvdiagError
+from kvdiag.errors import ExitCode, Interrupted, KvdiagError
 
 # Each module defines ``register(app)`` adding its command(s).
 _COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "sim")
@@ -50,8 +53,16 @@ def _register_all() -> None:
         module.register(app)
 
 
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise Interrupted(f"received {signal.Signals(signum).name}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (also used as sys.exit)."""
+    if threading.current_thread() is threading.main_thread():
+        # SIGTERM/SIGHUP end a run like Ctrl-C does: teardown, partial report, exit 130.
+        for sig in (signal.SIGTERM, signal.SIGHUP):
+            signal.signal(sig, _on_sigterm)
     _register_all()
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("KVDIAG_DEBUG") == "1"
     try:

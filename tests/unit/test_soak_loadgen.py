@@ -1,0 +1,294 @@
+"""The load generator against a real in-process uvicorn SSE server that cuts chunks in nasty places."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterator, MutableMapping
+from typing import Any
+
+import pytest
+import uvicorn
+
+from kvdiag.launch.process import free_port
+from kvdiag.soak.loadgen import LoadConfig, LoadGenerator, RequestStatus
+from kvdiag.soak.watchdog import MetricsPoller, NoProgressWatchdog
+
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
+
+N_TOKENS = 12
+METRICS = """# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 21.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 11.0
+vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.987
+vllm:num_preemptions_total{engine="0",model_name="m"} 0.0
+vllm:generation_tokens_total{engine="0",model_name="m"} 4242.0
+"""
+
+
+def _event(obj: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(obj, separators=(',', ':'))}\n\n".encode()
+
+
+def _token(i: int, n: int, chat: bool) -> bytes:
+    last = i == n - 1
+    if chat:
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": "length" if last else None}
+    else:
+        choice = {"index": 0, "text": f"t{i} \u20ac", "finish_reason": "length" if last else None}
+    return _event({"id": "x", "object": "o", "choices": [choice]})
+
+
+def _nasty_chunks(body: bytes) -> list[bytes]:
+    """Cut so that chunks end in `data: `, inside the JSON, inside a UTF-8 sequence and between the two \\n."""
+    out: list[bytes] = []
+    i = 0
+    sizes = [6, 1, 13, 3, 2, 29, 1, 7]
+    k = 0
+    while i < len(body):
+        n = sizes[k % len(sizes)]
+        out.append(body[i:i + n])
+        i += n
+        k += 1
+    return out
+
+
+class SSEApp:
+    """Raw ASGI app; what /v1/completions does depends on the prompt."""
+
+    def __init__(self) -> None:
+        self.bodies: list[dict[str, Any]] = []
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            while True:
+                msg = await receive()
+                if msg["type"] == "lifespan.startup":
+                    await send({"type": "lifespan.startup.complete"})
+                elif msg["type"] == "lifespan.shutdown":
+                    await send({"type": "lifespan.shutdown.complete"})
+                    return
+        path = scope["path"]
+        if path == "/metrics":
+            await self._plain(send, 200, METRICS.encode())
+            return
+        if path == "/health":
+            await self._plain(send, 200, b"")
+            return
+        raw = b""
+        while True:
+            msg = await receive()
+            raw += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        body = json.loads(raw)
+        self.bodies.append(body)
+        chat = path.endswith("/chat/completions")
+        mode = body["messages"][0]["content"] if chat else body["prompt"]
+        if mode == "status":
+            await self._plain(send, 400, b'{"error":{"message":"bad max_tokens","type":"BadRequestError"}}')
+            return
+        await send({"type": "http.response.start", "status": 200,
+                    "headers": [(b"content-type", b"text/event-stream; charset=utf-8")]})
+        n = body["max_tokens"]
+        stream = b""
+        if chat:
+            stream += _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if mode in ("ok", "chat"):
+            stream += b"".join(_token(i, n, chat) for i in range(n))
+            stream += _event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n,
+                                                       "total_tokens": n + 3}})
+            stream += b"data: [DONE]\n\n"
+            for c in _nasty_chunks(stream):
+                await send({"type": "http.response.body", "body": c, "more_body": True})
+                await asyncio.sleep(0)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        stream += _token(0, n, chat) + _token(1, n, chat)
+        if mode == "errevent":
+            stream += _event({"error": {"message": "engine died", "type": "InternalServerError", "code": 500}})
+            stream += b"data: [DONE]\n\n"
+        await send({"type": "http.response.body", "body": stream, "more_body": mode == "hang"})
+        if mode == "hang":
+            await asyncio.sleep(60)   # cancelled by the client going away or server shutdown
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _plain(self, send: Send, status: int, body: bytes) -> None:
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json")]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _Server(uvicorn.Server):
+    def install_signal_handlers(self) -> None:  # running in a thread
+        pass
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[str, SSEApp]]:
+    app = SSEApp()
+    port = free_port()
+    srv = _Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="on",
+                                 timeout_graceful_shutdown=1))
+    th = threading.Thread(target=srv.run, daemon=True)
+    th.start()
+    deadline = time.monotonic() + 20
+    while not srv.started and time.monotonic() < deadline and th.is_alive():
+        time.sleep(0.02)
+    assert srv.started, "test server did not start"
+    try:
+        yield f"http://127.0.0.1:{port}", app
+    finally:
+        srv.should_exit = True
+        th.join(timeout=10)
+
+
+async def _until(cond: Callable[[], bool], bound_s: float = 30.0) -> None:
+    """Wait (bounded) until ``cond()``; the bound only stops a broken test from hanging."""
+    end = time.monotonic() + bound_s
+    while not cond():
+        assert time.monotonic() < end, "condition not reached within the test's bound"
+        await asyncio.sleep(0.01)
+
+
+def test_ok_streams_are_measured(server: tuple[str, SSEApp]) -> None:
+    url, app = server
+
+    async def go() -> LoadGenerator:
+        lg = LoadGenerator(LoadConfig(base_url=url, model="m", concurrency=4, max_tokens=N_TOKENS, prompt="ok"))
+        lg.start()
+        await _until(lambda: lg.ok >= 12)
+        await lg.stop()
+        return lg
+
+    lg = asyncio.run(go())
+    oks = [r for r in lg.records if r.status is RequestStatus.OK]
+    assert len(oks) >= 12 and lg.failed == 0 and lg.timed_out == 0
+    for r in oks:
+        assert r.tokens == N_TOKENS and r.usage_tokens == N_TOKENS
+        assert r.ttft_s is not None and r.ttft_s >= 0
+        assert len(r.itl_s) == N_TOKENS - 1 and all(x >= 0 for x in r.itl_s)
+        assert r.finish_reason == "length"
+    body = app.bodies[-1]
+    assert body["stream"] is True and body["ignore_eos"] is True and body["model"] == "m"
+    assert body["max_tokens"] == N_TOKENS and body["stream_options"] == {"include_usage": True}
+    s = lg.summary()
+    assert s.requests_ok == lg.ok and s.tokens == lg.tokens >= 12 * N_TOKENS
+    assert s.ttft.count >= 12 and s.itl.p50_s is not None and s.itl.p99_s is not None
+    assert lg.in_flight == 0
+
+
+def test_chat_role_chunk_is_not_a_token(server: tuple[str, SSEApp]) -> None:
+    url, _ = server
+
+    async def go() -> LoadGenerator:
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=2, max_tokens=5, prompt="chat", chat=True))
+        lg.start()
+        await _until(lambda: lg.ok >= 2)
+        await lg.stop()
+        return lg
+
+    lg = asyncio.run(go())
+    for r in (r for r in lg.records if r.status is RequestStatus.OK):
+        assert r.tokens == 5 and len(r.itl_s) == 4
+
+
+@pytest.mark.parametrize("prompt,status,text", [
+    ("status", RequestStatus.HTTP_ERROR, "HTTP 400: bad max_tokens"),
+    ("cut", RequestStatus.ERROR, "stream ended without [DONE]"),
+    ("errevent", RequestStatus.ERROR, "engine died"),
+])
+def test_failures_are_classified(server: tuple[str, SSEApp], prompt: str, status: RequestStatus, text: str) -> None:
+    url, _ = server
+
+    async def go() -> LoadGenerator:
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=2, max_tokens=4, prompt=prompt, retry_delay_s=0.01))
+        lg.start()
+        await _until(lambda: lg.failed >= 3)
+        await lg.stop()
+        return lg
+
+    lg = asyncio.run(go())
+    failed = [r for r in lg.records if r.status is status]
+    assert failed and all(r.error and text in r.error for r in failed)
+    assert lg.ok == 0
+    # answered requests count as progress: a rejecting server is not a stalled one
+    assert lg.progress >= lg.failed
+
+
+def test_read_timeout_ends_a_silent_request(server: tuple[str, SSEApp]) -> None:
+    url, _ = server
+
+    async def go() -> LoadGenerator:
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=1, max_tokens=4, prompt="hang", read_timeout_s=0.3,
+                                      retry_delay_s=0.01))
+        lg.start()
+        await _until(lambda: lg.timed_out >= 1)
+        await lg.stop()
+        return lg
+
+    lg = asyncio.run(go())
+    r = next(r for r in lg.records if r.status is RequestStatus.TIMED_OUT)
+    assert r.tokens == 2 and "timeout" in (r.error or "").lower()
+
+
+def test_watchdog_fires_on_a_mid_stream_stall_and_stop_cancels(server: tuple[str, SSEApp]) -> None:
+    url, _ = server
+
+    async def go() -> tuple[LoadGenerator, NoProgressWatchdog]:
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=3, max_tokens=4, prompt="hang"))
+        wd = NoProgressWatchdog(0.3)
+        lg.start()
+        await _until(lambda: wd.observe(lg.in_flight, lg.progress, lg.last_progress_t))
+        await lg.stop(timeout_s=10)
+        return lg, wd
+
+    lg, wd = asyncio.run(go())
+    assert lg.tokens == 6 and lg.sent == 3
+    assert wd.onset is not None and wd.fired_at is not None and wd.fired_at - wd.onset >= 0.3
+    assert lg.last_token_t is not None and wd.onset >= lg.last_token_t
+    assert lg.in_flight == 0 and lg.cancelled == 3
+    assert all(r.status is RequestStatus.CANCELLED and r.tokens == 2 for r in lg.records)
+    s = lg.summary()
+    assert s.requests_cancelled == 3 and s.ttft.count == 3 and s.itl.count == 3
+
+
+def test_metrics_poller(server: tuple[str, SSEApp]) -> None:
+    url, _ = server
+
+    async def go() -> MetricsPoller:
+        p = MetricsPoller(url, "e", t0=time.monotonic())
+        await p.poll()
+        await p.aclose()
+        return p
+
+    p = asyncio.run(go())
+    snap = p.latest
+    assert snap is not None and snap.engine == "e"
+    assert (snap.running, snap.waiting, snap.kv_cache_usage, snap.preemptions, snap.generation_tokens) == (
+        21.0, 11.0, 0.987, 0.0, 4242.0)
+
+
+def test_poller_and_clients_survive_a_closed_port() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+
+    async def go() -> tuple[LoadGenerator, MetricsPoller]:
+        p = MetricsPoller(url, None, t0=time.monotonic(), timeout_s=1.0)
+        assert await p.poll() is None
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=2, connect_timeout_s=1.0, retry_delay_s=0.01))
+        lg.start()
+        await _until(lambda: lg.failed >= 4)
+        await lg.stop()
+        await p.aclose()
+        return lg, p
+
+    lg, p = asyncio.run(go())
+    assert p.failures == 1 and p.last_error
+    assert lg.ok == 0 and all(r.status is RequestStatus.ERROR for r in lg.records if r.status is not
+                              RequestStatus.CANCELLED)
+    assert "ConnectError" in (lg.first_error or "")
