@@ -61,3 +61,11 @@ class AllocatorError(KvdiagError):
 
 class Interrupted(KvdiagError):
     exit_code = ExitCode.INTERRUPTED
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM/SIGHUP, delivered like Ctrl-C.
+
+    A BaseException (as KeyboardInterrupt is) so that no ``except Exception`` on the
+    way up can swallow it; the CLI maps it to exit 130 after teardown.
+    """

@@ -213,7 +213,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                     run.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3),
                                                       event="capture finished"))
             except (Interrupted, KeyboardInterrupt) as exc:
-                interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
+                interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
                 result = RunResult(run.watches, run.timeline, run.metrics, run.t0)
             _fill_bundle(bundle, result)
             _copy_logs_redacted(raw_log_dir, bundle_dir)
@@ -226,7 +226,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                 arts = finish(out_dir, bundle, command, verdict=verdict, by_engine=by_engine)
                 progress(f"verdict {verdict.kind.value}; stopping engines", None)
     except (Interrupted, KeyboardInterrupt) as exc:
-        interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
+        interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
     finally:
         _copy_logs_redacted(raw_log_dir, bundle_dir)  # final copy: what engines printed until teardown
         shutil.rmtree(raw_log_dir, ignore_errors=True)

@@ -12,7 +12,7 @@ from types import FrameType
 import typer
 
 from kvdiag import __version__
-from kvdiag.errors import ExitCode, Interrupted, KvdiagError
+from kvdiag.errors import ExitCode, KvdiagError, Terminated
 
 # Each module defines ``register(app)`` adding its command(s).
 _COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "sim")
@@ -54,7 +54,7 @@ def _register_all() -> None:
 
 
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise Interrupted(f"received {signal.Signals(signum).name}")
+    raise Terminated(f"received {signal.Signals(signum).name}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -63,9 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM/SIGHUP end a run like Ctrl-C does: teardown, partial report, exit 130.
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, _on_sigterm)
-    _register_all()
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("KVDIAG_DEBUG") == "1"
     try:
+        _register_all()
         rv = app(args=argv, standalone_mode=False)
     except KvdiagError as exc:
         if debug:
@@ -74,8 +74,8 @@ def main(argv: list[str] | None = None) -> int:
         if exc.hint:
             typer.echo(f"  hint: {exc.hint}", err=True)
         return exc.exit_code
-    except KeyboardInterrupt:
-        typer.echo("kvdiag: interrupted", err=True)
+    except KeyboardInterrupt as exc:
+        typer.echo(f"kvdiag: interrupted{': ' + str(exc) if str(exc) else ''}", err=True)
         return ExitCode.INTERRUPTED
     except typer.Exit as exc:
         return int(exc.exit_code or 0)

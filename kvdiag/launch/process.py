@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from types import FrameType, TracebackType
 
-from kvdiag.errors import EngineFailed, Interrupted
+from kvdiag.errors import EngineFailed, Terminated
 from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups
 
 
@@ -142,7 +142,7 @@ class EngineProcess:
 class ProcessSet:
     """All engines of one run, with signal handling that guarantees teardown.
 
-    Use as a context manager: SIGTERM and SIGHUP become :class:`Interrupted`
+    Use as a context manager: SIGTERM and SIGHUP become :class:`Terminated`
     (Ctrl-C arrives as KeyboardInterrupt), and on exit every engine group is
     stopped. If kvdiag is SIGKILLed, the reaper does it instead.
     """
@@ -164,7 +164,7 @@ class ProcessSet:
         return self
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        raise Interrupted(f"received {signal.Signals(signum).name}")
+        raise Terminated(f"received {signal.Signals(signum).name}")
 
     def env_for(self, extra: dict[str, str]) -> dict[str, str]:
         env = dict(os.environ)

@@ -1,0 +1,162 @@
+"""`kvdiag soak` end to end on simulated engines (real processes, real HTTP load)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvdiag.launch.process import free_port
+from kvdiag.sim.harness import SimProcess, process_alive, remove_device_files
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _kvdiag(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True,
+                          timeout=timeout, cwd=ROOT)
+
+
+def _report(out: Path) -> dict[str, object]:
+    data = json.loads((out / "report.json").read_text())
+    assert isinstance(data, dict)
+    return data
+
+
+def _engine_pids_gone(report: dict[str, object]) -> None:
+    for e in report["engines"]:  # type: ignore[union-attr]
+        for role, pid in e["pids"].items():
+            assert not process_alive(pid), f"{role} pid {pid} left behind"
+
+
+def test_stock_allocator_decode_stall_is_found_and_captured(tmp_path: Path) -> None:
+    out = tmp_path / "stock"
+    proc = _kvdiag("soak", "--duration", "60", "--out", str(out))
+    assert proc.returncode == 10, proc.stderr[-3000:]
+    report = _report(out)
+    verdict = report["verdict"]
+    assert isinstance(verdict, dict) and verdict["kind"] == "decode_stall", verdict
+    assert "KV cache" in verdict["summary"] and "running" in verdict["summary"]
+    soak = report["soak"]
+    assert isinstance(soak, dict) and soak["stalled"] is True and soak["tokens"] > 0
+    assert soak["ttft_p50_s"] is not None and soak["itl_p50_s"] is not None
+    events = [e["event"] for e in report["timeline"]]  # type: ignore[union-attr]
+    for ev in ("soak load started", "stall onset (last progress)", "stall detected", "capture finished", "verdict"):
+        assert ev in events, events
+    engine = report["engines"][0]  # type: ignore[index]
+    assert engine["phase"] == "stalled" and engine["healthy"] is True and engine["allocator"] == "stock"
+    bundle = json.loads((out / "bundle" / "bundle.json").read_text())
+    core = [p for p in bundle["processes"] if p["role"] == "engine_core"]
+    assert core and core[0]["pid"] == engine["pids"]["engine_core"]
+    assert any(p["role"] == "api_server" for p in bundle["processes"])
+    # /metrics during the stall: requests running, KV near full, the token counter flat
+    last = bundle["metrics"][-1]
+    assert last["running"] > 0 and last["kv_cache_usage"] >= 0.9
+    assert (out / "bundle" / "logs" / "hybrid.log").exists() and (out / "report.html").exists()
+    _engine_pids_gone(report)
+
+
+def test_fixed_allocator_soak_is_healthy(tmp_path: Path) -> None:
+    out = tmp_path / "fixed"
+    proc = _kvdiag("soak", "--allocator", "fixed", "--duration", "8", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = _report(out)
+    assert report["verdict"]["kind"] == "healthy"  # type: ignore[index]
+    soak = report["soak"]
+    assert isinstance(soak, dict) and soak["stalled"] is False
+    assert soak["requests_ok"] > 0 and soak["requests_failed"] == 0 and soak["tokens"] > 0
+    bundle = json.loads((out / "bundle" / "bundle.json").read_text())
+    assert bundle["processes"] == []          # nothing stalled: nothing captured
+    assert len(bundle["metrics"]) >= 3
+    _engine_pids_gone(report)
+
+
+@pytest.fixture
+def stock_server(tmp_path: Path) -> Iterator[SimProcess]:
+    dev = f"kvsoak{uuid.uuid4().hex[:10]}"
+    sp = SimProcess(tmp_path / "server.log", preset="decode-stall", allocator="stock", device_name=dev)
+    try:
+        with sp:
+            assert sp.wait_healthy(30), sp.log_text()[-2000:]
+            yield sp
+    finally:
+        remove_device_files(dev)
+
+
+def test_url_mode_finds_the_local_server_and_captures_it(tmp_path: Path, stock_server: SimProcess) -> None:
+    out = tmp_path / "url"
+    proc = _kvdiag("soak", "--url", stock_server.url, "--duration", "60", "--out", str(out))
+    assert proc.returncode == 10, proc.stderr[-3000:]
+    report = _report(out)
+    assert report["verdict"]["kind"] == "decode_stall"  # type: ignore[index]
+    engine = report["engines"][0]  # type: ignore[index]
+    assert engine["allocator"] == "external"
+    assert engine["pids"]["api_server"] == stock_server.pid    # found through /proc/net/tcp
+    assert engine["pids"]["engine_core"] == stock_server.engine_core_pid(2)
+    assert stock_server.healthy(), "kvdiag must not stop a server it did not start"
+
+
+def test_url_without_a_server_is_an_engine_failure(tmp_path: Path) -> None:
+    proc = _kvdiag("soak", "--url", f"http://127.0.0.1:{free_port()}", "--out", str(tmp_path / "none"), timeout=60)
+    assert proc.returncode == 4, proc.stderr
+    assert "no server answers" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_usage_errors(tmp_path: Path) -> None:
+    proc = _kvdiag("soak", "--model", "Qwen/Qwen3.6-27B-FP8", "--out", str(tmp_path / "u"), timeout=60)
+    assert proc.returncode == 2 and "needs --url" in proc.stderr
+    assert not (tmp_path / "u").exists()
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nengines:\n  - name: a\n    sim:\n      layerz: 3\n")
+    proc = _kvdiag("soak", "--scenario", str(bad), "--out", str(tmp_path / "b"), timeout=60)
+    assert proc.returncode == 2 and "bad.yaml:5" in proc.stderr and "unknown key" in proc.stderr
+
+
+def test_sigterm_tears_down_and_writes_a_partial_report(tmp_path: Path) -> None:
+    out = tmp_path / "term"
+    err = tmp_path / "stderr.txt"
+    with open(err, "w") as fh:
+        p = subprocess.Popen([sys.executable, "-m", "kvdiag", "soak", "--allocator", "fixed", "--duration", "120",
+                              "--out", str(out)], stdout=subprocess.DEVNULL, stderr=fh, cwd=ROOT,
+                             start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while "soak load started" not in err.read_text() and time.monotonic() < deadline and p.poll() is None:
+            time.sleep(0.1)
+        assert "soak load started" in err.read_text(), err.read_text()[-2000:]
+        p.send_signal(signal.SIGTERM)
+        rc = p.wait(timeout=60)
+    finally:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(timeout=10)
+    assert rc == 130, err.read_text()[-2000:]
+    report = _report(out)
+    assert report["interrupted"] is True and report["exit_code"] == 130
+    _engine_pids_gone(report)
+
+
+def test_engine_crash_during_the_soak_is_a_crash(tmp_path: Path) -> None:
+    import yaml
+
+    data = yaml.safe_load((ROOT / "scenarios" / "soak-hybrid.yaml").read_text())
+    data["engines"][0]["allocator"] = "fixed"
+    data["engines"][0]["sim"]["extra_args"] += ["--fail-mode", "signal", "--fail-at", "serving",
+                                                "--fail-after-tokens", "300"]
+    scen = tmp_path / "crash.yaml"
+    scen.write_text(yaml.safe_dump(data))
+    out = tmp_path / "crash"
+    proc = _kvdiag("soak", "--scenario", str(scen), "--duration", "60", "--out", str(out))
+    assert proc.returncode == 4, proc.stderr[-3000:]
+    report = _report(out)
+    assert report["verdict"]["kind"] == "crash"  # type: ignore[index]
+    assert report["engines"][0]["phase"] == "exited"  # type: ignore[index]
+    _engine_pids_gone(report)
