@@ -10,12 +10,12 @@ owns the KV allocator and is the process to capture; the API server never is.
 
 from __future__ import annotations
 
-import os
 import re
 
 import psutil
 
 from kvdiag.model import ProcessRole
+from kvdiag.proc import process_tree as process_tree
 
 _ENGINE_RE = re.compile(r"(^|[^A-Za-z])EngineCore", re.IGNORECASE)
 _WORKER_RE = re.compile(r"^VLLM::(Worker|VllmWorker)|(^|[^A-Za-z])VllmWorker|::Worker(_|$)")
@@ -88,16 +88,6 @@ def classify_title(cmdline: str, comm: str) -> ProcessRole:
     if any(m in low for m in _API_MARKERS) or comm in ("vllm",):
         return ProcessRole.API_SERVER
     return ProcessRole.OTHER
-
-
-def process_tree(root_pid: int) -> list[int]:
-    """``root_pid`` and all its descendants (breadth first); empty when it does not exist."""
-    try:
-        root = psutil.Process(root_pid)
-        kids = root.children(recursive=True)
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        return [root_pid] if os.path.exists(f"/proc/{root_pid}") else []
-    return [root_pid] + [k.pid for k in kids]
 
 
 def _ancestors(pid: int, root_pid: int) -> list[int]:

@@ -17,32 +17,9 @@ import sys
 import time
 from collections.abc import Iterable
 
+from kvdiag.proc import alive, group_alive
+
 RUN_ID_ENV = "KVDIAG_RUN_ID"
-
-
-def _group_alive(pgid: int) -> bool:
-    """True while a non-zombie process is in group ``pgid``.
-
-    killpg(pgid, 0) alone is not enough: an unreaped zombie leader keeps the
-    group "existing" although nothing in it runs any more.
-    """
-    try:
-        os.killpg(pgid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                rest = fh.read().rsplit(b")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(rest) > 3 and int(rest[3]) == pgid and rest[0] not in (b"Z", b"X"):
-            return True
-    return False
 
 
 def pids_with_marker(run_id: str) -> list[int]:
@@ -56,12 +33,9 @@ def pids_with_marker(run_id: str) -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as fh:
                 env = fh.read()
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
         except OSError:
             continue
-        state = stat.rsplit(b")", 1)[-1].split()[0:1]
-        if state == [b"Z"]:
+        if not alive(int(entry)):
             continue
         if needle in env.split(b"\0"):
             found.append(int(entry))
@@ -84,7 +58,7 @@ def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> Non
             pass
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline:
-        if not any(_group_alive(g) for g in groups) and not (run_id and pids_with_marker(run_id)):
+        if not any(group_alive(g) for g in groups) and not (run_id and pids_with_marker(run_id)):
             return
         time.sleep(0.05)
     for pgid in groups:

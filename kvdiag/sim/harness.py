@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
 import time
 from pathlib import Path
@@ -17,40 +16,12 @@ from types import TracebackType
 
 import httpx
 
+from kvdiag.launch.process import free_port
+from kvdiag.proc import alive as process_alive
+from kvdiag.proc import children
 from kvdiag.sim.cmdline import command
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def process_alive(pid: int) -> bool:
-    """True while ``pid`` exists and is not a zombie."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as fh:
-            state = fh.read().rsplit(b")", 1)[-1].split()[0]
-    except OSError:
-        return False
-    return state not in (b"Z", b"X")
-
-
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid`` (from /proc)."""
-    out: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                rest = fh.read().rsplit(b")", 1)[-1].split()
-        except OSError:
-            continue
-        if len(rest) > 1 and int(rest[1]) == pid:
-            out.append(int(entry))
-    return out
+__all__ = ["SimProcess", "children", "free_port", "process_alive", "remove_device_files"]
 
 
 class SimProcess:

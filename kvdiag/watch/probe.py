@@ -9,6 +9,9 @@ import re
 import httpx
 
 from kvdiag.model import MetricsSnapshot
+from kvdiag.proc import process_tree, read_stat
+
+__all__ = ["process_tree"]
 
 FUTEX_WCHANS = ("futex_wait_queue", "futex_do_wait", "futex_wait", "futex_wait_queue_me")
 
@@ -64,44 +67,10 @@ def scrape_metrics(client: httpx.Client, base_url: str, t: float, engine: str | 
     return parse_metrics(resp.text, t, engine)
 
 
-def process_tree(root: int) -> list[int]:
-    """``root`` and all its descendants (from /proc, no external tools)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        rest = stat.rsplit(b")", 1)[-1].split()
-        if len(rest) > 2:
-            children.setdefault(int(rest[1]), []).append(int(entry))
-    out: list[int] = []
-    todo = [root]
-    while todo:
-        pid = todo.pop()
-        if pid in out:
-            continue
-        out.append(pid)
-        todo.extend(children.get(pid, []))
-    return out
-
-
 def cpu_ticks(pids: list[int]) -> int | None:
     """Sum of utime+stime (clock ticks) over ``pids``; None if none could be read."""
-    total = 0
-    seen = False
-    for pid in pids:
-        try:
-            with open(f"/proc/{pid}/stat", "rb") as fh:
-                rest = fh.read().rsplit(b")", 1)[-1].split()
-        except OSError:
-            continue
-        total += int(rest[11]) + int(rest[12])
-        seen = True
-    return total if seen else None
+    stats = [st for st in (read_stat(pid) for pid in pids) if st is not None]
+    return sum(st.utime + st.stime for st in stats) if stats else None
 
 
 def threads_blocked(pid: int) -> bool | None:
@@ -110,15 +79,8 @@ def threads_blocked(pid: int) -> bool | None:
         tids = os.listdir(f"/proc/{pid}/task")
     except OSError:
         return None
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/stat", "rb") as fh:
-                state = fh.read().rsplit(b")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if state not in (b"S", b"D"):
-            return False
-    return True
+    states = [st.state for st in (read_stat(pid, int(t)) for t in tids) if st is not None]
+    return all(s in ("S", "D") for s in states) if states else None
 
 
 def read_wchan(pid: int, tid: int | None = None) -> str | None:
