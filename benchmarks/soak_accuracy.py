@@ -1,24 +1,29 @@
-"""Benchmark: how accurate (and how cheap) kvdiag's soak load generator's TTFT/ITL figures are.
+"""Benchmark: how accurate, and how cheap, kvdiag's soak load generator's TTFT/ITL figures are.
 
 Server: one simulated engine (`python -m kvdiag.sim serve`, fixed allocator, a KV pool that never
-fills, --step-ms 20), so tokens come at a known pace and nothing stalls.
+fills, --step-ms 20), so tokens come at a steady pace and nothing stalls.
 
-Measured in the same run, at the same time, against that server (two child processes started
-together, each with --concurrency streams of /v1/completions, stream=true, ignore_eos):
-- subject: kvdiag.soak.loadgen.LoadGenerator (httpx, the incremental SSE parser, per-request records);
-- reference: a deliberately minimal client written here on raw asyncio sockets (hand-decoded
-  HTTP/1.1 chunked body, events split on blank lines, one keep-alive connection per stream),
-  stamping each event with the time its HTTP chunk arrived, exactly as kvdiag does.
-Both see the same server under the same load; the server's own histograms
-(vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds, bucketed, so coarse) are
-printed as a third opinion.
-
+Reference for accuracy (measures the SAME stream): a tap under kvdiag's HTTP stack. kvdiag's
+LoadGenerator runs on an httpx transport whose httpcore network backend records, for every socket
+write and read, the time and the bytes. Code written here (nothing shared with kvdiag: a hand
+decoder of the HTTP/1.1 chunked body and a split on blank lines) turns those raw reads into TTFT
+(request bytes written -> read that completed the first token event) and ITL (between the reads
+that completed consecutive token events) for exactly the requests and tokens kvdiag measured.
+The difference is kvdiag's own error: its request-issue overhead, httpx/httpcore/h11 decoding,
+its SSE parser and JSON handling. (What both share, event-loop lag before the socket read, is
+not in it: the second reference below covers that.)
 Errors are relative: |kvdiag - reference| / reference, for TTFT and ITL p50 and p99.
-cpu_ratio = (kvdiag client CPU seconds / tokens it received) / (reference client CPU seconds /
-tokens it received): CPU (user+sys, time.process_time of each client process over its load
-window) per received token, so the two are comparable even if their token counts differ.
 
-Prints a table and ends with
+Second reference, and the CPU baseline: an independent minimal client on raw asyncio sockets
+(same request, same warm-up, same concurrency) running at the same time as kvdiag's client
+against the same server, in its own process. Its percentiles are printed for comparison (other
+requests of the same server, so they differ by sampling); the server's own bucketed histograms
+are printed too.
+cpu_ratio = (kvdiag client CPU seconds / tokens it received) / (raw-socket client CPU seconds /
+tokens it received), measured in a second phase with the tap off, both clients running at once:
+CPU (user+sys, time.process_time of each client process over its load window) per received token.
+
+Prints tables and ends with
 `RESULT ttft_p50_err=... itl_p50_err=... ttft_p99_err=... itl_p99_err=... cpu_ratio=...`.
 """
 
@@ -40,14 +45,17 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 PROMPT = "Tell me a story about a page allocator."
+KEYS = ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99")
 
 
-# --------------------------------------------------------------------------------------------------
-# shared
 def _pct(values: list[float], q: float) -> float | None:
-    from kvdiag.soak.stats import percentile
-
-    return percentile(sorted(values), q)
+    if not values:
+        return None
+    s = sorted(values)
+    rank = q / 100.0 * (len(s) - 1)
+    lo = int(rank)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (rank - lo)
 
 
 def _body(max_tokens: int) -> dict[str, Any]:
@@ -61,36 +69,166 @@ def _wait_until(t_wall: float) -> None:
         time.sleep(delay)
 
 
+def _token_events(buf: bytes) -> tuple[int, bytes]:
+    """Count completed token events in ``buf``; returns (count, rest)."""
+    n = 0
+    while b"\n\n" in buf:
+        ev, buf = buf.split(b"\n\n", 1)
+        if ev.startswith(b"data: {") and b'"choices":[]' not in ev:
+            n += 1
+    return n, buf
+
+
 # --------------------------------------------------------------------------------------------------
-# subject client: kvdiag's load generator
-def client_kvdiag(url: str, concurrency: int, duration: float, max_tokens: int, start_at: float) -> dict[str, Any]:
+# the socket tap (same-stream reference)
+class ConnTap:
+    """Decodes one connection's responses from raw reads; only POST requests are measured."""
+
+    def __init__(self, sink: dict[str, list[float]]) -> None:
+        self.sink = sink
+        self.t0: float | None = None      # write time of the current POST
+        self.measured = False
+        self.raw = b""                    # undecoded bytes
+        self.in_body = False
+        self.chunked = False
+        self.left = 0                     # content-length bytes still to skip
+        self.events = b""
+        self.last: float | None = None
+
+    def on_write(self, data: bytes, t: float) -> None:
+        if data[:5] == b"POST ":
+            self.t0, self.measured, self.last = t, True, None
+        elif data[:4] == b"GET ":
+            self.measured = False
+
+    def on_read(self, data: bytes, t: float) -> None:
+        self.raw += data
+        while True:
+            if not self.in_body:
+                end = self.raw.find(b"\r\n\r\n")
+                if end < 0:
+                    return
+                head, self.raw = self.raw[:end].lower(), self.raw[end + 4:]
+                self.chunked = b"transfer-encoding: chunked" in head
+                m = re.search(rb"content-length: *(\d+)", head)
+                self.left = int(m.group(1)) if m and not self.chunked else 0
+                self.in_body, self.events = True, b""
+                continue
+            if not self.chunked:
+                take = min(self.left, len(self.raw))
+                self.raw, self.left = self.raw[take:], self.left - take
+                if self.left == 0:
+                    self.in_body = False
+                    continue
+                return
+            line_end = self.raw.find(b"\r\n")
+            if line_end < 0:
+                return
+            size = int(self.raw[:line_end].split(b";")[0], 16)
+            if size == 0:
+                if len(self.raw) < line_end + 4:
+                    return
+                self.raw, self.in_body = self.raw[line_end + 4:], False
+                continue
+            if len(self.raw) < line_end + 2 + size + 2:
+                return
+            self.events += self.raw[line_end + 2:line_end + 2 + size]
+            self.raw = self.raw[line_end + 2 + size + 2:]
+            n, self.events = _token_events(self.events)
+            if self.measured and self.t0 is not None:
+                for _ in range(n):
+                    if self.last is None:
+                        self.sink["ttft"].append(t - self.t0)
+                    else:
+                        self.sink["itl"].append(t - self.last)
+                    self.last = t
+                    self.sink["tokens"].append(t)
+
+
+def _tap_transport(concurrency: int, sink: dict[str, list[float]]) -> Any:
+    import httpcore
+    import httpx
+
+    class TapStream(httpcore.AsyncNetworkStream):
+        def __init__(self, inner: httpcore.AsyncNetworkStream, tap: ConnTap) -> None:
+            self.inner, self.tap = inner, tap
+
+        async def read(self, max_bytes: int, timeout: float | None = None) -> bytes:
+            data = await self.inner.read(max_bytes, timeout)
+            self.tap.on_read(data, time.monotonic())
+            return data
+
+        async def write(self, buffer: bytes, timeout: float | None = None) -> None:
+            self.tap.on_write(buffer, time.monotonic())
+            await self.inner.write(buffer, timeout)
+
+        async def aclose(self) -> None:
+            await self.inner.aclose()
+
+        def get_extra_info(self, info: str) -> Any:
+            return self.inner.get_extra_info(info)
+
+    class TapBackend(httpcore.AsyncNetworkBackend):
+        def __init__(self) -> None:
+            self.inner = httpcore.AnyIOBackend()
+
+        async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                              local_address: str | None = None, socket_options: Any = None) -> Any:
+            s = await self.inner.connect_tcp(host, port, timeout=timeout, local_address=local_address,
+                                             socket_options=socket_options)
+            return TapStream(s, ConnTap(sink))
+
+        async def sleep(self, seconds: float) -> None:
+            await self.inner.sleep(seconds)
+
+    transport = httpx.AsyncHTTPTransport()
+    transport._pool = httpcore.AsyncConnectionPool(  # the benchmark's hook; kvdiag itself never does this
+        max_connections=concurrency + 2, max_keepalive_connections=concurrency + 2, network_backend=TapBackend())
+    return transport
+
+
+# --------------------------------------------------------------------------------------------------
+# client processes
+def client_kvdiag(url: str, concurrency: int, duration: float, max_tokens: int, start_at: float,
+                  tap: bool) -> dict[str, Any]:
     from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
 
     cfg = LoadConfig(base_url=url, concurrency=concurrency, max_tokens=max_tokens, prompt=PROMPT)
+    sink: dict[str, list[float]] = {"ttft": [], "itl": [], "tokens": []}
     _wait_until(start_at)
     cpu0 = time.process_time()
-    lg = LoadGenerator(cfg)
+    lg = LoadGenerator(cfg, transport=_tap_transport(concurrency, sink) if tap else None)
     summary = asyncio.run(lg.run_for(duration))
     cpu = time.process_time() - cpu0
-    return {"ttft_p50": summary.ttft.p50_s, "ttft_p99": summary.ttft.p99_s, "itl_p50": summary.itl.p50_s,
-            "itl_p99": summary.itl.p99_s, "tokens": summary.tokens, "requests_ok": summary.requests_ok,
-            "ttft_n": summary.ttft.count, "itl_n": summary.itl.count, "cpu_s": cpu,
-            "errors": summary.requests_failed + summary.requests_timed_out}
+    out: dict[str, Any] = {"ttft_p50": summary.ttft.p50_s, "ttft_p99": summary.ttft.p99_s,
+                           "itl_p50": summary.itl.p50_s, "itl_p99": summary.itl.p99_s, "tokens": summary.tokens,
+                           "ttft_n": summary.ttft.count, "itl_n": summary.itl.count, "cpu_s": cpu,
+                           "errors": summary.requests_failed + summary.requests_timed_out}
+    if tap:
+        out["tap"] = {"ttft_p50": _pct(sink["ttft"], 50), "ttft_p99": _pct(sink["ttft"], 99),
+                      "itl_p50": _pct(sink["itl"], 50), "itl_p99": _pct(sink["itl"], 99),
+                      "tokens": len(sink["tokens"]), "ttft_n": len(sink["ttft"]), "itl_n": len(sink["itl"])}
+    return out
 
 
-# --------------------------------------------------------------------------------------------------
-# reference client: raw sockets, nothing shared with kvdiag
-async def _ref_stream(host: str, port: int, request: bytes, stop: asyncio.Event, ttft: list[float],
-                      itl: list[float], counts: dict[str, int]) -> None:
-    # Connect inside the first request's timing, as kvdiag's client (and vllm bench) does.
-    t0 = time.monotonic()
+async def _raw_stream(host: str, port: int, request: bytes, stop: asyncio.Event, ready: asyncio.Event,
+                      ttft: list[float], itl: list[float], counts: dict[str, int]) -> None:
+    # Warm-up like kvdiag's client: open the keep-alive connection with one GET /health, then
+    # wait for every stream to be connected before the first timed request.
     reader, writer = await asyncio.wait_for(asyncio.open_connection(host, port), 5)
-    first = True
+    writer.write(f"GET /health HTTP/1.1\r\nHost: {host}:{port}\r\n\r\n".encode())
+    await writer.drain()
+    head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 5)
+    length = re.search(rb"(?i)content-length: *(\d+)", head)
+    if length:
+        await asyncio.wait_for(reader.readexactly(int(length.group(1))), 5)
+    counts["warm"] -= 1
+    if counts["warm"] == 0:
+        ready.set()
+    await asyncio.wait_for(ready.wait(), 10)
     try:
         while not stop.is_set():
-            if not first:
-                t0 = time.monotonic()
-            first = False
+            t0 = time.monotonic()
             writer.write(request)
             await writer.drain()
             head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 30)
@@ -100,44 +238,38 @@ async def _ref_stream(host: str, port: int, request: bytes, stop: asyncio.Event,
             buf = b""
             last: float | None = None
             while True:
-                size_line = await asyncio.wait_for(reader.readline(), 30)
-                size = int(size_line.strip().split(b";")[0], 16)
+                size = int((await asyncio.wait_for(reader.readline(), 30)).strip().split(b";")[0], 16)
                 if size == 0:
                     await asyncio.wait_for(reader.readline(), 30)
                     break
                 data = await asyncio.wait_for(reader.readexactly(size + 2), 30)
                 now = time.monotonic()
-                buf += data[:-2]
-                while b"\n\n" in buf:
-                    ev, buf = buf.split(b"\n\n", 1)
-                    if not ev.startswith(b"data: {") or b'"choices":[]' in ev:
-                        continue
+                n, buf = _token_events(buf + data[:-2])
+                for _ in range(n):
                     if last is None:
                         ttft.append(now - t0)
                     else:
                         itl.append(now - last)
                     last = now
                     counts["tokens"] += 1
-            counts["ok"] += 1
     finally:
         writer.close()
 
 
-def client_reference(url: str, concurrency: int, duration: float, max_tokens: int,
-                     start_at: float) -> dict[str, Any]:
+def client_raw(url: str, concurrency: int, duration: float, max_tokens: int, start_at: float) -> dict[str, Any]:
     m = re.match(r"http://([^:/]+):(\d+)", url)
     assert m, url
     host, port = m.group(1), int(m.group(2))
     payload = json.dumps(_body(max_tokens)).encode()
     request = (f"POST /v1/completions HTTP/1.1\r\nHost: {host}:{port}\r\nContent-Type: application/json\r\n"
-               f"Content-Length: {len(payload)}\r\nConnection: keep-alive\r\n\r\n").encode() + payload
+               f"Content-Length: {len(payload)}\r\n\r\n").encode() + payload
     ttft: list[float] = []
     itl: list[float] = []
-    counts = {"tokens": 0, "ok": 0, "errors": 0}
+    counts = {"tokens": 0, "errors": 0, "warm": concurrency}
 
     async def main() -> None:
-        stop = asyncio.Event()
-        tasks = [asyncio.create_task(_ref_stream(host, port, request, stop, ttft, itl, counts))
+        stop, ready = asyncio.Event(), asyncio.Event()
+        tasks = [asyncio.create_task(_raw_stream(host, port, request, stop, ready, ttft, itl, counts))
                  for _ in range(concurrency)]
         await asyncio.sleep(duration)
         stop.set()
@@ -150,8 +282,8 @@ def client_reference(url: str, concurrency: int, duration: float, max_tokens: in
     asyncio.run(main())
     cpu = time.process_time() - cpu0
     return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
-            "itl_p99": _pct(itl, 99), "tokens": counts["tokens"], "requests_ok": counts["ok"],
-            "ttft_n": len(ttft), "itl_n": len(itl), "cpu_s": cpu, "errors": counts["errors"]}
+            "itl_p99": _pct(itl, 99), "tokens": counts["tokens"], "ttft_n": len(ttft), "itl_n": len(itl),
+            "cpu_s": cpu, "errors": counts["errors"]}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -172,8 +304,7 @@ def _buckets(text: str, name: str) -> list[tuple[float, float]]:
 def _hist_quantile(before: str, after: str, name: str, q: float) -> float | None:
     """Prometheus histogram_quantile over the buckets' increase between two scrapes."""
     b0 = dict(_buckets(before, name))
-    b1 = _buckets(after, name)
-    delta = [(le, c - b0.get(le, 0.0)) for le, c in b1]
+    delta = [(le, c - b0.get(le, 0.0)) for le, c in _buckets(after, name)]
     if not delta or delta[-1][1] <= 0:
         return None
     rank = q * delta[-1][1]
@@ -194,19 +325,43 @@ def _err(a: float | None, b: float | None) -> float:
     return abs(a - b) / b
 
 
+def _phase(url: str, args: argparse.Namespace, tap: bool) -> tuple[dict[str, Any], dict[str, Any]]:
+    """kvdiag's client and the raw client, started together; returns (kvdiag, raw)."""
+    start_at = time.time() + 2.0
+    common = ["--url", url, "--concurrency", str(args.concurrency), "--duration", str(args.duration),
+              "--max-tokens", str(args.max_tokens), "--start-at", str(start_at)]
+    procs = {
+        "kvdiag": subprocess.Popen([sys.executable, __file__, "--client", "kvdiag", *common]
+                                   + (["--tap"] if tap else []), stdout=subprocess.PIPE, text=True, cwd=ROOT),
+        "raw": subprocess.Popen([sys.executable, __file__, "--client", "raw", *common],
+                                stdout=subprocess.PIPE, text=True, cwd=ROOT),
+    }
+    results: dict[str, dict[str, Any]] = {}
+    for name, p in procs.items():
+        out, _ = p.communicate(timeout=args.duration + 120)
+        if p.returncode != 0:
+            raise SystemExit(f"{name} client failed (exit {p.returncode})")
+        results[name] = json.loads(out.strip().splitlines()[-1])
+    return results["kvdiag"], results["raw"]
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--duration", type=float, default=30.0, help="seconds of load (both clients at once)")
+    ap.add_argument("--duration", type=float, default=25.0, help="seconds of load per phase (two phases)")
     ap.add_argument("--concurrency", type=int, default=16, help="streams per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--step-ms", type=float, default=20.0, help="the sim's decode step (the ITL it produces)")
-    ap.add_argument("--client", choices=["kvdiag", "reference"], help=argparse.SUPPRESS)
+    ap.add_argument("--client", choices=["kvdiag", "raw"], help=argparse.SUPPRESS)
+    ap.add_argument("--tap", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if args.client:
-        fn = client_kvdiag if args.client == "kvdiag" else client_reference
-        print(json.dumps(fn(args.url, args.concurrency, args.duration, args.max_tokens, args.start_at)))
+    if args.client == "kvdiag":
+        print(json.dumps(client_kvdiag(args.url, args.concurrency, args.duration, args.max_tokens, args.start_at,
+                                       args.tap)))
+        return 0
+    if args.client == "raw":
+        print(json.dumps(client_raw(args.url, args.concurrency, args.duration, args.max_tokens, args.start_at)))
         return 0
 
     import httpx
@@ -215,36 +370,25 @@ def main() -> int:
 
     dev = f"kvbench-soak-{uuid.uuid4().hex[:8]}"
     log = Path("/tmp") / f"{dev}.log"
-    results: dict[str, dict[str, Any]] = {}
     try:
         with SimProcess(log, allocator="fixed", device_name=dev, max_running=4 * args.concurrency,
                         step_ms=args.step_ms, extra=["--disable-uvicorn-access-log"]) as sp:
             if not sp.wait_healthy(60):
                 print(sp.log_text()[-2000:], file=sys.stderr)
                 return 1
-            # warm-up: one short burst so connection setup and first-request costs don't land in the window
             with httpx.Client(trust_env=False, timeout=30) as c:
-                for _ in range(3):
+                for _ in range(3):   # the server's own first-request costs, outside both phases
                     c.post(f"{sp.url}/v1/completions", json={"prompt": PROMPT, "max_tokens": 4})
                 before = c.get(f"{sp.url}/metrics").text
-            start_at = time.time() + 2.0
-            procs = {name: subprocess.Popen(
-                [sys.executable, __file__, "--client", name, "--url", sp.url, "--concurrency", str(args.concurrency),
-                 "--duration", str(args.duration), "--max-tokens", str(args.max_tokens), "--start-at", str(start_at)],
-                stdout=subprocess.PIPE, text=True, cwd=ROOT) for name in ("kvdiag", "reference")}
-            for name, p in procs.items():
-                out, _ = p.communicate(timeout=args.duration + 120)
-                if p.returncode != 0:
-                    print(f"{name} client failed (exit {p.returncode})", file=sys.stderr)
-                    return 1
-                results[name] = json.loads(out.strip().splitlines()[-1])
+            k_tap, raw_a = _phase(sp.url, args, tap=True)
+            k_cpu, raw_b = _phase(sp.url, args, tap=False)
             with httpx.Client(trust_env=False, timeout=30) as c:
                 after = c.get(f"{sp.url}/metrics").text
     finally:
         remove_device_files(dev)
         log.unlink(missing_ok=True)
 
-    k, r = results["kvdiag"], results["reference"]
+    ref = k_tap["tap"]
     server = {
         "ttft_p50": _hist_quantile(before, after, "vllm:time_to_first_token_seconds", 0.5),
         "ttft_p99": _hist_quantile(before, after, "vllm:time_to_first_token_seconds", 0.99),
@@ -253,24 +397,34 @@ def main() -> int:
     }
 
     def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1000:9.3f}"
+        return "-" if v is None else f"{v * 1000:.3f}"
 
-    print(f"soak accuracy: sim step {args.step_ms:g} ms, {args.concurrency} streams per client x 2 clients, "
-          f"max_tokens {args.max_tokens}, {args.duration:g} s, both clients at the same time")
-    print(f"{'metric':<10} {'kvdiag ms':>10} {'reference ms':>13} {'rel err':>8} {'server hist ms':>15}")
+    print(f"soak accuracy: sim step {args.step_ms:g} ms, {args.concurrency} kvdiag streams + {args.concurrency} "
+          f"raw-client streams at once, max_tokens {args.max_tokens}, {args.duration:g} s per phase")
+    print()
+    print("phase A: kvdiag's figures vs the socket tap under them (same requests, same tokens)")
+    print(f"{'metric':<9} {'kvdiag ms':>10} {'tap ms':>10} {'rel err':>8} | {'raw client ms':>13} "
+          f"{'server hist ms':>14}")
     errs: dict[str, float] = {}
-    for key in ("ttft_p50", "ttft_p99", "itl_p50", "itl_p99"):
-        errs[key] = _err(k[key], r[key])
-        print(f"{key:<10} {ms(k[key]):>10} {ms(r[key]):>13} {errs[key]:8.3f} {ms(server[key]):>15}")
-    print(f"{'samples':<10} TTFT {k['ttft_n']} / {r['ttft_n']}, ITL {k['itl_n']} / {r['itl_n']} (kvdiag / reference)")
-    print(f"{'tokens':<10} {k['tokens']:>10} {r['tokens']:>13}   ({k['tokens'] / args.duration:.0f} / "
-          f"{r['tokens'] / args.duration:.0f} tok/s; errors {k['errors']} / {r['errors']})")
-    print(f"{'cpu s':<10} {k['cpu_s']:>10.2f} {r['cpu_s']:>13.2f}")
-    k_per = k["cpu_s"] / max(1, k["tokens"])
-    r_per = r["cpu_s"] / max(1, r["tokens"])
+    for key in KEYS:
+        errs[key] = _err(k_tap[key], ref[key])
+        print(f"{key:<9} {ms(k_tap[key]):>10} {ms(ref[key]):>10} {errs[key]:8.4f} | {ms(raw_a[key]):>13} "
+              f"{ms(server[key]):>14}")
+    print(f"{'samples':<9} TTFT {k_tap['ttft_n']} / {ref['ttft_n']}, ITL {k_tap['itl_n']} / {ref['itl_n']}, "
+          f"tokens {k_tap['tokens']} / {ref['tokens']} (kvdiag / tap); raw client: {raw_a['tokens']} tokens")
+    print("  (raw client: other requests to the same server, so sampling differs; server histograms are "
+          "bucketed: 10/25 ms ITL buckets, 20/40 ms TTFT buckets)")
+    print()
+    print("phase B: CPU per received token, tap off, kvdiag's client and the raw client at once")
+    k_per = k_cpu["cpu_s"] / max(1, k_cpu["tokens"])
+    r_per = raw_b["cpu_s"] / max(1, raw_b["tokens"])
     cpu_ratio = k_per / r_per if r_per > 0 else float("nan")
-    print(f"{'cpu us/tok':<10} {k_per * 1e6:>10.1f} {r_per * 1e6:>13.1f}")
-    print("cpu_ratio = (kvdiag client CPU s / its tokens) / (reference raw-socket client CPU s / its tokens)")
+    print(f"{'client':<9} {'cpu s':>7} {'tokens':>8} {'us/token':>9} {'TTFT p50/p99 ms':>18} {'ITL p50/p99 ms':>16}")
+    for name, r in (("kvdiag", k_cpu), ("raw", raw_b)):
+        per = r["cpu_s"] / max(1, r["tokens"]) * 1e6
+        print(f"{name:<9} {r['cpu_s']:>7.2f} {r['tokens']:>8} {per:>9.1f} "
+              f"{ms(r['ttft_p50']) + '/' + ms(r['ttft_p99']):>18} {ms(r['itl_p50']) + '/' + ms(r['itl_p99']):>16}")
+    print("cpu_ratio = (kvdiag client CPU s / its tokens) / (raw-socket client CPU s / its tokens)")
     print(f"RESULT ttft_p50_err={errs['ttft_p50']:.4f} itl_p50_err={errs['itl_p50']:.4f} "
           f"ttft_p99_err={errs['ttft_p99']:.4f} itl_p99_err={errs['itl_p99']:.4f} cpu_ratio={cpu_ratio:.3f}")
     return 0

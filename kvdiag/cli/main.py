@@ -100,7 +100,15 @@ def main(argv: list[str] | None = None) -> int:
 
 def run() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    try:
+        code = main()
+    except KeyboardInterrupt:  # landed between main's handlers and here
+        code = ExitCode.INTERRUPTED
+    # The run is over and its outputs are written: a late Ctrl-C or SIGTERM must not turn that
+    # exit status into a death by signal during interpreter shutdown.
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, signal.SIG_IGN)
+    sys.exit(code)
 
 
 if __name__ == "__main__":

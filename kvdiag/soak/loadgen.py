@@ -5,6 +5,11 @@ Each client sends ``/v1/completions`` (or ``/v1/chat/completions``) with ``strea
 the time to first token, the gaps between tokens, the token count and how it ended. Live
 counters (requests in flight, tokens, time of the last token) feed the no-progress watchdog.
 
+Timing: TTFT runs from the moment the request headers are written to the socket (httpcore's
+``trace`` hook) to the arrival of the network chunk that completed the first token event; ITL
+between the chunks that completed consecutive token events. Every client first opens its
+keep-alive connection (``GET /health``) so connection setup is not counted as server latency.
+
 Every wait is bounded: connect, write and pool timeouts, and a read timeout that ends a
 request when the server sends no byte for ``read_timeout_s``. :meth:`LoadGenerator.stop`
 cancels in-flight requests (they count as cancelled, not failed).
@@ -14,7 +19,9 @@ from __future__ import annotations
 
 import asyncio
 import importlib
+import importlib.util
 import json
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -24,6 +31,9 @@ from typing import Any
 
 import httpx
 
+from kvdiag.soak.sse import SSEParser, SSEProtocolError
+from kvdiag.soak.stats import LatencySummary, SampleReservoir, SoakSummary
+
 # httpcore imports anyio's asyncio backend on the first connection (~25-35 ms on a small box);
 # importing it here keeps that out of the first requests' TTFT.
 for _mod in ("anyio", "anyio._backends._asyncio", "anyio.streams.tls", "httpcore._backends.anyio"):
@@ -31,14 +41,18 @@ for _mod in ("anyio", "anyio._backends._asyncio", "anyio.streams.tls", "httpcore
         importlib.import_module(_mod)
     except ImportError:  # pragma: no cover - another layout: the first requests pay for it instead
         pass
-
-from kvdiag.soak.sse import SSEParser, SSEProtocolError
-from kvdiag.soak.stats import LatencySummary, SampleReservoir, SoakSummary
+# httpcore runs `import sniffio` on every request; without sniffio installed each attempt searches
+# sys.path again (~0.2 ms). A None entry makes the failing import instant (same ImportError).
+if "sniffio" not in sys.modules and importlib.util.find_spec("sniffio") is None:
+    sys.modules["sniffio"] = None  # type: ignore[assignment]
 
 Clock = Callable[[], float]
 
 DEFAULT_PROMPT = ("You are a GPU memory allocator. Describe, step by step and at length, how a KV cache "
                   "page moves between the free list, the reserved list and a running request.")
+
+
+_JSON = {"content-type": "application/json"}
 
 
 class RequestStatus(str, Enum):
@@ -65,6 +79,7 @@ class LoadConfig:
     read_timeout_s: float = 60.0     # no byte at all for this long ends the request as timed out
     write_timeout_s: float = 10.0
     retry_delay_s: float = 0.2       # pause after a failed request, so a refusing server is not hammered
+    warmup: bool = True              # open every connection (GET /health) before the first timed request
     keep_records: int = 10_000       # most recent per-request records kept for inspection
 
     def __post_init__(self) -> None:
@@ -173,6 +188,27 @@ class StreamReader:
         self.on_token(now)
 
 
+class _SendStamp:
+    """httpcore ``trace`` hook: moves the request's start to the moment its bytes go out.
+
+    Between ``client.stream()`` and the socket write the request waits for this event loop (other
+    streams' chunks, httpx's own work): up to tens of ms on a busy 2-core box. That wait is the
+    client's, not the server's, so TTFT starts when the request headers are sent.
+    """
+
+    __slots__ = ("rec", "clock", "done")
+
+    def __init__(self, rec: RequestRecord, clock: Clock) -> None:
+        self.rec = rec
+        self.clock = clock
+        self.done = False
+
+    async def __call__(self, event: str, info: dict[str, Any]) -> None:
+        if not self.done and event == "http11.send_request_headers.started":
+            self.done = True
+            self.rec.start = self.clock()
+
+
 class _ServerStreamError(Exception):
     """The server sent an error object inside the stream."""
 
@@ -189,6 +225,9 @@ class LoadGenerator:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
+        self._warm_left = 0
+        self._warm_done: asyncio.Event | None = None
+        self._body = b""
         self.started_at: float | None = None
         self.stopped_at: float | None = None
         # live counters (read by the watchdog and the progress view)
@@ -222,7 +261,13 @@ class LoadGenerator:
                                 write=cfg.write_timeout_s, pool=cfg.connect_timeout_s + cfg.read_timeout_s)
         self._client = httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout, trust_env=False,
                                          transport=self._transport)
+        # One encoded body for every request: building it per request is CPU taken from timing.
+        self._body = json.dumps(cfg.body(), separators=(",", ":")).encode()
         self._stop_event = asyncio.Event()
+        self._warm_done = asyncio.Event()
+        self._warm_left = cfg.concurrency
+        if not cfg.warmup:
+            self._warm_done.set()
         self.started_at = self.clock()
         self._tasks = [asyncio.create_task(self._client_loop(), name=f"kvdiag-soak-client-{i}")
                        for i in range(cfg.concurrency)]
@@ -260,9 +305,28 @@ class LoadGenerator:
         return self._stopping
 
     # -- one client --------------------------------------------------------------------------------
+    async def _warm_up(self) -> None:
+        """Open this client's keep-alive connection, then wait for the others (all bounded by timeouts).
+
+        Connection setup and the HTTP stack's first-use costs then stay out of the first requests'
+        TTFT, which measures the server, not the client's start-up burst."""
+        client, done = self._client, self._warm_done
+        assert client is not None and done is not None
+        try:
+            await client.get("/health", timeout=self.cfg.connect_timeout_s)
+        except (httpx.HTTPError, OSError):
+            pass  # no /health (or no server): the timed requests will say what is wrong
+        self._warm_left -= 1
+        if self._warm_left <= 0:
+            self.started_at = self.clock()
+            done.set()
+        await done.wait()
+
     async def _client_loop(self) -> None:
         stop = self._stop_event
         assert stop is not None
+        if self._warm_done is not None and not self._warm_done.is_set():
+            await self._warm_up()
         while not stop.is_set():
             rec = await self._one_request()
             if rec.status not in (RequestStatus.OK, RequestStatus.CANCELLED) and self.cfg.retry_delay_s > 0:
@@ -285,7 +349,9 @@ class LoadGenerator:
         self.in_flight += 1
         reader = StreamReader(rec, self._token)
         try:
-            async with client.stream("POST", self.cfg.endpoint, json=self.cfg.body()) as resp:
+            stamp = _SendStamp(rec, self.clock)
+            async with client.stream("POST", self.cfg.endpoint, content=self._body, headers=_JSON,
+                                     extensions={"trace": stamp}) as resp:
                 rec.http_status = resp.status_code
                 if resp.status_code != 200:
                     text = await _read_some(resp, 2048)

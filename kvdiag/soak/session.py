@@ -89,6 +89,9 @@ class SoakOptions:
             raise UsageError("--stall-window must be > 0")
         if self.read_timeout_s <= 0:
             raise UsageError("--read-timeout must be > 0")
+        if self.read_timeout_s <= (self.stall_window_s or 5.0):
+            raise UsageError("--read-timeout must be longer than the stall window",
+                             hint="requests that time out first would hide the stall from the watchdog")
         if self.url is not None:
             try:
                 url_host_port(self.url)

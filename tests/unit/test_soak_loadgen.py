@@ -38,7 +38,8 @@ def _event(obj: dict[str, Any]) -> bytes:
 def _token(i: int, n: int, chat: bool) -> bytes:
     last = i == n - 1
     if chat:
-        choice: dict[str, Any] = {"index": 0, "delta": {"content": f"t{i}"}, "finish_reason": "length" if last else None}
+        choice: dict[str, Any] = {"index": 0, "delta": {"content": f"t{i}"},
+                                  "finish_reason": "length" if last else None}
     else:
         choice = {"index": 0, "text": f"t{i} \u20ac", "finish_reason": "length" if last else None}
     return _event({"id": "x", "object": "o", "choices": [choice]})

@@ -53,6 +53,7 @@ def test_single_engine_overrides() -> None:
     ({"concurrency": 0}, "--concurrency"),
     ({"max_tokens": 0}, "--max-tokens"),
     ({"stall_window_s": -1.0}, "--stall-window"),
+    ({"read_timeout_s": 4.0}, "--read-timeout"),
     ({"model": "Qwen/Qwen3.6-27B-FP8"}, "needs --url"),
     ({"url": "localhost:8000"}, "not an http(s) URL"),
     ({"url": "http://127.0.0.1:8000", "allocator": "fixed"}, "--allocator"),
