@@ -11,10 +11,12 @@ marker if it ran.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import subprocess
+import sys
 from html.parser import HTMLParser
 from pathlib import Path
 
@@ -123,20 +125,15 @@ class _Dump(HTMLParser):
             self.text.append(data)
 
 
-def test_injected_markup_is_text_and_never_runs(tmp_path: Path) -> None:
-    browser = _chromium()
-    if browser is None:
-        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
-    bundle, verdict = _bundle(tmp_path / "bundle")
-    paths = write_outputs(tmp_path, bundle, verdict, command=f"repro {PAYLOADS[1]}", exit_code=10,
-                          verdicts_by_engine={f"eng {PAYLOADS[0]}": verdict}, ab={"model": PAYLOADS[2]})
+def _load_in_chromium(browser: str, html: Path, tmp_path: Path) -> tuple[_Dump, str]:
+    """Open ``html`` in headless Chromium; the DOM after scripts ran, and the browser's log."""
     profile = tmp_path / "chromium-profile"
     env = dict(os.environ, HOME=str(tmp_path), XDG_CONFIG_HOME=str(tmp_path / "cfg"),
                XDG_CACHE_HOME=str(tmp_path / "cache"))
     cmd = [browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
            "--no-first-run", "--disable-component-update", "--disable-sync", "--disable-extensions",
            f"--user-data-dir={profile}", "--enable-logging=stderr", "--v=0", "--virtual-time-budget=3000",
-           "--dump-dom", paths["report.html"].resolve().as_uri()]
+           "--dump-dom", html.resolve().as_uri()]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
                             start_new_session=True)
     try:
@@ -151,15 +148,75 @@ def test_injected_markup_is_text_and_never_runs(tmp_path: Path) -> None:
     assert proc.returncode == 0, log[-2000:]
     dump = _Dump()
     dump.feed(dom_dump)
+    return dump, log
+
+
+def _assert_nothing_ran(dump: _Dump, log: str) -> None:
     html_attrs = next(attrs for tag, attrs in dump.tags if tag == "html")
     assert html_attrs.get("data-kvdiag-js") == "ok", "the page's own script did not run (positive control)"
     assert "data-pwned" not in html_attrs, f"an injected script ran: {html_attrs}"
-    assert dump.title == "kvdiag report: gil_cycle"
     assert MARK not in log, "an injected script wrote to the console"
     tags = [tag for tag, _ in dump.tags]
     assert "img" not in tags and tags.count("script") == 2
     assert not any(attrs.get("id") == "pwned-link" for _, attrs in dump.tags)
     assert not any(name.startswith("on") for _, attrs in dump.tags for name in attrs)
+
+
+def test_injected_markup_is_text_and_never_runs(tmp_path: Path) -> None:
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
+    bundle, verdict = _bundle(tmp_path / "bundle")
+    paths = write_outputs(tmp_path, bundle, verdict, command=f"repro {PAYLOADS[1]}", exit_code=10,
+                          verdicts_by_engine={f"eng {PAYLOADS[0]}": verdict}, ab={"model": PAYLOADS[2]})
+    dump, log = _load_in_chromium(browser, paths["report.html"], tmp_path)
+    _assert_nothing_ran(dump, log)
+    assert dump.title == "kvdiag report: gil_cycle"
     text = "".join(dump.text)
     for payload in PAYLOADS:
         assert text.count(payload) >= 2, f"payload not shown as text: {payload!r}"
+
+
+def test_payloads_from_a_real_engine_log_stay_text(tmp_path: Path) -> None:
+    """The whole pipeline: an engine prints the payloads, kvdiag repro stalls on it, captures it
+    and writes report.html; Chromium loads that file."""
+    browser = _chromium()
+    if browser is None:
+        pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
+    payload_file = tmp_path / "payloads.txt"
+    payload_file.write_text("\n".join(PAYLOADS) + "\n")
+    engine = Path(__file__).resolve().parent.parent / "fixtures" / "engines" / "hostile.py"
+
+    def cmd(*extra: str) -> str:
+        return json.dumps([sys.executable, str(engine), "--payloads", str(payload_file), *extra])
+
+    model = json.dumps(f"org/model {PAYLOADS[1]}")
+    scen = tmp_path / "hostile.yaml"
+    scen.write_text(f"""
+name: hostile
+windows: {{stall_s: 2, startup_timeout_s: 30, timeout_s: 60, poll_s: 0.1, kill_grace_s: 0.5}}
+engines:
+  - name: one
+    kind: command
+    model: {model}
+    command: {cmd("--", PAYLOADS[0])}
+    ready: "log:READY"
+  - name: two
+    kind: command
+    model: {model}
+    start_after: one
+    command: {cmd("--never-ready", "--", PAYLOADS[2])}
+    ready: "log:READY"
+""")
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, "-m", "kvdiag", "repro", "two-engine", "--scenario", str(scen),
+                           "--out", str(out)], capture_output=True, text=True, timeout=150)
+    assert proc.returncode in (0, 10), proc.stderr[-3000:]
+    html = out / "report.html"
+    assert html.exists(), proc.stderr[-3000:]
+    dump, log = _load_in_chromium(browser, html, tmp_path)
+    _assert_nothing_ran(dump, log)
+    text = "".join(dump.text)
+    for payload in PAYLOADS:
+        # each payload reached the page (log tail, last line, command line) and shows as text
+        assert payload in text, f"payload not shown as text: {payload!r}"
