@@ -2,9 +2,9 @@
 
 Scheduling per process:
 1. /proc first (state, syscalls, CPU sampled over a short interval) so the
-   kernel-side picture is taken before anything attaches; py-spy
-   (``--nonblocking``, never pauses the target) runs alongside;
-2. then the ptrace-based tools (pystack, then gdb) one after the other:
+   kernel-side picture is taken before anything attaches (``py-spy-nonblocking``,
+   which never pauses the target, would run alongside);
+2. then the ptrace-based tools (py-spy --native, pystack, gdb) one after the other:
    Linux allows one tracer at a time, so running them together would make
    one of them fail.
 Different processes are captured concurrently. Each tool runs in its own
@@ -24,20 +24,21 @@ import os
 import signal
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, list_tids, read_status
-from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
+from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend, pyspy_nonblocking
 from kvdiag.model import Finding, ProcessEvidence, ToolRun
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
 DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
-_FACTORIES = {"proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
-              "pystack": PystackBackend, "gdb": GdbBackend}
+_FACTORIES: dict[str, Callable[[], CaptureBackend]] = {
+    "proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
+    "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "gdb": GdbBackend}
 # A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung
 # pystack still leaves gdb time to run.
 _CHAIN_SHARE = 0.35

@@ -3,9 +3,10 @@
 - pystack ptrace-attaches briefly (it is the only source of the interpreter's own
   "Has the GIL" flag); ``--native-all`` also covers native threads that never
   registered with the interpreter (a C++ worker thread).
-- py-spy runs ``--nonblocking`` so the target is never paused. py-spy cannot
-  combine that with ``--native``; Python frames and thread names are what it
-  adds here.
+- py-spy runs ``--native`` (Python and native frames interleaved, as the seed's
+  author ran it). That pauses the target for the dump like pystack and gdb do,
+  so it joins their one-tracer-at-a-time chain. ``py-spy-nonblocking`` never
+  pauses the target, but py-spy cannot combine that with ``--native``.
 - gdb runs in batch mode, reads all native stacks and detaches; auto-loading
   and debuginfod are off so it never reaches the network or runs target scripts.
 """
@@ -92,14 +93,25 @@ class PystackBackend(_ToolBackend):
 class PyspyBackend(_ToolBackend):
     name = "py-spy"
     binary = "py-spy"
-    stops_target = False
+    stops_target = True
     raw_name = "py-spy.txt"
 
+    def __init__(self, binary: str | None = None, native: bool = True) -> None:
+        super().__init__(binary)
+        self.native = native
+        # --native needs the target paused (ptrace); --nonblocking never pauses it.
+        self.stops_target = native
+
     def argv(self, exe: str, pid: int) -> list[str]:
-        return [exe, "dump", "--pid", str(pid), "--nonblocking"]
+        return [exe, "dump", "--pid", str(pid), "--native" if self.native else "--nonblocking"]
 
     def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
         return parse_pyspy(text)
+
+
+def pyspy_nonblocking(binary: str | None = None) -> PyspyBackend:
+    """py-spy without pausing the target (Python frames only)."""
+    return PyspyBackend(binary, native=False)
 
 
 class GdbBackend(_ToolBackend):

@@ -67,8 +67,9 @@ def capture_cmd(
 ) -> int:
     """Read-only capture of a process and its children (stacks, GIL state, /proc), analyzed.
 
-    pystack and gdb pause the target briefly while they read it (one at a time, bounded by --timeout);
-    py-spy (--nonblocking) and /proc never do; use --tools proc,py-spy for a capture that never pauses.
+    py-spy --native, pystack and gdb pause the target briefly while they read it (one at a time,
+    bounded by --timeout) and always resume it; /proc never does. For a capture that never pauses:
+    --tools proc,py-spy-nonblocking.
     Exit 0 no hang evidence, 10 deadlock found, 4 crash or OOM.
     """
     if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
