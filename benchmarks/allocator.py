@@ -182,7 +182,7 @@ def main() -> int:
 
     native = native_module()
     q = args.quick
-    n_rounds = 3 if q else 5
+    n_rounds = 3 if q else 7
     t_start = time.monotonic()
     say(f"kvdiag allocator benchmark  (cpus={os.cpu_count()}, python {sys.version.split()[0]})")
     say("")
