@@ -63,6 +63,9 @@ def main(argv: list[str] | None = None) -> int:
         # SIGTERM/SIGHUP end a run like Ctrl-C does: teardown, partial report, exit 130.
         for sig in (signal.SIGTERM, signal.SIGHUP):
             signal.signal(sig, _on_sigterm)
+        # Started as a background job of a script, kvdiag inherits SIGINT ignored and Python then
+        # installs no KeyboardInterrupt handler; `kill -INT` must still end the run cleanly.
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("KVDIAG_DEBUG") == "1"
     try:
         _register_all()
