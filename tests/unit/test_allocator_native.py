@@ -13,10 +13,9 @@ from collections.abc import Iterator, Sequence
 
 import pytest
 
+from kvdiag import _native as native  # built by the package: a missing build fails, never skips
 from kvdiag.allocator import PageAllocator, kvcached_env_kwargs, make_allocator
 from kvdiag.errors import AllocatorError
-
-native = pytest.importorskip("kvdiag._native")
 
 MB = 1024 * 1024
 PAGE = 64 * 1024

@@ -8,14 +8,12 @@ import os
 import uuid
 from typing import Any
 
-import pytest
+import kvdiag._native  # noqa: F401  (built by the package: a missing build fails, never skips)
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from kvdiag.allocator import PageAllocator, make_allocator
-
-pytest.importorskip("kvdiag._native")
 
 PAGE = 64 * 1024
 LAYERS = 2
