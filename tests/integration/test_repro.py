@@ -4,24 +4,20 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import yaml
+from kvcli import read_report, run_kvdiag
 
 ROOT = Path(__file__).resolve().parents[2]
 SECRETS = ["hf_QpLanted9SecretTokenValue12345", "sk-plantedOpenAIkey0123456789abcdef", "s3cr3tPassw0rdX"]
 
 
 def _kvdiag(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return run_kvdiag(*args, timeout=timeout)
 
 
-def _report(out: Path) -> dict[str, object]:
-    data = json.loads((out / "report.json").read_text())
-    assert isinstance(data, dict)
-    return data
+_report = read_report
 
 
 def test_default_scenario_reproduces_gil_cycle_on_engine_two(tmp_path: Path) -> None:

@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from kvcli import read_report, run_kvdiag
 
 from kvdiag.launch.process import free_port
 from kvdiag.sim.harness import SimProcess, process_alive, remove_device_files
@@ -21,14 +22,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _kvdiag(*args: str, timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvdiag", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=ROOT)
+    return run_kvdiag(*args, timeout=timeout)
 
 
-def _report(out: Path) -> dict[str, object]:
-    data = json.loads((out / "report.json").read_text())
-    assert isinstance(data, dict)
-    return data
+_report = read_report
 
 
 def _assert_stall_verdict(report: dict[str, object], bundle: dict[str, object]) -> None:
