@@ -68,11 +68,28 @@ def parse_banner(line: str, line_no: int | None = None, source: str | None = Non
     return BannerInfo(raw=line[idx:].strip()[:2000], line_no=line_no, source=source, **fields)
 
 
+# A wrapped banner's continuation line: nothing but `key=value` fields (the seed quotes it so).
+_CONTINUATION = re.compile(r"^\s*(?:\w+=-?\d+(?:MB)?\s*,?\s*)+$")
+_MAX_CONTINUATION_LINES = 4
+
+
 def parse_banners(lines: Iterable[str], source: str | None = None) -> list[BannerInfo]:
-    """Every banner in ``lines`` (1-based line numbers)."""
+    """Every banner in ``lines`` (1-based line numbers).
+
+    kvcached prints the banner on one line; a banner pasted from an issue or a wrapping log
+    viewer may continue on the next lines, which are joined when they hold only fields.
+    """
+    text = list(lines)
     out: list[BannerInfo] = []
-    for no, line in enumerate(lines, start=1):
-        banner = parse_banner(line, no, source)
+    for i, line in enumerate(text):
+        if BANNER_MARKER not in line:
+            continue
+        joined = line
+        for nxt in text[i + 1:i + 1 + _MAX_CONTINUATION_LINES]:
+            if "max_reserved_pages=" in joined or BANNER_MARKER in nxt or not _CONTINUATION.match(nxt):
+                break
+            joined = f"{joined.rstrip()} {nxt.strip()}"
+        banner = parse_banner(joined, i + 1, source) or parse_banner(line, i + 1, source)
         if banner is not None:
             out.append(banner)
     return out

@@ -56,3 +56,27 @@ def test_fuzz_never_raises(text: str) -> None:
     b = parse_banner("Init C++ PageAllocator:" + text)
     if b is not None:
         assess_risk(b)
+
+
+def test_wrapped_banner_as_quoted_in_the_seed() -> None:
+    # Exactly as issue #371 quotes engine 2 (wrapped over three lines), then a log line.
+    lines = [
+        "(EngineCore) INFO ... [core.py:283] init engine (profile, create kv cache, warmup model) took 10.58 seconds",
+        "Init C++ PageAllocator: num_layers=28, mem_size_per_layer=11MB, total_mem_size=667MB,",
+        "  page_size=2MB, world_size=1, pp_rank=0, async_sched=1, contiguous_layout=1,",
+        "  enable_prealloc=1, num_kv_buffers=2, group_id=0, min_reserved_pages=5, max_reserved_pages=5",
+        "(APIServer) INFO:     Application startup complete.",
+    ]
+    [b] = parse_banners(lines)
+    assert (b.line_no, b.num_layers, b.total_mem_size_mb, b.page_size_mb) == (2, 28, 667, 2)
+    assert b.enable_prealloc and b.min_reserved_pages == 5 and b.max_reserved_pages == 5
+    assert assess_risk(b).risky
+
+
+def test_wrapped_banner_does_not_swallow_the_next_banner() -> None:
+    lines = [
+        "Init C++ PageAllocator: num_layers=4, mem_size_per_layer=64MB, total_mem_size=512MB,",
+        "Init C++ PageAllocator: num_layers=4, mem_size_per_layer=64MB, page_size=2MB, enable_prealloc=1, group_id=1",
+    ]
+    banners = parse_banners(lines)
+    assert [b.group_id for b in banners] == [1]   # the first one never completes
