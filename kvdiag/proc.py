@@ -19,6 +19,11 @@ class Stat(NamedTuple):
     stime: int
 
 
+# wchan of a task parked in futex(2): newer kernels say futex_do_wait, older ones (and the seed's
+# report) futex_wait_queue / futex_wait_queue_me.
+FUTEX_WCHANS = ("futex_wait_queue", "futex_do_wait", "futex_wait_queue_me", "futex_wait")
+
+
 def read_stat(pid: int, tid: int | None = None) -> Stat | None:
     """/proc/<pid>[/task/<tid>]/stat parsed past the comm field; None if gone or unreadable."""
     path = f"/proc/{pid}/task/{tid}/stat" if tid is not None else f"/proc/{pid}/stat"

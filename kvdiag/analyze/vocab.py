@@ -12,6 +12,7 @@ import os
 import re
 
 from kvdiag.model import Frame
+from kvdiag.proc import FUTEX_WCHANS
 
 _SUFFIX = re.compile(r"(@@?GLIBC[\w.]*|\.constprop\.\d+|\.isra\.\d+|\.part\.\d+|\.cold)+$")
 
@@ -90,7 +91,7 @@ PY_FRAME_KINDS: dict[tuple[str, str], str] = {
 }
 
 # Kernel wait channels.
-WCHAN_FUTEX = ("futex_wait_queue", "futex_do_wait", "futex_wait_queue_me", "futex_wait")
+WCHAN_FUTEX = FUTEX_WCHANS
 WCHAN_READ = ("unix_stream_read_generic", "unix_stream_data_wait", "sk_wait_data", "pipe_read",
               "anon_pipe_read", "pipe_wait", "pipe_wait_readable", "tcp_recvmsg", "wait_woken",
               "__skb_wait_for_more_packets", "skb_wait_for_more_packets", "unix_dgram_recvmsg")

@@ -9,11 +9,9 @@ import re
 import httpx
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.proc import process_tree, read_stat
+from kvdiag.proc import FUTEX_WCHANS, process_tree, read_stat
 
 __all__ = ["process_tree"]
-
-FUTEX_WCHANS = ("futex_wait_queue", "futex_do_wait", "futex_wait", "futex_wait_queue_me")
 
 _METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _WANTED = {
