@@ -13,7 +13,10 @@ Measures (stock is the baseline, measured in the same run; medians of alternatin
                    every free; fixed only try_locks under the GIL and releases it to block.
                    For information only: 8 NATIVE threads (kvdiag._native.stress, C++ threads, no
                    GIL) — both allocators then serialise on one mutex, so no gain is expected — and
-                   8 Python threads allocating bursts of 16 pages (slow path, maps).
+                   8 Python threads allocating bursts of 16 pages (slow path, maps). There fixed is
+                   slower (~0.8x): it releases the GIL around every synchronous map (fix 6), the
+                   modelled device serialises the maps anyway, so the threads only pay GIL hand-offs;
+                   stock keeps the GIL through its maps, which is what deadlocks it.
   stalls           operations slower than --stall-ms (default 250 ms, 2.5x the fixed allocator's
                    100 ms wait slice) or raising AllocatorTimeout, over 10^7 randomized
                    alloc/free/free_pages/trigger/resize/trim operations on the fixed allocator
