@@ -12,7 +12,6 @@ import platform
 import secrets
 import shutil
 import socket
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,7 +22,7 @@ from rich.console import Console
 from kvdiag import __version__
 from kvdiag.bundle_io import save_bundle
 from kvdiag.errors import ExitCode, Interrupted, KvdiagError
-from kvdiag.launch.process import ProcessSet
+from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
@@ -183,7 +182,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     from kvdiag.report import redact_text
 
     (bundle_dir / "scenario.yaml").write_text(redact_text(scenario_text), encoding="utf-8")
-    raw_log_dir = Path(tempfile.mkdtemp(prefix="kvdiag-logs-"))
+    raw_log_dir = private_temp_path("kvdiag-logs-")  # created once the reaper knows it
     result: RunResult | None = None
     interrupted: KvdiagError | None = None
     started = time.monotonic()
@@ -197,6 +196,14 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     device: str | None = None
     try:
         with ProcessSet(grace_s=scenario.windows.kill_grace_s) as procs:
+            procs.remove_on_abandon(raw_log_dir)  # raw logs are unredacted: never left behind
+            raw_log_dir.mkdir(mode=0o700)
+
+            def _final_logs() -> None:  # what engines printed until teardown, then no raw copy
+                _copy_logs_redacted(raw_log_dir, bundle_dir)
+                shutil.rmtree(raw_log_dir, ignore_errors=True)
+
+            procs.on_teardown(_final_logs)
             device = scenario.device.name or f"kvdiag-{procs.run_id}"
             # Engines log into a private temp dir; the bundle gets redacted copies.
             run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
@@ -228,8 +235,9 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     except (Interrupted, KeyboardInterrupt) as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
     finally:
-        _copy_logs_redacted(raw_log_dir, bundle_dir)  # final copy: what engines printed until teardown
-        shutil.rmtree(raw_log_dir, ignore_errors=True)
+        if raw_log_dir.exists():  # teardown did not get to its hook: copy what is there
+            _copy_logs_redacted(raw_log_dir, bundle_dir)
+            shutil.rmtree(raw_log_dir, ignore_errors=True)
         if device is not None and scenario.device.name is None:
             # The modelled device was this run's own: drop its shared lock/accounting files.
             from kvdiag.sim.harness import remove_device_files

@@ -7,8 +7,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from types import FrameType, TracebackType
 
@@ -31,6 +33,12 @@ def port_in_use(host: str, port: int) -> bool:
         except OSError:
             return True
     return False
+
+
+def private_temp_path(prefix: str) -> Path:
+    """A fresh, not yet created folder name in the temp dir: register it with the reaper first,
+    then create it (mode 0700), so no kill can land between creating and registering."""
+    return Path(tempfile.gettempdir()) / f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
 class Reaper:
@@ -58,6 +66,10 @@ class Reaper:
 
     def unregister(self, pgid: int) -> None:
         self._send(f"-{pgid}")
+
+    def remove_on_abandon(self, path: Path) -> None:
+        """A private temp folder the reaper deletes if kvdiag dies without cleaning up."""
+        self._send(f"dir {path}")
 
     def abandon(self) -> None:
         """Close the pipe without "exit": the reaper then tears down every registered group."""
@@ -153,6 +165,12 @@ class ProcessSet:
         self.engines: list[EngineProcess] = []
         self.reaper: Reaper | None = None
         self._old_handlers: dict[int, object] = {}
+        self._teardown_hooks: list[Callable[[], None]] = []
+
+    def on_teardown(self, hook: Callable[[], None]) -> None:
+        """Run ``hook`` once the engines are stopped, while the reaper still guards the run (a kill
+        landing then still gets the registered temp folders removed)."""
+        self._teardown_hooks.append(hook)
 
     def __enter__(self) -> ProcessSet:
         self.reaper = Reaper(self.run_id)
@@ -172,6 +190,11 @@ class ProcessSet:
         env[RUN_ID_ENV] = self.run_id
         env["PYTHONUNBUFFERED"] = "1"
         return env
+
+    def remove_on_abandon(self, path: Path) -> None:
+        """Have the reaper delete ``path`` (a private temp folder) if kvdiag dies before cleaning up."""
+        if self.reaper is not None:
+            self.reaper.remove_on_abandon(path)
 
     def start(self, engine: EngineProcess) -> None:
         self.engines.append(engine)
@@ -203,6 +226,11 @@ class ProcessSet:
         try:
             self.stop_all()
             clean = True
+            for hook in self._teardown_hooks:
+                try:
+                    hook()
+                except Exception as exc:  # a failed log copy must not mask why the run ended
+                    print(f"kvdiag: warning: teardown step failed: {exc}", file=sys.stderr)
         finally:
             if self.reaper is not None:
                 if clean:

@@ -5,15 +5,19 @@ kvdiag starts it in its own session and keeps a pipe to its stdin. kvdiag writes
 reaches EOF — kvdiag exited, crashed or was SIGKILLed — the reaper SIGTERMs
 every registered process group, SIGKILLs what is left after a grace period, and
 sweeps any process whose environment carries ``KVDIAG_RUN_ID=<run id>`` (a
-child that left its process group). It ignores SIGINT/SIGTERM/SIGHUP so a
+child that left its process group), then removes the private temp folders
+registered with ``dir PATH`` (raw, unredacted engine logs must not outlive a
+killed kvdiag). It ignores SIGINT/SIGTERM/SIGHUP so a
 Ctrl-C or a terminal hang-up cannot stop it before it has cleaned up.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+import tempfile
 import time
 from collections.abc import Iterable
 
@@ -74,12 +78,21 @@ def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> Non
                 pass
 
 
+def removable_temp_dir(path: str) -> bool:
+    """Only kvdiag's own folders directly in the temp dir are ever removed."""
+    p = os.path.realpath(path)
+    return (os.path.dirname(p) == os.path.realpath(tempfile.gettempdir())
+            and os.path.basename(p).startswith("kvdiag-") and os.path.isdir(p))
+
+
 def main(argv: list[str]) -> int:
     run_id = argv[0] if argv else None
     grace_s = float(argv[1]) if len(argv) > 1 else 3.0
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
+    parent = os.getppid()
     groups: set[int] = set()
+    dirs: set[str] = set()
     stdin = sys.stdin.buffer
     while True:
         line = stdin.readline()
@@ -88,12 +101,24 @@ def main(argv: list[str]) -> int:
         text = line.decode(errors="replace").strip()
         if text == "exit":
             return 0  # clean shutdown: kvdiag already tore everything down
+        if text.startswith("dir "):
+            dirs.add(text[4:])
+            continue
         if len(text) > 1 and text[1:].isdigit():
             if text[0] == "+":
                 groups.add(int(text[1:]))
             elif text[0] == "-":
                 groups.discard(int(text[1:]))
     kill_groups(groups, run_id, grace_s)
+    # A live kvdiag that abandoned us still copies its logs and removes the folders itself. A dying
+    # one closes its files (our EOF) before it turns zombie or we are reparented: give it a moment.
+    deadline = time.monotonic() + 2.0
+    while os.getppid() == parent and alive(parent) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    if os.getppid() != parent or not alive(parent):
+        for d in dirs:
+            if removable_temp_dir(d):
+                shutil.rmtree(d, ignore_errors=True)
     return 0
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import shutil
 import signal
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -28,7 +27,7 @@ import httpx
 from rich.console import Console
 
 from kvdiag.errors import EngineFailed, ExitCode, Interrupted, KvdiagError, UsageError
-from kvdiag.launch.process import ProcessSet
+from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.session import EngineWatch, Outcome, ScenarioRun
 from kvdiag.model import (
     Bundle,
@@ -223,12 +222,21 @@ class SoakRun:
 
         (self.bundle_dir / "scenario.yaml").write_text(redact_text(text), encoding="utf-8")
         spec = scen.engines[0]
-        raw_log_dir = Path(tempfile.mkdtemp(prefix="kvdiag-soak-logs-"))
+        raw_log_dir = private_temp_path("kvdiag-soak-logs-")  # created once the reaper knows it
         device: str | None = None
         arts: RunArtifacts | None = None
         watch: EngineWatch | None = None
         try:
             with ProcessSet(grace_s=scen.windows.kill_grace_s) as procs:
+                procs.remove_on_abandon(raw_log_dir)  # raw logs are unredacted: never left behind
+                raw_log_dir.mkdir(mode=0o700)
+
+                def _final_log() -> None:  # what the engine printed until teardown, then no raw copy
+                    if watch is not None:
+                        self._copy_log(raw_log_dir, spec.name)
+                    shutil.rmtree(raw_log_dir, ignore_errors=True)
+
+                procs.on_teardown(_final_log)
                 device = scen.device.name or f"kvdiag-{procs.run_id}"
                 run = ScenarioRun(scen, raw_log_dir, procs, device,
                                   progress=lambda m, w: self._echo(m))
@@ -259,9 +267,10 @@ class SoakRun:
             self.interrupted = self.interrupted or (
                 exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)"))
         finally:
-            if watch is not None:
-                self._copy_log(raw_log_dir, spec.name)
-            shutil.rmtree(raw_log_dir, ignore_errors=True)
+            if raw_log_dir.exists():  # teardown did not get to its hook
+                if watch is not None:
+                    self._copy_log(raw_log_dir, spec.name)
+                shutil.rmtree(raw_log_dir, ignore_errors=True)
             if device is not None and spec.kind == "sim" and scen.device.name is None:
                 _remove_device_files(device)
         return self._final(arts)

@@ -75,12 +75,15 @@ def _wait_gone(marker: str, bound_s: float) -> list[int]:
 def test_no_orphans_after_signal(tmp_path: Path, sig: signal.Signals) -> None:
     rng = random.Random(f"{sig.name}-{RUNS}")
     orphans: list[int] = []
+    leftover_dirs: list[str] = []
     for i in range(RUNS):
         marker = uuid.uuid4().hex
         # ready_after -1 = engine two never gets ready (it "hangs" in startup); else healthy after a while
         scen = _scenario(tmp_path, marker, rng.choice([-1.0, 0.3, 1.0]))
+        tmpdir = tmp_path / f"tmp{i}"   # kvdiag's private temp folders (raw engine logs) land here
+        tmpdir.mkdir()
         proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "repro", "two-engine", "--scenario", str(scen),
-                                 "--out", str(tmp_path / f"out{i}")],
+                                 "--out", str(tmp_path / f"out{i}")], env=dict(os.environ, TMPDIR=str(tmpdir)),
                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             time.sleep(rng.uniform(0.3, 2.5))
@@ -97,6 +100,11 @@ def test_no_orphans_after_signal(tmp_path: Path, sig: signal.Signals) -> None:
             except ProcessLookupError:
                 pass
         orphans.extend(left)
+        # Unredacted raw logs never outlive the run: kvdiag removes them, or its reaper does.
+        deadline = time.monotonic() + 10
+        while list(tmpdir.glob("kvdiag-*")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        leftover_dirs.extend(str(p) for p in tmpdir.glob("kvdiag-*"))
         if sig is not signal.SIGKILL:
             # 130 when the signal cut the run short; 0 only if the run had already finished
             # (both engines ready) and written its healthy report before the signal landed.
@@ -105,6 +113,7 @@ def test_no_orphans_after_signal(tmp_path: Path, sig: signal.Signals) -> None:
             too_early = proc.returncode == -sig and not (tmp_path / f"out{i}" / "bundle").exists()
             assert proc.returncode == 130 or finished or too_early, f"run {i}: exit {proc.returncode}"
     assert orphans == [], f"{len(orphans)} orphan(s) over {RUNS} runs"
+    assert leftover_dirs == [], f"temp folders left behind: {leftover_dirs}"
 
 
 def test_interrupted_run_leaves_readable_report(tmp_path: Path) -> None:
