@@ -196,8 +196,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     device: str | None = None
     try:
         with ProcessSet(grace_s=scenario.windows.kill_grace_s) as procs:
-            procs.remove_on_abandon(raw_log_dir)  # raw logs are unredacted: never left behind
-            raw_log_dir.mkdir(mode=0o700)
+            procs.make_private_dir(raw_log_dir)  # raw logs are unredacted: never left behind
 
             def _final_logs() -> None:  # what engines printed until teardown, then no raw copy
                 _copy_logs_redacted(raw_log_dir, bundle_dir)

@@ -36,8 +36,7 @@ def port_in_use(host: str, port: int) -> bool:
 
 
 def private_temp_path(prefix: str) -> Path:
-    """A fresh, not yet created folder name in the temp dir: register it with the reaper first,
-    then create it (mode 0700), so no kill can land between creating and registering."""
+    """A fresh, not yet created folder name in the temp dir, for :meth:`ProcessSet.make_private_dir`."""
     return Path(tempfile.gettempdir()) / f"{prefix}{uuid.uuid4().hex[:12]}"
 
 
@@ -191,10 +190,12 @@ class ProcessSet:
         env["PYTHONUNBUFFERED"] = "1"
         return env
 
-    def remove_on_abandon(self, path: Path) -> None:
-        """Have the reaper delete ``path`` (a private temp folder) if kvdiag dies before cleaning up."""
+    def make_private_dir(self, path: Path) -> None:
+        """Create ``path`` (mode 0700) after telling the reaper to delete it if kvdiag dies first:
+        no kill can land between the two and leave it behind."""
         if self.reaper is not None:
             self.reaper.remove_on_abandon(path)
+        path.mkdir(mode=0o700)
 
     def start(self, engine: EngineProcess) -> None:
         self.engines.append(engine)

@@ -228,8 +228,7 @@ class SoakRun:
         watch: EngineWatch | None = None
         try:
             with ProcessSet(grace_s=scen.windows.kill_grace_s) as procs:
-                procs.remove_on_abandon(raw_log_dir)  # raw logs are unredacted: never left behind
-                raw_log_dir.mkdir(mode=0o700)
+                procs.make_private_dir(raw_log_dir)  # raw logs are unredacted: never left behind
 
                 def _final_log() -> None:  # what the engine printed until teardown, then no raw copy
                     if watch is not None:
