@@ -46,7 +46,7 @@ class Reaper:
     def __init__(self, run_id: str, grace_s: float = 3.0) -> None:
         self.run_id = run_id
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdiag.launch.reaper", run_id, str(grace_s)],
+            [sys.executable, "-m", "kvdiag.launch.reaper", run_id, str(grace_s), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True,
         )

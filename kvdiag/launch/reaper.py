@@ -90,7 +90,9 @@ def main(argv: list[str]) -> int:
     grace_s = float(argv[1]) if len(argv) > 1 else 3.0
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(sig, signal.SIG_IGN)
-    parent = os.getppid()
+    # kvdiag's pid comes on the command line: by the time a slow reaper starts, a killed kvdiag may
+    # already be gone and getppid() would name our new parent (init) instead.
+    parent = int(argv[2]) if len(argv) > 2 else os.getppid()
     groups: set[int] = set()
     dirs: set[str] = set()
     stdin = sys.stdin.buffer
@@ -113,12 +115,17 @@ def main(argv: list[str]) -> int:
     # A live kvdiag that abandoned us still copies its logs and removes the folders itself. A dying
     # one closes its files (our EOF) before it turns zombie or we are reparented: give it a moment.
     deadline = time.monotonic() + 2.0
-    while os.getppid() == parent and alive(parent) and time.monotonic() < deadline:
+    while alive(parent) and time.monotonic() < deadline:
         time.sleep(0.02)
-    if os.getppid() != parent or not alive(parent):
+    if not alive(parent):
         for d in dirs:
             if removable_temp_dir(d):
                 shutil.rmtree(d, ignore_errors=True)
+    # An engine forked just before kvdiag died carries the run marker only once it has exec'd, and
+    # its group was never registered: one more sweep, after that exec, catches it.
+    time.sleep(0.3)
+    if run_id:
+        kill_groups([], run_id, grace_s)
     return 0
 
 
