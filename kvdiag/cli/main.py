@@ -108,9 +108,15 @@ def run() -> None:
     except KeyboardInterrupt:  # landed between main's handlers and here
         code = ExitCode.INTERRUPTED
     # The run is over and its outputs are written: a late Ctrl-C or SIGTERM must not turn that
-    # exit status into a death by signal during interpreter shutdown.
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, signal.SIG_IGN)
+    # exit status into a death by signal during interpreter shutdown. One that lands before the
+    # handlers are swapped raises here; once SIG_IGN is in place a still-pending one is dropped.
+    while True:
+        try:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, signal.SIG_IGN)
+            break
+        except KeyboardInterrupt:
+            continue
     sys.exit(code)
 
 
