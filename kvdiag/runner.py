@@ -21,7 +21,7 @@ from rich.console import Console
 
 from kvdiag import __version__
 from kvdiag.bundle_io import save_bundle
-from kvdiag.errors import ExitCode, Interrupted, KvdiagError
+from kvdiag.errors import ExitCode, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
@@ -51,8 +51,8 @@ def prepare_out_dir(out: Path | None, command: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise KvdiagError(f"cannot write output folder {path}: {exc.strerror or exc}",
-                          hint="pass --out DIR pointing at a writable folder") from None
+        raise UsageError(f"cannot write output folder {path}: {exc.strerror or exc}",
+                         hint="pass --out DIR pointing at a writable folder") from None
     return path
 
 
