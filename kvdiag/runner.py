@@ -23,6 +23,7 @@ from kvdiag import __version__
 from kvdiag.bundle_io import save_bundle
 from kvdiag.errors import ExitCode, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
+from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
@@ -203,7 +204,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                 shutil.rmtree(raw_log_dir, ignore_errors=True)
 
             procs.on_teardown(_final_logs)
-            device = scenario.device.name or f"kvdiag-{procs.run_id}"
+            device = scenario.device.name or run_device_name(procs.run_id)
             # Engines log into a private temp dir; the bundle gets redacted copies.
             run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
             try:
