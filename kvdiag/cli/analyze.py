@@ -16,7 +16,15 @@ def analyze_cmd(
     bundle: Path = typer.Argument(..., help="A run folder, its bundle/ folder, or bundle.json."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
 ) -> int:
-    """Exit 0 no hang evidence, 10 deadlock/stall found, 4 crash or OOM (an A/B folder: as `kvdiag ab`)."""
+    """Re-analyze a saved bundle offline; print the verdict and the frames behind it.
+
+    BUNDLE: a run folder, its bundle/ folder or a bundle.json (e.g. from a bug); an A/B folder
+    is judged from its two nested runs. Nothing is captured again and no file is written
+    (kvdiag report re-renders). The diagnosis is recomputed from the bundle alone; --json says
+    whether it agrees with the one the run stored.
+    Exit codes: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM, 2 no readable bundle
+    (an A/B folder: as kvdiag ab; an interrupted run: 130).
+    """
     run = load_run(bundle)
     diag = diagnose(run.bundle, run.run_bundles)
     stored = run.bundle.diagnosis

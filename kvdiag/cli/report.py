@@ -8,7 +8,7 @@ import typer
 
 from kvdiag.analyze import diagnose
 from kvdiag.bundle import atomic_write_text, load_run
-from kvdiag.errors import ExitCode, KvdiagError
+from kvdiag.errors import ExitCode, UsageError
 
 
 def report_cmd(
@@ -17,7 +17,12 @@ def report_cmd(
     out: Path | None = typer.Option(None, "--out", "-o", help="Folder for report.json/html/md "
                                     "(default: the run folder holding bundle/)"),
 ) -> int:
-    """Re-render a saved bundle's report (HTML, JSON, Markdown) from the diagnosis stored in it; exit 0."""
+    """Re-render a saved bundle's report (HTML, JSON, Markdown) from the diagnosis stored in it.
+
+    BUNDLE: a run folder, its bundle/ folder or a bundle.json. The report says what the run
+    said (the stored diagnosis); a bundle without one is analyzed first.
+    Exit codes: 0 written, 2 no readable bundle or an unwritable output.
+    """
     from kvdiag.cli.common import console
     from kvdiag.report import build_report, render_html, render_run, render_terminal
 
@@ -41,8 +46,8 @@ def report_cmd(
             target = out if out is not None else run.out_dir
             paths = render_run(target, loaded, bundle_dir=bundle_dir)
     except OSError as exc:
-        raise KvdiagError(f"cannot write the report: {exc.strerror or exc} ({exc.filename or ''})",
-                          hint="pass --out DIR or --html FILE pointing at a writable place") from None
+        raise UsageError(f"cannot write the report: {exc.strerror or exc} ({exc.filename or ''})",
+                         hint="pass --out DIR or --html FILE pointing at a writable place") from None
     render_terminal(report, con, paths)
     return ExitCode.OK
 
