@@ -36,9 +36,12 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                 ev.role = role
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
+    from kvdiag.environment import collect_environment
+
     bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    host=host_info(), processes=evidence, findings=findings)
+                    host=host_info(), processes=evidence, findings=findings,
+                    environment=collect_environment())
     save_bundle(bundle, bundle_dir)
     return bundle
 

@@ -55,6 +55,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     if report.scenario:
         facts.append(f"scenario: {_code(report.scenario)}")
     out.append(" · ".join(facts))
+    if v.signature:
+        out += ["", f"signature: {_code(v.signature)}"]
+    if v.known is not None:
+        known = _inline(clean_text(v.known.line()))
+        if v.known.workaround:
+            known += f"; workaround: {_code(v.known.workaround)}"
+        out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
     if v.cycle:
@@ -132,6 +139,10 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         env_lines.append(f"stall window: {report.stall_window_s:g} s")
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
+    if report.environment is not None:
+        from kvdiag.report.envtext import environment_lines
+
+        env_lines += environment_lines(report.environment)
     out.append(_fence(env_lines))
     out.append("")
     return redact_text("\n".join(out))
