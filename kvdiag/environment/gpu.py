@@ -1,8 +1,7 @@
 """GPUs, CUDA driver and runtime versions, read in a child process with a time bound.
 
 A wedged driver (exactly what a hung engine may be sitting on) must not wedge
-kvdiag, so the query runs as ``python -m kvdiag.environment.gpu`` under a
-timeout. It uses cuda-python when importable (optional), else ``nvidia-smi``.
+kvdiag, so the query runs in a child Python under a timeout. It uses cuda-python when importable (optional), else ``nvidia-smi``.
 Reading free memory through the driver creates a primary context on each GPU
 for a moment; ``nvidia-smi`` needs none.
 
@@ -24,6 +23,7 @@ from typing import Any
 from kvdiag.model import GpuInfo
 
 QUERY_TIMEOUT_S = 20.0
+_CHILD = "import json, sys; from kvdiag.environment.gpu import query; json.dump(query(), sys.stdout)"
 
 
 def _version(v: int) -> str:
@@ -128,7 +128,7 @@ def query() -> dict[str, Any]:
 def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | None, list[GpuInfo], str]:
     """(driver, runtime, gpus, note), queried in a child process bounded by ``timeout_s``."""
     try:
-        proc = subprocess.run([sys.executable, "-m", "kvdiag.environment.gpu"], capture_output=True, text=True,
+        proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
                               timeout=timeout_s, stdin=subprocess.DEVNULL)
     except subprocess.TimeoutExpired:
         return None, None, [], f"GPU query did not answer within {timeout_s:g}s (driver busy or wedged?)"
