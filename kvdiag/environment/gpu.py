@@ -1,7 +1,8 @@
 """GPUs, CUDA driver and runtime versions, read in a child process with a time bound.
 
 A wedged driver (exactly what a hung engine may be sitting on) must not wedge
-kvdiag, so the query runs in a child Python under a timeout. It uses cuda-python when importable (optional), else ``nvidia-smi``.
+kvdiag, so the query runs in a child Python under a timeout. It uses
+cuda-python when importable (optional), else ``nvidia-smi``.
 Reading free memory through the driver creates a primary context on each GPU
 for a moment; ``nvidia-smi`` needs none.
 
