@@ -85,7 +85,7 @@ class Tally:
         return self.total > 0
 
 
-_SECRET_SUFFIXES = ("_TOKEN", "_API_KEY", "_APIKEY", "_SECRET", "_SECRET_KEY", "_PASSWORD", "_PASSWD",
+_SECRET_SUFFIXES = ("_TOKEN", "_KEY", "_API_KEY", "_APIKEY", "_SECRET", "_SECRET_KEY", "_PASSWORD", "_PASSWD",
                     "_ACCESS_KEY", "_PRIVATE_KEY", "_AUTH", "_CREDENTIALS", "_CREDENTIAL")
 _SECRET_EXACT = frozenset({
     "TOKEN", "API_KEY", "APIKEY", "SECRET", "SECRET_KEY", "PASSWORD", "PASSWD", "ACCESS_KEY",
@@ -122,6 +122,12 @@ _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 # Any flag followed by a value (`--flag VALUE` or `--flag=VALUE`); is_secret_flag decides.
 _FLAG = re.compile(
     r"(?<![\w\-])(?P<flag>--?[A-Za-z0-9][A-Za-z0-9_.\-]*)(?P<sep>=|[ \t]+|[\"']\s*,\s*)(?!-|[\"']-)" + _VALUE)
+# The same across a line break, in list layouts only: a YAML block list (`- --api-key` / `- VALUE`)
+# and a pretty-printed JSON or Python list (`"--api-key",` / `"VALUE"`).
+_FLAG_LIST_ML = re.compile(
+    r"(?<![\w\-])(?P<flag>--?[A-Za-z0-9][A-Za-z0-9_.\-]*)"
+    r"(?P<sep>[\"']?[ \t]*,[ \t]*\r?\n[ \t]*[\"']?|[\"']?[ \t]*\r?\n[ \t]*-[ \t]+[\"']?)"
+    r"(?!-)(?P<val>[^\s\"',;&)}\]>\x00]+)")
 _SHAPES: list[tuple[str, str]] = [
     ("hugging_face", r"\bhf_[A-Za-z0-9]{16,}\b"),
     ("openai", r"\bsk-(?:proj-|ant-|live-|test-|svcacct-|admin-)?[A-Za-z0-9_\-]{16,}"),
@@ -261,6 +267,8 @@ class _Pass:
         # The name-based rules are the expensive ones; only lines naming a secret-ish word need them
         # (quoted values never span lines), which keeps multi-megabyte logs fast.
         if _KEYWORD.search(out.lower()):
+            if "\n" in out:
+                out = _FLAG_LIST_ML.sub(self.flag, out)
             lines = out.splitlines(keepends=True)
             for i, line in enumerate(lines):
                 if _KEYWORD.search(line.lower()):
@@ -481,6 +489,10 @@ def scan_text(text: str) -> list[tuple[int, str]]:
         for m in _PRIVATE_KEY_BLOCK.finditer(text):
             if REDACTED not in m.group(0)[:200]:
                 out.append((text.count("\n", 0, m.start()) + 1, "private_key_block"))
+    if "\n" in text and _KEYWORD.search(text.lower()):
+        for m in _FLAG_LIST_ML.finditer(text):
+            if is_secret_flag(m.group("flag")) and not _is_placeholder(m.group("val")):
+                out.append((text.count("\n", 0, m.start("val")) + 1, "secret_flag"))
     for no, line in enumerate(text.splitlines(), 1):
         p = _Pass(None)
         if "://" in line:
@@ -490,6 +502,9 @@ def scan_text(text: str) -> list[tuple[int, str]]:
         _SHAPE.sub(p.shape, line)
         out.extend((no, kind) for kind in sorted(p.counts))
     return out
+
+
+_NON_TEXT = re.compile(r"[^\x20-\x7e\t\n]")
 
 
 def scan_tree(folder: Path) -> list[Hit]:
@@ -505,7 +520,8 @@ def scan_tree(folder: Path) -> list[Hit]:
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError:
-            text = data.decode("latin-1")
+            # Binary: keep the printable runs (as strings(1) would), line breaks where they were.
+            text = _NON_TEXT.sub(" ", data.decode("latin-1"))
         rel = os.path.relpath(path, folder)
         hits.extend(Hit(rel, no, kind) for no, kind in scan_text(text))
     return hits
