@@ -21,8 +21,9 @@ from rich.console import Console
 
 from kvdiag import __version__
 from kvdiag.bundle_io import save_bundle
-from kvdiag.errors import ExitCode, Interrupted, KvdiagError
+from kvdiag.errors import ExitCode, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
+from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
@@ -51,8 +52,8 @@ def prepare_out_dir(out: Path | None, command: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise KvdiagError(f"cannot write output folder {path}: {exc.strerror or exc}",
-                          hint="pass --out DIR pointing at a writable folder") from None
+        raise UsageError(f"cannot write output folder {path}: {exc.strerror or exc}",
+                         hint="pass --out DIR pointing at a writable folder") from None
     return path
 
 
@@ -199,7 +200,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                 shutil.rmtree(raw_log_dir, ignore_errors=True)
 
             procs.on_teardown(_final_logs)
-            device = scenario.device.name or f"kvdiag-{procs.run_id}"
+            device = scenario.device.name or run_device_name(procs.run_id)
             # Engines log into a private temp dir; the bundle gets redacted copies.
             run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
             try:

@@ -24,10 +24,15 @@ def host_info() -> dict[str, str]:
 
 def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  backends: Sequence[str | CaptureBackend] | None = None,
-                 log_pids: dict[str, int] | None = None, command: str = "") -> Bundle:
-    """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/)."""
+                 log_pids: dict[str, int] | None = None, command: str = "",
+                 pids: Sequence[int] | None = None) -> Bundle:
+    """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/).
+
+    ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
+    (see :func:`kvdiag.capture.select.capture_scope`).
+    """
     roles = find_engine_processes(root_pid, log_pids)
-    pids = process_tree(root_pid) or [root_pid]
+    pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
     evidence, findings = capture_processes(pids, bundle_dir / "raw", timeout_s=timeout_s, backends=backends,
                                            bundle_dir=bundle_dir)
     for ev in evidence:

@@ -28,6 +28,7 @@ from rich.console import Console
 
 from kvdiag.errors import EngineFailed, ExitCode, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
+from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, ScenarioRun
 from kvdiag.model import (
     Bundle,
@@ -238,7 +239,7 @@ class SoakRun:
                     shutil.rmtree(raw_log_dir, ignore_errors=True)
 
                 procs.on_teardown(_final_log)
-                device = scen.device.name or f"kvdiag-{procs.run_id}"
+                device = scen.device.name or run_device_name(procs.run_id)
                 run = ScenarioRun(scen, raw_log_dir, procs, device,
                                   progress=lambda m, w: self._echo(m))
                 self.t0 = run.t0
