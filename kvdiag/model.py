@@ -113,6 +113,15 @@ class ToolRun(_Model):
     error: str | None = None         # one line: "gdb not installed", "timed out after 10s", ...
     raw_path: str | None = None      # raw output file, relative to the bundle folder
     command: list[str] = Field(default_factory=list)
+    redactions: dict[str, int] = Field(default_factory=dict)   # secrets removed from what it read, per kind
+
+
+class RedactionSummary(_Model):
+    """What the redactor removed before anything was written: kinds and counts, never values."""
+
+    total: int = 0
+    by_kind: dict[str, int] = Field(default_factory=dict)      # "secret_flag", "github", "url_userinfo", ...
+    files: dict[str, dict[str, int]] = Field(default_factory=dict)  # bundle-relative path -> kind -> count
 
 
 class ThreadEvidence(_Model):
@@ -258,6 +267,7 @@ class Bundle(_Model):
     findings: list[Finding] = Field(default_factory=list)
     stall_detected: bool = False     # the watcher saw no progress for the stall window
     interrupted: bool = False
+    redaction: RedactionSummary = Field(default_factory=RedactionSummary)
 
 
 class EvidenceItem(_Model):
@@ -299,3 +309,4 @@ class Report(_Model):
     scenario: str | None = None      # scenario name or path the run used
     stall_window_s: float | None = None
     interrupted: bool = False        # the run was cut short; the report holds what it got
+    redaction: RedactionSummary = Field(default_factory=RedactionSummary)

@@ -27,6 +27,7 @@ from kvdiag.capture.base import BackendResult
 from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.capture.parsers import parse_kernel_stack
 from kvdiag.model import Finding, GilState, ProcessEvidence, ThreadEvidence, ThreadState, ToolRun
+from kvdiag.redact import Tally, redact_argv, write_redacted
 
 _MACHINE = platform.machine()
 # futex(2) syscall number per architecture (the first argument is the futex address).
@@ -304,7 +305,8 @@ class ProcBackend:
         second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
         elapsed = max(time.monotonic() - start, 1e-6)
 
-        proc = self._process(pid, status)
+        tally = Tally()
+        proc = self._process(pid, status, tally)
         tids = list(first)
         mem = TargetMemory(pid)
         mem_ok = mem.ok
@@ -325,18 +327,19 @@ class ProcBackend:
         clk = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         proc.cpu_percent = round(100.0 * total / clk / elapsed, 1)
         proc.threads = threads
-        raw = self._write_raw(raw_dir, proc, gil)
+        raw = self._write_raw(raw_dir, proc, gil, tally)
         run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - start, 3),
-                      raw_path=str(raw) if raw else None, command=argv)
+                      raw_path=str(raw) if raw else None, command=argv, redactions=tally.as_dict())
         return BackendResult(tool=run, threads=threads, process=proc, findings=findings,
                              python_version=proc.python_version)
 
     @staticmethod
-    def _process(pid: int, status: dict[str, str]) -> ProcessEvidence:
+    def _process(pid: int, status: dict[str, str], tally: Tally | None = None) -> ProcessEvidence:
         proc = ProcessEvidence(pid=pid)
         proc.comm = (_read(f"/proc/{pid}/comm") or "").strip() or None
         cmd = _read(f"/proc/{pid}/cmdline") or ""
-        proc.cmdline = [a for a in cmd.split("\x00") if a][:64]
+        # Redacted as read: a key on the command line never reaches the bundle, proc.txt or a report.
+        proc.cmdline = redact_argv([a for a in cmd.split("\x00") if a][:64], tally)
         proc.state = thread_state(status.get("State", "?"))
         wchan = (_read(f"/proc/{pid}/wchan") or "").strip()
         proc.wchan = wchan if wchan not in ("", "0") else None
@@ -390,7 +393,8 @@ class ProcBackend:
         return out
 
     @staticmethod
-    def _write_raw(raw_dir: Path, proc: ProcessEvidence, gil: GilInfo | None) -> Path | None:
+    def _write_raw(raw_dir: Path, proc: ProcessEvidence, gil: GilInfo | None,
+                   tally: Tally | None = None) -> Path | None:
         lines = [f"# /proc/{proc.pid}: comm={proc.comm!r} state={proc.state.value} wchan={proc.wchan} "
                  f"ppid={proc.ppid} pgid={proc.pgid} cpu%={proc.cpu_percent}",
                  f"# cmdline: {' '.join(proc.cmdline)}", f"# exe: {proc.exe}"]
@@ -407,8 +411,7 @@ class ProcBackend:
                                     t.gil.value, " <- ".join(t.kernel_stack)]))
         path = raw_dir / "proc.txt"
         try:
-            raw_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            write_redacted(path, "\n".join(lines) + "\n", tally)
         except OSError:
             return None
         return path

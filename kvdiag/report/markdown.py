@@ -133,6 +133,9 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         env_lines.append(f"stall window: {report.stall_window_s:g} s")
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
+    red = report.redaction
+    env_lines.append(f"redacted: {red.total} value(s)" + (
+        f" ({', '.join(f'{k} {n}' for k, n in red.by_kind.items())})" if red.total else ""))
     out.append(_fence(env_lines))
     out.append("")
     return redact_text("\n".join(out))
