@@ -309,11 +309,16 @@ def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str |
     cycles = [c for c in g.cycles() if gil in c]
     if not cycles:
         return None
-    cycle = min(cycles, key=len)
-    in_cycle = [t for t in waiters if _tnode(g, t) in cycle]
-    ranked = sorted(in_cycle or waiters, key=lambda w: (
+    # The waiter that can wake the holder first: it runs in the holder's native library (the prealloc
+    # worker in map_pages), not a Python thread that merely queues for the GIL (process_output_sockets
+    # in queue.get). The cycle drawn and cited is the one through that waiter, not the first found.
+    best = sorted(waiters, key=lambda w: (
         not (w.libraries & holder.libraries), not _has_frame(w, "map_pages"), any(f.kind == "python" for f in
                                                                                    w.frames), w.tid))
+    nodes = [_tnode(g, w) for w in best]
+    cycle = min(cycles, key=lambda c: (next((i for i, n in enumerate(nodes) if n in c), len(nodes)), len(c)))
+    in_cycle = [w for w, n in zip(best, nodes, strict=True) if n in cycle]
+    ranked = in_cycle or best
     main_waiter = ranked[0]
     strong_holder = any(s in ("pystack", "proc") for s in holder.gil_holder_sources)
     strong_waiter = any(len(w.gil_wait_signals) >= 2 for w in ranked)

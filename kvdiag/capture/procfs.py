@@ -28,6 +28,7 @@ from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.capture.fds import FdResolver, epoll_targets
 from kvdiag.capture.parsers import parse_kernel_stack
 from kvdiag.model import Finding, GilState, ProcessEvidence, ProgressSample, ThreadEvidence, ThreadState, ToolRun
+from kvdiag.redact import Tally, redact_argv, write_redacted
 
 _MACHINE = platform.machine()
 # futex(2) syscall number per architecture (the first argument is the futex address).
@@ -380,7 +381,8 @@ class ProcBackend:
             _, holder_after = read_gil_holder(mem, gil, tids)
         elapsed = max(time.monotonic() - start, 1e-6)
 
-        proc = self._process(pid, status)
+        tally = Tally()
+        proc = self._process(pid, status, tally)
         tracer = status.get("TracerPid", "0")
         proc.tracer_pid = int(tracer) if tracer.isdigit() and int(tracer) > 0 else None
         proc.log_files = logs
@@ -407,18 +409,19 @@ class ProcBackend:
                       if k in io_after and k in io_before},
             log_growth={p: sizes_after[p] - sizes_before[p] for p in sizes_after if p in sizes_before},
             gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [])
-        raw = self._write_raw(raw_dir, proc, gil)
+        raw = self._write_raw(raw_dir, proc, gil, tally)
         run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - start, 3),
-                      raw_path=str(raw) if raw else None, command=argv)
+                      raw_path=str(raw) if raw else None, command=argv, redactions=tally.as_dict())
         return BackendResult(tool=run, threads=threads, process=proc, findings=findings,
                              python_version=proc.python_version)
 
     @staticmethod
-    def _process(pid: int, status: dict[str, str]) -> ProcessEvidence:
+    def _process(pid: int, status: dict[str, str], tally: Tally | None = None) -> ProcessEvidence:
         proc = ProcessEvidence(pid=pid)
         proc.comm = (_read(f"/proc/{pid}/comm") or "").strip() or None
         cmd = _read(f"/proc/{pid}/cmdline") or ""
-        proc.cmdline = [a for a in cmd.split("\x00") if a][:64]
+        # Redacted as read: a key on the command line never reaches the bundle, proc.txt or a report.
+        proc.cmdline = redact_argv([a for a in cmd.split("\x00") if a][:64], tally)
         proc.state = thread_state(status.get("State", "?"))
         wchan = (_read(f"/proc/{pid}/wchan") or "").strip()
         proc.wchan = wchan if wchan not in ("", "0") else None
@@ -474,7 +477,8 @@ class ProcBackend:
         return out
 
     @staticmethod
-    def _write_raw(raw_dir: Path, proc: ProcessEvidence, gil: GilInfo | None) -> Path | None:
+    def _write_raw(raw_dir: Path, proc: ProcessEvidence, gil: GilInfo | None,
+                   tally: Tally | None = None) -> Path | None:
         lines = [f"# /proc/{proc.pid}: comm={proc.comm!r} state={proc.state.value} wchan={proc.wchan} "
                  f"ppid={proc.ppid} pgid={proc.pgid} cpu%={proc.cpu_percent}",
                  f"# cmdline: {' '.join(proc.cmdline)}", f"# exe: {proc.exe}"]
@@ -491,8 +495,7 @@ class ProcBackend:
                                     t.gil.value, " <- ".join(t.kernel_stack)]))
         path = raw_dir / "proc.txt"
         try:
-            raw_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            write_redacted(path, "\n".join(lines) + "\n", tally)
         except OSError:
             return None
         return path
