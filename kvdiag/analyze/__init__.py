@@ -12,12 +12,13 @@ from __future__ import annotations
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.diagnosis import diagnose, exit_code_for
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
+from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
-    "classify_process", "classify_thread", "diagnose", "exit_code_for", "severity",
+    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "severity", "sign",
 ]
 
 
@@ -41,7 +42,7 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
             relevant = [f for f in bundle.findings if f.engine == name or (f.pid is not None and f.pid in pids)]
         else:
             relevant = [f for f in bundle.findings if f.engine is None and (f.pid is None or f.pid in pids)]
-        out[name] = engine_verdict(name, engines.get(name), procs, bundle, relevant)
+        out[name] = sign(engine_verdict(name, engines.get(name), procs, bundle, relevant), bundle)
     return out
 
 
@@ -65,4 +66,4 @@ def analyze(bundle: Bundle) -> Verdict:
                 seen.add((f.kind, f.message))
                 extra.append(f)
     overall.findings += extra
-    return overall
+    return sign(overall, bundle)

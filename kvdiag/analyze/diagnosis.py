@@ -15,15 +15,17 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.errors import ExitCode
-from kvdiag.model import ABComparison, ABSide, Bundle, Confidence, Diagnosis, Verdict, VerdictKind
+from kvdiag.model import TARGET_STATE_KINDS, ABComparison, ABSide, Bundle, Confidence, Diagnosis, Verdict, VerdictKind
 
 AB_SIDES = ("stock", "fixed")
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 stopped/traced target, 0 otherwise."""
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         return ExitCode.ENGINE_FAILED
+    if verdict.kind in TARGET_STATE_KINDS:
+        return ExitCode.TARGET_STOPPED
     return ExitCode.DEADLOCK if verdict.kind.is_hang else ExitCode.OK
 
 

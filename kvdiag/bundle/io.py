@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from kvdiag.errors import BundleError
 from kvdiag.model import SCHEMA_VERSION, Bundle
+from kvdiag.redact import redact_bundle, redact_text
 
 BUNDLE_DIR = "bundle"            # inside a run's output folder
 BUNDLE_FILE = "bundle.json"
@@ -34,31 +35,25 @@ def atomic_write_text(path: Path, text: str) -> None:
         raise
 
 
-def _redact_text(text: str) -> str:
-    from kvdiag.report.redact import redact_text
-
-    return redact_text(text)
-
-
 def write_text_redacted(path: Path, text: str) -> None:
     """A text file entering the bundle (scenario, logs, raw tool output), secrets redacted."""
-    atomic_write_text(path, _redact_text(text))
-
-
-def save_bundle(bundle: Bundle, bundle_dir: Path) -> Path:
-    """bundle.json as given (callers that already redacted); prefer :func:`write_bundle`."""
-    path = bundle_dir / BUNDLE_FILE
-    atomic_write_text(path, bundle.model_dump_json(indent=2))
-    return path
+    atomic_write_text(path, redact_text(text))
 
 
 def write_bundle(bundle: Bundle, bundle_dir: Path) -> Bundle:
-    """Redact ``bundle`` and write it as ``bundle_dir/bundle.json``; returns the redacted copy."""
-    from kvdiag.report.redact import redact_obj
+    """Redact ``bundle`` (kvdiag.redact, the one redactor) and write it as ``bundle_dir/bundle.json``.
 
-    red: Bundle = redact_obj(bundle)
-    save_bundle(red, bundle_dir)
-    return red
+    Returns the redacted copy that was written (with its redaction summary)."""
+    safe = redact_bundle(bundle)
+    atomic_write_text(bundle_dir / BUNDLE_FILE, safe.model_dump_json(indent=2))
+    return safe
+
+
+def save_bundle(bundle: Bundle, bundle_dir: Path) -> Path:
+    """Write bundle_dir/bundle.json, redacted; the caller's ``bundle.redaction`` gets the summary written."""
+    safe = write_bundle(bundle, bundle_dir)
+    bundle.redaction = safe.redaction.model_copy(deep=True)
+    return bundle_dir / BUNDLE_FILE
 
 
 def resolve_bundle_dir(path: Path) -> Path:
