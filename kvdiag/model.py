@@ -38,6 +38,13 @@ class VerdictKind(str, Enum):
     CRASH = "crash"
     OOM = "oom"
     UNKNOWN = "unknown"
+    # A thread holds the GIL while blocked in native code (sleep, read, wait) and Python threads
+    # queue behind it: the process stalls for as long as that call lasts (no cycle needed).
+    GIL_HELD_BLOCKED = "gil_held_blocked"
+    # The target was stopped (SIGSTOP, job control) or is held by another tracer when captured:
+    # nothing it does can be judged; capture left it as found.
+    STOPPED = "stopped"
+    TRACED = "traced"
 
     @property
     def is_hang(self) -> bool:
@@ -46,8 +53,10 @@ class VerdictKind(str, Enum):
 
 _HANG_KINDS = frozenset({
     VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
-    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN,
+    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN, VerdictKind.GIL_HELD_BLOCKED,
 })
+# Outcomes about the target's state rather than its health: their own exit code, never 10.
+TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
 
 
 class Confidence(str, Enum):
@@ -124,6 +133,37 @@ class RedactionSummary(_Model):
     files: dict[str, dict[str, int]] = Field(default_factory=dict)  # bundle-relative path -> kind -> count
 
 
+class FdInfo(_Model):
+    """One open file descriptor of a target, as /proc and sock_diag describe it (read-only)."""
+
+    fd: int
+    kind: Literal["socket", "pipe", "file", "anon", "other"] = "other"
+    target: str = ""                 # readlink of /proc/PID/fd/N: "socket:[123]", "pipe:[9]", a path
+    inode: int | None = None
+    proto: str | None = None         # "unix", "tcp", "tcp6", "udp" for sockets
+    listening: bool = False          # a listening socket: waits for new clients, not for a peer
+    peer_inode: int | None = None
+    peer_pids: list[int] = Field(default_factory=list)   # other processes holding the other end
+    peer_comm: str | None = None
+    address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
+
+
+class ProgressSample(_Model):
+    """What changed in the target over a short window before any tool paused it."""
+
+    window_s: float = 0.0
+    cpu_ticks: int = 0               # all threads, utime+stime
+    io_delta: dict[str, int] = Field(default_factory=dict)     # /proc/PID/io: rchar, wchar, syscr, syscw
+    log_growth: dict[str, int] = Field(default_factory=dict)   # log file path -> bytes written in the window
+    gil_holders: list[int | None] = Field(default_factory=list)  # GIL holder TID at each sample (/proc mem)
+
+    @property
+    def advanced(self) -> bool:
+        """The process wrote to its log or did I/O during the window."""
+        return any(v > 0 for v in self.log_growth.values()) or any(
+            self.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw", "rchar", "syscr"))
+
+
 class ThreadEvidence(_Model):
     tid: int
     name: str | None = None
@@ -139,6 +179,9 @@ class ThreadEvidence(_Model):
     utime_ticks: int | None = None
     stime_ticks: int | None = None
     cpu_ticks_delta: int | None = None  # over the capture's CPU sampling interval
+    ctx_switches_delta: int | None = None  # voluntary + involuntary switches over the same interval
+    wait_timeout_ms: int | None = None  # poll/epoll/select timeout argument; -1 waits forever
+    blocked_fds: list[FdInfo] = Field(default_factory=list)   # the fd(s) a read/poll is blocked on
     frames: list[Frame] = Field(default_factory=list)      # best merged stack, innermost first
     frames_by_tool: dict[str, list[Frame]] = Field(default_factory=dict)
     gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
@@ -161,6 +204,9 @@ class ProcessEvidence(_Model):
     threads: list[ThreadEvidence] = Field(default_factory=list)
     tools: list[ToolRun] = Field(default_factory=list)
     gil_futex_range: tuple[int, int] | None = None   # [start, end) address of the GIL struct
+    tracer_pid: int | None = None    # TracerPid when another debugger holds the process
+    progress: ProgressSample | None = None
+    log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
 
 
 class BannerInfo(_Model):

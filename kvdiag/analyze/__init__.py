@@ -11,7 +11,8 @@ from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, clas
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.errors import ExitCode
+from kvdiag.model import TARGET_STATE_KINDS, Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
@@ -67,7 +68,9 @@ def analyze(bundle: Bundle) -> Verdict:
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 stopped/traced target, 0 otherwise."""
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
-        return 4
-    return 10 if verdict.kind.is_hang else 0
+        return ExitCode.ENGINE_FAILED
+    if verdict.kind in TARGET_STATE_KINDS:
+        return ExitCode.TARGET_STOPPED
+    return ExitCode.DEADLOCK if verdict.kind.is_hang else ExitCode.OK
