@@ -27,7 +27,7 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.watch.banner import assess_risk
+from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
 SEVERITY: tuple[VerdictKind, ...] = (
@@ -394,8 +394,9 @@ def decode_stalled(e: EngineRecord, metrics: Iterable[MetricsSnapshot], window_s
 def banner_findings(e: EngineRecord) -> list[Finding]:
     out: list[Finding] = []
     for b in e.banners:
-        # one finding per reason, worded like the run's own banner findings so they merge
-        out += [Finding(kind="banner_risk", engine=e.name, message=reason) for reason in assess_risk(b).reasons]
+        risk = assess_risk_for(b, e.allocator)
+        if risk.risky:  # one finding per reason, worded like the run's own banner findings so they merge
+            out += [Finding(kind="banner_risk", engine=e.name, message=reason) for reason in risk.reasons]
     return out
 
 
