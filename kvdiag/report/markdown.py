@@ -61,6 +61,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     if report.scenario:
         facts.append(f"scenario: {_code(report.scenario)}")
     out.append(" · ".join(facts))
+    if v.signature:
+        out += ["", f"signature: {_code(v.signature)}"]
+    if v.known is not None:
+        known = _inline(clean_text(v.known.line()))
+        if v.known.workaround:
+            known += f"; workaround: {_code(v.known.workaround)}"
+        out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
     if ab is not None:
@@ -145,6 +152,10 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         env_lines.append(f"stall window: {report.stall_window_s:g} s")
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
+    if report.environment is not None:
+        from kvdiag.report.envtext import environment_lines
+
+        env_lines += environment_lines(report.environment)
     red = report.redaction
     env_lines.append(f"redacted: {red.total} value(s)" + (
         f" ({', '.join(f'{k} {n}' for k, n in red.by_kind.items())})" if red.total else ""))
