@@ -89,6 +89,9 @@ def _diagnose_ab(bundle: Bundle, runs: Mapping[str, Bundle]) -> Diagnosis:
                       evidence=stock.evidence, cycle=stock.cycle)
     sides = {label: _side(label, bundle.runs[label], runs[label].model_copy(update={"diagnosis": diags[label]}))
              for label in AB_SIDES}
-    return Diagnosis(verdict=verdict, verdicts_by_engine={"stock": stock, "fixed": fixed},
+    by_engine = {"stock": stock, "fixed": fixed}
+    by_engine.update({f"{label}/{name}": v for label in AB_SIDES
+                      for name, v in diags[label].verdicts_by_engine.items()})
+    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine,
                      exit_code=ExitCode.OK if ok else ExitCode.FAILED,
                      ab=ABComparison(stock=sides["stock"], fixed=sides["fixed"], separated=ok))

@@ -79,7 +79,9 @@ def test_ab_nests_two_runs_the_loader_understands(tmp_path: Path) -> None:
     ab = report["ab"]
     assert isinstance(ab, dict) and ab["separated"] is True
     assert ab["stock"]["verdict"] == "gil_cycle" and ab["fixed"]["verdict"] == "healthy"
-    assert _kinds(report["verdicts_by_engine"]) == {"stock": "gil_cycle", "fixed": "healthy"}  # type: ignore[arg-type]
+    by_engine = _kinds(report["verdicts_by_engine"])  # type: ignore[arg-type]
+    assert by_engine["stock"] == "gil_cycle" and by_engine["fixed"] == "healthy"
+    assert by_engine["stock/vlm"] == "gil_cycle" and by_engine["fixed/vlm"] == "healthy"
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     assert bundle["runs"] == {"stock": "../stock/bundle", "fixed": "../fixed/bundle"}
     # each side is a run folder of its own, and says the same as its line in the comparison
