@@ -396,6 +396,36 @@ class EnvironmentRecord(_Model):
     errors: list[str] = Field(default_factory=list)      # what could not be read, one line each
 
 
+class RiskStatus(str, Enum):
+    RISK = "risk"
+    OK = "ok"
+    UNKNOWN = "unknown"
+    NOT_APPLICABLE = "n/a"
+
+
+class DoctorCheck(_Model):
+    """One known risk judged for one subject (the host, a GPU, a scenario engine, a log's banner)."""
+
+    check: str                       # "prealloc_pool", "colocation", "prefix_build", "headroom", "page_vs_block"
+    subject: str
+    status: RiskStatus
+    detail: str
+    fix: str | None = None
+    upstream: str | None = None      # "kvcached #371 (PR #422)"
+
+
+class DoctorReport(_Model):
+    """What `kvdiag doctor --json` prints."""
+
+    schema_version: str = SCHEMA_VERSION
+    kvdiag_version: str = ""
+    scenario: str | None = None
+    environment: EnvironmentRecord
+    checks: list[DoctorCheck] = Field(default_factory=list)
+    risky: bool = False
+    exit_code: int = 0
+
+
 class KnownDefect(_Model):
     """A verdict matched to a known upstream defect."""
 

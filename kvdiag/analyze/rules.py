@@ -29,7 +29,7 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.watch.banner import assess_risk
+from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
 SEVERITY: tuple[VerdictKind, ...] = (
@@ -642,8 +642,9 @@ def _telling_line(text: str, pattern: re.Pattern[str]) -> str:
 def banner_findings(e: EngineRecord) -> list[Finding]:
     out: list[Finding] = []
     for b in e.banners:
-        # one finding per reason, worded like the run's own banner findings so they merge
-        out += [Finding(kind="banner_risk", engine=e.name, message=reason) for reason in assess_risk(b).reasons]
+        risk = assess_risk_for(b, e.allocator)
+        if risk.risky:  # one finding per reason, worded like the run's own banner findings so they merge
+            out += [Finding(kind="banner_risk", engine=e.name, message=reason) for reason in risk.reasons]
     return out
 
 

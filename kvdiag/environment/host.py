@@ -47,7 +47,7 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
 
 def relevant_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The kvcached/vLLM/CUDA variables in ``environ``, secrets replaced (sorted by name)."""
-    from kvdiag.report.redact import REDACTED, is_secret_name, redact_text
+    from kvdiag.redact import REDACTED, is_secret_name, redact_text
 
     out: dict[str, str] = {}
     for key in sorted(environ):

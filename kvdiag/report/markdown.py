@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from kvdiag.model import Bundle, Report
-from kvdiag.report.html import clean_text, format_frame
+from kvdiag.report.html import ab_view, clean_text, format_frame
 from kvdiag.report.redact import redact_text
 from kvdiag.watch.logs import MAX_LINE
 
@@ -46,7 +46,12 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     """Render the Markdown summary; ``bundle`` adds the stacks of the cited threads."""
     v = report.verdict
     out: list[str] = []
-    out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
+    ab = ab_view(report)
+    if ab is not None:  # the A/B outcome, not the stock side's hang, heads an A/B report
+        out.append(f"### kvdiag: {ab['title']} (" + ", ".join(f"{side['label']}: `{side['verdict']}`"
+                                                          for side in ab["sides"]) + ")")
+    else:
+        out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
     out.append("")
     out.append(f"**{_inline(clean_text(v.summary))}**")
     out.append("")
@@ -65,6 +70,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
+    if ab is not None:
+        out += ["", "| allocator | verdict | exit code | engines | report |",
+                "|---|---|---|---|---|"]
+        for side in ab["sides"]:
+            engines = ", ".join(f"{e['name']}: {e['verdict'] or e['phase']}" for e in side["engines"])
+            out.append("| " + " | ".join(_cell(x) for x in (
+                side["label"], side["verdict"], side["exit_code"], engines, side["report"])) + " |")
     if v.cycle:
         out += ["", "**Wait-for cycle** (A → B: A waits for B)", "",
                 _fence([" → ".join(v.cycle + [v.cycle[0]] if v.cycle[0] != v.cycle[-1] else v.cycle)])]
