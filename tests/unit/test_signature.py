@@ -94,3 +94,14 @@ def test_hanger_gil_cycle_matches_371_by_pattern() -> None:
     assert verdict.known is not None and verdict.known.id == "kvcached#371" and verdict.known.match == "pattern"
     ctypes_only, _ = _verdict("gil_cycle_ctypes")   # a GIL cycle, but not kvcached's frames
     assert ctypes_only.kind is VerdictKind.GIL_CYCLE and ctypes_only.known is None
+
+
+def test_blocked_worker_ipc_read_is_the_ipc_half_of_371() -> None:
+    v = Verdict(kind=VerdictKind.BLOCKED_IPC_READ, summary="", evidence=[EvidenceItem(pid=5, tid=5, role="r", frames=[
+        "epoll_wait (libc.so.6)", "select (selectors.py:468)", "_run_once (base_events.py:1898)",
+        "_send_and_receive_message (tp_ipc_util.py:120)", "broadcast_map_to_kv_tensors (tp_ipc_util.py:160)"])])
+    from kvdiag.analyze.signature import sign
+
+    sign(v)
+    assert v.signature is not None and v.signature.startswith("blocked_ipc_read-")
+    assert v.known is not None and v.known.id == "kvcached#371" and "KVCACHED_IPC_TIMEOUT" in (v.known.fixed_by or "")
