@@ -400,7 +400,8 @@ class EnvironmentRecord(_Model):
 
 
 class RiskStatus(str, Enum):
-    RISK = "risk"
+    RISK = "risk"            # a known hang risk applies: `kvdiag doctor` exits 10
+    WARN = "warn"            # worth fixing, not a hang risk (e.g. capture would be refused)
     OK = "ok"
     UNKNOWN = "unknown"
     NOT_APPLICABLE = "n/a"
