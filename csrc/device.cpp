@@ -318,7 +318,10 @@ void DeviceVmmLock::lock() {
     std::unique_lock<std::mutex> g(gate_mu_);
     gate_wait(g, nullptr);
   }
+  if (flock(fd_, LOCK_EX | LOCK_NB) == 0) return;
+  blocked_elsewhere_.store(true);
   flock_retry(fd_, LOCK_EX);
+  blocked_elsewhere_.store(false);
 }
 
 bool DeviceVmmLock::lock_until(Clock::time_point deadline) {
@@ -328,9 +331,14 @@ bool DeviceVmmLock::lock_until(Clock::time_point deadline) {
   }
   auto pause = std::chrono::microseconds(50);
   for (;;) {
-    if (flock(fd_, LOCK_EX | LOCK_NB) == 0) return true;
+    if (flock(fd_, LOCK_EX | LOCK_NB) == 0) {
+      blocked_elsewhere_.store(false);
+      return true;
+    }
+    blocked_elsewhere_.store(true);
     auto now = Clock::now();
     if (now >= deadline) {
+      blocked_elsewhere_.store(false);
       gate_release();
       return false;
     }
@@ -347,10 +355,11 @@ void DeviceVmmLock::unlock() {
 bool DeviceVmmLock::busy_elsewhere() {
   // The probe takes this process's gate, so it never overlaps a map of our own: a map that
   // arrives meanwhile waits on the gate (woken by gate_release) instead of finding the file lock
-  // taken and polling. A gate already taken means a map of our own, which is not "another process".
+  // taken and polling. If the gate is taken, one of our threads holds the file lock (a map of our
+  // own: not "elsewhere") or is blocked on it, which means someone else holds it.
   {
     std::lock_guard<std::mutex> g(gate_mu_);
-    if (gate_busy_) return false;
+    if (gate_busy_) return blocked_elsewhere_.load();
     gate_busy_ = true;
   }
   bool busy = false;
