@@ -6,7 +6,8 @@
 //            Python callback, and callers wake the worker (worker_cv_) after releasing it.
 //            ctl_mu_ serialises start/stop (order ctl_mu_ -> mu_).
 //   GIL:     the bindings release it around every call that may block; the fast paths
-//            (try_alloc_fast/try_free_fast) only try_lock mu_ and never wait.
+//            (try_alloc_fast/try_free_fast) only try_lock mu_ (a bounded spin of kSpinTries) and
+//            never wait.
 //   Python:  the worker never calls should_use_worker_ipc (an atomic holds the answer). Broadcast
 //            map/unmap callbacks, when installed for worker IPC, are invoked with no lock held
 //            (the std::function is copied out under mu_ and called after unlocking).
@@ -73,8 +74,8 @@ std::shared_ptr<PageAllocator> PageAllocator::create(const AllocatorConfig& cfg)
 PageAllocator::PageAllocator(const AllocatorConfig& cfg)
     : cfg_(cfg),
       max_pages_(validate_config(cfg_)),
-      free_(static_cast<size_t>(max_pages_)),
       reserved_(static_cast<size_t>(max_pages_)),
+      free_(static_cast<size_t>(max_pages_)),
       reclaimed_(static_cast<size_t>(max_pages_)) {
   min_reserved_pages_ = std::min(max_pages_, cfg_.min_reserved_pages);
   max_reserved_pages_ = std::min(max_pages_, cfg_.max_reserved_pages);
@@ -169,12 +170,27 @@ page_id_t PageAllocator::take_reserved_locked(bool* notify_worker) {
   return page_id;
 }
 
+bool PageAllocator::spin_try_lock(Lock& lk) {
+  for (int i = 0;; ++i) {
+    if (mu_.try_lock()) {
+      lk = Lock(mu_, std::adopt_lock);
+      return true;
+    }
+    if (i == kSpinTries) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
+}
+
 page_id_t PageAllocator::try_alloc_fast() {
   bool notify = false;
   page_id_t page_id;
   {
-    Lock lk(mu_, std::try_to_lock);
-    if (!lk.owns_lock() || reserved_.empty()) return -1;
+    Lock lk;
+    if (!spin_try_lock(lk) || reserved_.empty()) return -1;
     page_id = take_reserved_locked(&notify);
   }
   notify_worker(notify);
@@ -182,7 +198,8 @@ page_id_t PageAllocator::try_alloc_fast() {
 }
 
 __attribute__((noinline)) page_id_t PageAllocator::alloc_page() {
-  Lock lk(mu_);
+  Lock lk;
+  lock_hot(lk);
   if (!reserved_.empty()) {
     bool notify = false;
     const page_id_t page_id = take_reserved_locked(&notify);
@@ -351,8 +368,8 @@ void PageAllocator::check_allocated_locked(page_id_t page_id) const {
 bool PageAllocator::try_free_fast(page_id_t page_id) {
   bool had_waiters;
   {
-    Lock lk(mu_, std::try_to_lock);
-    if (!lk.owns_lock()) return false;
+    Lock lk;
+    if (!spin_try_lock(lk)) return false;
     check_allocated_locked(page_id);
     if (static_cast<int64_t>(reserved_.size()) >= max_reserved_pages_) return false;
     in_use_[static_cast<size_t>(page_id)] = 0;
@@ -368,7 +385,8 @@ bool PageAllocator::try_free_fast(page_id_t page_id) {
 void PageAllocator::free_page(page_id_t page_id) {
   bool had_waiters;
   {
-    Lock lk(mu_);
+    Lock lk;
+    lock_hot(lk);
     check_allocated_locked(page_id);
     in_use_[static_cast<size_t>(page_id)] = 0;
     num_free_.store(num_free_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);

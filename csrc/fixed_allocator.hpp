@@ -9,7 +9,8 @@
 //            Lock order: ctl_mu_ -> mu_ (the device lock is never taken with mu_ held).
 //   GIL:     the bindings release the GIL around every call that can block (alloc_page slow path,
 //            free with unmap, resize, trim, start/stop, trigger, wait_prealloc_idle,
-//            get_avail_physical_pages). Fast paths run with the GIL held but only try_lock mu_.
+//            get_avail_physical_pages). Fast paths run with the GIL held but only try_lock mu_
+//            (a bounded spin, about a microsecond, never a wait).
 //   Python:  the prealloc worker never calls should_use_worker_ipc (Python): the decision is an
 //            atomic, set by set_use_worker_ipc or by set_should_use_worker_ipc_callback, which
 //            calls its callable once on the caller's thread. The only Python the allocator ever
@@ -88,6 +89,15 @@ class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
   struct SyncMap;  // one caller's page waiting in a combined synchronous map
   using Lock = std::unique_lock<std::mutex>;
 
+  // mu_ is held for O(1) work only, so a thread that finds it taken retries try_lock for a
+  // bounded spin (kSpinTries pauses, about a microsecond) before it sleeps in lock() or, on the
+  // GIL-holding fast paths, gives up and takes the GIL-releasing slow path.
+  static constexpr int kSpinTries = 32;
+  bool spin_try_lock(Lock& lk);
+  void lock_hot(Lock& lk) {
+    if (!spin_try_lock(lk)) lk = Lock(mu_);
+  }
+
   void prealloc_worker(uint64_t gen);
   MapOutcome map_pages(const std::vector<page_id_t>& page_ids, Clock::time_point deadline);
   MapOutcome unmap_pages(const std::vector<page_id_t>& page_ids, Clock::time_point deadline);
@@ -116,39 +126,40 @@ class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
   bool enable_page_prealloc_;
   std::unique_ptr<MappingBackend> backend_;
 
-  mutable std::mutex mu_;
-  std::condition_variable pages_cv_;   // alloc_page waiters: pages published or returned
-  std::condition_variable sync_cv_;    // callers whose page is in a combined map
-  std::condition_variable worker_cv_;  // the worker: trigger or stop
-  std::condition_variable exit_cv_;    // stop: the worker has exited
-  std::mutex ctl_mu_;                  // start/stop
-
+  // Hot state first, on its own cache lines: the fast paths touch mu_, the reserve, the counts
+  // and in_use_ and nothing else.
+  alignas(64) mutable std::mutex mu_;
   // Guarded by mu_. The counts are atomics only so that getters can read them without mu_;
   // they are written with mu_ held.
   std::atomic<int64_t> num_free_{0};   // pages not in use: free list + reserve + in flight
-  std::atomic<int64_t> num_total_{0};
-  PageRing free_;       // unmapped pages
-  PageRing reserved_;   // mapped pages ready for the fast path
-  PageRing reclaimed_;  // pages removed by a shrink
+  std::atomic<int64_t> a_reserved_{0};  // reserved_.size(), published for get_num_reserved_pages
+  PageRing reserved_;                   // mapped pages ready for the fast path
   std::vector<uint8_t> in_use_;
-  std::vector<std::shared_ptr<SyncMap>> sync_queue_;  // callers' pages waiting for a combined map
-  bool sync_leader_ = false;                          // a caller is running a combined map
-  int64_t waiters_ = 0;                               // alloc_page callers waiting on pages_cv_
-  int64_t sync_waiters_ = 0;                          // callers waiting on sync_cv_
+  int64_t waiters_ = 0;                 // alloc_page callers waiting on pages_cv_
   bool running_ = false;
   bool signaled_ = false;
   bool worker_waiting_ = false;
   bool worker_busy_ = false;
   bool worker_exited_ = true;
+  bool sync_leader_ = false;            // a caller is running a combined map
+  // Guarded by mu_, off the fast paths.
+  alignas(64) std::atomic<int64_t> num_total_{0};
+  std::atomic<int64_t> a_inflight_{0};  // published for get_num_inflight_pages
+  PageRing free_;       // unmapped pages
+  PageRing reclaimed_;  // pages removed by a shrink
+  std::vector<std::shared_ptr<SyncMap>> sync_queue_;  // callers' pages waiting for a combined map
+  int64_t sync_waiters_ = 0;                          // callers waiting on sync_cv_
   uint64_t worker_gen_ = 0;
   std::shared_ptr<const MapCallback> map_cb_;
   std::shared_ptr<const MapCallback> unmap_cb_;
 
-  std::thread worker_;  // guarded by ctl_mu_
+  std::condition_variable pages_cv_;   // alloc_page waiters: pages published or returned
+  std::condition_variable sync_cv_;    // callers whose page is in a combined map
+  std::condition_variable worker_cv_;  // the worker: trigger or stop
+  std::condition_variable exit_cv_;    // stop: the worker has exited
+  std::mutex ctl_mu_;                  // start/stop
+  std::thread worker_;                 // guarded by ctl_mu_
   std::atomic<bool> use_worker_ipc_{false};
-
-  // Published for lock-free getters (written under mu_).
-  std::atomic<int64_t> a_reserved_{0}, a_inflight_{0};
   Counters counters_;
 };
 
