@@ -193,7 +193,9 @@ def install_info(native: Any) -> tuple[str, str]:
 
     pkg = Path(kvdiag.__file__).resolve().parent
     so = Path(native.__file__).resolve()
-    editable = ROOT in pkg.parents or pkg == ROOT / "kvdiag"
+    # A regular install puts the package in site-packages; an editable one (or running with the
+    # checkout on sys.path) imports the repository's kvdiag/.
+    editable = pkg == ROOT / "kvdiag"
     kind = "EDITABLE install or the checkout (kvdiag from the repository)" if editable else "regular install"
     info = native.build_info()
     if info["stock"] != info["fixed"]:
