@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -695,7 +696,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
             return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH,
                                 summary=f"{name}: engine exited{code}: {line.strip()[:200]}".rstrip(": ")))
-        stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or 5.0)
+        stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or STALL_WINDOW_S)
         if stall is not None:
             if hang is not None:
                 return done(Verdict(kind=VerdictKind.DECODE_STALL, confidence=hang.confidence,

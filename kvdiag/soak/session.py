@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 from rich.console import Console
 
+from kvdiag.defaults import STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
@@ -86,7 +87,7 @@ class SoakOptions:
             raise UsageError("--stall-window must be > 0")
         if self.read_timeout_s <= 0:
             raise UsageError("--read-timeout must be > 0")
-        if self.read_timeout_s <= (self.stall_window_s or 5.0):
+        if self.read_timeout_s <= (self.stall_window_s or STALL_WINDOW_S):
             raise UsageError("--read-timeout must be longer than the stall window",
                              hint="requests that time out first would hide the stall from the watchdog")
         if self.url is not None:
@@ -172,9 +173,9 @@ class SoakRun:
         self.processes: list[ProcessEvidence] = []
         self.interrupted: Interrupted | None = None
         self.scenario: Scenario | None = None
-        self.window_s = opts.stall_window_s or 5.0
+        self.window_s = opts.stall_window_s or STALL_WINDOW_S
         self.tools: list[str] = list(opts.tools or ["pystack", "py-spy", "gdb", "proc"])
-        self.tool_timeout_s = 15.0
+        self.tool_timeout_s = TOOL_TIMEOUT_S
         self.loadgen: LoadGenerator | None = None
         self.result = _DriveResult()
         self.load_started_t: float | None = None
