@@ -8,7 +8,9 @@ class ExitCode:
     FAILED = 1
     USAGE = 2
     TOOL_MISSING = 3
+    NO_ACCESS = 3           # the target could not be read (ptrace refused): no_access names the fix
     ENGINE_FAILED = 4
+    NOT_DIAGNOSABLE = 6     # the target exited, is a zombie, runs no Python or is a kernel thread
     DEADLOCK = 10
     INTERRUPTED = 130
 

@@ -38,6 +38,12 @@ class VerdictKind(str, Enum):
     CRASH = "crash"
     OOM = "oom"
     UNKNOWN = "unknown"
+    # No evidence is not health (issue 21): outcomes that say why nothing could be judged.
+    NO_ACCESS = "no_access"            # ptrace / /proc/PID/mem refused: the fix is named (exit 3)
+    EXITED = "exited"                  # the target exited before or during capture (exit 6)
+    ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 6)
+    NOT_PYTHON = "not_python"          # no Python interpreter in the target (exit 6)
+    KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 6)
 
     @property
     def is_hang(self) -> bool:
@@ -47,6 +53,13 @@ class VerdictKind(str, Enum):
 _HANG_KINDS = frozenset({
     VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
     VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN,
+})
+
+
+# Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
+NO_EVIDENCE_KINDS = frozenset({
+    VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
+    VerdictKind.KERNEL_THREAD,
 })
 
 
@@ -144,6 +157,24 @@ class ThreadEvidence(_Model):
     gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
 
 
+class TargetAccess(_Model):
+    """What the preflight (kvdiag.capture.access) found about reading one process, before attaching."""
+
+    uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
+    our_uid: int | None = None
+    ptrace_ok: bool = True           # /proc/PID/mem opened: ptrace-based tools may attach and read
+    refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
+    fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
+    kernel_thread: bool = False
+    zombie: bool = False
+    exit_status: str | None = None   # "exit code 3", "killed by SIGKILL" when known (zombie)
+    python: bool | None = None       # a Python interpreter is in the process; None: could not tell
+    ptrace_scope: int | None = None  # /proc/sys/kernel/yama/ptrace_scope (None: no Yama)
+    cap_sys_ptrace: bool = False     # CAP_SYS_PTRACE in kvdiag's effective capabilities
+    container: str | None = None     # "docker", "podman", "kubernetes", ... when kvdiag runs in one
+    seccomp: int | None = None       # kvdiag's own seccomp mode (0 none, 1 strict, 2 filter)
+
+
 class ProcessEvidence(_Model):
     pid: int
     ppid: int | None = None
@@ -161,6 +192,7 @@ class ProcessEvidence(_Model):
     threads: list[ThreadEvidence] = Field(default_factory=list)
     tools: list[ToolRun] = Field(default_factory=list)
     gil_futex_range: tuple[int, int] | None = None   # [start, end) address of the GIL struct
+    access: TargetAccess | None = None   # the preflight's findings; None: captured without one
 
 
 class BannerInfo(_Model):

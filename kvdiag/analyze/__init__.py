@@ -10,7 +10,8 @@ from __future__ import annotations
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.errors import ExitCode
+from kvdiag.model import NO_EVIDENCE_KINDS, Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
@@ -66,7 +67,12 @@ def analyze(bundle: Bundle) -> Verdict:
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access, 6 nothing to diagnose
+    (exited, zombie, not Python, kernel thread), 0 otherwise."""
+    if verdict.kind is VerdictKind.NO_ACCESS:
+        return ExitCode.NO_ACCESS
+    if verdict.kind in NO_EVIDENCE_KINDS:
+        return ExitCode.NOT_DIAGNOSABLE
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         return 4
     return 10 if verdict.kind.is_hang else 0
