@@ -63,8 +63,11 @@ def host_info() -> dict[str, str]:
 
 
 def new_bundle(command: str) -> Bundle:
+    from kvdiag.environment import collect_environment
+
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
-                  created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+                  created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                  environment=collect_environment())
 
 
 @dataclass

@@ -30,6 +30,8 @@ def _gone(proc: ProcessEvidence, findings: list[Finding]) -> bool:
 
 def _tools_refused(proc: ProcessEvidence) -> list[str]:
     """Errors of the stack tools that ran, when every one of them was refused by the kernel."""
+    if proc.tracer_pid:   # held by another debugger: EPERM is that, not a permission problem
+        return []
     ran = [t for t in proc.tools if t.tool in _STACK_TOOLS and t.error and "not installed" not in t.error
            and "skipped" not in t.error]
     if not ran or any(t.ok for t in proc.tools if t.tool in _STACK_TOOLS):

@@ -62,7 +62,9 @@ def ab_cmd(
     code = ExitCode.OK if ok else ExitCode.FAILED
     ab = {"stock": _side(stock, out_dir), "fixed": _side(fixed, out_dir), "separated": ok}
     finish(out_dir, bundle, "ab", ab=ab, verdict=verdict,
-           by_engine={"stock": stock.verdict, "fixed": fixed.verdict}, exit_code=code)
+           by_engine={"stock": stock.verdict, "fixed": fixed.verdict,
+                      **{f"{side}/{name}": v for side, arts in sides.items()
+                         for name, v in arts.verdicts_by_engine.items()}}, exit_code=code)
     con.print(summary)
     con.print(f"  report: {out_dir / 'report.html'}")
     con.print(f"exit code {code}")

@@ -100,7 +100,7 @@ def capture_cmd(
     Before attaching, kvdiag checks that it may read the target (owner, ptrace_scope,
     CAP_SYS_PTRACE, container); when it may not, it says why and the fix (no_access).
     Exit codes: 0 no hang evidence, 10 deadlock found, 4 crash or OOM,
-    3 no access (the fix is printed), 6 nothing to diagnose (the target exited, is a
+    3 no access (the fix is printed), 5 nothing to judge (the target exited, is a
     zombie, runs no Python or is a kernel thread), 2 bad usage or a refused pid.
     """
     target = _target(pid, engine_core_of)
@@ -115,7 +115,7 @@ def capture_cmd(
         raise UsageError(f"--tools: {exc}") from None
     kthread = is_kernel_thread(target)
     if kthread:
-        # Refused, but as an outcome with a report (kernel_thread, exit 6), not a scope question:
+        # Refused, but as an outcome with a report (kernel_thread, exit 5), not a scope question:
         # only the named thread is looked at, through /proc, and nothing attaches to it.
         scope = Scope(root=target, pids=[target], problems=[])
     else:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import typer
@@ -33,8 +34,9 @@ def report_cmd(
     paths: dict[str, Path]
     try:
         if html is not None:
+            # Links in the page lead to the bundle's files from where the page is written.
             report = build_report(loaded, verdict, command=command, exit_code=code, verdicts_by_engine=by_engine,
-                                  bundle_path=str(bundle_dir))
+                                  bundle_path=_relative_to(bundle_dir, html.parent))
             atomic_write_text(html, render_html(report, loaded, bundle_dir))
             paths = {"report.html": html}
         else:
@@ -49,6 +51,13 @@ def report_cmd(
                          hint="pass --out DIR or --html FILE pointing at a writable place") from None
     render_terminal(report, con, paths)
     return ExitCode.OK
+
+
+def _relative_to(path: Path, start: Path) -> str:
+    try:
+        return os.path.relpath(path.resolve(), start.resolve())
+    except (ValueError, OSError):
+        return str(path.resolve())
 
 
 def register(app: typer.Typer) -> None:

@@ -4,7 +4,7 @@
   exit 3, ``no_access``, the refusal and the fix named, never ``healthy``; captured by root
   (permitted) the same program is still ``gil_cycle``, exit 10;
 - a zombie, a process that exits while it is being captured, ``sleep 1000`` and pid 2 (a kernel
-  thread) each get their own outcome (exit 6), none of them healthy or a deadlock;
+  thread) each get their own outcome (exit 5), none of them healthy or a deadlock;
 - the same rule for an engine kvdiag launches (repro): a non-Python engine is ``not_python``.
 """
 
@@ -171,9 +171,9 @@ def test_a_zombie_is_its_own_outcome_with_its_exit_status(tmp_path: Path) -> Non
         _wait_for(lambda: _state(child.pid) == "Z", "the child to become a zombie")
         out = tmp_path / "zombie"
         proc = run_kvdiag("capture", "--pid", str(child.pid), "--out", str(out))
-        assert proc.returncode == 6, proc.stdout + proc.stderr
+        assert proc.returncode == 5, proc.stdout + proc.stderr
         kind, code, report = _outcome(out)
-        assert (kind, code) == ("zombie", 6)
+        assert (kind, code) == ("zombie", 5)
         assert "zombie" in proc.stdout and "exit code 7" in proc.stdout
         _assert_no_health_or_deadlock(proc, report)
     finally:
@@ -205,11 +205,11 @@ def test_a_process_that_exits_mid_capture_is_exited(tmp_path: Path) -> None:
         if kv is not None and kv.poll() is None:
             kv.kill()
             kv.wait(timeout=10)
-    assert kv.returncode == 6, stdout + stderr
+    assert kv.returncode == 5, stdout + stderr
     kind, code, report = _outcome(out)
-    assert (kind, code) == ("exited", 6)
+    assert (kind, code) == ("exited", 5)
     assert "exited before or during capture" in stdout
-    _assert_no_health_or_deadlock(subprocess.CompletedProcess([], 6, stdout, stderr), report)
+    _assert_no_health_or_deadlock(subprocess.CompletedProcess([], 5, stdout, stderr), report)
 
 
 def test_a_process_without_python_is_not_python(tmp_path: Path) -> None:
@@ -220,9 +220,9 @@ def test_a_process_without_python_is_not_python(tmp_path: Path) -> None:
         assert check_target(sleeper.pid).python is False
         out = tmp_path / "sleep"
         proc = run_kvdiag("capture", "--pid", str(sleeper.pid), "--out", str(out))
-        assert proc.returncode == 6, proc.stdout + proc.stderr
+        assert proc.returncode == 5, proc.stdout + proc.stderr
         kind, code, report = _outcome(out)
-        assert (kind, code) == ("not_python", 6)
+        assert (kind, code) == ("not_python", 5)
         assert "runs no Python interpreter" in proc.stdout
         _assert_no_health_or_deadlock(proc, report)
         bundle = json.loads((out / "bundle" / "bundle.json").read_text())
@@ -238,9 +238,9 @@ def test_pid_2_is_a_kernel_thread_and_is_refused(tmp_path: Path) -> None:
         pytest.skip("pid 2 is not a kernel thread here (a private pid namespace)")
     out = tmp_path / "kthread"
     proc = run_kvdiag("capture", "--pid", "2", "--out", str(out))
-    assert proc.returncode == 6, proc.stdout + proc.stderr
+    assert proc.returncode == 5, proc.stdout + proc.stderr
     kind, code, report = _outcome(out)
-    assert (kind, code) == ("kernel_thread", 6)
+    assert (kind, code) == ("kernel_thread", 5)
     assert "kernel thread: capture refused" in proc.stdout
     _assert_no_health_or_deadlock(proc, report)
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
@@ -259,7 +259,7 @@ def test_a_launched_engine_without_python_is_not_python(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(scenario, sort_keys=False))
     out = tmp_path / "repro"
     proc = run_kvdiag("repro", "two-engine", "--scenario", str(path), "--out", str(out))
-    assert proc.returncode == 6, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.returncode == 5, proc.stdout[-3000:] + proc.stderr[-3000:]
     kind, code, report = _outcome(out)
-    assert (kind, code) == ("not_python", 6)
+    assert (kind, code) == ("not_python", 5)
     _assert_no_health_or_deadlock(proc, report)

@@ -102,14 +102,14 @@ def test_each_outcome_and_its_exit_code(proc: ProcessEvidence, findings: list[Fi
         return
     v = evidence_outcome("g", [proc], findings)
     assert v is not None and v.kind is kind
-    assert exit_code_for(v) == (3 if kind is VerdictKind.NO_ACCESS else 6)
+    assert exit_code_for(v) == (3 if kind is VerdictKind.NO_ACCESS else 5)
     assert "healthy" not in v.summary
 
 
 def test_exit_codes_of_all_no_evidence_kinds() -> None:
     for kind in NO_EVIDENCE_KINDS:
         assert not kind.is_hang
-        assert exit_code_for(Verdict(kind=kind, summary="")) == (3 if kind is VerdictKind.NO_ACCESS else 6)
+        assert exit_code_for(Verdict(kind=kind, summary="")) == (3 if kind is VerdictKind.NO_ACCESS else 5)
 
 
 def _facts(**kw: object) -> PtraceFacts:
