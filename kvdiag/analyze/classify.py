@@ -100,6 +100,8 @@ def _kind_from_frames(segment: list[Frame]) -> tuple[WaitKind | None, str | None
             return WaitKind.SLEEP, name
         if v.matches(name, v.SPIN):
             return WaitKind.RUNNING, name
+        if v.matches(name, v.JOIN_WAIT):
+            return WaitKind.FUTEX_WAIT, name
     return None, None
 
 

@@ -173,9 +173,9 @@ def _released_gil(t: ThreadView) -> bool:
 
 
 def _outside_peer(t: ThreadView, pid: int) -> bool:
-    """The fd the thread reads is connected to another process (or to no process at all)."""
+    """The read can end without any thread of ``pid``: its peer is another process, none, or unknown."""
     conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
-    return bool(conns) and all(f.peer_pids != [pid] for f in conns)
+    return not conns or all(f.peer_pids != [pid] for f in conns)
 
 
 def peer_phrase(info: FdInfo) -> str:
@@ -424,12 +424,18 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
                        cycle=g.describe_cycle(cycle))
     owners_known = any(t.owner_tid is not None for t in waiters)
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
-    if not owners_known and len(addrs) >= 2 and not any(t.running and not t.idle_by_design for t in views):
+    # Without /proc there are no addresses at all: two untimed mutex waits from frames, with no
+    # thread left that could release anything, still cannot end (low confidence).
+    unread = not addrs and all(t.wait_addr is None for t in waiters) and not _possible_signallers(views, waiters)
+    if not owners_known and (len(addrs) >= 2 or unread) and not any(t.running and not t.idle_by_design
+                                                                     for t in views):
         evidence = [_item(t, f"waits for mutex {t.wait_addr:#x} (owner unknown)" if t.wait_addr else
                           "waits for a mutex (owner unknown)", engine) for t in waiters[:4]]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=Confidence.LOW, engine=engine,
                        summary=(f"likely lock-order inversion in pid {proc.pid}: {len(waiters)} threads wait on "
-                                f"{len(addrs)} different mutexes and nothing runs (owners could not be read)"),
+                                f"{f'{len(addrs)} different mutexes' if addrs else 'mutexes'}"
+                                f"{''.join(where(t, 1) for t in waiters[:1])} and nothing runs "
+                                f"(owners could not be read)"),
                        evidence=evidence)
     return rule_python_lock_inversion(proc, views, engine)
 

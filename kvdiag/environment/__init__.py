@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -43,6 +44,12 @@ def _safe(errors: list[str], what: str, fn: Callable[[], T], default: T) -> T:
         return default
 
 
+def _runtime_of_torch(version: str | None) -> str | None:
+    """``2.10.0+cu128`` → ``12.8 (torch build)``: the CUDA runtime torch ships with."""
+    m = re.search(r"\+cu(\d+)(\d)$", version or "")
+    return f"{m.group(1)}.{m.group(2)} (torch build)" if m else None
+
+
 def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool = True,
                         runtime: bool = True, gpu_timeout_s: float = 20.0) -> EnvironmentRecord:
     """The environment record of this host. ``environ`` is the environment the engines get
@@ -71,6 +78,8 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
             errors, "gpu", lambda: read_gpus(gpu_timeout_s), no_gpu)
     else:
         rec.gpu_note = "not queried"
+    if rec.cuda_runtime is None:
+        rec.cuda_runtime = _runtime_of_torch(rec.packages.get("torch"))
     if runtime:
         rec.kvcached_runtime = _safe(errors, "kvcached runtime", collect_runtime, None)
     rec.errors = errors

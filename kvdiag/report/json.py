@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.model import Bundle, EngineRecord, Finding, Report, Verdict
+from kvdiag.model import Bundle, EnginePhase, EngineRecord, Finding, Report, Verdict
 from kvdiag.report.redact import redact_obj
 from kvdiag.watch.banner import assess_risk_for
 
@@ -41,7 +41,10 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str,
         "name": rec.name,
         "allocator": rec.allocator,
         "phase": rec.phase.value,
-        "healthy": rec.healthy,
+        # Healthy means serving: a stalled engine is not, even when its /health still answers (vLLM's
+        # /health does not see a decode stall); what /health said is kept apart.
+        "healthy": rec.healthy and rec.phase is not EnginePhase.STALLED,
+        "health_endpoint_ok": rec.healthy,
         "url": rec.url,
         "exit_code": rec.exit_code,
         "pids": pids,

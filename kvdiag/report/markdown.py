@@ -122,7 +122,7 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
             pids = _dict(e.get("pids"))
             startup = e.get("startup_s")
             out.append("| " + " | ".join(_cell(x) for x in (
-                e.get("name"), e.get("allocator"), e.get("phase"), "yes" if e.get("healthy") else "no",
+                e.get("name"), e.get("allocator"), e.get("phase"), _healthy(e),
                 e.get("verdict"), pids.get("api_server"), pids.get("engine_core"),
                 f"{startup:.1f} s" if isinstance(startup, (int, float)) else None,
                 _short(e.get("last_log_line"), MAX_LINE))) + " |")
@@ -162,6 +162,12 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     out.append(_fence(env_lines))
     out.append("")
     return redact_text("\n".join(out))
+
+
+def _healthy(e: dict[str, object]) -> str:
+    if e.get("healthy"):
+        return "yes"
+    return "no (/health answered)" if e.get("health_endpoint_ok") else "no"
 
 
 def _list(value: object) -> list[dict[str, object]]:
