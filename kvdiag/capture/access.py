@@ -9,7 +9,8 @@ our capabilities, a container, seccomp) explain *why* and pick the fix.
 
 Public API, also used by ``kvdiag doctor``:
 
-- :func:`host_ptrace_facts` — the host-wide facts (scope, capability, container, seccomp);
+- :func:`host_ptrace_facts` — the host-wide facts (scope, capability, container, seccomp), which are
+  the environment record's (:mod:`kvdiag.environment.ptrace`);
 - :func:`check_target` — everything about one pid, as a :class:`~kvdiag.model.TargetAccess`.
 """
 
@@ -19,12 +20,10 @@ import errno
 import os
 import re
 import signal
-from dataclasses import asdict, dataclass
 
-from kvdiag.model import TargetAccess
+from kvdiag.environment.ptrace import probe_ptrace
+from kvdiag.model import PtraceAccess, TargetAccess
 
-PTRACE_SCOPE_PATH = "/proc/sys/kernel/yama/ptrace_scope"
-CAP_SYS_PTRACE = 19
 PF_KTHREAD = 0x00200000          # task flag of kernel threads (/proc/PID/stat field 9)
 KTHREADD_COMM = "kthreadd"
 _PYTHON_EXE = re.compile(r"^python[\d.]*[dmu]*$|^pypy[\d.]*$")
@@ -37,28 +36,11 @@ _SCOPE_MEANING = {
 }
 
 
-@dataclass(frozen=True)
-class PtraceFacts:
-    """What decides, host-wide, whether kvdiag may attach to a process (no pid needed)."""
-
-    uid: int
-    euid: int
-    ptrace_scope: int | None          # None: the Yama LSM is not active
-    cap_sys_ptrace: bool              # in kvdiag's effective capability set
-    container: str | None             # docker, podman, kubernetes, lxc, containerd ... or None
-    seccomp: int | None               # kvdiag's own seccomp mode: 0 none, 1 strict, 2 filter
-    no_new_privs: bool
-
-    @property
-    def scope_meaning(self) -> str:
-        if self.ptrace_scope is None:
-            return "no Yama LSM: the usual owner/capability rules apply"
-        return _SCOPE_MEANING.get(self.ptrace_scope, f"unknown value {self.ptrace_scope}")
-
-    def as_dict(self) -> dict[str, object]:
-        out = asdict(self)
-        out["scope_meaning"] = self.scope_meaning
-        return out
+def host_ptrace_facts() -> PtraceAccess:
+    """The host-wide ptrace facts (Yama scope, CAP_SYS_PTRACE, container, seccomp): the environment
+    record's own probe (:func:`kvdiag.environment.ptrace.probe_ptrace`), so doctor, the report's
+    environment and the capture preflight state the same facts."""
+    return probe_ptrace()
 
 
 def _read(path: str) -> str | None:
@@ -76,39 +58,6 @@ def _status(pid: int | str) -> dict[str, str]:
         if sep:
             out[key.strip()] = val.strip()
     return out
-
-
-def _container() -> str | None:
-    if os.path.exists("/run/.containerenv"):
-        return "podman"
-    if os.environ.get("KUBERNETES_SERVICE_HOST"):
-        return "kubernetes"
-    if os.path.exists("/.dockerenv"):
-        return "docker"
-    cgroup = _read("/proc/1/cgroup") or ""
-    for word in ("kubepods", "docker", "containerd", "lxc", "libpod"):
-        if word in cgroup:
-            return "kubernetes" if word == "kubepods" else word
-    return None
-
-
-def host_ptrace_facts() -> PtraceFacts:
-    """The host-wide ptrace facts for the running kvdiag (cheap: a few small /proc reads)."""
-    raw_scope = (_read(PTRACE_SCOPE_PATH) or "").strip()
-    me = _status("self")
-    try:
-        cap_eff = int(me.get("CapEff", "0"), 16)
-    except ValueError:
-        cap_eff = 0
-    seccomp = me.get("Seccomp", "")
-    return PtraceFacts(
-        uid=os.getuid(), euid=os.geteuid(),
-        ptrace_scope=int(raw_scope) if raw_scope.isdigit() else None,
-        cap_sys_ptrace=bool(cap_eff >> CAP_SYS_PTRACE & 1),
-        container=_container(),
-        seccomp=int(seccomp) if seccomp.isdigit() else None,
-        no_new_privs=me.get("NoNewPrivs", "0") == "1",
-    )
 
 
 def _stat_fields(pid: int) -> list[str] | None:
@@ -207,13 +156,13 @@ def _sudo_line(pid: int) -> str:
             f"sudo env \"PATH=$PATH\" kvdiag capture --pid {pid}")
 
 
-def _explain(pid: int, err: OSError, uid: int | None, facts: PtraceFacts,
+def _explain(pid: int, err: OSError, uid: int | None, facts: PtraceAccess, euid: int,
              access: TargetAccess) -> None:
     """Fill ``access.refused`` and ``access.fixes`` for a refused /proc/PID/mem open."""
     why = os.strerror(err.errno) if err.errno else str(err)
     access.refused.append(f"open /proc/{pid}/mem (the ptrace-attach check py-spy, pystack and gdb need): {why}")
-    same_user = uid is not None and uid == facts.euid
-    scope = facts.ptrace_scope
+    same_user = uid is not None and uid == euid
+    scope = facts.yama_ptrace_scope
     if scope == 3:
         access.refused.append(f"kernel.yama.ptrace_scope=3 ({_SCOPE_MEANING[3]})")
         access.fixes.append("ptrace is disabled on this host until it reboots (ptrace_scope 3 cannot be lowered); "
@@ -221,8 +170,8 @@ def _explain(pid: int, err: OSError, uid: int | None, facts: PtraceFacts,
         return
     if not same_user and not facts.cap_sys_ptrace:
         access.refused.append(f"pid {pid} belongs to uid {uid if uid is not None else '?'} and kvdiag runs as uid "
-                              f"{facts.euid} without CAP_SYS_PTRACE")
-        if facts.container and facts.euid == 0:
+                              f"{euid} without CAP_SYS_PTRACE")
+        if facts.container and euid == 0:
             # root without the capability: the container was started without it
             access.fixes.append(f"kvdiag runs as root in a {facts.container} container without CAP_SYS_PTRACE: start "
                                 "it with --cap-add=SYS_PTRACE (Kubernetes: securityContext.capabilities.add: "
@@ -261,8 +210,9 @@ def _explain(pid: int, err: OSError, uid: int | None, facts: PtraceFacts,
 def check_target(pid: int) -> TargetAccess:
     """Everything the preflight learns about ``pid`` without attaching (see the module docstring)."""
     facts = host_ptrace_facts()
-    access = TargetAccess(our_uid=facts.euid, ptrace_scope=facts.ptrace_scope, cap_sys_ptrace=facts.cap_sys_ptrace,
-                          container=facts.container, seccomp=facts.seccomp)
+    euid = os.geteuid()
+    access = TargetAccess(our_uid=euid, ptrace_scope=facts.yama_ptrace_scope,
+                          cap_sys_ptrace=bool(facts.cap_sys_ptrace), container=facts.container, seccomp=facts.seccomp)
     status = _status(pid)
     try:
         access.uid = int(status["Uid"].split()[0])
@@ -286,7 +236,7 @@ def check_target(pid: int) -> TargetAccess:
         access.zombie = True
         access.ptrace_ok = False
         access.python = None
-        if facts.cap_sys_ptrace or access.uid == facts.euid:   # else the kernel shows 0, not the status
+        if facts.cap_sys_ptrace or access.uid == euid:   # else the kernel shows 0, not the status
             access.exit_status = _exit_status(fields)
         return access
     err = _mem_open(pid)
@@ -296,10 +246,10 @@ def check_target(pid: int) -> TargetAccess:
             access.refused.append(f"pid {pid} exited while being checked")
             return access
         access.ptrace_ok = False
-        _explain(pid, err, access.uid, facts, access)
+        _explain(pid, err, access.uid, facts, euid, access)
         return access
     access.python = runs_python(pid)
     return access
 
 
-__all__ = ["PtraceFacts", "check_target", "host_ptrace_facts", "is_kernel_thread", "runs_python"]
+__all__ = ["check_target", "host_ptrace_facts", "is_kernel_thread", "runs_python"]

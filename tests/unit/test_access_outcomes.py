@@ -11,7 +11,7 @@ import pytest
 
 from kvdiag.analyze import analyze, exit_code_for
 from kvdiag.analyze.access import evidence_outcome, process_outcome
-from kvdiag.capture.access import PtraceFacts, _explain, check_target, host_ptrace_facts, is_kernel_thread
+from kvdiag.capture.access import _explain, check_target, host_ptrace_facts, is_kernel_thread
 from kvdiag.model import (
     NO_EVIDENCE_KINDS,
     Bundle,
@@ -19,6 +19,7 @@ from kvdiag.model import (
     EngineRecord,
     Finding,
     ProcessEvidence,
+    PtraceAccess,
     TargetAccess,
     ThreadEvidence,
     ThreadState,
@@ -112,31 +113,29 @@ def test_exit_codes_of_all_no_evidence_kinds() -> None:
         assert exit_code_for(Verdict(kind=kind, summary="")) == (3 if kind is VerdictKind.NO_ACCESS else 5)
 
 
-def _facts(**kw: object) -> PtraceFacts:
-    base: dict[str, object] = {"uid": 1000, "euid": 1000, "ptrace_scope": None, "cap_sys_ptrace": False,
-                               "container": None, "seccomp": 0, "no_new_privs": False}
-    base.update(kw)
-    return PtraceFacts(**base)  # type: ignore[arg-type]
+def _facts(**kw: object) -> PtraceAccess:
+    return PtraceAccess(**{"yama_ptrace_scope": None, "cap_sys_ptrace": False, "seccomp": 0, **kw})  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("facts", "uid", "refused", "fix"), [
-    (_facts(), 0, "belongs to uid 0 and kvdiag runs as uid 1000 without CAP_SYS_PTRACE", "sudo env \"PATH=$PATH\""),
-    (_facts(), 1001, "belongs to uid 1001", "sudo -u '#1001'"),
-    (_facts(uid=0, euid=0, container="docker"), 1001, "without CAP_SYS_PTRACE", "--cap-add=SYS_PTRACE"),
-    (_facts(ptrace_scope=1), 1000, "ptrace_scope=1", "sudo sysctl kernel.yama.ptrace_scope=0"),
-    (_facts(ptrace_scope=2), 1000, "ptrace_scope=2", "sudo env"),
-    (_facts(ptrace_scope=3), 1000, "ptrace_scope=3", "until it reboots"),
+@pytest.mark.parametrize(("facts", "euid", "uid", "refused", "fix"), [
+    (_facts(), 1000, 0, "belongs to uid 0 and kvdiag runs as uid 1000 without CAP_SYS_PTRACE", "sudo env"),
+    (_facts(), 1000, 1001, "belongs to uid 1001", "sudo -u '#1001'"),
+    (_facts(container="docker"), 0, 1001, "without CAP_SYS_PTRACE", "--cap-add=SYS_PTRACE"),
+    (_facts(yama_ptrace_scope=1), 1000, 1000, "ptrace_scope=1", "sudo sysctl kernel.yama.ptrace_scope=0"),
+    (_facts(yama_ptrace_scope=2), 1000, 1000, "ptrace_scope=2", "sudo env"),
+    (_facts(yama_ptrace_scope=3), 1000, 1000, "ptrace_scope=3", "until it reboots"),
 ])
-def test_the_refusal_names_why_and_the_fix_that_fits(facts: PtraceFacts, uid: int, refused: str, fix: str) -> None:
+def test_the_refusal_names_why_and_the_fix_that_fits(facts: PtraceAccess, euid: int, uid: int, refused: str,
+                                                    fix: str) -> None:
     access = TargetAccess(ptrace_ok=False)
-    _explain(424242, PermissionError(errno.EACCES, "Permission denied"), uid, facts, access)
+    _explain(424242, PermissionError(errno.EACCES, "Permission denied"), uid, facts, euid, access)
     assert any(refused in r for r in access.refused), access.refused
     assert any(fix in f for f in access.fixes), access.fixes
 
 
 def test_preflight_on_real_processes() -> None:
     facts = host_ptrace_facts()
-    assert facts.uid == os.getuid() and isinstance(facts.cap_sys_ptrace, bool) and facts.scope_meaning
+    assert facts.uid == os.getuid() and isinstance(facts.cap_sys_ptrace, bool)
     child = subprocess.Popen([sys.executable, "-c", "import time; print('ok', flush=True); time.sleep(60)"],
                              stdout=subprocess.PIPE, text=True)
     try:
