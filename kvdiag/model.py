@@ -421,6 +421,7 @@ class EnvironmentRecord(_Model):
     gpus: list[GpuInfo] = Field(default_factory=list)
     gpu_note: str = ""               # "no GPU: ...", or how the GPUs were read
     env: dict[str, str] = Field(default_factory=dict)    # KVCACHED_*/VLLM_*/... in effect (redacted)
+    env_source: str = ""             # whose environment: "kvdiag" or "pid 1234" (a captured engine's)
     cpus: int | None = None          # CPUs this process may run on
     cpu_limit: float | None = None   # cgroup cpu.max quota in CPUs
     memory_limit_mb: int | None = None
