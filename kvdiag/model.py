@@ -474,14 +474,18 @@ class KnownDefect(_Model):
     url: str | None = None
     match: Literal["signature", "pattern"] = "pattern"
 
-    def line(self) -> str:
-        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
-        text = f"known: {self.id} ({self.title})"
+    def text(self) -> str:
+        """``kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        text = f"{self.id} ({self.title})"
         if self.fixed_by:
             text += f"; fixed by {self.fixed_by}"
         if self.fixed_in:
             text += f", first in {self.fixed_in}"
         return text
+
+    def line(self) -> str:
+        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        return f"known: {self.text()}"
 
 
 class Bundle(_Model):
