@@ -283,6 +283,9 @@ class SoakStats(_Model):
     itl_p99_s: float | None = None
     stalled: bool = False
     stall_after_s: float | None = None
+    # How the load phase ended, as the soak judgement (analyze) reads it.
+    server_unreachable: bool = False  # an external server stopped answering during the load
+    all_requests_failed: bool = False  # not one request succeeded: the soak tested nothing
 
 
 class Finding(_Model):
@@ -386,6 +389,7 @@ class EnvironmentRecord(_Model):
     gpus: list[GpuInfo] = Field(default_factory=list)
     gpu_note: str = ""               # "no GPU: ...", or how the GPUs were read
     env: dict[str, str] = Field(default_factory=dict)    # KVCACHED_*/VLLM_*/... in effect (redacted)
+    env_source: str = ""             # whose environment: "kvdiag" or "pid 1234" (a captured engine's)
     cpus: int | None = None          # CPUs this process may run on
     cpu_limit: float | None = None   # cgroup cpu.max quota in CPUs
     memory_limit_mb: int | None = None
@@ -438,14 +442,18 @@ class KnownDefect(_Model):
     url: str | None = None
     match: Literal["signature", "pattern"] = "pattern"
 
-    def line(self) -> str:
-        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
-        text = f"known: {self.id} ({self.title})"
+    def text(self) -> str:
+        """``kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        text = f"{self.id} ({self.title})"
         if self.fixed_by:
             text += f"; fixed by {self.fixed_by}"
         if self.fixed_in:
             text += f", first in {self.fixed_in}"
         return text
+
+    def line(self) -> str:
+        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        return f"known: {self.text()}"
 
 
 class Bundle(_Model):
@@ -467,6 +475,11 @@ class Bundle(_Model):
     findings: list[Finding] = Field(default_factory=list)
     stall_detected: bool = False     # the watcher saw no progress for the stall window
     interrupted: bool = False
+    interrupted_reason: str | None = None   # "interrupted (Ctrl-C)", "received SIGTERM", ...
+    # Nested runs (``kvdiag ab``): label -> that run's bundle folder, relative to this bundle folder.
+    runs: dict[str, str] = Field(default_factory=dict)
+    # What analyze said about this bundle when the run wrote it; renderers read only this.
+    diagnosis: Diagnosis | None = None
     environment: EnvironmentRecord | None = None   # the machine it ran on (kvdiag.environment)
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
 
@@ -493,6 +506,33 @@ class Verdict(_Model):
     known: KnownDefect | None = None
 
 
+class ABSide(_Model):
+    """One side of an A/B run, as the comparison reads it from that side's bundle."""
+
+    verdict: VerdictKind
+    summary: str
+    exit_code: int
+    bundle: str                      # the side's bundle folder, relative to the A/B bundle folder
+    report: str | None = None        # the side's report.html, relative to the A/B output folder
+    engines: dict[str, dict[str, object]] = Field(default_factory=dict)
+
+
+class ABComparison(_Model):
+    stock: ABSide
+    fixed: ABSide
+    separated: bool                  # stock reproduced a hang and fixed is healthy
+
+
+class Diagnosis(_Model):
+    """analyze(bundle): everything the run concluded. Stored in the bundle; renderers read only this."""
+
+    verdict: Verdict
+    verdicts_by_engine: dict[str, Verdict] = Field(default_factory=dict)
+    exit_code: int = 0
+    ab: ABComparison | None = None
+    notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
+
+
 class Report(_Model):
     """report.json. Field names here are the user-facing contract."""
 
@@ -516,3 +556,6 @@ class Report(_Model):
     interrupted: bool = False        # the run was cut short; the report holds what it got
     environment: EnvironmentRecord | None = None
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
+
+
+Bundle.model_rebuild()

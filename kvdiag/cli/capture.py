@@ -12,14 +12,13 @@ from types import FrameType
 
 import typer
 
-from kvdiag.analyze import analyze, analyze_by_engine, exit_code_for
 from kvdiag.analyze.text import format_verdict
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, Verdict
-from kvdiag.runner import prepare_out_dir
+from kvdiag.model import Bundle
+from kvdiag.runner import finish, prepare_out_dir
 
 
 def _target(pid: int | None, engine_core_of: int | None) -> int:
@@ -42,21 +41,6 @@ def _target(pid: int | None, engine_core_of: int | None) -> int:
         raise UsageError(f"--engine-core-of {engine_core_of}: {len(cores)} EngineCore processes under it "
                          f"({', '.join(map(str, cores))})", hint="pick one with --pid")
     return cores[0]
-
-
-def _write_report(out_dir: Path, bundle: Bundle, verdict: Verdict, by_engine: dict[str, Verdict],
-                  code: int) -> dict[str, Path]:
-    """report.json/html/md through kvdiag.report when that stage is installed; {} otherwise."""
-    try:
-        from kvdiag.report import write_outputs
-    except ImportError:
-        return {}
-    try:
-        return write_outputs(out_dir, bundle, verdict, command=bundle.command, exit_code=code,
-                             verdicts_by_engine=by_engine)
-    except Exception as exc:  # the bundle and the verdict are already safe; say what failed
-        typer.echo(f"kvdiag: warning: report not written: {type(exc).__name__}: {exc}", err=True)
-        return {}
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -120,10 +104,9 @@ def capture_cmd(
                f"(read-only, at most {timeout + CAPTURE_SLACK_S:.0f}s)", err=True)
     bundle = _interruptible(lambda: capture_tree(target, bundle_dir, timeout_s=timeout, backends=names,
                                                  command=f"capture --pid {target}", pids=scope.pids))
-    verdict = analyze(bundle)
-    by_engine = analyze_by_engine(bundle)
-    code = exit_code_for(verdict)
-    paths = _write_report(out_dir, bundle, verdict, by_engine, code)
+    # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
+    arts = finish(out_dir, bundle)
+    verdict, by_engine, code, paths = arts.verdict, arts.verdicts_by_engine, arts.exit_code, arts.paths
     if as_json:
         typer.echo(json.dumps({"verdict": verdict.model_dump(mode="json"),
                                "verdicts_by_engine": {k: v.model_dump(mode="json") for k, v in by_engine.items()},

@@ -19,13 +19,16 @@ import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvdiag.model import GpuInfo
+if TYPE_CHECKING:
+    from kvdiag.model import GpuInfo
 
 QUERY_TIMEOUT_S = 20.0
-_CHILD = "import json, sys; from kvdiag.environment.gpu import query; json.dump(query(), sys.stdout)"
+# The child runs this file as a script: standard library only, so it starts fast (no pydantic).
+_SCRIPT = str(Path(__file__).resolve())
 
 
 def _version(v: int) -> str:
@@ -142,7 +145,7 @@ def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | Non
     """(driver, runtime, gpus, note), queried in a child process bounded by ``timeout_s``."""
     try:
         # Its own process group, so that a timeout also ends an nvidia-smi it started.
-        proc = subprocess.Popen([sys.executable, "-c", _CHILD], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-I", _SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     except OSError as exc:
         return None, None, [], f"GPU query could not start: {exc}"
@@ -158,6 +161,8 @@ def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | Non
         data = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return None, None, [], f"GPU query failed (exit {proc.returncode}): {err.strip()[-200:]}"
+    from kvdiag.model import GpuInfo
+
     gpus = [GpuInfo.model_validate(g) for g in data.get("gpus", [])]
     return data.get("driver"), data.get("runtime"), gpus, str(data.get("note", ""))
 

@@ -102,3 +102,28 @@ def test_gpu_query_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         except OSError:
             continue
     assert left == [], "the stuck nvidia-smi outlived the query"
+
+
+def test_variables_of_a_captured_engine_are_its_own() -> None:
+    """`kvdiag capture` records the target's variables (from /proc/PID/environ), redacted."""
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", ""), "KVCACHED_PAGE_PREALLOC_ENABLED": "false",
+           "KVCACHED_IPC_NAME": "VLMM", "HF_TOKEN": "hf_" + "q" * 34}
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('READY', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "READY"
+        rec = collect_environment(gpus=False, runtime=False, target_pid=child.pid)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+        if child.stdout:
+            child.stdout.close()
+    assert rec.env_source == f"pid {child.pid}"
+    assert rec.env["KVCACHED_PAGE_PREALLOC_ENABLED"] == "false" and rec.env["KVCACHED_IPC_NAME"] == "VLMM"
+    assert rec.env["HF_TOKEN"] == REDACTED
+    gone = collect_environment(gpus=False, runtime=False, target_pid=child.pid)
+    assert gone.env_source == "kvdiag" and any("not readable" in e for e in gone.errors)

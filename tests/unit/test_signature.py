@@ -105,3 +105,14 @@ def test_blocked_worker_ipc_read_is_the_ipc_half_of_371() -> None:
     sign(v)
     assert v.signature is not None and v.signature.startswith("blocked_ipc_read-")
     assert v.known is not None and v.known.id == "kvcached#371" and "KVCACHED_IPC_TIMEOUT" in (v.known.fixed_by or "")
+
+
+def test_alloc_page_holding_the_gil_while_blocked_is_the_gil_half_of_371() -> None:
+    from kvdiag.analyze.signature import sign
+
+    v = Verdict(kind=VerdictKind.GIL_HELD_BLOCKED, summary="", evidence=[EvidenceItem(pid=5, tid=5, role="r", frames=[
+        "pthread_cond_wait (libc.so.6)", "kvcached::PageAllocator::alloc_page() (vmm_ops.so)",
+        "_alloc (kv_cache_manager.py:205)"])])
+    sign(v)
+    assert v.signature is not None and v.signature.startswith("gil_held_blocked-")
+    assert v.known is not None and v.known.id == "kvcached#371" and "GIL half" in v.known.title
