@@ -67,7 +67,7 @@ def capture_scope(root: int, *, me: int | None = None, my_uid: int | None = None
 
     kvdiag's own process is never part of the scope. Reasons: ``root`` is pid 1;
     it is an ancestor of kvdiag (a shell or session: its tree holds kvdiag and everything else
-    started from it); its tree holds processes of another user than the caller; the tree is
+    started from it); its tree mixes users (processes of another user than ``root``'s owner); the tree is
     larger than any engine's (:data:`MAX_TREE`).
     """
     me = os.getpid() if me is None else me
@@ -79,14 +79,18 @@ def capture_scope(root: int, *, me: int | None = None, my_uid: int | None = None
     elif root in _ancestors(me):
         problems.append(f"pid {root} is an ancestor of kvdiag itself (a shell or a session): its tree is "
                         "everything started from it")
+    # The engine's owner is whoever owns the pid the user named: `sudo kvdiag capture` of another
+    # user's engine is the fix no_access prints, so only a tree that mixes users needs consent.
+    owner = _uid(root)
+    expected = {my_uid} if owner is None else {owner}
     foreign: dict[int, int] = {}
     for pid in pids:
         uid = _uid(pid)
-        if uid is not None and uid != my_uid:
+        if uid is not None and uid not in expected:
             foreign[uid] = foreign.get(uid, 0) + 1
     if foreign:
         who = ", ".join(f"uid {uid}: {n} process{'es' if n > 1 else ''}" for uid, n in sorted(foreign.items()))
-        problems.append(f"the tree of pid {root} holds processes of other users than you ({who})")
+        problems.append(f"the tree of pid {root} holds processes of other users than its owner ({who})")
     if len(pids) > MAX_TREE:
         problems.append(f"the tree of pid {root} has {len(pids)} processes, more than one engine has "
                         f"(at most {MAX_TREE})")
