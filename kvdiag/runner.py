@@ -88,6 +88,14 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
                                             backends=tools, log_pids=dict(w.state.pids))
         bundle.processes.extend(evidence)
         bundle.findings.extend(findings)
+    if bundle.environment is not None:
+        # kvcached's segments and worker sockets as they are while the engines hang (not at launch).
+        from kvdiag.environment.runtime import collect_runtime
+
+        try:
+            bundle.environment.kvcached_runtime = collect_runtime()
+        except OSError as exc:
+            bundle.environment.errors.append(f"kvcached runtime at capture: {exc}")
 
 
 def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | None = None) -> None:

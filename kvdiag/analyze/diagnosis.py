@@ -15,13 +15,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.errors import ExitCode
-from kvdiag.model import TARGET_STATE_KINDS, ABComparison, ABSide, Bundle, Confidence, Diagnosis, Verdict, VerdictKind
+from kvdiag.model import (
+    NO_EVIDENCE_KINDS,
+    TARGET_STATE_KINDS,
+    ABComparison,
+    ABSide,
+    Bundle,
+    Confidence,
+    Diagnosis,
+    Verdict,
+    VerdictKind,
+)
 
 AB_SIDES = ("stock", "fixed")
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 stopped/traced target, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access, 5 nothing to judge (a
+    stopped/traced target, or one that exited, is a zombie, runs no Python or is a kernel thread), 0 otherwise."""
+    if verdict.kind is VerdictKind.NO_ACCESS:
+        return ExitCode.NO_ACCESS
+    if verdict.kind in NO_EVIDENCE_KINDS:
+        return ExitCode.NOT_DIAGNOSABLE
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         return ExitCode.ENGINE_FAILED
     if verdict.kind in TARGET_STATE_KINDS:

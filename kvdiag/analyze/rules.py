@@ -12,6 +12,7 @@ import re
 from collections.abc import Iterable
 
 from kvdiag.analyze import vocab as v
+from kvdiag.analyze.access import evidence_outcome, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
@@ -36,7 +37,8 @@ from kvdiag.watch.banner import assess_risk_for
 SEVERITY: tuple[VerdictKind, ...] = (
     VerdictKind.GIL_CYCLE, VerdictKind.GIL_HELD_BLOCKED, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
     VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
-    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.SLOW_START, VerdictKind.HEALTHY,
+    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.NO_ACCESS, VerdictKind.EXITED,
+    VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON, VerdictKind.KERNEL_THREAD, VerdictKind.SLOW_START, VerdictKind.HEALTHY,
 )
 KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
@@ -673,7 +675,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     machine = bundle.host.get("machine")
     findings = (banner_findings(e) if e else []) + relevant
     findings += [f for p in procs for f in process_findings(p, machine, e.name if e else None)]
-    pverdicts = _process_verdicts(procs, machine, e.name if e else None)
+    pverdicts = _process_verdicts(judgeable(procs, relevant), machine, e.name if e else None)
     hang = pverdicts[0] if pverdicts else None
 
     def done(verdict: Verdict) -> Verdict:
@@ -694,8 +696,11 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         if exited_badly or (e.error and _CRASH.search(e.error)):
             line = _telling_line(text, _CRASH) or (e.error or "")
             code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
-            return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH,
-                                summary=f"{name}: engine exited{code}: {line.strip()[:200]}".rstrip(": ")))
+            # Without an exit code (a bare capture) the end of the log is the only witness.
+            what = f"engine exited{code}" if exited_badly or e.phase is EnginePhase.EXITED else \
+                "its log ends with a crash"
+            return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH if exited_badly else
+                                Confidence.MEDIUM, summary=f"{name}: {what}: {line.strip()[:200]}".rstrip(": ")))
         stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or STALL_WINDOW_S)
         if stall is not None:
             if hang is not None:
@@ -714,6 +719,11 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
                                 summary=f"{name}: decode stall: {log_stall}{mech}"))
     if hang is not None:
         return done(hang)
+    outcome = evidence_outcome(name, procs, relevant, e.name if e else None)   # no evidence is not health
+    if outcome is not None:
+        if e is not None and e.phase is EnginePhase.STALLED:
+            outcome.summary += f"; the engine had stalled in phase {e.phase.value}"
+        return done(outcome)
     stalled = e is not None and (e.phase is EnginePhase.STALLED or (bundle.stall_detected and not e.healthy))
     if stalled and e is not None:
         if _any_running(procs, machine):
