@@ -106,6 +106,14 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
         for f in findings:
             f.engine = f.engine or w.spec.name
         bundle.findings.extend(findings)
+    if bundle.environment is not None:
+        # kvcached's segments and worker sockets as they are while the engines hang (not at launch).
+        from kvdiag.environment.runtime import collect_runtime
+
+        try:
+            bundle.environment.kvcached_runtime = collect_runtime()
+        except OSError as exc:
+            bundle.environment.errors.append(f"kvcached runtime at capture: {exc}")
 
 
 def _relativize(evidence: list[ProcessEvidence], bundle_dir: Path) -> None:

@@ -695,8 +695,11 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         if exited_badly or (e.error and _CRASH.search(e.error)):
             line = _telling_line(text, _CRASH) or (e.error or "")
             code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
-            return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH,
-                                summary=f"{name}: engine exited{code}: {line.strip()[:200]}".rstrip(": ")))
+            # Without an exit code (a bare capture) the end of the log is the only witness.
+            what = f"engine exited{code}" if exited_badly or e.phase is EnginePhase.EXITED else \
+                "its log ends with a crash"
+            return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH if exited_badly else
+                                Confidence.MEDIUM, summary=f"{name}: {what}: {line.strip()[:200]}".rstrip(": ")))
         stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or 5.0)
         if stall is not None:
             if hang is not None:
