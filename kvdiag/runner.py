@@ -100,8 +100,7 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
             for role, role_pids in roles.items():
                 if ev.pid in role_pids:
                     ev.role = role
-        _relativize(evidence, bundle_dir)
-        redact_tree(raw_dir)
+        _relativize(evidence, bundle_dir)   # raw outputs were written redacted (kvdiag.redact)
         bundle.processes.extend(evidence)
         for f in findings:
             f.engine = f.engine or w.spec.name
@@ -124,14 +123,6 @@ def _relativize(evidence: list[ProcessEvidence], bundle_dir: Path) -> None:
                     tool.raw_path = str(Path(tool.raw_path).relative_to(bundle_dir))
                 except ValueError:
                     pass
-
-
-def redact_tree(folder: Path) -> None:
-    """Rewrite every text file under ``folder`` with secrets redacted (a safety net: capture already
-    writes its raw outputs redacted)."""
-    from kvdiag.redact import redact_tree as _redact_tree
-
-    _redact_tree(folder)
 
 
 def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | None = None) -> None:

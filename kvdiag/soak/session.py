@@ -40,7 +40,7 @@ from kvdiag.model import (
     ProcessRole,
     TimelineEvent,
 )
-from kvdiag.runner import RunArtifacts, finish, new_bundle, redact_tree
+from kvdiag.runner import RunArtifacts, finish, new_bundle
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import Scenario
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
@@ -535,8 +535,6 @@ class SoakRun:
             for role, role_pids in roles.items():
                 if ev.pid in role_pids:
                     ev.role = role
-        if raw_dir.exists():
-            redact_tree(raw_dir)
         for f in findings:
             f.engine = f.engine or s.name
         self.processes.extend(evidence)
