@@ -536,6 +536,9 @@ class Verdict(_Model):
     # known upstream defect it matches.
     signature: str | None = None
     known: KnownDefect | None = None
+    # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
+    # evidence only, never timing noise (issue 17 item 6).
+    confidence_reasons: list[str] = Field(default_factory=list)
 
 
 class ABSide(_Model):
