@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,6 +17,10 @@ from types import FrameType, TracebackType
 
 from kvdiag.errors import EngineFailed, Terminated
 from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups
+
+# Where a launched engine's temp files go (sub-folders of the run's private folder): vLLM leaves ~7
+# ZMQ socket files in VLLM_RPC_BASE_PATH, vllm_dist_* and torch caches in TMPDIR, and its cache root.
+ENGINE_TEMP_DIRS = {"TMPDIR": "tmp", "VLLM_RPC_BASE_PATH": "rpc", "VLLM_CACHE_ROOT": "cache"}
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -165,6 +170,7 @@ class ProcessSet:
         self.reaper: Reaper | None = None
         self._old_handlers: dict[int, object] = {}
         self._teardown_hooks: list[Callable[[], None]] = []
+        self._run_dir: Path | None = None
 
     def on_teardown(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once the engines are stopped, while the reaper still guards the run (a kill
@@ -183,8 +189,25 @@ class ProcessSet:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         raise Terminated(f"received {signal.Signals(signum).name}")
 
+    def run_dir(self) -> Path:
+        """This run's private temp folder (created on first use, removed at teardown, by the reaper if
+        kvdiag is killed): engines' TMPDIR, vLLM's ZMQ sockets and cache, kvdiag's staged vLLM plugin."""
+        if self._run_dir is None:
+            path = private_temp_path("kvdiag-run-")
+            self.make_private_dir(path)
+            for sub in ENGINE_TEMP_DIRS.values():
+                (path / sub).mkdir()
+            self._run_dir = path
+        return self._run_dir
+
     def env_for(self, extra: dict[str, str]) -> dict[str, str]:
+        """An engine's environment: ours, the scenario's additions, the run marker, and its temp files
+        (TMPDIR, VLLM_RPC_BASE_PATH, VLLM_CACHE_ROOT) in the run's private folder unless the scenario
+        sets them."""
         env = dict(os.environ)
+        run_dir = self.run_dir()
+        for key, sub in ENGINE_TEMP_DIRS.items():
+            env[key] = str(run_dir / sub)
         env.update(extra)
         env[RUN_ID_ENV] = self.run_id
         env["PYTHONUNBUFFERED"] = "1"
@@ -226,6 +249,8 @@ class ProcessSet:
         clean = False
         try:
             self.stop_all()
+            if self._run_dir is not None:
+                shutil.rmtree(self._run_dir, ignore_errors=True)
             clean = True
             for hook in self._teardown_hooks:
                 try:
