@@ -16,7 +16,7 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from kvdiag.errors import EngineFailed, Terminated
-from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups
+from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm
 
 # Where a launched engine's temp files go (sub-folders of the run's private folder): vLLM leaves ~7
 # ZMQ socket files in VLLM_RPC_BASE_PATH, vllm_dist_* and torch caches in TMPDIR, and its cache root.
@@ -70,6 +70,10 @@ class Reaper:
 
     def unregister(self, pgid: int) -> None:
         self._send(f"-{pgid}")
+
+    def sweep_shm_since(self, epoch_s: float) -> None:
+        """Shared-memory segments engines create from ``epoch_s`` on are swept if kvdiag dies."""
+        self._send(f"shm {epoch_s:.3f}")
 
     def remove_on_abandon(self, path: Path) -> None:
         """A private temp folder the reaper deletes if kvdiag dies without cleaning up."""
@@ -171,6 +175,7 @@ class ProcessSet:
         self._old_handlers: dict[int, object] = {}
         self._teardown_hooks: list[Callable[[], None]] = []
         self._run_dir: Path | None = None
+        self._started_epoch = time.time()
 
     def on_teardown(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once the engines are stopped, while the reaper still guards the run (a kill
@@ -178,7 +183,9 @@ class ProcessSet:
         self._teardown_hooks.append(hook)
 
     def __enter__(self) -> ProcessSet:
+        self._started_epoch = time.time()
         self.reaper = Reaper(self.run_id)
+        self.reaper.sweep_shm_since(self._started_epoch)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             try:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
@@ -251,6 +258,8 @@ class ProcessSet:
             self.stop_all()
             if self._run_dir is not None:
                 shutil.rmtree(self._run_dir, ignore_errors=True)
+            if self.engines:
+                sweep_shm(self._started_epoch)  # vLLM's psm_* queues of engines that were killed
             clean = True
             for hook in self._teardown_hooks:
                 try:
