@@ -93,7 +93,8 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
         if not pids:
             pids = [w.proc.pid]
         raw_dir = bundle_dir / "raw" / w.spec.name
-        evidence, findings = capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=tools)
+        evidence, findings = capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=tools,
+                                               focus=roles.get(ProcessRole.ENGINE_CORE))
         for ev in evidence:
             ev.engine = w.spec.name
             for role, role_pids in roles.items():

@@ -257,9 +257,17 @@ class _AllSet:
 
 
 def _python_only(backends: list[CaptureBackend]) -> list[CaptureBackend]:
-    """The same backends with pystack reading Python frames and GIL flags only."""
-    return [PystackBackend(b.binary, native=False) if isinstance(b, PystackBackend) and b.native else b
-            for b in backends]
+    """The backends for a process outside the focus: pystack reads Python frames and GIL flags only, and
+    py-spy runs without pausing the target next to /proc (its native frames are gdb's job there)."""
+    out: list[CaptureBackend] = []
+    for b in backends:
+        if isinstance(b, PystackBackend) and b.native:
+            out.append(PystackBackend(b.binary, native=False))
+        elif isinstance(b, PyspyBackend) and b.native:
+            out.append(pyspy_nonblocking(b.binary))
+        else:
+            out.append(b)
+    return out
 
 
 def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.0,
@@ -276,8 +284,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
 
     ``focus``: the processes most likely to hold the hang (a vLLM engine's EngineCore). Their
     verdict-critical evidence (/proc, then pystack with native frames) is taken first, with the
-    machine to themselves; the other processes get /proc at once, pystack with Python frames and
-    GIL flags only, and their ptrace chains start once the focus processes' pystack is done.
+    machine to themselves; the other processes get /proc and a non-pausing py-spy at once, then (once
+    the focus processes' pystack is done) pystack with Python frames and GIL flags only, and gdb.
     None: every process is a focus process.
     """
     chosen = make_backends(backends)

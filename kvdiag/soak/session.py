@@ -530,7 +530,7 @@ class SoakRun:
         self.event("capturing", f"pids {', '.join(map(str, pids))} with {', '.join(self.tools)}", engine=s.name)
         raw_dir = self.bundle_dir / "raw" / s.name
         evidence, findings = capture_processes(pids, raw_dir, timeout_s=self.tool_timeout_s, backends=self.tools,
-                                               bundle_dir=self.bundle_dir)
+                                               bundle_dir=self.bundle_dir, focus=roles.get(ProcessRole.ENGINE_CORE))
         for ev in evidence:
             ev.engine = s.name
             for role, role_pids in roles.items():
