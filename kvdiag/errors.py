@@ -9,6 +9,7 @@ class ExitCode:
     USAGE = 2
     TOOL_MISSING = 3
     ENGINE_FAILED = 4
+    TARGET_STOPPED = 5      # the target was stopped or traced by someone else: nothing to judge
     DEADLOCK = 10
     INTERRUPTED = 130
 

@@ -26,7 +26,13 @@ def ab_cmd(
                                          help="Scenario YAML (default: embedded two-engine)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/ab-<timestamp>)."),
 ) -> int:
-    """Exit 0 when the fixed allocator is healthy and the stock one reproduced the hang; 1 otherwise."""
+    """Run a scenario with the stock and with the fixed allocator; compare both runs.
+
+    Each side is a full run with its own report: OUT/stock/ and OUT/fixed/.
+    OUT/report.html puts the two side by side, with links to each.
+    Exit codes: 0 fixed healthy and stock reproduced the hang,
+    1 the A/B did not separate, 2 bad usage, 130 interrupted.
+    """
     scen, name, text = load_scenario(scenario)
     out_dir = prepare_out_dir(out, "ab")
     con = console()

@@ -17,8 +17,9 @@ import math
 import re
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import quote
 
 import jinja2
 from markupsafe import Markup
@@ -38,7 +39,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 KIND_CLASS = {
     "healthy": "ok", "slow_start": "warn", "crash": "fail", "oom": "fail", "unknown": "unk",
     "gil_cycle": "bad", "lock_order_inversion": "bad", "lost_wakeup": "bad", "blocked_ipc_read": "bad",
-    "decode_stall": "bad",
+    "decode_stall": "bad", "gil_held_blocked": "bad", "stopped": "warn", "traced": "warn",
 }
 
 
@@ -436,6 +437,22 @@ def raw_outputs(bundle: Bundle | None, bundle_dir: Path | None) -> list[dict[str
     return out
 
 
+def bundle_href(rel: str | None, bundle_path: str | None) -> str | None:
+    """A link from the report page to ``rel`` (a path inside the bundle folder), or None.
+
+    ``bundle_path`` is where the bundle folder is as seen from the page (report.bundle_path: "bundle"
+    beside report.html). Absolute paths and paths leaving the bundle (a foreign bundle may name
+    ../../etc/...) get no link.
+    """
+    if not rel or bundle_path is None:
+        return None
+    parts = PurePosixPath(rel.replace("\\", "/")).parts
+    if not parts or rel.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+        return None
+    base = bundle_path.replace("\\", "/").rstrip("/")
+    return quote(f"{base}/{'/'.join(parts)}" if base else "/".join(parts), safe="/")
+
+
 # ---------------------------------------------------------------- page
 
 def _env() -> jinja2.Environment:
@@ -481,6 +498,7 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
         processes=processes_view(safe_bundle, report),
         raw=raw_outputs(safe_bundle, bundle_dir),
         have_bundle=safe_bundle is not None,
+        link=lambda rel: bundle_href(rel, report.bundle_path),
         report_json=script_json(data),
         page_js=Markup(script),
         csp=csp,

@@ -97,6 +97,8 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         scenario=bundle.scenario_path,
         stall_window_s=bundle.stall_window_s,
         interrupted=bundle.interrupted,
+        environment=bundle.environment,
+        redaction=bundle.redaction.model_copy(deep=True),
     )
     return redact_obj(report)
 

@@ -7,6 +7,7 @@ import re
 from kvdiag.model import Bundle, Report
 from kvdiag.report.html import clean_text, format_frame
 from kvdiag.report.redact import redact_text
+from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
@@ -55,6 +56,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     if report.scenario:
         facts.append(f"scenario: {_code(report.scenario)}")
     out.append(" · ".join(facts))
+    if v.signature:
+        out += ["", f"signature: {_code(v.signature)}"]
+    if v.known is not None:
+        known = _inline(clean_text(v.known.line()))
+        if v.known.workaround:
+            known += f"; workaround: {_code(v.known.workaround)}"
+        out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
     if v.cycle:
@@ -105,7 +113,7 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
                 e.get("name"), e.get("allocator"), e.get("phase"), "yes" if e.get("healthy") else "no",
                 e.get("verdict"), pids.get("api_server"), pids.get("engine_core"),
                 f"{startup:.1f} s" if isinstance(startup, (int, float)) else None,
-                _short(e.get("last_log_line")))) + " |")
+                _short(e.get("last_log_line"), MAX_LINE))) + " |")
         errors = [(e.get("name"), e.get("error")) for e in report.engines if e.get("error")]
         for name, err in errors:
             out.append(f"- {_cell(name)} error: {_code(str(err))}")
@@ -132,6 +140,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         env_lines.append(f"stall window: {report.stall_window_s:g} s")
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
+    if report.environment is not None:
+        from kvdiag.report.envtext import environment_lines
+
+        env_lines += environment_lines(report.environment)
+    red = report.redaction
+    env_lines.append(f"redacted: {red.total} value(s)" + (
+        f" ({', '.join(f'{k} {n}' for k, n in red.by_kind.items())})" if red.total else ""))
     out.append(_fence(env_lines))
     out.append("")
     return redact_text("\n".join(out))
