@@ -300,7 +300,7 @@ class SoakRun:
                 if watch is not None:
                     self._copy_log(raw_log_dir, spec.name)
                 shutil.rmtree(raw_log_dir, ignore_errors=True)
-            if device is not None and spec.kind == "sim" and scen.device.name is None:
+            if device is not None and spec.kind in ("sim", "vllm") and scen.device.name is None:
                 _remove_device_files(device)
         return self._final(arts)
 
