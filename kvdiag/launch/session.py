@@ -18,7 +18,14 @@ from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.watch.logs import MAX_LINE, LogFollower, LogState, feed_line
-from kvdiag.watch.probe import check_health, cpu_ticks, process_tree, scrape_metrics, threads_blocked
+from kvdiag.watch.probe import (
+    check_health,
+    cpu_ticks,
+    probe_completion,
+    process_tree,
+    scrape_metrics,
+    threads_blocked,
+)
 from kvdiag.watch.stall import Observation, StallDetector
 
 Clock = Callable[[], float]
@@ -189,6 +196,15 @@ class ScenarioRun:
                 hint="put the {port} placeholder in its command (e.g. --port {port}), or set a fixed port: "
                      "that the command also uses")
 
+    def _probe_completion(self, w: EngineWatch) -> None:
+        """A real engine that is up must also serve: one short completion, its answer on the timeline."""
+        from kvdiag.launch.vllm import expand
+
+        ok, detail = probe_completion(self._client, w.plan.url, expand(w.spec.model))
+        self._event("completion answered" if ok else "completion failed", w.spec.name, detail)
+        if not ok:
+            w.healthy = False
+
     def run(self) -> RunResult:
         windows = self.scenario.windows
         deadline = self.t0 + windows.timeout_s
@@ -219,6 +235,8 @@ class ScenarioRun:
                     snap = scrape_metrics(self._client, w.plan.url, round(now - self.t0, 3), w.spec.name)
                     if snap is not None:
                         self.metrics.append(snap)
+                    if w.spec.kind == "vllm" and w.healthy:
+                        self._probe_completion(w)
                 else:
                     self._poll(w, now)
         finally:
