@@ -21,6 +21,7 @@ from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm
 # Where a launched engine's temp files go (sub-folders of the run's private folder): vLLM leaves ~7
 # ZMQ socket files in VLLM_RPC_BASE_PATH, vllm_dist_* and torch caches in TMPDIR, and its cache root.
 ENGINE_TEMP_DIRS = {"TMPDIR": "tmp", "VLLM_RPC_BASE_PATH": "rpc", "VLLM_CACHE_ROOT": "cache"}
+_UNIX_PATH_MAX = 107   # sizeof(sockaddr_un.sun_path) - 1
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -175,6 +176,7 @@ class ProcessSet:
         self._old_handlers: dict[int, object] = {}
         self._teardown_hooks: list[Callable[[], None]] = []
         self._run_dir: Path | None = None
+        self._short_rpc_dir: Path | None = None
         self._started_epoch = time.time()
 
     def on_teardown(self, hook: Callable[[], None]) -> None:
@@ -207,6 +209,18 @@ class ProcessSet:
             self._run_dir = path
         return self._run_dir
 
+    def _rpc_dir(self) -> Path:
+        """VLLM_RPC_BASE_PATH: in the run folder, unless that makes a ZMQ socket path (the folder plus a
+        36-character uuid) longer than a Unix socket address allows; then a short folder in /tmp."""
+        rpc = self.run_dir() / ENGINE_TEMP_DIRS["VLLM_RPC_BASE_PATH"]
+        if len(str(rpc)) + 1 + 36 <= _UNIX_PATH_MAX:
+            return rpc
+        if self._short_rpc_dir is None:
+            short = Path("/tmp") / f"kvdiag-rpc-{uuid.uuid4().hex[:12]}"
+            self.make_private_dir(short)
+            self._short_rpc_dir = short
+        return self._short_rpc_dir
+
     def env_for(self, extra: dict[str, str]) -> dict[str, str]:
         """An engine's environment: ours, the scenario's additions, the run marker, and its temp files
         (TMPDIR, VLLM_RPC_BASE_PATH, VLLM_CACHE_ROOT) in the run's private folder unless the scenario
@@ -215,6 +229,7 @@ class ProcessSet:
         run_dir = self.run_dir()
         for key, sub in ENGINE_TEMP_DIRS.items():
             env[key] = str(run_dir / sub)
+        env["VLLM_RPC_BASE_PATH"] = str(self._rpc_dir())
         env.update(extra)
         env[RUN_ID_ENV] = self.run_id
         env["PYTHONUNBUFFERED"] = "1"
@@ -256,8 +271,9 @@ class ProcessSet:
         clean = False
         try:
             self.stop_all()
-            if self._run_dir is not None:
-                shutil.rmtree(self._run_dir, ignore_errors=True)
+            for folder in (self._run_dir, self._short_rpc_dir):
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
             if self.engines:
                 sweep_shm(self._started_epoch)  # vLLM's psm_* queues of engines that were killed
             clean = True

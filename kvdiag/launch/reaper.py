@@ -177,9 +177,10 @@ def remove_run_device(run_id: str, bound_s: float) -> bool:
 
 
 def removable_temp_dir(path: str) -> bool:
-    """Only kvdiag's own folders directly in the temp dir are ever removed."""
+    """Only kvdiag's own folders directly in the temp dir (or in /tmp: the short socket folder of a run
+    whose temp dir is too deep for Unix socket paths) are ever removed."""
     p = os.path.realpath(path)
-    return (os.path.dirname(p) == os.path.realpath(tempfile.gettempdir())
+    return (os.path.dirname(p) in (os.path.realpath(tempfile.gettempdir()), os.path.realpath("/tmp"))
             and os.path.basename(p).startswith("kvdiag-") and os.path.isdir(p))
 
 

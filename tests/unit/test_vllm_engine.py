@@ -188,3 +188,19 @@ def test_pool_backing_serves_blocks_through_the_allocator() -> None:
         from kvdiag.sim.harness import remove_device_files
 
         remove_device_files(f"kvdiag-ut-{os.getpid()}-vllm")
+
+
+def test_socket_folder_moves_to_tmp_when_the_temp_dir_is_too_deep(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    deep = tmp_path / ("d" * 60)
+    deep.mkdir()
+    monkeypatch.setenv("TMPDIR", str(deep))
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", None)
+    with ProcessSet(grace_s=1) as procs:
+        rpc = Path(procs.env_for({})["VLLM_RPC_BASE_PATH"])
+        assert rpc.parent == Path("/tmp") and rpc.name.startswith("kvdiag-rpc-") and rpc.is_dir()
+        assert len(str(rpc)) + 37 <= 107
+        assert procs.env_for({})["TMPDIR"].startswith(str(deep))
+    assert not rpc.exists()
