@@ -20,19 +20,16 @@ from pathlib import Path
 from rich.console import Console
 
 from kvdiag import __version__
-from kvdiag.bundle_io import save_bundle
-from kvdiag.errors import ExitCode, Interrupted, KvdiagError, UsageError
+from kvdiag.errors import Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
-    Confidence,
     ProcessEvidence,
     ProcessRole,
     TimelineEvent,
     Verdict,
-    VerdictKind,
 )
 from kvdiag.scenario.models import Scenario
 
@@ -110,6 +107,14 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
         for f in findings:
             f.engine = f.engine or w.spec.name
         bundle.findings.extend(findings)
+    if bundle.environment is not None:
+        # kvcached's segments and worker sockets as they are while the engines hang (not at launch).
+        from kvdiag.environment.runtime import collect_runtime
+
+        try:
+            bundle.environment.kvcached_runtime = collect_runtime()
+        except OSError as exc:
+            bundle.environment.errors.append(f"kvcached runtime at capture: {exc}")
 
 
 def _relativize(evidence: list[ProcessEvidence], bundle_dir: Path) -> None:
@@ -149,20 +154,26 @@ def analyze_bundle(bundle: Bundle) -> tuple[Verdict, dict[str, Verdict]]:
     return analyze(bundle), analyze_by_engine(bundle)
 
 
-def finish(out_dir: Path, bundle: Bundle, command: str, ab: dict[str, object] | None = None,
-           verdict: Verdict | None = None, by_engine: dict[str, Verdict] | None = None,
-           exit_code: int | None = None) -> RunArtifacts:
-    """Analyze (unless given), save the bundle and write report.json/html/md."""
-    from kvdiag.analyze import exit_code_for
-    from kvdiag.report import write_outputs
+def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
+           verdict_t: float | None = None) -> RunArtifacts:
+    """The one tail of every run: redact → analyze → store the diagnosis → write bundle → render.
 
-    if verdict is None:
-        verdict, by_engine = analyze_bundle(bundle)
-    code = exit_code if exit_code is not None else exit_code_for(verdict)
-    save_bundle(bundle, out_dir / "bundle")  # redacted there; bundle.redaction gets the summary
-    paths = write_outputs(out_dir, bundle, verdict, command=command, exit_code=code,
-                          verdicts_by_engine=by_engine or {}, ab=ab)
-    return RunArtifacts(out_dir, bundle, verdict, by_engine or {}, code, paths)
+    ``runs``: the nested runs' bundles (``kvdiag ab``); ``verdict_t``: run time of the verdict
+    event added to the timeline. Renderers read only the diagnosis stored in the bundle.
+    """
+    from kvdiag.analyze import diagnose
+    from kvdiag.bundle import write_bundle
+    from kvdiag.redact import redact_bundle
+    from kvdiag.report import render_run
+
+    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
+    diag = diagnose(red, runs)
+    if verdict_t is not None:
+        red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
+    red.diagnosis = diag
+    red = write_bundle(red, out_dir / "bundle")
+    paths = render_run(out_dir, red)
+    return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths)
 
 
 def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, command: str,
@@ -227,11 +238,8 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             if interrupted is None:
                 # Verdict and report before teardown: the user gets them as soon as the
                 # evidence is in, and stopping hung engines (grace period) adds no delay.
-                verdict, by_engine = analyze_bundle(bundle)
-                bundle.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3), event="verdict",
-                                                     detail=verdict.kind.value))
-                arts = finish(out_dir, bundle, command, verdict=verdict, by_engine=by_engine)
-                progress(f"verdict {verdict.kind.value}; stopping engines", None)
+                arts = finish(out_dir, bundle, verdict_t=time.monotonic() - run.t0)
+                progress(f"verdict {arts.verdict.kind.value}; stopping engines", None)
     except (Interrupted, KeyboardInterrupt) as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
     finally:
@@ -240,15 +248,14 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             shutil.rmtree(raw_log_dir, ignore_errors=True)
         if device is not None and scenario.device.name is None:
             # The modelled device was this run's own: drop its shared lock/accounting files.
-            from kvdiag.sim.harness import remove_device_files
+            from kvdiag.allocator import remove_device_files
 
             remove_device_files(device)
     if interrupted is not None or arts is None:
         stop = interrupted or Interrupted("interrupted")
         bundle.interrupted = True
-        verdict = Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {stop.message}",
-                          confidence=Confidence.LOW)
-        finish(out_dir, bundle, command, verdict=verdict, by_engine={}, exit_code=ExitCode.INTERRUPTED)
+        bundle.interrupted_reason = stop.message
+        finish(out_dir, bundle)
         console.print(f"interrupted; partial report written to {out_dir}")
         raise stop
     return arts
@@ -271,3 +278,33 @@ def _esc(text: str) -> str:
     from rich.markup import escape
 
     return escape(text)
+
+
+AB_SIDES = ("stock", "fixed")
+
+
+def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, console: Console,
+           on_side: Callable[[str, RunArtifacts], None] | None = None) -> RunArtifacts:
+    """`kvdiag ab`: the scenario once per allocator, each a full run nested in ``out_dir/<side>/``.
+
+    The A/B bundle names both nested bundles (``runs``); its diagnosis (the comparison) is
+    computed from them by analyze, so `kvdiag analyze/report` on the A/B folder says the same.
+    """
+    import copy
+
+    sides: dict[str, RunArtifacts] = {}
+    for allocator in AB_SIDES:
+        console.rule(f"{allocator} allocator")
+        sub = prepare_out_dir(out_dir / allocator, f"ab {allocator}")
+        sides[allocator] = run_scenario(copy.deepcopy(scenario), scenario_name, scenario_text, sub,
+                                        f"ab ({allocator})", console, allocator=allocator)
+        if on_side is not None:
+            on_side(allocator, sides[allocator])
+    bundle = new_bundle("ab")
+    bundle.scenario_path = scenario_name
+    bundle.stall_window_s = scenario.windows.stall_s
+    bundle.runs = {side: f"../{side}/bundle" for side in AB_SIDES}
+    bundle.engines = [e.model_copy(update={"name": f"{side}/{e.name}"})
+                      for side, arts in sides.items() for e in arts.bundle.engines]
+    bundle.findings = [f for arts in sides.values() for f in arts.bundle.findings]
+    return finish(out_dir, bundle, runs={side: arts.bundle for side, arts in sides.items()})

@@ -55,7 +55,7 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     host=host_info(), processes=evidence, findings=findings, engines=engines,
-                    environment=collect_environment())
+                    environment=collect_environment(target_pid=evidence[0].pid if evidence else root_pid))
     save_bundle(bundle, bundle_dir)
     return bundle
 

@@ -33,11 +33,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, list_tids, read_status
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend, gdb_all_symbols, pyspy_nonblocking
-from kvdiag.model import Finding, ProcessEvidence, ToolRun
+from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
 DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
@@ -104,9 +105,9 @@ def verify_untouched(pid: int, before: _Before, settle_s: float = 1.0) -> list[F
             break
         time.sleep(0.02)
         after = _observe(pid)
-    if not after.exists:
-        findings.append(Finding(kind="target_exited", pid=pid,
-                                message=f"process {pid} exited during capture"))
+    if not after.exists or (after.state in ("Z", "X") and before.state not in ("Z", "X")):
+        how = "exited" if not after.exists else "exited (now a zombie, not reaped yet)"
+        findings.append(Finding(kind="target_exited", pid=pid, message=f"process {pid} {how} during capture"))
         return findings
     if after.tracer and not before.tracer:
         findings.append(Finding(kind="capture_left_traced", pid=pid,
@@ -127,17 +128,38 @@ def verify_untouched(pid: int, before: _Before, settle_s: float = 1.0) -> list[F
     return findings
 
 
+def _skip_reason(access: TargetAccess, backend: CaptureBackend) -> str | None:
+    """Why the preflight keeps ``backend`` away from a process (None: run it)."""
+    if backend.name == "proc":
+        return None
+    if access.kernel_thread:
+        return f"{backend.name} skipped: a kernel thread (capture refused)"
+    if access.zombie:
+        return f"{backend.name} skipped: the process is a zombie (exited, not reaped)"
+    if not access.ptrace_ok:
+        return f"{backend.name} skipped: access refused ({access.refused[-1] if access.refused else 'ptrace'})"
+    if access.python is False:
+        return f"{backend.name} skipped: no Python interpreter in the process"
+    return None
+
+
 class _ProcessJob:
     """All backends for one pid: quiet backends at once, ptrace backends after /proc, in sequence."""
 
     def __init__(self, pid: int, backends: list[CaptureBackend], unavailable: dict[str, str],
-                 raw_dir: Path, timeout_s: float, deadline: float,
+                 raw_dir: Path, timeout_s: float, deadline: float, access: TargetAccess | None = None,
                  after: _AllSet | None = None) -> None:
         self.pid = pid
         self.backends = backends
         self.after = after              # the chain waits for this (the focus processes' first tool)
         self.first_done = threading.Event()
-        self.unavailable = unavailable
+        self.access = access
+        self.unavailable = dict(unavailable)
+        if access is not None:   # the preflight's refusals: quick, and said in the report
+            for b in backends:
+                reason = _skip_reason(access, b)
+                if reason is not None and b.name not in self.unavailable:
+                    self.unavailable[b.name] = reason
         self.raw_dir = raw_dir / str(pid)
         self.timeout_s = timeout_s
         self.deadline = deadline
@@ -208,6 +230,8 @@ class _ProcessJob:
         if chain:
             self.threads.append(threading.Thread(target=self._chain, args=(chain,), daemon=True,
                                                  name=f"kvdiag-capture-chain-{self.pid}"))
+        else:
+            self.first_done.set()   # nothing to attach here: processes waiting on this one go ahead
         for t in self.threads:
             t.start()
 
@@ -302,6 +326,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     start = time.monotonic()
     deadline = start + timeout_s
     befores = {pid: _observe(pid) for pid in pids}
+    # Preflight before attaching: may we read it, is it a kernel thread, a zombie, Python at all?
+    accesses = {pid: check_target(pid) for pid in dict.fromkeys(pids) if befores[pid].exists}
     jobs: list[_ProcessJob] = []
     focus_events: list[threading.Event] = []
     focus_gate = _AllSet(focus_events)
@@ -315,7 +341,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 continue
             minor = focus_set is not None and pid not in focus_set
             job = _ProcessJob(pid, _python_only(chosen) if minor else chosen, unavailable, raw_dir, timeout_s,
-                              deadline if parallel else time.monotonic() + timeout_s,
+                              deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
                               after=focus_gate if minor and parallel else None)
             if not minor:
                 focus_events.append(job.first_done)
@@ -342,9 +368,10 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
         ev = (proc_res.process.model_copy(deep=True) if proc_res and proc_res.process
               else ProcessEvidence(pid=job.pid))
         ev.threads = merge_threads(results)
+        ev.access = job.access
         for b in chosen:
-            if b.name in unavailable:
-                ev.tools.append(ToolRun(tool=b.name, ok=False, error=unavailable[b.name]))
+            if b.name in job.unavailable:
+                ev.tools.append(ToolRun(tool=b.name, ok=False, error=job.unavailable[b.name]))
                 continue
             res = results[b.name]
             run = res.tool.model_copy()

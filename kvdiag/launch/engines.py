@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvdiag.interpreter import module_argv
 from kvdiag.scenario.models import EngineSpec
 
 PORT_ENV = "KVDIAG_ENGINE_PORT"
@@ -30,7 +30,7 @@ def sim_argv(spec: EngineSpec, port: int, device_name: str, device_size_gb: floa
     """Command line of a built-in simulated engine (`python -m kvdiag.sim serve ...`)."""
     s = spec.sim
     argv = [
-        sys.executable, "-m", "kvdiag.sim", "serve",
+        *module_argv("kvdiag.sim"), "serve",
         "--host", spec.host, "--port", str(port), "--model", spec.model,
         "--layers", str(s.layers), "--kv-per-layer-mb", f"{s.kv_per_layer_mb:g}",
         "--page-size-mb", str(s.page_size_mb),

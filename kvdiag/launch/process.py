@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -16,29 +15,15 @@ from pathlib import Path
 from types import FrameType, TracebackType
 
 from kvdiag.errors import EngineFailed, Terminated
+from kvdiag.interpreter import module_argv
 from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm
+from kvdiag.ports import free_port as free_port  # re-exported: launchers and tests import it from here
+from kvdiag.ports import port_in_use as port_in_use
 
 # Where a launched engine's temp files go (sub-folders of the run's private folder): vLLM leaves ~7
 # ZMQ socket files in VLLM_RPC_BASE_PATH, vllm_dist_* and torch caches in TMPDIR, and its cache root.
 ENGINE_TEMP_DIRS = {"TMPDIR": "tmp", "VLLM_RPC_BASE_PATH": "rpc", "VLLM_CACHE_ROOT": "cache"}
 _UNIX_PATH_MAX = 107   # sizeof(sockaddr_un.sun_path) - 1
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port nobody listens on right now (the OS picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
-
-
-def port_in_use(host: str, port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return True
-    return False
 
 
 def private_temp_path(prefix: str) -> Path:
@@ -52,7 +37,7 @@ class Reaper:
     def __init__(self, run_id: str, grace_s: float = 3.0) -> None:
         self.run_id = run_id
         self._proc = subprocess.Popen(
-            [sys.executable, "-m", "kvdiag.launch.reaper", run_id, str(grace_s), str(os.getpid())],
+            [*module_argv("kvdiag.launch.reaper"), run_id, str(grace_s), str(os.getpid())],
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True,
         )

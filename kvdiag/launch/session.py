@@ -162,7 +162,8 @@ class ScenarioRun:
             self._check_port(w, now, pids)
             core = w.state.pids.get("engine_core")
             obs = Observation(now=now, new_log_lines=len(new), cpu_ticks=cpu_ticks(pids), healthy=False,
-                              all_threads_blocked=threads_blocked(core) if core else None)
+                              all_threads_blocked=threads_blocked(core) if core else None,
+                              output_started=w.state.last_line is not None)
             if w.detector.observe(obs):
                 w.outcome = Outcome.STALLED
                 w.stalled_t = now

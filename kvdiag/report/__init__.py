@@ -21,7 +21,7 @@ from kvdiag.report.terminal import render_terminal
 
 __all__ = [
     "REDACTED", "build_report", "is_secret_name", "redact_obj", "redact_text", "render_html", "render_json",
-    "render_markdown", "render_terminal", "write_outputs",
+    "render_markdown", "render_run", "render_terminal", "write_outputs",
 ]
 
 REPORT_FILES = ("report.json", "report.html", "report.md")
@@ -80,3 +80,13 @@ def write_outputs(out_dir: Path, bundle: Bundle, verdict: Verdict, *, command: s
     atomic_write_text(paths["report.md"], redact_text(markdown))
     atomic_write_text(paths["report.html"], page)
     return paths
+
+
+def render_run(out_dir: Path, bundle: Bundle, bundle_dir: Path | None = None) -> dict[str, Path]:
+    """Render the diagnosis stored in ``bundle`` (``bundle.diagnosis``) as report.json/html/md."""
+    diag = bundle.diagnosis
+    if diag is None:
+        raise ValueError("the bundle holds no diagnosis: analyze it first (kvdiag.analyze.diagnose)")
+    return write_outputs(out_dir, bundle, diag.verdict, command=bundle.command, exit_code=diag.exit_code,
+                         verdicts_by_engine=diag.verdicts_by_engine,
+                         ab=diag.ab.model_dump(mode="json") if diag.ab is not None else None, bundle_dir=bundle_dir)

@@ -11,9 +11,9 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.model import Bundle, EngineRecord, Finding, Report, Verdict
+from kvdiag.model import Bundle, EnginePhase, EngineRecord, Finding, Report, Verdict
 from kvdiag.report.redact import redact_obj
-from kvdiag.watch.banner import assess_risk
+from kvdiag.watch.banner import assess_risk_for
 
 # Keys every engine entry carries (null when unknown); the schema requires them.
 ENGINE_PID_ROLES = ("api_server", "engine_core")
@@ -21,7 +21,7 @@ ENGINE_PID_ROLES = ("api_server", "engine_core")
 
 def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str, object]:
     """One ``report.engines[]`` item: the record plus banner risk and the engine's own verdict."""
-    risks = [assess_risk(b) for b in rec.banners]
+    risks = [assess_risk_for(b, rec.allocator) for b in rec.banners]
     banners: list[dict[str, Any]] = []
     for banner, risk in zip(rec.banners, risks, strict=True):
         entry = banner.model_dump(mode="json")
@@ -41,7 +41,10 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str,
         "name": rec.name,
         "allocator": rec.allocator,
         "phase": rec.phase.value,
-        "healthy": rec.healthy,
+        # Healthy means serving: a stalled engine is not, even when its /health still answers (vLLM's
+        # /health does not see a decode stall); what /health said is kept apart.
+        "healthy": rec.healthy and rec.phase is not EnginePhase.STALLED,
+        "health_endpoint_ok": rec.healthy,
         "url": rec.url,
         "exit_code": rec.exit_code,
         "pids": pids,

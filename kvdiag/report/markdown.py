@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from kvdiag.model import Bundle, Report
-from kvdiag.report.html import clean_text, format_frame
+from kvdiag.report.html import ab_view, clean_text, format_frame
 from kvdiag.report.redact import redact_text
 from kvdiag.watch.logs import MAX_LINE
 
@@ -46,7 +46,12 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     """Render the Markdown summary; ``bundle`` adds the stacks of the cited threads."""
     v = report.verdict
     out: list[str] = []
-    out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
+    ab = ab_view(report)
+    if ab is not None:  # the A/B outcome, not the stock side's hang, heads an A/B report
+        out.append(f"### kvdiag: {ab['title']} (" + ", ".join(f"{side['label']}: `{side['verdict']}`"
+                                                          for side in ab["sides"]) + ")")
+    else:
+        out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
     out.append("")
     out.append(f"**{_inline(clean_text(v.summary))}**")
     out.append("")
@@ -65,6 +70,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
+    if ab is not None:
+        out += ["", "| allocator | verdict | exit code | engines | report |",
+                "|---|---|---|---|---|"]
+        for side in ab["sides"]:
+            engines = ", ".join(f"{e['name']}: {e['verdict'] or e['phase']}" for e in side["engines"])
+            out.append("| " + " | ".join(_cell(x) for x in (
+                side["label"], side["verdict"], side["exit_code"], engines, side["report"])) + " |")
     if v.cycle:
         out += ["", "**Wait-for cycle** (A → B: A waits for B)", "",
                 _fence([" → ".join(v.cycle + [v.cycle[0]] if v.cycle[0] != v.cycle[-1] else v.cycle)])]
@@ -110,7 +122,7 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
             pids = _dict(e.get("pids"))
             startup = e.get("startup_s")
             out.append("| " + " | ".join(_cell(x) for x in (
-                e.get("name"), e.get("allocator"), e.get("phase"), "yes" if e.get("healthy") else "no",
+                e.get("name"), e.get("allocator"), e.get("phase"), _healthy(e),
                 e.get("verdict"), pids.get("api_server"), pids.get("engine_core"),
                 f"{startup:.1f} s" if isinstance(startup, (int, float)) else None,
                 _short(e.get("last_log_line"), MAX_LINE))) + " |")
@@ -150,6 +162,12 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     out.append(_fence(env_lines))
     out.append("")
     return redact_text("\n".join(out))
+
+
+def _healthy(e: dict[str, object]) -> str:
+    if e.get("healthy"):
+        return "yes"
+    return "no (/health answered)" if e.get("health_endpoint_ok") else "no"
 
 
 def _list(value: object) -> list[dict[str, object]]:

@@ -26,13 +26,12 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from kvdiag.errors import EngineFailed, ExitCode, Interrupted, KvdiagError, UsageError
+from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, ScenarioRun
 from kvdiag.model import (
     Bundle,
-    Confidence,
     EnginePhase,
     EngineRecord,
     Finding,
@@ -40,10 +39,8 @@ from kvdiag.model import (
     ProcessEvidence,
     ProcessRole,
     TimelineEvent,
-    Verdict,
-    VerdictKind,
 )
-from kvdiag.runner import RunArtifacts, analyze_bundle, finish, new_bundle, redact_tree
+from kvdiag.runner import RunArtifacts, finish, new_bundle, redact_tree
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
@@ -582,20 +579,14 @@ class SoakRun:
         b.findings = list(self.findings)
         if self.result.summary is not None:
             b.soak = self.result.summary.to_soak_stats()
+            b.soak.server_unreachable = self.result.unreachable
+            b.soak.all_requests_failed = self.result.all_failing
         b.timeline = sorted(self.timeline, key=lambda e: e.t)
 
     def _verdict_and_report(self) -> RunArtifacts:
+        """The run's tail: the soak's facts go into the bundle, analyze judges them (kvdiag.analyze)."""
         self._fill_common()
-        verdict, by_engine = analyze_bundle(self.bundle)
-        if self.result.unreachable and verdict.kind is VerdictKind.HEALTHY:
-            verdict = Verdict(kind=VerdictKind.CRASH, confidence=Confidence.MEDIUM, engine="server",
-                              summary=f"server: stopped answering during the soak ({self.opts.url})")
-        self.bundle.timeline.append(TimelineEvent(t=self._rel(self.clock()), event="verdict",
-                                                  detail=verdict.kind.value))
-        code = None
-        if self.result.all_failing and verdict.kind is VerdictKind.HEALTHY:
-            code = ExitCode.FAILED
-        return finish(self.out_dir, self.bundle, COMMAND, verdict=verdict, by_engine=by_engine, exit_code=code)
+        return finish(self.out_dir, self.bundle, verdict_t=self.clock() - self.t0)
 
     def _final(self, arts: RunArtifacts | None) -> RunArtifacts:
         if self.interrupted is not None or arts is None:
@@ -604,10 +595,8 @@ class SoakRun:
                 self.result.summary = self.loadgen.summary()
             self._fill_common()
             self.bundle.interrupted = True
-            verdict = Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {stop.message}",
-                              confidence=Confidence.LOW)
-            finish(self.out_dir, self.bundle, COMMAND, verdict=verdict, by_engine={},
-                   exit_code=ExitCode.INTERRUPTED)
+            self.bundle.interrupted_reason = stop.message
+            finish(self.out_dir, self.bundle)
             self.console.print(f"interrupted; partial report written to {self.out_dir}")
             raise stop
         if self.result.all_failing:
@@ -663,10 +652,8 @@ def _served_model(url: str) -> str | None:
 
 def _remove_device_files(device: str) -> None:
     """Delete the modelled device's lock/accounting files a simulated engine created."""
-    try:
-        from kvdiag.sim.harness import remove_device_files
-    except ImportError:
-        return
+    from kvdiag.allocator import remove_device_files
+
     remove_device_files(device)
 
 
