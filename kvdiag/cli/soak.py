@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
+from kvdiag.defaults import STALL_WINDOW_S
 
 
 class AllocatorChoice(str, Enum):
@@ -30,7 +31,8 @@ def soak(
     allocator: AllocatorChoice | None = typer.Option(None, "--allocator", help="Allocator of the launched "
                                                      "simulated engine (default: the scenario's, stock)."),
     stall_window: float | None = typer.Option(None, "--stall-window", help="Requests in flight and no token for "
-                                              "this many seconds is a stall (default: the scenario's, 5)."),
+                                              "this many seconds is a stall (default: the scenario's, "
+                                              f"{STALL_WINDOW_S:g})."),
     chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions instead of /v1/completions."),
     read_timeout: float = typer.Option(60.0, "--read-timeout", help="A request that receives no byte for this "
                                        "long ends as timed out."),

@@ -2,7 +2,7 @@
 
 The report is the user-facing contract (schema/report.schema.json): every
 other renderer (HTML, Markdown, terminal) reads it, never the raw bundle
-alone. It is redacted when built, so nothing downstream can leak a secret.
+alone. Its inputs were redacted where they entered (the bundle writer or loader, write_outputs).
 """
 
 from __future__ import annotations
@@ -12,7 +12,6 @@ from typing import Any
 
 from kvdiag import __version__
 from kvdiag.model import Bundle, EnginePhase, EngineRecord, Finding, Report, Verdict
-from kvdiag.report.redact import redact_obj
 from kvdiag.watch.banner import assess_risk_for
 
 # Keys every engine entry carries (null when unknown); the schema requires them.
@@ -103,12 +102,12 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         environment=bundle.environment,
         redaction=bundle.redaction.model_copy(deep=True),
     )
-    return redact_obj(report)
+    return report
 
 
 def report_dict(report: Report) -> dict[str, Any]:
-    """The JSON-ready form of ``report`` (redacted again: reports may be built by hand)."""
-    data: dict[str, Any] = redact_obj(report.model_dump(mode="json"))
+    """The JSON-ready form of ``report``."""
+    data: dict[str, Any] = report.model_dump(mode="json")
     return data
 
 

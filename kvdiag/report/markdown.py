@@ -6,7 +6,6 @@ import re
 
 from kvdiag.model import Bundle, Report
 from kvdiag.report.html import ab_view, clean_text, format_frame
-from kvdiag.report.redact import redact_text
 from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
@@ -161,7 +160,7 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         f" ({', '.join(f'{k} {n}' for k, n in red.by_kind.items())})" if red.total else ""))
     out.append(_fence(env_lines))
     out.append("")
-    return redact_text("\n".join(out))
+    return "\n".join(out)
 
 
 def _healthy(e: dict[str, object]) -> str:
@@ -199,6 +198,5 @@ def _cited_stacks(report: Report, bundle: Bundle | None) -> list[tuple[str, list
             if len(th.frames) > MAX_THREAD_FRAMES:
                 lines.append(f"… {len(th.frames) - MAX_THREAD_FRAMES} outer frames")
             name = f' "{th.name}"' if th.name else ""
-            out.append((redact_text(f"pid {proc.pid} tid {th.tid}{name} — {role}"),
-                        [redact_text(line) for line in lines]))
+            out.append((f"pid {proc.pid} tid {th.tid}{name} — {role}", list(lines)))
     return out

@@ -7,6 +7,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kvdiag import defaults as D
+
 ToolName = Literal["pystack", "py-spy", "gdb", "proc"]
 _ALL_TOOLS: tuple[ToolName, ...] = ("pystack", "py-spy", "gdb", "proc")
 
@@ -130,17 +132,17 @@ class EngineSpec(_Strict):
 
 
 class Windows(_Strict):
-    stall_s: float = Field(5.0, gt=0, le=3600)          # no progress this long = stall
-    startup_timeout_s: float = Field(120.0, gt=0)        # per engine, to become ready
-    timeout_s: float = Field(300.0, gt=0)                # whole run
-    poll_s: float = Field(0.25, gt=0, le=10)
-    kill_grace_s: float = Field(5.0, ge=0, le=120)       # SIGTERM → SIGKILL grace at teardown
+    stall_s: float = Field(D.STALL_WINDOW_S, gt=0, le=3600)          # no progress this long = stall
+    startup_timeout_s: float = Field(D.STARTUP_TIMEOUT_S, gt=0)      # per engine, to become ready
+    timeout_s: float = Field(D.RUN_TIMEOUT_S, gt=0)                  # whole run
+    poll_s: float = Field(D.POLL_S, gt=0, le=10)
+    kill_grace_s: float = Field(D.KILL_GRACE_S, ge=0, le=120)        # SIGTERM → SIGKILL grace at teardown
 
 
 class CaptureSpec(_Strict):
     tools: list[ToolName] = Field(
         default_factory=lambda: list(_ALL_TOOLS))
-    tool_timeout_s: float = Field(15.0, gt=0, le=600)
+    tool_timeout_s: float = Field(D.TOOL_TIMEOUT_S, gt=0, le=600)
     when: Literal["stall", "always", "never"] = "stall"   # ("on" would parse as a YAML boolean)
 
 
