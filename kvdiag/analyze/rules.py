@@ -204,16 +204,16 @@ def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: st
     findings = [Finding(kind="mechanism", pid=proc.pid, engine=engine, message=inner.kind.value)] if inner else []
     evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine)
                                                          for t in views[:2]]
-    if stopped:
+    if stopped and proc.tracer_pid is None:
         return Verdict(kind=VerdictKind.STOPPED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                        findings=findings, cycle=inner.cycle if inner else [],
                        summary=(f"pid {proc.pid} is stopped (SIGSTOP, job control or a debugger): none of its "
                                 f"threads can run until it gets SIGCONT; capture left it stopped{also}"))
     return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                    findings=findings, cycle=inner.cycle if inner else [],
-                   summary=(f"pid {proc.pid} is traced by pid {proc.tracer_pid} (another debugger or strace): "
-                            f"kvdiag's ptrace tools cannot attach and the tracer may be holding it; left as found"
-                            f"{also}"))
+                   summary=(f"pid {proc.pid} is traced by pid {proc.tracer_pid} (another debugger or strace)"
+                            f"{' and stopped by it' if stopped else ''}: kvdiag's ptrace tools cannot attach and "
+                            f"the tracer may be holding it; left as found{also}"))
 
 
 def _gil_waiters(views: list[ThreadView], holder: ThreadView) -> list[ThreadView]:
