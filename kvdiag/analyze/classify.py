@@ -70,6 +70,7 @@ class ThreadView:
     wait_forever: bool = False         # poll/epoll/select with no timeout
     blocked_fds: list[FdInfo] = field(default_factory=list)
     asyncio_loop: bool = False         # the thread runs an asyncio event loop (its frames say so)
+    shared_futex: bool = False         # a futex wait without FUTEX_PRIVATE_FLAG: another process may wake it
 
     @property
     def label(self) -> str:
@@ -241,6 +242,8 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         view.wait_forever = th.wait_timeout_ms < 0
         view.timed = view.timed or th.wait_timeout_ms >= 0
     view.blocked_fds = list(th.blocked_fds)
+    op = _futex_op(th.syscall) if nr is not None and nr in sysnames["futex"] else None
+    view.shared_futex = op is not None and not op & _FUTEX_PRIVATE_FLAG
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:
@@ -266,6 +269,17 @@ def _is_timed(th: ThreadEvidence, segments: list[list[Frame]], kind: WaitKind | 
     if kind in (WaitKind.GIL_WAIT, WaitKind.EVENT_WAIT, WaitKind.SLEEP):
         return False
     return any(m in f.name for seg in segments for f in seg[:8] for m in _TIMED_MARKERS)
+
+
+_FUTEX_PRIVATE_FLAG = 128
+
+
+def _futex_op(raw: str | None) -> int | None:
+    parts = (raw or "").split()
+    try:
+        return int(parts[2], 16) if len(parts) > 2 else None
+    except ValueError:
+        return None
 
 
 def _futex_cmd(raw: str | None) -> int | None:

@@ -354,13 +354,31 @@ def _user_lock_frame(t: ThreadView) -> int | None:
     return None
 
 
-def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView]) -> list[ThreadView]:
-    """Threads that could still act: running, woken during the window, or in a wait that ends by itself
-    (timed waits, sleeps, waits for the outside world)."""
+# Signals whose handlers are crash reporters or the interpreter's default (SIGINT), not a wake-up path.
+_NOT_A_WAKEUP = frozenset({2, 4, 5, 6, 7, 8, 11, 31, 32, 33})   # 32, 33: glibc-internal (cancel, setxid)
+
+
+def wake_signals(proc: ProcessEvidence | None) -> list[int]:
+    """Signals the process catches that a service uses to be told something (SIGTERM, SIGHUP, SIGUSR1...)."""
+    if proc is None or not proc.signals_caught:
+        return []
+    return [n for n in proc.signals_caught if n not in _NOT_A_WAKEUP]
+
+
+def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView],
+                         proc: ProcessEvidence | None = None) -> list[ThreadView]:
+    """Threads that could still act: running, woken during the window, in a wait that ends by itself
+    (timed waits, sleeps, waits for the outside world), on a futex another process can wake, or the
+    main thread of a process with a signal handler installed (Python runs handlers there, and a
+    handler that sets an Event or notifies is how daemons wait for SIGTERM)."""
     skip = {t.tid for t in exclude}
-    return [t for t in views if t.tid not in skip and not t.idle_by_design and (
-        t.running or t.woke or (t.timed and t.kind is not WaitKind.GIL_WAIT)
+    handler = bool(wake_signals(proc))
+    out = [t for t in views if t.tid not in skip and not t.idle_by_design and (
+        t.running or t.woke or (t.timed and t.kind is not WaitKind.GIL_WAIT) or t.shared_futex
         or t.kind in (WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP, WaitKind.UNKNOWN))]
+    out += [t for t in views if handler and t.is_main and t not in out and t.kind in (
+        WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT) and any(f.kind == "python" for f in t.frames)]
+    return out
 
 
 def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
@@ -368,11 +386,12 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     """Python locks record no owner: when two or more threads block, untimed, acquiring different locks
     from their own code and no thread can still act, each must hold what another wants (inferred)."""
     waiters = [t for t in views if t.kind in (WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT) and not t.timed
-               and not t.running and not t.woke and not t.idle_by_design and _user_lock_frame(t) is not None]
+               and not t.running and not t.woke and not t.idle_by_design and not t.shared_futex
+               and _user_lock_frame(t) is not None]
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
     if len(waiters) < 2 or (addrs and len(addrs) < 2):
         return None
-    if _possible_signallers(views, waiters) or any(t.kind is WaitKind.GIL_WAIT for t in views):
+    if _possible_signallers(views, waiters, proc) or any(t.kind is WaitKind.GIL_WAIT for t in views):
         return None
     lines = []
     for t in waiters:
@@ -497,13 +516,13 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
     if proc.progress is not None and proc.progress.advanced:
         return None   # it wrote its log or did I/O during the window
     live = [t for t in views if not t.idle_by_design]
-    waiters = [t for t in live if not t.running and not t.timed and not t.woke and (
+    waiters = [t for t in live if not t.running and not t.timed and not t.woke and not t.shared_futex and (
         t.kind is WaitKind.COND_WAIT or t.kind is WaitKind.FUTEX_WAIT
         or (t.kind is WaitKind.PY_LOCK_WAIT and t.py_wait == "py_cond"))]
     if not waiters:
         return None
     # A thread in a timed wait, or one that woke during the window, may still signal.
-    if _possible_signallers(live, waiters):
+    if _possible_signallers(live, [w for w in waiters if not w.is_main], proc):
         return None
     waiters.sort(key=lambda t: (t.is_main, t.tid))   # the main thread is usually the one joining
     native = [t for t in waiters if t.kind is WaitKind.COND_WAIT]
@@ -541,8 +560,39 @@ def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: s
     return None
 
 
+_INTERNAL_WAITS = (WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT)
+
+
+def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    """No rule named the shape, but every thread waits, untimed and unwoken, on something only another
+    waiting thread of this process could release (a lock it holds itself, a join of a blocked thread,
+    a Python lock with no owner field): hung, kind unknown."""
+    if proc.progress is not None and proc.progress.advanced:
+        return None
+    live = [t for t in views if not t.idle_by_design]
+    if not live or not all(t.kind in _INTERNAL_WAITS and not t.timed and not t.woke and not t.running
+                           and not t.shared_futex for t in live):
+        return None
+    if _possible_signallers(views, [], proc):
+        return None
+    if not any(t.has_frames or t.wait_addr for t in live):
+        return None      # the kernel's view alone cannot tell a lock from an idle futex
+    live.sort(key=lambda t: (t.is_main, _user_lock_frame(t) is None, t.tid))   # the application's own wait first
+    self_held = [t for t in live if t.kind is WaitKind.MUTEX_WAIT and t.wait_addr and t.owner_tid is None
+                 and len(live) == 1]
+    what = (f"{live[0].label} waits for a lock that only it could release" if len(live) == 1 else
+            f"all {len(live)} threads wait, with no timeout, on locks, condition variables or joins that only "
+            f"another of them could release")
+    evidence = [_item(t, f"{_WAIT_WORDS.get(t.kind, 'blocked')} (no timeout, no wakeup)", engine) for t in live[:4]]
+    return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.MEDIUM if not self_held else Confidence.LOW,
+                   engine=engine, evidence=evidence,
+                   summary=(f"pid {proc.pid} cannot make progress: {what}{where(live[0])}; no thread runs, woke, "
+                            f"waits with a timeout or for the outside world, and no signal handler could end "
+                            f"a wait"))
+
+
 PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown)
+                 rule_stuck_unknown, rule_nothing_can_move)
 
 
 def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> Verdict | None:
