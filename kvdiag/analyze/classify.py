@@ -141,6 +141,9 @@ def _idle_by_design(th: ThreadEvidence, frames_all: list[Frame]) -> bool:
         text = f"{f.name} {f.file or ''}"
         if any(s in text for s in v.IDLE_FRAME_SUBSTR):
             return True
+        if f.kind == "python" and f.file and (tuple(f.file.rsplit("/", 2)[-2:]), f.name.rsplit(".", 1)[-1]) in \
+                v.IDLE_PY_FRAMES:
+            return True
     return False
 
 

@@ -186,6 +186,8 @@ def peer_phrase(info: FdInfo) -> str:
     if info.peer_pids:
         more = f" (+{len(info.peer_pids) - 1})" if len(info.peer_pids) > 1 else ""
         what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
+    elif info.kind == "socket" and info.proto in ("tcp", "tcp6", "udp"):
+        what += " (peer: no process on this host; a remote peer)"
     elif info.kind in ("socket", "pipe"):
         what += " (no process holds the other end)"
     return what
@@ -373,9 +375,11 @@ def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView],
     handler that sets an Event or notifies is how daemons wait for SIGTERM)."""
     skip = {t.tid for t in exclude}
     handler = bool(wake_signals(proc))
-    out = [t for t in views if t.tid not in skip and not t.idle_by_design and (
+    # An idle-by-design thread (a pool's result handler, an I/O thread) counts only when it can move.
+    moving = (WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP)
+    out = [t for t in views if t.tid not in skip and (
         t.running or t.woke or (t.timed and t.kind is not WaitKind.GIL_WAIT) or t.shared_futex
-        or t.kind in (WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP, WaitKind.UNKNOWN))]
+        or t.kind in moving or (t.kind is WaitKind.UNKNOWN and not t.idle_by_design))]
     out += [t for t in views if handler and t.is_main and t not in out and t.kind in (
         WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT) and any(f.kind == "python" for f in t.frames)]
     return out
@@ -522,7 +526,7 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
     if not waiters:
         return None
     # A thread in a timed wait, or one that woke during the window, may still signal.
-    if _possible_signallers(live, [w for w in waiters if not w.is_main], proc):
+    if _possible_signallers(views, [w for w in waiters if not w.is_main], proc):
         return None
     waiters.sort(key=lambda t: (t.is_main, t.tid))   # the main thread is usually the one joining
     native = [t for t in waiters if t.kind is WaitKind.COND_WAIT]
