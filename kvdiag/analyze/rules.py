@@ -548,8 +548,10 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
 
 
 def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
-    if proc.progress is not None and proc.progress.advanced:
-        return None
+    if proc.progress is not None and (proc.progress.advanced or len(set(proc.progress.gil_holders)) > 1):
+        return None   # it did I/O, or the GIL changed hands during the window
+    if any(t.woke for t in views):
+        return None   # a thread that woke may be the holder we could not name
     waiters = [t for t in views if t.kind is WaitKind.GIL_WAIT]
     if waiters and not any(t.running for t in views):
         holder = _pick_holder(views)
