@@ -246,7 +246,9 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         view.timed = view.timed or th.wait_timeout_ms >= 0
     view.blocked_fds = list(th.blocked_fds)
     op = _futex_op(th.syscall) if nr is not None and nr in sysnames["futex"] else None
-    view.shared_futex = op is not None and not op & _FUTEX_PRIVATE_FLAG
+    # multiprocessing's Lock/Semaphore/Event/Condition live in shared memory: another process posts them.
+    view.shared_futex = (op is not None and not op & _FUTEX_PRIVATE_FLAG) or any(
+        f.kind == "python" and (f.file or "").endswith("multiprocessing/synchronize.py") for f in frames_all[:40])
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:

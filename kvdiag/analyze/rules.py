@@ -380,8 +380,11 @@ def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView],
     out = [t for t in views if t.tid not in skip and (
         t.running or t.woke or (t.timed and t.kind is not WaitKind.GIL_WAIT) or t.shared_futex
         or t.kind in moving or (t.kind is WaitKind.UNKNOWN and not t.idle_by_design))]
-    out += [t for t in views if handler and t.is_main and t not in out and t.kind in (
-        WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT) and any(f.kind == "python" for f in t.frames)]
+    # Without /proc the handlers are unknown: a main thread waiting on an Event/Condition (not a join)
+    # may be waiting for one.
+    unknown = proc is None or proc.signals_caught is None
+    out += [t for t in views if t.is_main and t not in out and t.kind in (WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT)
+            and any(f.kind == "python" for f in t.frames) and (handler or (unknown and t.py_wait == "py_cond"))]
     return out
 
 
