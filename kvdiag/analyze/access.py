@@ -44,12 +44,19 @@ def partial_evidence(proc: ProcessEvidence) -> str:
     """One line of what /proc shows without ptrace, labelled partial."""
     parts = [f"state {proc.state.value}"]
     if proc.threads:
-        parts.append(f"{len(proc.threads)} thread{'s' if len(proc.threads) != 1 else ''}")
+        states = Counter(t.state.value for t in proc.threads)
+        parts.append(f"{len(proc.threads)} thread{'s' if len(proc.threads) != 1 else ''} ("
+                     + ", ".join(f"{n} {st}" for st, n in states.most_common()) + ")")
         wchans = Counter(t.wchan for t in proc.threads if t.wchan)
         if wchans:
             parts.append("wchan " + ", ".join(f"{w} x{n}" if n > 1 else w for w, n in wchans.most_common(4)))
     if proc.cpu_percent is not None:
         parts.append(f"CPU {proc.cpu_percent:g}% over the sampling window")
+    p = proc.progress
+    if p is not None and p.window_s:
+        grew = sum(p.log_growth.values())
+        parts.append(f"over {p.window_s:g}s: {p.cpu_ticks} CPU ticks" + (f", log grew {grew} bytes" if p.log_growth
+                                                                          else ""))
     return f"partial evidence for pid {proc.pid} (/proc only, not judged): " + "; ".join(parts)
 
 

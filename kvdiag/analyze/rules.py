@@ -15,6 +15,7 @@ from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import evidence_outcome, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -759,7 +760,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
                 "its log ends with a crash"
             return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH if exited_badly else
                                 Confidence.MEDIUM, summary=f"{name}: {what}: {line.strip()[:200]}".rstrip(": ")))
-        stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or 5.0)
+        stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or STALL_WINDOW_S)
         if stall is not None:
             if hang is not None:
                 return done(Verdict(kind=VerdictKind.DECODE_STALL, confidence=hang.confidence,

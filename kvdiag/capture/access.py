@@ -23,6 +23,7 @@ import signal
 
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.model import PtraceAccess, TargetAccess
+from kvdiag.proc import read_stat
 
 PF_KTHREAD = 0x00200000          # task flag of kernel threads (/proc/PID/stat field 9)
 KTHREADD_COMM = "kthreadd"
@@ -102,20 +103,13 @@ def _exit_status(fields: list[str]) -> str | None:
 
 
 def _is_ancestor(ancestor: int, pid: int) -> bool:
-    cur = pid
+    st = read_stat(pid)
     for _ in range(4096):
-        fields = _stat_fields(cur)
-        if not fields or len(fields) < 2:
+        if st is None or st.ppid <= 0:
             return False
-        try:
-            ppid = int(fields[1])
-        except ValueError:
-            return False
-        if ppid == ancestor:
+        if st.ppid == ancestor:
             return True
-        if ppid <= 1:
-            return False
-        cur = ppid
+        st = read_stat(st.ppid)
     return False
 
 

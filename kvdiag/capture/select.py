@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvdiag.capture.discover import _title, classify_title
 from kvdiag.model import ProcessRole
-from kvdiag.proc import process_tree
+from kvdiag.proc import process_tree, read_stat
 
 # More processes than a vLLM tree has (API server, EngineCore per DP rank, a worker per TP rank,
 # resource tracker) even at 8 GPUs; a tree this big is a session or a host.
@@ -38,18 +38,10 @@ def _uid(pid: int) -> int | None:
 
 def _ancestors(pid: int) -> list[int]:
     out: list[int] = []
-    cur = pid
-    for _ in range(4096):
-        try:
-            with open(f"/proc/{cur}/stat", "rb") as fh:
-                data = fh.read()
-            ppid = int(data[data.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-        if ppid <= 0:
-            break
-        out.append(ppid)
-        cur = ppid
+    st = read_stat(pid)
+    while st is not None and st.ppid > 0 and len(out) < 4096:
+        out.append(st.ppid)
+        st = read_stat(st.ppid)
     return out
 
 

@@ -162,6 +162,41 @@ def test_another_users_hang_is_no_access_and_the_permitted_capture_is_unchanged(
         assert _outcome(tmp_path / "permitted")[:2] == ("gil_cycle", 10)
 
 
+def test_the_fixes_it_prints_work_on_another_users_hang(other_user: pwd.struct_passwd, shared_out: Path,
+                                                        tmp_path: Path) -> None:
+    """The hang owned by the ordinary user: root (sudo, the printed fix) and the owner itself (the other
+    printed fix) may read it, and see the GIL cycle; the tree of one user is not refused as foreign."""
+    probe = _kvdiag_as(other_user, "--version")
+    if probe.returncode != 0:
+        pytest.skip(f"kvdiag does not run under {SYSTEM_PYTHON} as another user: {probe.stderr[-300:]}")
+    build = shared_out / "build"
+    build.mkdir()
+    build.chmod(0o777)
+    env = {"PATH": "/usr/bin:/bin", "HOME": "/tmp", "PYTHONDONTWRITEBYTECODE": "1",
+           "KVDIAG_HANGER_BUILD_DIR": str(build)}
+    hanger = subprocess.Popen(
+        ["setpriv", f"--reuid={other_user.pw_uid}", f"--regid={other_user.pw_gid}", "--clear-groups",
+         "--inh-caps=-all", str(SYSTEM_PYTHON), str(HANGERS / "gil_cycle.py"), "--python-waiter", "--bound", "150",
+         "--build-dir", str(build)],
+        cwd=HANGERS, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        assert hanger.stdout is not None
+        line = hanger.stdout.readline()
+        assert "READY" in line, line + hanger.stdout.read()[-2000:] if hanger.poll() is not None else line
+        hk.settle(hanger.pid)
+        assert os.stat(f"/proc/{hanger.pid}").st_uid == other_user.pw_uid
+        as_root = run_kvdiag("capture", "--pid", str(hanger.pid), "--out", str(tmp_path / "root"))
+        assert as_root.returncode == 10, as_root.stdout + as_root.stderr
+        assert _outcome(tmp_path / "root")[:2] == ("gil_cycle", 10)
+        out = shared_out / "owner"
+        as_owner = _kvdiag_as(other_user, "capture", "--pid", str(hanger.pid), "--out", str(out))
+        assert as_owner.returncode == 10, as_owner.stdout + as_owner.stderr
+        assert _outcome(out)[:2] == ("gil_cycle", 10)
+    finally:
+        os.killpg(hanger.pid, signal.SIGKILL)
+        hanger.wait(timeout=10)
+
+
 # ---------------------------------------------------------------- outcomes that are not health
 
 
