@@ -81,15 +81,21 @@ def _make(native: Any, kind: str, **kw: Any) -> Any:
 Sample = tuple[float, dict[str, int]]  # (rate per second, the allocator's counters)
 
 
-def single_thread(native: Any, kind: str, pairs: int) -> Sample:
+def single_thread(native: Any, kind: str, seconds: float) -> Sample:
     """alloc_page + free_page pairs per second from one Python thread (prealloc on, reserve warm)."""
     a = _make(native, kind)
     a.start_prealloc_thread()
     a.wait_prealloc_idle(10.0)
     alloc, free = a.alloc_page, a.free_page
+    pairs = 0
     t0 = time.perf_counter()
-    for _ in range(pairs):
-        free(alloc())
+    stop = t0 + seconds
+    # Time-based like the other rows: long enough to span many scheduler slices on a shared
+    # machine; the clock is read once per 1,000 pairs.
+    while time.perf_counter() < stop:
+        for _ in range(1000):
+            free(alloc())
+        pairs += 1000
     dt = time.perf_counter() - t0
     a.stop_prealloc_thread()
     c = a.counters()
@@ -292,11 +298,10 @@ def main() -> int:
     say("")
     say(f"{'measure':<44}{'stock':>14}{'fixed':>14}{'fixed/stock':>13}  {'spread':<11}{'cpu/op':>7}")
 
-    pairs = 50_000 if q else 300_000
     secs = 0.4 if q else 1.0
-    ops = 300_000 if q else 1_500_000
+    ops = 600_000 if q else 3_000_000
     rows: list[tuple[Row, Callable[[str], Sample]]] = [
-        (Row("single_ratio", "1 Python thread, alloc+free pairs"), lambda k: single_thread(native, k, pairs)),
+        (Row("single_ratio", "1 Python thread, alloc+free pairs"), lambda k: single_thread(native, k, secs)),
         (Row("contended_ratio", "8 Python threads, alloc+free pairs"), lambda k: python_contended(native, k, secs)),
         (Row("native_pairs_ratio", "8 native threads, alloc+free pairs"), lambda k: native_contended(native, k, ops)),
         (Row("native_random_ratio", "8 native threads, randomized ops"),

@@ -198,8 +198,7 @@ page_id_t PageAllocator::try_alloc_fast() {
 }
 
 __attribute__((noinline)) page_id_t PageAllocator::alloc_page() {
-  Lock lk;
-  lock_hot(lk);
+  Lock lk(mu_);
   if (!reserved_.empty()) {
     bool notify = false;
     const page_id_t page_id = take_reserved_locked(&notify);
@@ -385,8 +384,7 @@ bool PageAllocator::try_free_fast(page_id_t page_id) {
 void PageAllocator::free_page(page_id_t page_id) {
   bool had_waiters;
   {
-    Lock lk;
-    lock_hot(lk);
+    Lock lk(mu_);
     check_allocated_locked(page_id);
     in_use_[static_cast<size_t>(page_id)] = 0;
     num_free_.store(num_free_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);

@@ -89,14 +89,12 @@ class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
   struct SyncMap;  // one caller's page waiting in a combined synchronous map
   using Lock = std::unique_lock<std::mutex>;
 
-  // mu_ is held for O(1) work only, so a thread that finds it taken retries try_lock for a
-  // bounded spin (kSpinTries pauses, about a microsecond) before it sleeps in lock() or, on the
-  // GIL-holding fast paths, gives up and takes the GIL-releasing slow path.
+  // The GIL-holding fast paths retry try_lock for a bounded spin (kSpinTries pauses, about a
+  // microsecond: mu_ is held for O(1) work) before they give up and take the GIL-releasing slow
+  // path, which costs far more. Native callers just lock(): with threads on several cores a
+  // try_lock spin steals mu_'s cache line from the holder and slows every handoff.
   static constexpr int kSpinTries = 32;
   bool spin_try_lock(Lock& lk);
-  void lock_hot(Lock& lk) {
-    if (!spin_try_lock(lk)) lk = Lock(mu_);
-  }
 
   void prealloc_worker(uint64_t gen);
   MapOutcome map_pages(const std::vector<page_id_t>& page_ids, Clock::time_point deadline);
