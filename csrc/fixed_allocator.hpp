@@ -6,7 +6,8 @@
 //            an unmap, mem_get_info, a device-lock probe or wait, a sleep, or a Python callback;
 //            callers wake the worker after releasing it. ctl_mu_ serialises start/stop of the
 //            worker. The backend's device VMM lock is taken inside map/unmap with mu_ released.
-//            Lock order: ctl_mu_ -> mu_ (the device lock is never taken with mu_ held).
+//            Lock order: ctl_mu_ -> mu_ (the device lock is never taken with mu_ held). mu_ is a
+//            glibc adaptive mutex (a short spin before sleeping: its critical sections are tiny).
 //   GIL:     the bindings release the GIL around every call that can block (alloc_page slow path,
 //            free with unmap, resize, trim, start/stop, trigger, wait_prealloc_idle,
 //            get_avail_physical_pages). Fast paths run with the GIL held but only try_lock mu_
@@ -16,7 +17,7 @@
 //            calls its callable once on the caller's thread. The only Python the allocator ever
 //            runs is a broadcast map/unmap callback the user installed for worker IPC, called
 //            with no allocator lock held from the mapping thread (worker or caller); the bridge
-//            takes the GIL itself, and no caller waits for it beyond map_timeout_ms.
+//            takes the GIL itself, and no other thread waits for it beyond map_timeout_ms.
 //   Waits:   alloc_page waits on pages_cv_ (pages in flight) and sync_cv_ (its page in a combined
 //            map) in slices of wait_timeout_ms, for at most map_timeout_ms in total, then raises
 //            AllocatorTimeout. Backend maps/unmaps are bounded by map_timeout_ms (device lock +
