@@ -45,6 +45,12 @@ class VerdictKind(str, Enum):
     # nothing it does can be judged; capture left it as found.
     STOPPED = "stopped"
     TRACED = "traced"
+    # No evidence is not health (issue 21): outcomes that say why nothing could be judged.
+    NO_ACCESS = "no_access"            # ptrace / /proc/PID/mem refused: the fix is named (exit 3)
+    EXITED = "exited"                  # the target exited before or during capture (exit 5)
+    ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 5)
+    NOT_PYTHON = "not_python"          # no Python interpreter in the target (exit 5)
+    KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 5)
 
     @property
     def is_hang(self) -> bool:
@@ -57,6 +63,13 @@ _HANG_KINDS = frozenset({
 })
 # Outcomes about the target's state rather than its health: their own exit code, never 10.
 TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
+
+
+# Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
+NO_EVIDENCE_KINDS = frozenset({
+    VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
+    VerdictKind.KERNEL_THREAD,
+})
 
 
 class Confidence(str, Enum):
@@ -187,6 +200,24 @@ class ThreadEvidence(_Model):
     gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
 
 
+class TargetAccess(_Model):
+    """What the preflight (kvdiag.capture.access) found about reading one process, before attaching."""
+
+    uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
+    our_uid: int | None = None
+    ptrace_ok: bool = True           # /proc/PID/mem opened: ptrace-based tools may attach and read
+    refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
+    fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
+    kernel_thread: bool = False
+    zombie: bool = False
+    exit_status: str | None = None   # "exit code 3", "killed by SIGKILL" when known (zombie)
+    python: bool | None = None       # a Python interpreter is in the process; None: could not tell
+    ptrace_scope: int | None = None  # /proc/sys/kernel/yama/ptrace_scope (None: no Yama)
+    cap_sys_ptrace: bool = False     # CAP_SYS_PTRACE in kvdiag's effective capabilities
+    container: str | None = None     # "docker", "podman", "kubernetes", ... when kvdiag runs in one
+    seccomp: int | None = None       # kvdiag's own seccomp mode (0 none, 1 strict, 2 filter)
+
+
 class ProcessEvidence(_Model):
     pid: int
     ppid: int | None = None
@@ -204,9 +235,11 @@ class ProcessEvidence(_Model):
     threads: list[ThreadEvidence] = Field(default_factory=list)
     tools: list[ToolRun] = Field(default_factory=list)
     gil_futex_range: tuple[int, int] | None = None   # [start, end) address of the GIL struct
+    access: TargetAccess | None = None   # the preflight's findings; None: captured without one
     tracer_pid: int | None = None    # TracerPid when another debugger holds the process
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
+    signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
 
 
 class BannerInfo(_Model):
@@ -442,14 +475,18 @@ class KnownDefect(_Model):
     url: str | None = None
     match: Literal["signature", "pattern"] = "pattern"
 
-    def line(self) -> str:
-        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
-        text = f"known: {self.id} ({self.title})"
+    def text(self) -> str:
+        """``kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        text = f"{self.id} ({self.title})"
         if self.fixed_by:
             text += f"; fixed by {self.fixed_by}"
         if self.fixed_in:
             text += f", first in {self.fixed_in}"
         return text
+
+    def line(self) -> str:
+        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        return f"known: {self.text()}"
 
 
 class Bundle(_Model):
@@ -500,6 +537,9 @@ class Verdict(_Model):
     # known upstream defect it matches.
     signature: str | None = None
     known: KnownDefect | None = None
+    # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
+    # evidence only, never timing noise (issue 17 item 6).
+    confidence_reasons: list[str] = Field(default_factory=list)
 
 
 class ABSide(_Model):

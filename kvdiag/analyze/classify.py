@@ -70,6 +70,7 @@ class ThreadView:
     wait_forever: bool = False         # poll/epoll/select with no timeout
     blocked_fds: list[FdInfo] = field(default_factory=list)
     asyncio_loop: bool = False         # the thread runs an asyncio event loop (its frames say so)
+    shared_futex: bool = False         # a futex wait without FUTEX_PRIVATE_FLAG: another process may wake it
 
     @property
     def label(self) -> str:
@@ -81,7 +82,10 @@ def _arch_syscalls(machine: str | None) -> dict[str, frozenset[int]]:
 
 
 def _kind_from_frames(segment: list[Frame]) -> tuple[WaitKind | None, str | None]:
-    """Innermost frame that says what the thread waits in."""
+    """Innermost frame that says what the thread waits in (a condvar wait inside take_gil is a GIL wait)."""
+    gil = _gil_frames(segment)
+    if gil is not None:
+        return WaitKind.GIL_WAIT, gil
     for f in segment:
         name = f.name
         if v.matches(name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
@@ -137,6 +141,9 @@ def _idle_by_design(th: ThreadEvidence, frames_all: list[Frame]) -> bool:
         text = f"{f.name} {f.file or ''}"
         if any(s in text for s in v.IDLE_FRAME_SUBSTR):
             return True
+        if f.kind == "python" and f.file and (tuple(f.file.rsplit("/", 2)[-2:]), f.name.rsplit(".", 1)[-1]) in \
+                v.IDLE_PY_FRAMES:
+            return True
     return False
 
 
@@ -180,7 +187,11 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     # What it is blocked in: frames (every tool's innermost segment), then the kernel.
     kind: WaitKind | None = None
     wait_frame: str | None = None
-    for seg in segments:
+    # The tools read the thread at different instants. When the best stack has native frames and
+    # shows no wait, the thread was executing then; another tool's older wait does not count.
+    executing = any(f.kind == "native" for f in frames) and _kind_from_frames(segments[0] if segments else [])[0] \
+        is None
+    for seg in segments[:1] if executing else segments:
         kind, wait_frame = _kind_from_frames(seg)
         if kind is not None:
             break
@@ -217,6 +228,9 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         wait_frame = gil_frame or wait_frame
     running = (th.cpu_ticks_delta is not None and th.cpu_ticks_delta >= RUNNING_TICKS) or (
         th.cpu_ticks_delta is None and th.state is ThreadState.RUNNING) or kind is WaitKind.RUNNING
+    if th.cpu_ticks_delta is None and th.state is ThreadState.UNKNOWN and executing and view.holds_gil and \
+            kind is None:
+        running = True   # no /proc: holding the GIL outside any wait is executing Python
     view.running = running and not view.stopped
     if view.running:
         kind = WaitKind.RUNNING
@@ -231,6 +245,10 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         view.wait_forever = th.wait_timeout_ms < 0
         view.timed = view.timed or th.wait_timeout_ms >= 0
     view.blocked_fds = list(th.blocked_fds)
+    op = _futex_op(th.syscall) if nr is not None and nr in sysnames["futex"] else None
+    # multiprocessing's Lock/Semaphore/Event/Condition live in shared memory: another process posts them.
+    view.shared_futex = (op is not None and not op & _FUTEX_PRIVATE_FLAG) or any(
+        f.kind == "python" and (f.file or "").endswith("multiprocessing/synchronize.py") for f in frames_all[:40])
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:
@@ -256,6 +274,17 @@ def _is_timed(th: ThreadEvidence, segments: list[list[Frame]], kind: WaitKind | 
     if kind in (WaitKind.GIL_WAIT, WaitKind.EVENT_WAIT, WaitKind.SLEEP):
         return False
     return any(m in f.name for seg in segments for f in seg[:8] for m in _TIMED_MARKERS)
+
+
+_FUTEX_PRIVATE_FLAG = 128
+
+
+def _futex_op(raw: str | None) -> int | None:
+    parts = (raw or "").split()
+    try:
+        return int(parts[2], 16) if len(parts) > 2 else None
+    except ValueError:
+        return None
 
 
 def _futex_cmd(raw: str | None) -> int | None:

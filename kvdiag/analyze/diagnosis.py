@@ -14,14 +14,31 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvdiag.analyze.health import engine_health
 from kvdiag.errors import ExitCode
-from kvdiag.model import TARGET_STATE_KINDS, ABComparison, ABSide, Bundle, Confidence, Diagnosis, Verdict, VerdictKind
+from kvdiag.model import (
+    NO_EVIDENCE_KINDS,
+    TARGET_STATE_KINDS,
+    ABComparison,
+    ABSide,
+    Bundle,
+    Confidence,
+    Diagnosis,
+    EngineRecord,
+    Verdict,
+    VerdictKind,
+)
 
 AB_SIDES = ("stock", "fixed")
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 stopped/traced target, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access, 5 nothing to judge (a
+    stopped/traced target, or one that exited, is a zombie, runs no Python or is a kernel thread), 0 otherwise."""
+    if verdict.kind is VerdictKind.NO_ACCESS:
+        return ExitCode.NO_ACCESS
+    if verdict.kind in NO_EVIDENCE_KINDS:
+        return ExitCode.NOT_DIAGNOSABLE
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         return ExitCode.ENGINE_FAILED
     if verdict.kind in TARGET_STATE_KINDS:
@@ -64,8 +81,12 @@ def _side(label: str, rel: str, sub: Bundle) -> ABSide:
     diag = sub.diagnosis if sub.diagnosis is not None else diagnose(sub)
     return ABSide(verdict=diag.verdict.kind, summary=diag.verdict.summary, exit_code=diag.exit_code, bundle=rel,
                   report=f"{label}/report.html",
-                  engines={e.name: {"phase": e.phase.value, "healthy": e.healthy, "startup_s": e.startup_s}
-                           for e in sub.engines})
+                  engines={e.name: _engine_line(e, diag.verdicts_by_engine.get(e.name)) for e in sub.engines})
+
+
+def _engine_line(e: EngineRecord, verdict: Verdict | None) -> dict[str, object]:
+    health = engine_health(e, verdict)
+    return {"phase": e.phase.value, "healthy": health.healthy, "health": health.line, "startup_s": e.startup_s}
 
 
 def _diagnose_ab(bundle: Bundle, runs: Mapping[str, Bundle]) -> Diagnosis:

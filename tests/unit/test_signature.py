@@ -33,9 +33,11 @@ def seed_bundle() -> Bundle:
     return Bundle(processes=[proc])
 
 
-@pytest.mark.parametrize("name", ["gil_cycle_stripped", "gil_cycle_no_pystack"])
-def test_same_hang_same_signature_whatever_the_tools_or_symbols(name: str) -> None:
-    ref, _ = _verdict("gil_cycle")
+@pytest.mark.parametrize(("ref_name", "name"), [("gil_cycle", "gil_cycle_stripped"),
+                                                 ("gil_cycle", "gil_cycle_no_pystack"),
+                                                 ("lock_inversion", "lock_inversion_no_pystack")])
+def test_same_hang_same_signature_whatever_the_tools_or_symbols(ref_name: str, name: str) -> None:
+    ref, _ = _verdict(ref_name)
     other, _ = _verdict(name)
     assert ref.signature is not None and ref.signature == other.signature
     assert ref.evidence[0].pid != other.evidence[0].pid   # different captures, different pids
@@ -116,3 +118,11 @@ def test_alloc_page_holding_the_gil_while_blocked_is_the_gil_half_of_371() -> No
     sign(v)
     assert v.signature is not None and v.signature.startswith("gil_held_blocked-")
     assert v.known is not None and v.known.id == "kvcached#371" and "GIL half" in v.known.title
+
+
+def test_soak_stall_with_the_seed_cycle_is_reproduction_b_of_371() -> None:
+    verdict, bundle = _verdict("soak_gil_cycle")
+    assert verdict.kind is VerdictKind.DECODE_STALL
+    assert signature_groups(verdict, bundle) == [("PageAllocator::alloc_page",),
+                                                 ("PageAllocator::map_pages", "PageAllocator::prealloc_worker")]
+    assert verdict.known is not None and verdict.known.id == "kvcached#371" and "reproduction B" in verdict.known.title
