@@ -38,6 +38,7 @@ class VerdictKind(str, Enum):
     CRASH = "crash"
     OOM = "oom"
     UNKNOWN = "unknown"
+    NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
 
     @property
     def is_hang(self) -> bool:
@@ -228,6 +229,31 @@ class SoakStats(_Model):
     itl_p99_s: float | None = None
     stalled: bool = False
     stall_after_s: float | None = None
+    # The load phase: duration_s is the time actually loaded; then requests in flight got up to
+    # drain_grace_s to finish (drain_s it took; drain_cut still in flight at its end, cancelled).
+    requested_duration_s: float | None = None
+    drain_s: float | None = None
+    drain_grace_s: float | None = None
+    drain_in_flight: int | None = None
+    drain_cut: int | None = None
+    # /metrics scrapes (own thread and timer): count, failures, longest time between two snapshots.
+    metrics_period_s: float | None = None
+    metrics_scrapes: int | None = None
+    metrics_failures: int | None = None
+    metrics_longest_gap_s: float | None = None
+    # Saturation: did the KV pool get near full, and if not, which side held the load back.
+    saturated: bool | None = None            # None: no KV usage gauge to judge from
+    kv_usage_peak: float | None = None
+    streams_requested: int | None = None
+    streams_in_flight_mean: float | None = None   # client side
+    server_running_peak: float | None = None
+    server_running_mean: float | None = None
+    server_waiting_peak: float | None = None
+    client_cpu: float | None = None          # kvdiag's load loop, share of one core
+    server_cpu: float | None = None          # the server's processes, cores
+    machine_cpu_busy: float | None = None    # all CPUs, 0..1
+    bottleneck: str | None = None            # "client", "server", "load" (only when not saturated)
+    saturation_note: str | None = None
 
 
 class Finding(_Model):
@@ -258,6 +284,7 @@ class Bundle(_Model):
     findings: list[Finding] = Field(default_factory=list)
     stall_detected: bool = False     # the watcher saw no progress for the stall window
     interrupted: bool = False
+    stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds (capture, analysis)
 
 
 class EvidenceItem(_Model):
@@ -299,3 +326,4 @@ class Report(_Model):
     scenario: str | None = None      # scenario name or path the run used
     stall_window_s: float | None = None
     interrupted: bool = False        # the run was cut short; the report holds what it got
+    stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds

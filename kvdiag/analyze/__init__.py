@@ -10,6 +10,7 @@ from __future__ import annotations
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.errors import ExitCode
 from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
@@ -66,7 +67,9 @@ def analyze(bundle: Bundle) -> Verdict:
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 soak not saturated, 0 otherwise."""
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         return 4
+    if verdict.kind is VerdictKind.NOT_SATURATED:
+        return ExitCode.NOT_SATURATED
     return 10 if verdict.kind.is_hang else 0

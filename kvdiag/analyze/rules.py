@@ -33,7 +33,7 @@ from kvdiag.watch.banner import assess_risk
 SEVERITY: tuple[VerdictKind, ...] = (
     VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
     VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
-    VerdictKind.UNKNOWN, VerdictKind.SLOW_START, VerdictKind.HEALTHY,
+    VerdictKind.UNKNOWN, VerdictKind.SLOW_START, VerdictKind.NOT_SATURATED, VerdictKind.HEALTHY,
 )
 KV_NEAR_FULL = 0.9
 _OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|\bOOM\b|oom[-_ ]kill|"

@@ -38,7 +38,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 KIND_CLASS = {
     "healthy": "ok", "slow_start": "warn", "crash": "fail", "oom": "fail", "unknown": "unk",
     "gil_cycle": "bad", "lock_order_inversion": "bad", "lost_wakeup": "bad", "blocked_ipc_read": "bad",
-    "decode_stall": "bad",
+    "decode_stall": "bad", "not_saturated": "warn",
 }
 
 

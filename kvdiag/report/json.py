@@ -97,6 +97,7 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         scenario=bundle.scenario_path,
         stall_window_s=bundle.stall_window_s,
         interrupted=bundle.interrupted,
+        stall_to_verdict_s=bundle.stall_to_verdict_s,
     )
     return redact_obj(report)
 
