@@ -9,7 +9,7 @@ class ExitCode:
     USAGE = 2
     TOOL_MISSING = 3
     ENGINE_FAILED = 4
-    NOT_SATURATED = 5   # soak: no hang, but the KV pool never got near full: inconclusive
+    NOT_SATURATED = 6   # soak: no hang, but the KV pool never got near full: inconclusive
     DEADLOCK = 10
     INTERRUPTED = 130
 

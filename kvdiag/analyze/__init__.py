@@ -67,7 +67,7 @@ def analyze(bundle: Bundle) -> Verdict:
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 soak not saturated, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 6 soak not saturated, 0 otherwise."""
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         return 4
     if verdict.kind is VerdictKind.NOT_SATURATED:

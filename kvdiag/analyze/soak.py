@@ -1,7 +1,7 @@
 """Run-level judgements of a soak's load phase, pure over the bundle's facts.
 
 - :func:`saturation_verdict`: a soak without a hang whose KV pool never got near full tested
-  nothing: the verdict becomes ``not_saturated`` (exit 5), naming the peak KV usage, the
+  nothing: the verdict becomes ``not_saturated`` (exit 6), naming the peak KV usage, the
   streams and the bottleneck the soak measured (``SoakStats.saturation_note``);
 - :func:`stall_to_verdict_s`: seconds from the run's "stall detected" event to its verdict.
 """

@@ -41,7 +41,7 @@ def soak(
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/soak-<timestamp>)."),
 ) -> int:
     """Saturate one engine with streaming requests; exit 0 if tokens keep flowing with the KV cache near full,
-    10 if decode stalls, 5 if nothing stalled but the KV cache never got near full (inconclusive)."""
+    10 if decode stalls, 6 if nothing stalled but the KV cache never got near full (inconclusive)."""
     from kvdiag.runner import prepare_out_dir
     from kvdiag.soak.session import SoakOptions, SoakRun
 

@@ -69,7 +69,7 @@ def test_not_saturated_verdict_and_exit_code() -> None:
     v = saturation_verdict(healthy, soak)
     assert v.kind is VerdictKind.NOT_SATURATED and not v.kind.is_hang
     assert v.summary == "hybrid: inconclusive: no stall, but not saturated: KV cache peaked at 46% (< 90%)"
-    assert exit_code_for(v) == ExitCode.NOT_SATURATED == 5
+    assert exit_code_for(v) == ExitCode.NOT_SATURATED == 6
     # a saturated, unknown or stalled soak, or a verdict that is not healthy, is left alone
     assert saturation_verdict(healthy, SoakStats(saturated=True)) is healthy
     assert saturation_verdict(healthy, SoakStats(saturated=None)) is healthy
