@@ -509,7 +509,8 @@ class SoakRun:
                      f"; drain {sm.drain_s:.1f}s: {(sm.drain_in_flight or 0) - (sm.drain_cut or 0)} of "
                      f"{sm.drain_in_flight} in-flight request(s) finished, {sm.drain_cut} cancelled")
             self.event("soak load stopped", f"loaded {sm.duration_s:.1f}s of {opts.duration_s:g}s{drain}; "
-                       f"{sm.tokens} tokens, {sm.requests_ok} requests ok", engine=s.name)
+                       f"{sm.tokens} tokens, {sm.requests_ok} requests ok", engine=s.name,
+                       at=lg.drain_ended_at or lg.load_ended_at)
         if lg.failed or lg.timed_out:
             self.findings.append(Finding(kind="requests_failed", engine=s.name, message=(
                 f"{lg.failed} request(s) failed and {lg.timed_out} timed out; first error: {lg.first_error}")))
