@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from kvdiag.errors import BundleError
 from kvdiag.model import SCHEMA_VERSION, Bundle
+from kvdiag.redact import redact_bundle
 
 BUNDLE_FILE = "bundle.json"
 
@@ -29,8 +30,15 @@ def atomic_write_text(path: Path, text: str) -> None:
 
 
 def save_bundle(bundle: Bundle, bundle_dir: Path) -> Path:
+    """Write bundle_dir/bundle.json, redacted (the one place the bundle enters the folder).
+
+    The caller's ``bundle.redaction`` is updated to the summary written, so the
+    reports built from it show the same counts.
+    """
     path = bundle_dir / BUNDLE_FILE
-    atomic_write_text(path, bundle.model_dump_json(indent=2))
+    safe = redact_bundle(bundle)
+    bundle.redaction = safe.redaction.model_copy(deep=True)
+    atomic_write_text(path, safe.model_dump_json(indent=2))
     return path
 
 

@@ -9,6 +9,7 @@ class ExitCode:
     USAGE = 2
     TOOL_MISSING = 3
     ENGINE_FAILED = 4
+    TARGET_STOPPED = 5      # the target was stopped or traced by someone else: nothing to judge
     NOT_SATURATED = 6   # soak: no hang, but the KV pool never got near full: inconclusive
     DEADLOCK = 10
     INTERRUPTED = 130

@@ -38,6 +38,13 @@ class VerdictKind(str, Enum):
     CRASH = "crash"
     OOM = "oom"
     UNKNOWN = "unknown"
+    # A thread holds the GIL while blocked in native code (sleep, read, wait) and Python threads
+    # queue behind it: the process stalls for as long as that call lasts (no cycle needed).
+    GIL_HELD_BLOCKED = "gil_held_blocked"
+    # The target was stopped (SIGSTOP, job control) or is held by another tracer when captured:
+    # nothing it does can be judged; capture left it as found.
+    STOPPED = "stopped"
+    TRACED = "traced"
     NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
 
     @property
@@ -47,8 +54,10 @@ class VerdictKind(str, Enum):
 
 _HANG_KINDS = frozenset({
     VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
-    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN,
+    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN, VerdictKind.GIL_HELD_BLOCKED,
 })
+# Outcomes about the target's state rather than its health: their own exit code, never 10.
+TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
 
 
 class Confidence(str, Enum):
@@ -114,6 +123,46 @@ class ToolRun(_Model):
     error: str | None = None         # one line: "gdb not installed", "timed out after 10s", ...
     raw_path: str | None = None      # raw output file, relative to the bundle folder
     command: list[str] = Field(default_factory=list)
+    redactions: dict[str, int] = Field(default_factory=dict)   # secrets removed from what it read, per kind
+
+
+class RedactionSummary(_Model):
+    """What the redactor removed before anything was written: kinds and counts, never values."""
+
+    total: int = 0
+    by_kind: dict[str, int] = Field(default_factory=dict)      # "secret_flag", "github", "url_userinfo", ...
+    files: dict[str, dict[str, int]] = Field(default_factory=dict)  # bundle-relative path -> kind -> count
+
+
+class FdInfo(_Model):
+    """One open file descriptor of a target, as /proc and sock_diag describe it (read-only)."""
+
+    fd: int
+    kind: Literal["socket", "pipe", "file", "anon", "other"] = "other"
+    target: str = ""                 # readlink of /proc/PID/fd/N: "socket:[123]", "pipe:[9]", a path
+    inode: int | None = None
+    proto: str | None = None         # "unix", "tcp", "tcp6", "udp" for sockets
+    listening: bool = False          # a listening socket: waits for new clients, not for a peer
+    peer_inode: int | None = None
+    peer_pids: list[int] = Field(default_factory=list)   # other processes holding the other end
+    peer_comm: str | None = None
+    address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
+
+
+class ProgressSample(_Model):
+    """What changed in the target over a short window before any tool paused it."""
+
+    window_s: float = 0.0
+    cpu_ticks: int = 0               # all threads, utime+stime
+    io_delta: dict[str, int] = Field(default_factory=dict)     # /proc/PID/io: rchar, wchar, syscr, syscw
+    log_growth: dict[str, int] = Field(default_factory=dict)   # log file path -> bytes written in the window
+    gil_holders: list[int | None] = Field(default_factory=list)  # GIL holder TID at each sample (/proc mem)
+
+    @property
+    def advanced(self) -> bool:
+        """The process wrote to its log or did I/O during the window."""
+        return any(v > 0 for v in self.log_growth.values()) or any(
+            self.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw", "rchar", "syscr"))
 
 
 class ThreadEvidence(_Model):
@@ -131,6 +180,9 @@ class ThreadEvidence(_Model):
     utime_ticks: int | None = None
     stime_ticks: int | None = None
     cpu_ticks_delta: int | None = None  # over the capture's CPU sampling interval
+    ctx_switches_delta: int | None = None  # voluntary + involuntary switches over the same interval
+    wait_timeout_ms: int | None = None  # poll/epoll/select timeout argument; -1 waits forever
+    blocked_fds: list[FdInfo] = Field(default_factory=list)   # the fd(s) a read/poll is blocked on
     frames: list[Frame] = Field(default_factory=list)      # best merged stack, innermost first
     frames_by_tool: dict[str, list[Frame]] = Field(default_factory=dict)
     gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
@@ -153,6 +205,9 @@ class ProcessEvidence(_Model):
     threads: list[ThreadEvidence] = Field(default_factory=list)
     tools: list[ToolRun] = Field(default_factory=list)
     gil_futex_range: tuple[int, int] | None = None   # [start, end) address of the GIL struct
+    tracer_pid: int | None = None    # TracerPid when another debugger holds the process
+    progress: ProgressSample | None = None
+    log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
 
 
 class BannerInfo(_Model):
@@ -265,6 +320,159 @@ class Finding(_Model):
     engine: str | None = None
 
 
+class DefectStatus(str, Enum):
+    """Whether an installed kvcached build carries a known upstream defect."""
+
+    PRESENT = "present"
+    FIXED = "fixed"
+    NOT_APPLICABLE = "not_applicable"   # the code the defect lives in is not in this build
+    UNKNOWN = "unknown"
+
+
+class DefectCheck(_Model):
+    """One known upstream defect, judged from the installed files (not the version number)."""
+
+    defect: str                      # "gil_holding_alloc_page", "unbounded_ipc_read", "headroom_underflow"
+    title: str
+    status: DefectStatus = DefectStatus.UNKNOWN
+    upstream: str = ""               # "kvcached #371, fixed by PR #422"
+    evidence: list[str] = Field(default_factory=list)   # "csrc/torch_bindings.cpp: alloc_page bound without ..."
+
+
+class KvcachedBuild(_Model):
+    """Fingerprint of an installed (or given) kvcached tree."""
+
+    installed: bool = False
+    version: str | None = None       # what the package metadata says (not trusted for the defects)
+    location: str | None = None      # the package folder
+    git_commit: str | None = None    # from direct_url.json when pip installed it from git
+    allocator: Literal["cpp", "python", "unknown"] = "unknown"
+    sources: list[str] = Field(default_factory=list)    # what was read: "source", "binary", "python"
+    checks: list[DefectCheck] = Field(default_factory=list)
+    verdict: Literal["pre_fix", "fixed", "not_affected", "unknown", "absent"] = "absent"
+    summary: str = ""
+
+
+class GpuInfo(_Model):
+    index: int
+    name: str = ""
+    total_mb: int | None = None
+    free_mb: int | None = None
+
+
+class PtraceAccess(_Model):
+    """Can this user attach a tracer (py-spy, pystack, gdb) to its processes?"""
+
+    yama_ptrace_scope: int | None = None     # /proc/sys/kernel/yama/ptrace_scope; None = no Yama
+    cap_sys_ptrace: bool | None = None       # in the effective capability set
+    uid: int | None = None
+    container: str | None = None             # "docker", "kubernetes", "podman", "lxc", ... or None
+    seccomp: int | None = None               # Seccomp: 0 off, 1 strict, 2 filter
+    attach_children: bool | None = None      # a process this user started (capture of repro engines)
+    attach_any_same_uid: bool | None = None  # an unrelated process of the same user (capture --pid)
+    problem: str | None = None               # one line: why capture would be refused
+    fix: str | None = None                   # what to change
+
+
+class ShmSegment(_Model):
+    """A kvcached memory-info segment in /dev/shm (three int64: total, used, prealloc)."""
+
+    name: str
+    total_bytes: int | None = None
+    used_bytes: int | None = None
+    prealloc_bytes: int | None = None
+    pids: list[int] = Field(default_factory=list)    # processes that have it open or mapped
+
+
+class IpcSocket(_Model):
+    """A kvcached worker IPC socket (/tmp/kvcached-tp-*/w<rank>.sock) and the processes at each end."""
+
+    path: str
+    listener_pids: list[int] = Field(default_factory=list)
+    peer_pids: list[int] = Field(default_factory=list)   # connected clients (an in-flight map/unmap call)
+    stale: bool = False                                  # the file exists but nobody listens
+
+
+class KvcachedRuntime(_Model):
+    segments: list[ShmSegment] = Field(default_factory=list)
+    sockets: list[IpcSocket] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
+
+
+class EnvironmentRecord(_Model):
+    """The machine a bundle was captured on: what a bug report needs to be reproducible."""
+
+    os: str = ""
+    kernel: str = ""
+    machine: str = ""
+    python: str = ""
+    packages: dict[str, str | None] = Field(default_factory=dict)   # vllm, kvcached, torch, ... (None = absent)
+    cuda_driver: str | None = None
+    cuda_runtime: str | None = None
+    gpus: list[GpuInfo] = Field(default_factory=list)
+    gpu_note: str = ""               # "no GPU: ...", or how the GPUs were read
+    env: dict[str, str] = Field(default_factory=dict)    # KVCACHED_*/VLLM_*/... in effect (redacted)
+    cpus: int | None = None          # CPUs this process may run on
+    cpu_limit: float | None = None   # cgroup cpu.max quota in CPUs
+    memory_limit_mb: int | None = None
+    memory_total_mb: int | None = None
+    ptrace: PtraceAccess = Field(default_factory=PtraceAccess)
+    kvcached: KvcachedBuild = Field(default_factory=KvcachedBuild)
+    kvcached_runtime: KvcachedRuntime | None = None
+    errors: list[str] = Field(default_factory=list)      # what could not be read, one line each
+
+
+class RiskStatus(str, Enum):
+    RISK = "risk"
+    OK = "ok"
+    UNKNOWN = "unknown"
+    NOT_APPLICABLE = "n/a"
+
+
+class DoctorCheck(_Model):
+    """One known risk judged for one subject (the host, a GPU, a scenario engine, a log's banner)."""
+
+    check: str                       # "prealloc_pool", "colocation", "prefix_build", "headroom", "page_vs_block"
+    subject: str
+    status: RiskStatus
+    detail: str
+    fix: str | None = None
+    upstream: str | None = None      # "kvcached #371 (PR #422)"
+
+
+class DoctorReport(_Model):
+    """What `kvdiag doctor --json` prints."""
+
+    schema_version: str = SCHEMA_VERSION
+    kvdiag_version: str = ""
+    scenario: str | None = None
+    environment: EnvironmentRecord
+    checks: list[DoctorCheck] = Field(default_factory=list)
+    risky: bool = False
+    exit_code: int = 0
+
+
+class KnownDefect(_Model):
+    """A verdict matched to a known upstream defect."""
+
+    id: str                          # "kvcached#371"
+    title: str
+    fixed_by: str | None = None      # "PR #422 (666671b)"
+    fixed_in: str | None = None      # first release with the fix: "0.1.6"
+    workaround: str | None = None
+    url: str | None = None
+    match: Literal["signature", "pattern"] = "pattern"
+
+    def line(self) -> str:
+        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        text = f"known: {self.id} ({self.title})"
+        if self.fixed_by:
+            text += f"; fixed by {self.fixed_by}"
+        if self.fixed_in:
+            text += f", first in {self.fixed_in}"
+        return text
+
+
 class Bundle(_Model):
     """Everything one run captured. Written as bundle/bundle.json."""
 
@@ -284,6 +492,8 @@ class Bundle(_Model):
     findings: list[Finding] = Field(default_factory=list)
     stall_detected: bool = False     # the watcher saw no progress for the stall window
     interrupted: bool = False
+    environment: EnvironmentRecord | None = None   # the machine it ran on (kvdiag.environment)
+    redaction: RedactionSummary = Field(default_factory=RedactionSummary)
     stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds (capture, analysis)
 
 
@@ -303,6 +513,10 @@ class Verdict(_Model):
     engine: str | None = None
     cycle: list[str] = Field(default_factory=list)   # node labels of the wait-for cycle, in order
     findings: list[Finding] = Field(default_factory=list)
+    # A stable hash of the kind and the cited project frames (kvdiag.analyze.signature), and the
+    # known upstream defect it matches.
+    signature: str | None = None
+    known: KnownDefect | None = None
 
 
 class Report(_Model):
@@ -326,4 +540,6 @@ class Report(_Model):
     scenario: str | None = None      # scenario name or path the run used
     stall_window_s: float | None = None
     interrupted: bool = False        # the run was cut short; the report holds what it got
+    environment: EnvironmentRecord | None = None
+    redaction: RedactionSummary = Field(default_factory=RedactionSummary)
     stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds

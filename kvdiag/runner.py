@@ -21,8 +21,9 @@ from rich.console import Console
 
 from kvdiag import __version__
 from kvdiag.bundle_io import save_bundle
-from kvdiag.errors import ExitCode, Interrupted, KvdiagError
+from kvdiag.errors import ExitCode, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
+from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
@@ -51,8 +52,8 @@ def prepare_out_dir(out: Path | None, command: str) -> Path:
         probe.write_text("")
         probe.unlink()
     except OSError as exc:
-        raise KvdiagError(f"cannot write output folder {path}: {exc.strerror or exc}",
-                          hint="pass --out DIR pointing at a writable folder") from None
+        raise UsageError(f"cannot write output folder {path}: {exc.strerror or exc}",
+                         hint="pass --out DIR pointing at a writable folder") from None
     return path
 
 
@@ -62,8 +63,11 @@ def host_info() -> dict[str, str]:
 
 
 def new_bundle(command: str) -> Bundle:
+    from kvdiag.environment import collect_environment
+
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
-                  created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"))
+                  created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+                  environment=collect_environment())
 
 
 @dataclass
@@ -118,28 +122,24 @@ def _relativize(evidence: list[ProcessEvidence], bundle_dir: Path) -> None:
 
 
 def redact_tree(folder: Path) -> None:
-    """Rewrite every text file under ``folder`` with secrets redacted (raw tool outputs)."""
-    from kvdiag.report import redact_text
+    """Rewrite every text file under ``folder`` with secrets redacted (a safety net: capture already
+    writes its raw outputs redacted)."""
+    from kvdiag.redact import redact_tree as _redact_tree
 
-    for path in folder.rglob("*"):
-        if path.is_file():
-            try:
-                text = path.read_text(encoding="utf-8")
-            except (UnicodeDecodeError, OSError):
-                continue
-            red = redact_text(text)
-            if red != text:
-                path.write_text(red, encoding="utf-8")
+    _redact_tree(folder)
 
 
-def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path) -> None:
-    from kvdiag.report import redact_text
+def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | None = None) -> None:
+    """Copy the engines' raw logs into bundle/logs/, redacted; what was removed goes into the summary."""
+    from kvdiag.redact import Tally, copy_redacted, note_file
 
     logs_dir = bundle_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     for src in sorted(raw_log_dir.glob("*.log")):
-        text = src.read_text(encoding="utf-8", errors="replace")
-        (logs_dir / src.name).write_text(redact_text(text), encoding="utf-8")
+        tally = Tally()
+        copy_redacted(src, logs_dir / src.name, tally)
+        if bundle is not None:
+            note_file(bundle.redaction, f"logs/{src.name}", tally.as_dict())
 
 
 def analyze_bundle(bundle: Bundle) -> tuple[Verdict, dict[str, Verdict]]:
@@ -158,9 +158,7 @@ def finish(out_dir: Path, bundle: Bundle, command: str, ab: dict[str, object] | 
     if verdict is None:
         verdict, by_engine = analyze_bundle(bundle)
     code = exit_code if exit_code is not None else exit_code_for(verdict)
-    from kvdiag.report import redact_obj
-
-    save_bundle(redact_obj(bundle), out_dir / "bundle")
+    save_bundle(bundle, out_dir / "bundle")  # redacted there; bundle.redaction gets the summary
     paths = write_outputs(out_dir, bundle, verdict, command=command, exit_code=code,
                           verdicts_by_engine=by_engine or {}, ab=ab)
     return RunArtifacts(out_dir, bundle, verdict, by_engine or {}, code, paths)
@@ -179,9 +177,11 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     bundle.scenario_path = scenario_name
     bundle.stall_window_s = scenario.windows.stall_s
     bundle_dir = out_dir / "bundle"
-    from kvdiag.report import redact_text
+    from kvdiag.redact import Tally, note_file, write_redacted
 
-    (bundle_dir / "scenario.yaml").write_text(redact_text(scenario_text), encoding="utf-8")
+    tally = Tally()
+    write_redacted(bundle_dir / "scenario.yaml", scenario_text, tally)
+    note_file(bundle.redaction, "scenario.yaml", tally.as_dict())
     raw_log_dir = private_temp_path("kvdiag-logs-")  # created once the reaper knows it
     result: RunResult | None = None
     interrupted: KvdiagError | None = None
@@ -199,11 +199,11 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             procs.make_private_dir(raw_log_dir)  # raw logs are unredacted: never left behind
 
             def _final_logs() -> None:  # what engines printed until teardown, then no raw copy
-                _copy_logs_redacted(raw_log_dir, bundle_dir)
+                _copy_logs_redacted(raw_log_dir, bundle_dir, bundle)
                 shutil.rmtree(raw_log_dir, ignore_errors=True)
 
             procs.on_teardown(_final_logs)
-            device = scenario.device.name or f"kvdiag-{procs.run_id}"
+            device = scenario.device.name or run_device_name(procs.run_id)
             # Engines log into a private temp dir; the bundle gets redacted copies.
             run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
             try:
@@ -222,7 +222,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                 interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
                 result = RunResult(run.watches, run.timeline, run.metrics, run.t0)
             _fill_bundle(bundle, result)
-            _copy_logs_redacted(raw_log_dir, bundle_dir)
+            _copy_logs_redacted(raw_log_dir, bundle_dir, bundle)
             if interrupted is None:
                 # Verdict and report before teardown: the user gets them as soon as the
                 # evidence is in, and stopping hung engines (grace period) adds no delay.
@@ -235,7 +235,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
     finally:
         if raw_log_dir.exists():  # teardown did not get to its hook: copy what is there
-            _copy_logs_redacted(raw_log_dir, bundle_dir)
+            _copy_logs_redacted(raw_log_dir, bundle_dir, bundle)
             shutil.rmtree(raw_log_dir, ignore_errors=True)
         if device is not None and scenario.device.name is None:
             # The modelled device was this run's own: drop its shared lock/accounting files.

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
+from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.errors import ExitCode
-from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.model import TARGET_STATE_KINDS, Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
-    "classify_process", "classify_thread", "exit_code_for", "severity",
+    "classify_process", "classify_thread", "exit_code_for", "hang_signature", "severity", "sign",
 ]
 
 
@@ -39,7 +40,7 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
             relevant = [f for f in bundle.findings if f.engine == name or (f.pid is not None and f.pid in pids)]
         else:
             relevant = [f for f in bundle.findings if f.engine is None and (f.pid is None or f.pid in pids)]
-        out[name] = engine_verdict(name, engines.get(name), procs, bundle, relevant)
+        out[name] = sign(engine_verdict(name, engines.get(name), procs, bundle, relevant), bundle)
     return out
 
 
@@ -63,13 +64,16 @@ def analyze(bundle: Bundle) -> Verdict:
                 seen.add((f.kind, f.message))
                 extra.append(f)
     overall.findings += extra
-    return overall
+    return sign(overall, bundle)
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 6 soak not saturated, 0 otherwise."""
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 stopped/traced target, 6 soak not
+    saturated, 0 otherwise."""
     if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
-        return 4
+        return ExitCode.ENGINE_FAILED
+    if verdict.kind in TARGET_STATE_KINDS:
+        return ExitCode.TARGET_STOPPED
     if verdict.kind is VerdictKind.NOT_SATURATED:
         return ExitCode.NOT_SATURATED
-    return 10 if verdict.kind.is_hang else 0
+    return ExitCode.DEADLOCK if verdict.kind.is_hang else ExitCode.OK

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvdiag.analyze import vocab as v
-from kvdiag.model import Frame, GilState, ProcessEvidence, ThreadEvidence, ThreadState
+from kvdiag.model import FdInfo, Frame, GilState, ProcessEvidence, ThreadEvidence, ThreadState
 
 # A thread that used at least this many CPU ticks over the sampling interval is running; a GIL
 # waiter's 5 ms timed waits never add up to that.
@@ -65,6 +65,11 @@ class ThreadView:
     frames: list[Frame] = field(default_factory=list)
     libraries: frozenset[str] = frozenset()
     has_frames: bool = False
+    woke: bool = False                 # context switches during the sample window: not parked for good
+    quiet: bool | None = None          # no CPU and no context switch during the window (None: not sampled)
+    wait_forever: bool = False         # poll/epoll/select with no timeout
+    blocked_fds: list[FdInfo] = field(default_factory=list)
+    asyncio_loop: bool = False         # the thread runs an asyncio event loop (its frames say so)
 
     @property
     def label(self) -> str:
@@ -220,6 +225,17 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     view.kind = kind
     view.wait_frame = wait_frame
     view.timed = _is_timed(th, segments, kind)
+    if th.wait_timeout_ms is not None:
+        view.wait_forever = th.wait_timeout_ms < 0
+        view.timed = view.timed or th.wait_timeout_ms >= 0
+    view.blocked_fds = list(th.blocked_fds)
+    view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
+                            for f in frames_all)
+    if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:
+        view.quiet = th.ctx_switches_delta == 0 and th.cpu_ticks_delta == 0
+        # A GIL waiter wakes every switch interval by design; for anyone else a wakeup means
+        # something signalled, timed out or delivered data during the window.
+        view.woke = th.ctx_switches_delta > 0 and kind is not WaitKind.GIL_WAIT
     return view
 
 

@@ -20,22 +20,26 @@ from kvdiag.model import (
     EnginePhase,
     EngineRecord,
     EvidenceItem,
+    FdInfo,
     Finding,
     MetricsSnapshot,
     ProcessEvidence,
     ProcessRole,
+    ThreadState,
     Verdict,
     VerdictKind,
 )
-from kvdiag.watch.banner import assess_risk
+from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
 SEVERITY: tuple[VerdictKind, ...] = (
-    VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
+    VerdictKind.GIL_CYCLE, VerdictKind.GIL_HELD_BLOCKED, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
     VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
-    VerdictKind.UNKNOWN, VerdictKind.SLOW_START, VerdictKind.NOT_SATURATED, VerdictKind.HEALTHY,
+    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.SLOW_START, VerdictKind.NOT_SATURATED,
+    VerdictKind.HEALTHY,
 )
 KV_NEAR_FULL = 0.9
+_TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
 _OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|\bOOM\b|oom[-_ ]kill|"
                   r"Killed process \d+|Cannot allocate memory|std::bad_alloc|MemoryError", re.IGNORECASE)
 _CRASH = re.compile(r"Traceback \(most recent call last\)|Segmentation fault|core dumped|Aborted|"
@@ -78,7 +82,7 @@ def where(view: ThreadView, n: int = 2) -> str:
     """`` in map_pages ← prealloc_worker``: the application frames nearest the wait."""
     segment = v.innermost_segment(view.frames)
     # functor/lambda call operators are wrappers; the named function under them says more
-    names = [v.short_name(f.name, components=2) for f in segment
+    names = [v.short_name(f.name, components=2).removesuffix("()") for f in segment
              if not v.is_system_frame(f) and not f.name.endswith("operator()") and "{lambda" not in f.name]
     names += [f.name for f in view.frames[len(segment):] if f.kind == "python" and not f.name.startswith("<")]
     unique = list(dict.fromkeys(names))[:n]
@@ -167,6 +171,109 @@ def _released_gil(t: ThreadView) -> bool:
     return t.kind is WaitKind.PY_LOCK_WAIT and any(v.norm(f.name) in _PY_INTERNAL_LOCK_FRAMES for f in t.frames)
 
 
+def _outside_peer(t: ThreadView, pid: int) -> bool:
+    """The fd the thread reads is connected to another process (or to no process at all)."""
+    conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
+    return bool(conns) and all(f.peer_pids != [pid] for f in conns)
+
+
+def peer_phrase(info: FdInfo) -> str:
+    """``tcp socket 127.0.0.1:5 -> 127.0.0.1:6 (peer: pid 123 python3)``: one phrase for a report."""
+    what = f"{info.proto} socket" if info.kind == "socket" and info.proto else info.kind
+    if info.address and info.kind == "socket":
+        what += f" {info.address}"
+    if info.peer_pids:
+        more = f" (+{len(info.peer_pids) - 1})" if len(info.peer_pids) > 1 else ""
+        what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
+    elif info.kind in ("socket", "pipe"):
+        what += " (no process holds the other end)"
+    return what
+
+
+def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    """A stopped or foreign-traced target: its own outcome; the stacks' story, if any, as a finding."""
+    stopped = proc.state is ThreadState.STOPPED or bool(views) and all(
+        t.stopped or t.kind is WaitKind.STOPPED for t in views)
+    if not stopped and proc.tracer_pid is None:
+        return None
+    inner = next((v for r in PROCESS_RULES if (v := r(proc, views, engine)) is not None), None)
+    if inner is not None and inner.kind is VerdictKind.UNKNOWN:
+        inner = None    # "nothing runs" says nothing about a process that cannot run
+    also = f"; its stacks show {inner.kind.value}: {inner.summary}" if inner is not None else ""
+    findings = [Finding(kind="mechanism", pid=proc.pid, engine=engine, message=inner.kind.value)] if inner else []
+    evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine)
+                                                         for t in views[:2]]
+    if stopped:
+        return Verdict(kind=VerdictKind.STOPPED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
+                       findings=findings, cycle=inner.cycle if inner else [],
+                       summary=(f"pid {proc.pid} is stopped (SIGSTOP, job control or a debugger): none of its "
+                                f"threads can run until it gets SIGCONT; capture left it stopped{also}"))
+    return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
+                   findings=findings, cycle=inner.cycle if inner else [],
+                   summary=(f"pid {proc.pid} is traced by pid {proc.tracer_pid} (another debugger or strace): "
+                            f"kvdiag's ptrace tools cannot attach and the tracer may be holding it; left as found"
+                            f"{also}"))
+
+
+def _gil_waiters(views: list[ThreadView], holder: ThreadView) -> list[ThreadView]:
+    return [t for t in views if t.kind is WaitKind.GIL_WAIT and t.tid != holder.tid]
+
+
+def gil_held_blocked(proc: ProcessEvidence, views: list[ThreadView]) -> tuple[ThreadView, str] | None:
+    """(holder, how long) when a thread holds the GIL across a blocking call for the whole sample window."""
+    holder = _pick_holder(views)
+    if holder is None or holder.running or holder.woke or _released_gil(holder):
+        return None
+    if holder.kind not in _HOLDER_BLOCKED | {WaitKind.SLEEP, WaitKind.EVENT_WAIT} or holder.kind is WaitKind.GIL_WAIT:
+        return None
+    samples = proc.progress.gil_holders if proc.progress is not None else []
+    window = proc.progress.window_s if proc.progress is not None else 0.0
+    if len(samples) >= 2 and all(s == holder.tid for s in samples):
+        how = f"held at both samples {window:.2f}s apart, no wakeup in between"
+    elif holder.quiet:
+        how = f"no CPU and no wakeup for the {window:.2f}s sample window"
+    elif holder.timed:
+        return None    # a timed wait without window data: it may well let go soon
+    else:
+        how = "one sample (no sample window recorded)"
+    return holder, how
+
+
+def rule_gil_held_blocked(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    found = gil_held_blocked(proc, views)
+    if found is None:
+        return None
+    holder, how = found
+    waiters = _gil_waiters(views, holder)
+    if not waiters:
+        return None
+    block = _WAIT_WORDS.get(holder.kind, {WaitKind.SLEEP: "sleeping", WaitKind.EVENT_WAIT: "polling"}.get(
+        holder.kind, "blocked"))
+    peer = "".join(f"; reading {peer_phrase(f)}" for f in holder.blocked_fds[:1]) if holder.blocked_fds else ""
+    conf = Confidence.HIGH if any(s in ("pystack", "proc") for s in holder.gil_holder_sources) else Confidence.MEDIUM
+    evidence = [_item(holder, f"holds the GIL while {block} ({how}){peer}", engine)]
+    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine) for w in waiters[:4]]
+    names = ", ".join(w.label for w in waiters[:3]) + (f" and {len(waiters) - 3} more" if len(waiters) > 3 else "")
+    return Verdict(kind=VerdictKind.GIL_HELD_BLOCKED, confidence=conf, engine=engine, evidence=evidence,
+                   summary=(f"GIL held while blocked in pid {proc.pid}: {holder.label} holds the GIL while {block}"
+                            f"{where(holder)} ({how}){peer}; {len(waiters)} Python thread(s) wait for it: {names}. "
+                            f"No line of Python runs until that call returns"))
+
+
+def gil_held_warning(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Finding | None:
+    """The same shape without waiters: not a stall yet, but the next thread that wants the GIL stalls."""
+    found = gil_held_blocked(proc, views)
+    if found is None or _gil_waiters(views, found[0]):
+        return None
+    holder, how = found
+    block = _WAIT_WORDS.get(holder.kind, {WaitKind.SLEEP: "sleeping"}.get(holder.kind, "blocked"))
+    return Finding(kind="gil_held_blocked", pid=proc.pid, engine=engine, message=(
+        f"{holder.label} holds the GIL while {block}{where(holder)} ({how}); no other thread wants it yet, but "
+        f"until that call returns no line of Python can run in pid {proc.pid}: the first request, callback or "
+        f"timer that needs the interpreter will stall behind it. Release the GIL around blocking calls "
+        f"(Py_BEGIN_ALLOW_THREADS, py::gil_scoped_release, nb::gil_scoped_release)"))
+
+
 def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
     waiters = [t for t in views if t.kind is WaitKind.GIL_WAIT]
     if not waiters:
@@ -176,9 +283,11 @@ def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str |
     if holder is None:
         holder = _infer_holder(views)
         inferred = holder is not None
-    if (holder is None or holder.running or holder.timed or holder.kind not in _HOLDER_BLOCKED
+    if (holder is None or holder.running or holder.timed or holder.woke or holder.kind not in _HOLDER_BLOCKED
             or _released_gil(holder)):
         return None   # a timed wait ends by itself: GIL-heavy, not a cycle
+    if holder.kind is WaitKind.IO_READ and _outside_peer(holder, proc.pid):
+        return None   # the read ends when another process writes: no thread of ours needs to run
     waiters = [w for w in waiters if w.tid != holder.tid]
     if not waiters:
         return None
@@ -201,11 +310,16 @@ def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str |
     cycles = [c for c in g.cycles() if gil in c]
     if not cycles:
         return None
-    cycle = min(cycles, key=len)
-    in_cycle = [t for t in waiters if _tnode(g, t) in cycle]
-    ranked = sorted(in_cycle or waiters, key=lambda w: (
+    # The waiter that can wake the holder first: it runs in the holder's native library (the prealloc
+    # worker in map_pages), not a Python thread that merely queues for the GIL (process_output_sockets
+    # in queue.get). The cycle drawn and cited is the one through that waiter, not the first found.
+    best = sorted(waiters, key=lambda w: (
         not (w.libraries & holder.libraries), not _has_frame(w, "map_pages"), any(f.kind == "python" for f in
                                                                                    w.frames), w.tid))
+    nodes = [_tnode(g, w) for w in best]
+    cycle = min(cycles, key=lambda c: (next((i for i, n in enumerate(nodes) if n in c), len(nodes)), len(c)))
+    in_cycle = [w for w, n in zip(best, nodes, strict=True) if n in cycle]
+    ranked = in_cycle or best
     main_waiter = ranked[0]
     strong_holder = any(s in ("pystack", "proc") for s in holder.gil_holder_sources)
     strong_waiter = any(len(w.gil_wait_signals) >= 2 for w in ranked)
@@ -227,10 +341,59 @@ def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str |
                    engine=engine, cycle=g.describe_cycle(cycle))
 
 
-def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
-    waiters = [t for t in views if t.kind is WaitKind.MUTEX_WAIT and not t.running and not t.timed]
-    if len(waiters) < 2:
+def _user_lock_frame(t: ThreadView) -> int | None:
+    """Index of the innermost Python frame, when it is the application's own code acquiring a lock
+    (not threading.py's Condition/Event/join/queue machinery)."""
+    if t.py_wait is not None:
         return None
+    for i, f in enumerate(t.frames):
+        if f.kind == "python":
+            base = (f.file or "").rsplit("/", 1)[-1]
+            return None if base in ("threading.py", "queue.py", "connection.py", "synchronize.py") else i
+    return None
+
+
+def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView]) -> list[ThreadView]:
+    """Threads that could still act: running, woken during the window, or in a wait that ends by itself
+    (timed waits, sleeps, waits for the outside world)."""
+    skip = {t.tid for t in exclude}
+    return [t for t in views if t.tid not in skip and not t.idle_by_design and (
+        t.running or t.woke or (t.timed and t.kind is not WaitKind.GIL_WAIT)
+        or t.kind in (WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP, WaitKind.UNKNOWN))]
+
+
+def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
+                               engine: str | None) -> Verdict | None:
+    """Python locks record no owner: when two or more threads block, untimed, acquiring different locks
+    from their own code and no thread can still act, each must hold what another wants (inferred)."""
+    waiters = [t for t in views if t.kind in (WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT) and not t.timed
+               and not t.running and not t.woke and not t.idle_by_design and _user_lock_frame(t) is not None]
+    addrs = {t.wait_addr for t in waiters if t.wait_addr}
+    if len(waiters) < 2 or (addrs and len(addrs) < 2):
+        return None
+    if _possible_signallers(views, waiters) or any(t.kind is WaitKind.GIL_WAIT for t in views):
+        return None
+    lines = []
+    for t in waiters:
+        i = _user_lock_frame(t)
+        f = t.frames[i] if i is not None else None
+        at = f" at {v.describe(f)}" + (f" `{f.source.strip()}`" if f is not None and f.source else "") if f else ""
+        lines.append((t, at))
+    conf = Confidence.MEDIUM if len(addrs) == len(waiters) else Confidence.LOW
+    desc = "; ".join(f"{t.label} waits for a lock{at}" for t, at in lines)
+    evidence = [_item(t, f"waits for Python lock {t.wait_addr:#x}" if t.wait_addr else "waits for a Python lock",
+                      engine) for t in waiters[:4]]
+    return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine, evidence=evidence,
+                   summary=(f"likely lock-order inversion between Python locks in pid {proc.pid}: {desc}. "
+                            f"Python locks record no owner, so who holds which is inferred: no other thread "
+                            f"can run, so each waiter must hold a lock another one wants (confidence "
+                            f"{conf.value})"))
+
+
+def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    waiters = [t for t in views if t.kind is WaitKind.MUTEX_WAIT and not t.running and not t.timed and not t.woke]
+    if len(waiters) < 2:
+        return rule_python_lock_inversion(proc, views, engine)
     g = WaitGraph()
     by_tid = {t.tid: t for t in views}
     held: dict[int, list[str]] = {}
@@ -267,13 +430,38 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
                        summary=(f"likely lock-order inversion in pid {proc.pid}: {len(waiters)} threads wait on "
                                 f"{len(addrs)} different mutexes and nothing runs (owners could not be read)"),
                        evidence=evidence)
-    return None
+    return rule_python_lock_inversion(proc, views, engine)
+
+
+def _loop_parked(t: ThreadView, pid: int) -> list[FdInfo] | None:
+    """An event loop waiting with no timeout on connections only (no listening socket, no timer):
+    the connected sockets/pipes it waits on, each with a peer, else None."""
+    if t.kind is not WaitKind.EVENT_WAIT or not t.wait_forever or not t.blocked_fds:
+        return None
+    if any(f.listening or f.kind not in ("socket", "pipe") for f in t.blocked_fds):
+        return None
+    outside = [f for f in t.blocked_fds if f.peer_pids and f.peer_pids != [pid]]
+    return outside or None
 
 
 def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
     if any(t.running and not t.idle_by_design for t in views):
         return None
-    readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read]
+    if proc.progress is not None and proc.progress.advanced:
+        return None   # it wrote its log or did I/O during the window: something still moves
+    readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read
+               and not t.woke]
+    loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and (fds := _loop_parked(t, proc.pid))]
+    if not readers and loops and not _possible_signallers(views, [t for t, _ in loops]):
+        t, fds = loops[0]
+        what = "asyncio event loop" if t.asyncio_loop else "event loop"
+        on = "; ".join(peer_phrase(f) for f in fds[:3])
+        return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.MEDIUM, engine=engine,
+                       evidence=[_item(t, f"{what} parked with no timeout, waiting only on {on}", engine)],
+                       summary=(f"blocked IPC read in pid {proc.pid}: the {what} in {t.label} is parked in "
+                                f"{t.wait_frame or 'epoll_wait'} with no timeout and no timer; its only event "
+                                f"sources are connections that stay silent: {on}. The awaiting coroutine is not "
+                                f"on any stack; it is the read on that connection"))
     if not readers:
         return None
     event_loops = [t for t in views if t.kind is WaitKind.EVENT_WAIT and not t.idle_by_design]
@@ -282,8 +470,10 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
         return None
     r = sorted(picked, key=lambda t: (not t.holds_gil, not t.is_main, t.tid))[0]
     from_frames = r.wait_frame is not None and not r.wait_frame.startswith(("wchan", "syscall"))
-    conf = Confidence.HIGH if (from_frames and r.socket_read) else Confidence.MEDIUM
-    what = "a socket" if r.socket_read else "a socket/pipe"
+    conns = [f for f in r.blocked_fds if f.kind in ("socket", "pipe")]
+    is_socket = r.socket_read or any(f.kind == "socket" for f in conns)
+    conf = Confidence.HIGH if (from_frames and (is_socket or conns)) else Confidence.MEDIUM
+    what = peer_phrase(conns[0]) if conns else ("a socket" if r.socket_read else "a socket/pipe")
     evidence = [_item(r, f"blocked reading {what} with no timeout" + (" (holds the GIL)" if r.holds_gil else ""),
                       engine)]
     others = [t for t in views if t.tid != r.tid and not t.idle_by_design and t.kind in (
@@ -297,15 +487,16 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
 def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
     if any(t.kind is WaitKind.GIL_WAIT for t in views):
         return None   # GIL involved: not this rule's business
+    if proc.progress is not None and proc.progress.advanced:
+        return None   # it wrote its log or did I/O during the window
     live = [t for t in views if not t.idle_by_design]
-    waiters = [t for t in live if not t.running and not t.timed and (
+    waiters = [t for t in live if not t.running and not t.timed and not t.woke and (
         t.kind is WaitKind.COND_WAIT or t.kind is WaitKind.FUTEX_WAIT
         or (t.kind is WaitKind.PY_LOCK_WAIT and t.py_wait == "py_cond"))]
     if not waiters:
         return None
-    signallers = [t for t in live if t.running or t.kind in (
-        WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP, WaitKind.UNKNOWN)]
-    if signallers:
+    # A thread in a timed wait, or one that woke during the window, may still signal.
+    if _possible_signallers(live, waiters):
         return None
     waiters.sort(key=lambda t: (t.is_main, t.tid))   # the main thread is usually the one joining
     native = [t for t in waiters if t.kind is WaitKind.COND_WAIT]
@@ -327,10 +518,8 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
 
 
 def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
-    if views and all(t.stopped or t.kind is WaitKind.STOPPED for t in views):
-        return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.MEDIUM, engine=engine,
-                       summary=f"pid {proc.pid} is stopped (SIGSTOP or job control): none of its threads can run",
-                       evidence=[_item(t, "stopped", engine) for t in views[:2]])
+    if proc.progress is not None and proc.progress.advanced:
+        return None
     waiters = [t for t in views if t.kind is WaitKind.GIL_WAIT]
     if waiters and not any(t.running for t in views):
         holder = _pick_holder(views)
@@ -345,19 +534,49 @@ def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: s
     return None
 
 
-PROCESS_RULES = (rule_gil_cycle, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup, rule_stuck_unknown)
+PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
+                 rule_stuck_unknown)
 
 
 def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> Verdict | None:
-    """The first rule that matches ``proc``'s threads, or None (no hang evidence)."""
+    """The first rule that matches ``proc``'s threads, or None (no hang evidence).
+
+    A stopped or foreign-traced target gets its own outcome first. Every rule that infers a hang
+    from "nothing can move" checks the sample window: a thread that woke or used CPU, or a
+    process that wrote its log or did I/O, is not parked for good.
+    """
     if not proc.alive or not proc.threads:
         return None
     views = classify_process(proc, machine)
+    state = rule_target_state(proc, views, engine)
+    if state is not None:
+        return state
     for rule in PROCESS_RULES:
         verdict = rule(proc, views, engine)
         if verdict is not None:
             return verdict
     return None
+
+
+def process_findings(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> list[Finding]:
+    """Warnings about a process that are not a verdict: a GIL held across a blocking call with no
+    waiter yet, and what the progress sample saw."""
+    if not proc.alive or not proc.threads:
+        return []
+    out: list[Finding] = []
+    views = classify_process(proc, machine)
+    warn = gil_held_warning(proc, views, engine)
+    if warn is not None:
+        out.append(warn)
+    p = proc.progress
+    if p is not None and p.advanced:
+        grew = ", ".join(f"{path.rsplit('/', 1)[-1]} +{n} B" for path, n in p.log_growth.items() if n > 0)
+        io = ", ".join(f"{k} +{n}" for k, n in p.io_delta.items() if n > 0)
+        moved = "; ".join(x for x in (grew, io) if x)
+        out.append(Finding(kind="progress", pid=proc.pid, engine=engine, message=(
+            f"pid {proc.pid} advanced during the {p.window_s:.2f}s sample window ({moved}): not called a "
+            "deadlock unless a cycle of owners is proven")))
+    return out
 
 
 # ---------------------------------------------------------------- engine rules
@@ -386,11 +605,41 @@ def decode_stalled(e: EngineRecord, metrics: Iterable[MetricsSnapshot], window_s
             f"no token generated for {flat:.1f}s")
 
 
+_STATS = re.compile(r"Avg generation throughput: (?P<gen>[\d.]+) tokens/s, Running: (?P<run>\d+) reqs?, "
+                    r"Waiting: (?P<wait>\d+) reqs?, GPU KV cache usage: (?P<kv>[\d.]+)%")
+STALL_STATS_LINES = 3
+
+
+def decode_stalled_from_log(e: EngineRecord) -> str | None:
+    """vLLM's periodic stats lines: the last few all say requests running, KV near full, 0 tokens/s."""
+    stats = [m for ln in e.log_tail if (m := _STATS.search(ln))]
+    last = stats[-STALL_STATS_LINES:]
+    if len(last) < STALL_STATS_LINES:
+        return None
+    if not all(float(m["gen"]) == 0.0 and int(m["run"]) > 0 and float(m["kv"]) / 100 >= KV_NEAR_FULL for m in last):
+        return None
+    m = last[-1]
+    return (f"{m['run']} request(s) running, {m['wait']} waiting, KV cache {m['kv']}% full, generation "
+            f"throughput 0.0 tokens/s on the last {len(last)} stats lines of the log")
+
+
+_TELLING = re.compile(r"\b\w*(Error|Exception)\b: |Fatal Python error|killed by signal|died unexpectedly|"
+                      r"Killed process|initialization failed|Segmentation fault|Aborted|terminate called")
+
+
+def _telling_line(text: str, pattern: re.Pattern[str]) -> str:
+    """The line that says what happened: an exception or signal line over a bare 'Traceback'."""
+    lines = [ln.strip() for ln in text.splitlines() if pattern.search(ln)]
+    best = [ln for ln in lines if _TELLING.search(ln)]
+    return (best or lines or [""])[-1]
+
+
 def banner_findings(e: EngineRecord) -> list[Finding]:
     out: list[Finding] = []
     for b in e.banners:
-        # one finding per reason, worded like the run's own banner findings so they merge
-        out += [Finding(kind="banner_risk", engine=e.name, message=reason) for reason in assess_risk(b).reasons]
+        risk = assess_risk_for(b, e.allocator)
+        if risk.risky:  # one finding per reason, worded like the run's own banner findings so they merge
+            out += [Finding(kind="banner_risk", engine=e.name, message=reason) for reason in risk.reasons]
     return out
 
 
@@ -417,6 +666,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     """Verdict for one engine (or one group of processes captured without an engine record)."""
     machine = bundle.host.get("machine")
     findings = (banner_findings(e) if e else []) + relevant
+    findings += [f for p in procs for f in process_findings(p, machine, e.name if e else None)]
     pverdicts = _process_verdicts(procs, machine, e.name if e else None)
     hang = pverdicts[0] if pverdicts else None
 
@@ -432,11 +682,11 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         text = _engine_text(e)
         exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)
         if _OOM.search(text) and (exited_badly or e.error):
-            line = next((ln for ln in text.splitlines() if _OOM.search(ln)), "")
+            line = _telling_line(text, _OOM)
             return done(Verdict(kind=VerdictKind.OOM, confidence=Confidence.HIGH,
                                 summary=f"{name}: out of memory: {line.strip()[:200]}"))
         if exited_badly or (e.error and _CRASH.search(e.error)):
-            line = next((ln for ln in text.splitlines() if _CRASH.search(ln)), e.error or "")
+            line = _telling_line(text, _CRASH) or (e.error or "")
             code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
             return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH,
                                 summary=f"{name}: engine exited{code}: {line.strip()[:200]}".rstrip(": ")))
@@ -450,6 +700,12 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
                                     findings=[Finding(kind="mechanism", engine=e.name, message=hang.kind.value)]))
             return done(Verdict(kind=VerdictKind.DECODE_STALL, confidence=Confidence.MEDIUM,
                                 summary=f"{name}: decode stall: {stall}"))
+        log_stall = decode_stalled_from_log(e)
+        if log_stall is not None and (hang is None or hang.kind not in _TARGET_STATES):
+            mech = f"; mechanism: {hang.kind.value}: {hang.summary}" if hang is not None else ""
+            return done(Verdict(kind=VerdictKind.DECODE_STALL, confidence=Confidence.MEDIUM,
+                                evidence=hang.evidence if hang is not None else [],
+                                summary=f"{name}: decode stall: {log_stall}{mech}"))
     if hang is not None:
         return done(hang)
     stalled = e is not None and (e.phase is EnginePhase.STALLED or (bundle.stall_detected and not e.healthy))

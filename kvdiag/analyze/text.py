@@ -7,6 +7,11 @@ from kvdiag.model import Verdict
 
 def format_verdict(verdict: Verdict, by_engine: dict[str, Verdict] | None = None, max_frames: int = 12) -> str:
     lines = [f"verdict: {verdict.kind.value} (confidence {verdict.confidence.value})", f"  {verdict.summary}"]
+    if verdict.signature:
+        lines.append(f"  signature: {verdict.signature}")
+    if verdict.known is not None:
+        lines.append(f"  {verdict.known.line()}"
+                     + (f"; workaround: {verdict.known.workaround}" if verdict.known.workaround else ""))
     if verdict.evidence:
         lines.append("  evidence:")
         for item in verdict.evidence:

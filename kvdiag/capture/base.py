@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Protocol, runtime_checkable
 
 from kvdiag.model import Finding, ProcessEvidence, ThreadEvidence, ToolRun
+from kvdiag.redact import Tally, write_redacted
 
 # After SIGTERM a tool gets this long to detach cleanly (gdb detaches on SIGTERM) before SIGKILL.
 KILL_GRACE_S = 0.5
@@ -176,8 +177,13 @@ def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = Non
                        time.monotonic() - start, timed_out)
 
 
-def write_raw(raw_dir: Path, name: str, argv: list[str], outcome: ToolOutcome) -> Path | None:
-    """Save a tool's full output (stdout, then stderr) for the bundle; None if it cannot be written."""
+def write_raw(raw_dir: Path, name: str, argv: list[str], outcome: ToolOutcome,
+              tally: Tally | None = None) -> Path | None:
+    """Save a tool's full output (stdout, then stderr) for the bundle, redacted; None if it cannot be written.
+
+    py-spy prints the target's command line and pystack its source lines: secrets in them are
+    removed before the file exists (counted into ``tally``).
+    """
     path = raw_dir / name
     head = (f"# {' '.join(argv)}\n# rc={outcome.returncode} duration_s={outcome.duration_s:.3f}"
             f"{' TIMED OUT' if outcome.timed_out else ''}\n")
@@ -185,8 +191,7 @@ def write_raw(raw_dir: Path, name: str, argv: list[str], outcome: ToolOutcome) -
     if outcome.stderr.strip():
         body += "\n# --- stderr ---\n" + outcome.stderr
     try:
-        raw_dir.mkdir(parents=True, exist_ok=True)
-        path.write_text(head + body, encoding="utf-8")
+        write_redacted(path, head + body, tally)
     except OSError:
         return None
     return path

@@ -12,6 +12,7 @@ from kvdiag import __version__
 from kvdiag.bundle_io import save_bundle
 from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.model import Bundle, ProcessRole
 
@@ -24,10 +25,15 @@ def host_info() -> dict[str, str]:
 
 def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  backends: Sequence[str | CaptureBackend] | None = None,
-                 log_pids: dict[str, int] | None = None, command: str = "") -> Bundle:
-    """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/)."""
+                 log_pids: dict[str, int] | None = None, command: str = "",
+                 pids: Sequence[int] | None = None) -> Bundle:
+    """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/).
+
+    ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
+    (see :func:`kvdiag.capture.select.capture_scope`).
+    """
     roles = find_engine_processes(root_pid, log_pids)
-    pids = process_tree(root_pid) or [root_pid]
+    pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
     evidence, findings = capture_processes(pids, bundle_dir / "raw", timeout_s=timeout_s, backends=backends,
                                            bundle_dir=bundle_dir)
     for ev in evidence:
@@ -36,9 +42,20 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                 ev.role = role
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
+    from kvdiag.environment import collect_environment
+
+    engines = []
+    if log_pids is None:
+        # A bare process: its log file (found through /proc/PID/fd) stands in for a run's log follower.
+        record = log_record(root_pid, f"pid-{root_pid}")
+        if record is not None:
+            engines.append(record)
+            for ev in evidence:
+                ev.engine = record.name
     bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    host=host_info(), processes=evidence, findings=findings)
+                    host=host_info(), processes=evidence, findings=findings, engines=engines,
+                    environment=collect_environment())
     save_bundle(bundle, bundle_dir)
     return bundle
 

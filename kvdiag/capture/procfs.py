@@ -25,8 +25,10 @@ from pathlib import Path
 
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
+from kvdiag.capture.fds import FdResolver, epoll_targets
 from kvdiag.capture.parsers import parse_kernel_stack
-from kvdiag.model import Finding, GilState, ProcessEvidence, ThreadEvidence, ThreadState, ToolRun
+from kvdiag.model import Finding, GilState, ProcessEvidence, ProgressSample, ThreadEvidence, ThreadState, ToolRun
+from kvdiag.redact import Tally, redact_argv, write_redacted
 
 _MACHINE = platform.machine()
 # futex(2) syscall number per architecture (the first argument is the futex address).
@@ -78,6 +80,7 @@ class TaskSample:
     wchan: str | None = None
     syscall: str | None = None
     kernel_stack: list[str] = field(default_factory=list)
+    ctx_switches: int | None = None
 
     @property
     def ticks(self) -> int | None:
@@ -96,6 +99,7 @@ def read_task(pid: int, tid: int, full: bool = True) -> TaskSample | None:
     if len(f) > 12:
         sample.state = f[0]
         sample.utime, sample.stime = int(f[11]), int(f[12])
+    sample.ctx_switches = _ctx_switches(base)
     if not full:
         return sample
     comm = _read(f"{base}/comm")
@@ -107,6 +111,58 @@ def read_task(pid: int, tid: int, full: bool = True) -> TaskSample | None:
     stack = _read(f"{base}/stack")
     sample.kernel_stack = parse_kernel_stack(stack) if stack else []
     return sample
+
+
+def _ctx_switches(base: str) -> int | None:
+    text = _read(f"{base}/status")
+    if text is None:
+        return None
+    total = 0
+    found = False
+    for line in text.splitlines():
+        if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
+            total += int(line.split(":", 1)[1])
+            found = True
+    return total if found else None
+
+
+def read_io(pid: int) -> dict[str, int]:
+    """/proc/PID/io counters ({} when unreadable)."""
+    out: dict[str, int] = {}
+    for line in (_read(f"/proc/{pid}/io") or "").splitlines():
+        key, _, val = line.partition(":")
+        if val.strip().isdigit():
+            out[key.strip()] = int(val)
+    return out
+
+
+def log_files(pid: int) -> list[str]:
+    """Regular files the process writes its stdout/stderr to (where a bare process logs)."""
+    out: list[str] = []
+    for fd in (1, 2):
+        try:
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if path.startswith("/") and not path.startswith(("/dev/", "/proc/")) and path not in out:
+            try:
+                if os.path.isfile(f"/proc/{pid}/fd/{fd}"):
+                    out.append(path)
+            except OSError:
+                continue
+    return out
+
+
+def _sizes(pid: int, paths: list[str]) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for fd in (1, 2):
+        try:
+            path = os.readlink(f"/proc/{pid}/fd/{fd}")
+            if path in paths and path not in out:
+                out[path] = os.stat(f"/proc/{pid}/fd/{fd}").st_size
+        except OSError:
+            continue
+    return out
 
 
 def list_tids(pid: int) -> list[int]:
@@ -242,20 +298,28 @@ def locate_gil(pid: int, mem: TargetMemory, tids: list[int]) -> GilInfo | None:
     if start is None:
         return info
     info.start, info.end, info.precise = start, start + GIL_STRUCT_SIZE, True
-    head = mem.read(start, 24)
+    info.locked, info.holder_tid = read_gil_holder(mem, info, tids)
+    return info
+
+
+def read_gil_holder(mem: TargetMemory, info: GilInfo, tids: list[int]) -> tuple[bool | None, int | None]:
+    """(locked, holder TID) of a located GIL struct, read now (cheap: used again after the sample window)."""
+    if not info.precise:
+        return None, None
+    head = mem.read(info.start, 24)
     if head is None:
-        return info
+        return None, None
     _, last_holder, locked = struct.unpack_from("<QQi", head, 0)
-    info.locked = locked == 1
-    if info.locked and last_holder:
+    holder: int | None = None
+    if locked == 1 and last_holder:
         tstate = mem.read(last_holder, 1024)
         if tstate is not None:
             wanted = set(tids)
             found = {v for off in range(0, len(tstate) - 7, 8)
                      if (v := struct.unpack_from("<Q", tstate, off)[0]) in wanted}
             if len(found) == 1:
-                info.holder_tid = found.pop()
-    return info
+                holder = found.pop()
+    return locked == 1, holder
 
 
 def futex_owner(mem: TargetMemory, addr: int, cmd: int, tids: set[int], waiter: int) -> int | None:
@@ -283,7 +347,7 @@ class ProcBackend:
     name = "proc"
     stops_target = False
 
-    def __init__(self, cpu_interval_s: float = 0.25) -> None:
+    def __init__(self, cpu_interval_s: float = 0.4) -> None:
         self.cpu_interval_s = cpu_interval_s
 
     def available(self) -> str | None:
@@ -297,21 +361,35 @@ class ProcBackend:
             run = ToolRun(tool=self.name, ok=False, duration_s=0.0, command=argv,
                           error=f"process {pid} does not exist")
             return BackendResult(tool=run, process=ProcessEvidence(pid=pid, alive=False))
+        # Progress window: everything that can move is read at both ends, before any tool pauses the target.
+        logs = log_files(pid)
+        io_before, sizes_before = read_io(pid), _sizes(pid, logs)
         first = snapshot(pid, full=True)
+        tids = list(first)
+        mem = TargetMemory(pid)
+        mem_ok = mem.ok
+        gil = locate_gil(pid, mem, tids) if mem_ok else None
+        window_start = time.monotonic()
         interval = max(0.0, min(self.cpu_interval_s, timeout_s / 4))
         time.sleep(interval)
         second = snapshot(pid, full=False)
         second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
+        io_after, sizes_after = read_io(pid), _sizes(pid, logs)
+        window = time.monotonic() - window_start
+        holder_after: int | None = None
+        if gil is not None and mem_ok:
+            _, holder_after = read_gil_holder(mem, gil, tids)
         elapsed = max(time.monotonic() - start, 1e-6)
 
-        proc = self._process(pid, status)
-        tids = list(first)
-        mem = TargetMemory(pid)
-        mem_ok = mem.ok
+        tally = Tally()
+        proc = self._process(pid, status, tally)
+        tracer = status.get("TracerPid", "0")
+        proc.tracer_pid = int(tracer) if tracer.isdigit() and int(tracer) > 0 else None
+        proc.log_files = logs
         findings: list[Finding] = []
         try:
-            gil = locate_gil(pid, mem, tids) if mem_ok else None
             threads = self._threads(pid, first, second, second_sys, mem, gil)
+            _blocked_fds(pid, threads, mem)
         finally:
             mem.close()
         if not mem_ok:
@@ -325,18 +403,25 @@ class ProcBackend:
         clk = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
         proc.cpu_percent = round(100.0 * total / clk / elapsed, 1)
         proc.threads = threads
-        raw = self._write_raw(raw_dir, proc, gil)
+        proc.progress = ProgressSample(
+            window_s=round(window, 3), cpu_ticks=total,
+            io_delta={k: io_after[k] - io_before[k] for k in ("rchar", "wchar", "syscr", "syscw")
+                      if k in io_after and k in io_before},
+            log_growth={p: sizes_after[p] - sizes_before[p] for p in sizes_after if p in sizes_before},
+            gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [])
+        raw = self._write_raw(raw_dir, proc, gil, tally)
         run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - start, 3),
-                      raw_path=str(raw) if raw else None, command=argv)
+                      raw_path=str(raw) if raw else None, command=argv, redactions=tally.as_dict())
         return BackendResult(tool=run, threads=threads, process=proc, findings=findings,
                              python_version=proc.python_version)
 
     @staticmethod
-    def _process(pid: int, status: dict[str, str]) -> ProcessEvidence:
+    def _process(pid: int, status: dict[str, str], tally: Tally | None = None) -> ProcessEvidence:
         proc = ProcessEvidence(pid=pid)
         proc.comm = (_read(f"/proc/{pid}/comm") or "").strip() or None
         cmd = _read(f"/proc/{pid}/cmdline") or ""
-        proc.cmdline = [a for a in cmd.split("\x00") if a][:64]
+        # Redacted as read: a key on the command line never reaches the bundle, proc.txt or a report.
+        proc.cmdline = redact_argv([a for a in cmd.split("\x00") if a][:64], tally)
         proc.state = thread_state(status.get("State", "?"))
         wchan = (_read(f"/proc/{pid}/wchan") or "").strip()
         proc.wchan = wchan if wchan not in ("", "0") else None
@@ -373,6 +458,8 @@ class ProcBackend:
                 th.utime_ticks, th.stime_ticks = later.utime, later.stime
                 if s.ticks is not None and later.ticks is not None:
                     th.cpu_ticks_delta = max(0, later.ticks - s.ticks)
+                if s.ctx_switches is not None and later.ctx_switches is not None:
+                    th.ctx_switches_delta = max(0, later.ctx_switches - s.ctx_switches)
             fw = futex_wait_of(raw_sys)
             if fw is not None:
                 th.futex_addr = fw[0]
@@ -390,7 +477,8 @@ class ProcBackend:
         return out
 
     @staticmethod
-    def _write_raw(raw_dir: Path, proc: ProcessEvidence, gil: GilInfo | None) -> Path | None:
+    def _write_raw(raw_dir: Path, proc: ProcessEvidence, gil: GilInfo | None,
+                   tally: Tally | None = None) -> Path | None:
         lines = [f"# /proc/{proc.pid}: comm={proc.comm!r} state={proc.state.value} wchan={proc.wchan} "
                  f"ppid={proc.ppid} pgid={proc.pgid} cpu%={proc.cpu_percent}",
                  f"# cmdline: {' '.join(proc.cmdline)}", f"# exe: {proc.exe}"]
@@ -407,11 +495,51 @@ class ProcBackend:
                                     t.gil.value, " <- ".join(t.kernel_stack)]))
         path = raw_dir / "proc.txt"
         try:
-            raw_dir.mkdir(parents=True, exist_ok=True)
-            path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+            write_redacted(path, "\n".join(lines) + "\n", tally)
         except OSError:
             return None
         return path
+
+
+# Syscalls whose first argument is the fd being read, and the poll family (x86_64, aarch64).
+_READ_FD_NRS = {"x86_64": {0, 17, 19, 45, 47, 295}, "aarch64": {63, 65, 67, 207, 212}}.get(_MACHINE, set())
+_EPOLL_NRS = {"x86_64": {232, 281}, "aarch64": {22}}.get(_MACHINE, set())
+_POLL_NRS = {"x86_64": {7: 2, 271: -1}, "aarch64": {73: -1}}.get(_MACHINE, {})   # nr -> timeout arg index
+_MAX_POLL_FDS = 64
+
+
+def _int_timeout(register: int) -> int:
+    """An ``int timeout`` argument as the register holds it: negative (wait forever) becomes -1."""
+    t = register & 0xFFFFFFFF
+    return -1 if t >= 1 << 31 else t
+
+
+def _blocked_fds(pid: int, threads: list[ThreadEvidence], mem: TargetMemory) -> None:
+    """For threads blocked in read/recv/epoll/poll: which fds, their peers and the wait's timeout."""
+    resolver = FdResolver(pid)
+    for th in threads:
+        nr, args = parse_syscall(th.syscall)
+        if nr is None or nr < 0 or not args:
+            continue
+        fds: list[int] = []
+        if nr in _READ_FD_NRS:
+            fds = [args[0]]
+        elif nr in _EPOLL_NRS and len(args) >= 4:
+            fds = epoll_targets(pid, args[0])
+            th.wait_timeout_ms = _int_timeout(args[3])
+        elif nr in _POLL_NRS and len(args) >= 3:
+            nfds = min(args[1], _MAX_POLL_FDS)
+            raw = mem.read(args[0], 8 * nfds) if mem.ok and nfds else None
+            if raw is not None:
+                fds = [struct.unpack_from("<i", raw, 8 * i)[0] for i in range(nfds)]
+                fds = [fd for fd in fds if fd >= 0]
+            idx = _POLL_NRS[nr]
+            if idx >= 0:
+                th.wait_timeout_ms = _int_timeout(args[idx])
+            else:
+                th.wait_timeout_ms = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
+        if fds:
+            th.blocked_fds = resolver.describe(fds[:_MAX_POLL_FDS])
 
 
 def _state_findings(pid: int, proc: ProcessEvidence, threads: list[ThreadEvidence]) -> list[Finding]:

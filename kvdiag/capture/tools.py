@@ -27,6 +27,7 @@ from kvdiag.capture.base import (
 )
 from kvdiag.capture.parsers import parse_gdb, parse_pyspy, parse_pystack
 from kvdiag.model import ThreadEvidence, ToolRun
+from kvdiag.redact import Tally
 
 
 class _ToolBackend:
@@ -65,15 +66,17 @@ class _ToolBackend:
             return BackendResult(tool=ToolRun(tool=self.name, ok=False, error=missing_reason(self.binary)))
         argv = self.argv(exe, pid)
         outcome = run_tool(argv, timeout_s)
-        raw = write_raw(raw_dir, self.raw_name, argv, outcome)
+        tally = Tally()
+        raw = write_raw(raw_dir, self.raw_name, argv, outcome, tally)
         threads, version = self.parse(outcome.stdout) if not outcome.error else ([], None)
         if not self.usable(outcome, threads):
             run = failed_run(self.name, argv, outcome, timeout_s, raw)
             if run.error and not outcome.timed_out and threads:
                 run.error += f" (partial output: {len(threads)} threads kept)"
+            run.redactions = tally.as_dict()
             return BackendResult(tool=run, threads=threads, python_version=version)
         run = ToolRun(tool=self.name, ok=True, duration_s=round(outcome.duration_s, 3),
-                      raw_path=str(raw) if raw else None, command=argv)
+                      raw_path=str(raw) if raw else None, command=argv, redactions=tally.as_dict())
         return BackendResult(tool=run, threads=threads, python_version=version)
 
 

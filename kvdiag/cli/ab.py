@@ -26,7 +26,13 @@ def ab_cmd(
                                          help="Scenario YAML (default: embedded two-engine)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/ab-<timestamp>)."),
 ) -> int:
-    """Exit 0 when the fixed allocator is healthy and the stock one reproduced the hang; 1 otherwise."""
+    """Run a scenario with the stock and with the fixed allocator; compare both runs.
+
+    Each side is a full run with its own report: OUT/stock/ and OUT/fixed/.
+    OUT/report.html puts the two side by side, with links to each.
+    Exit codes: 0 fixed healthy and stock reproduced the hang,
+    1 the A/B did not separate, 2 bad usage, 130 interrupted.
+    """
     scen, name, text = load_scenario(scenario)
     out_dir = prepare_out_dir(out, "ab")
     con = console()
@@ -56,7 +62,9 @@ def ab_cmd(
     code = ExitCode.OK if ok else ExitCode.FAILED
     ab = {"stock": _side(stock, out_dir), "fixed": _side(fixed, out_dir), "separated": ok}
     finish(out_dir, bundle, "ab", ab=ab, verdict=verdict,
-           by_engine={"stock": stock.verdict, "fixed": fixed.verdict}, exit_code=code)
+           by_engine={"stock": stock.verdict, "fixed": fixed.verdict,
+                      **{f"{side}/{name}": v for side, arts in sides.items()
+                         for name, v in arts.verdicts_by_engine.items()}}, exit_code=code)
     con.print(summary)
     con.print(f"  report: {out_dir / 'report.html'}")
     con.print(f"exit code {code}")

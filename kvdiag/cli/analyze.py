@@ -16,7 +16,13 @@ def analyze_cmd(
     bundle: Path = typer.Argument(..., help="A run folder, its bundle/ folder, or bundle.json."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
 ) -> int:
-    """Exit 0 no hang evidence, 10 deadlock/stall found, 4 crash or OOM."""
+    """Re-analyze a saved bundle offline; print the verdict and the frames behind it.
+
+    BUNDLE: a run folder, its bundle/ folder or a bundle.json (e.g. from a bug).
+    Nothing is captured again and no file is written (kvdiag report re-renders).
+    Exit codes: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM,
+    2 no readable bundle.
+    """
     loaded, bundle_dir = load_bundle(bundle)
     verdict = analyze(loaded)
     by_engine = analyze_by_engine(loaded)

@@ -16,7 +16,13 @@ def banner_cmd(
     logfile: str = typer.Argument(..., help="Log file to scan, or - for standard input."),
     as_json: bool = typer.Option(False, "--json", help="Print JSON instead of text."),
 ) -> int:
-    """Exit 0 when no banner predicts the prealloc deadlock, 10 when one does."""
+    """Check a log's kvcached "Init C++ PageAllocator" banners for the prealloc deadlock.
+
+    LOGFILE: an engine's log, or - for standard input. Each banner is printed
+    with its pages per layer; enable_prealloc=1 with at most min_reserved_pages
+    pages per layer is the risk behind kvcached #371.
+    Exit codes: 0 no banner predicts the deadlock, 10 one does, 2 unreadable log.
+    """
     if logfile == "-":
         lines = sys.stdin.read().splitlines()
         source = "<stdin>"

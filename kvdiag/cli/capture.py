@@ -4,10 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import secrets
 import signal
 import threading
-import time
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -18,13 +16,32 @@ from kvdiag.analyze import analyze, analyze_by_engine, exit_code_for
 from kvdiag.analyze.text import format_verdict
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, DEFAULT_BACKENDS, make_backends
+from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
 from kvdiag.model import Bundle, Verdict
+from kvdiag.runner import prepare_out_dir
 
 
-def _default_out() -> Path:
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    return Path("reports") / f"capture-{stamp}-{secrets.token_hex(2)}"
+def _target(pid: int | None, engine_core_of: int | None) -> int:
+    """The pid to capture: --pid as given, or the one EngineCore under --engine-core-of."""
+    if (pid is None) == (engine_core_of is None):
+        raise UsageError("give exactly one of --pid PID and --engine-core-of API_SERVER_PID")
+    if pid is not None:
+        if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
+            raise UsageError(f"--pid {pid}: no such process",
+                             hint="pass the pid of the EngineCore, or --engine-core-of API_SERVER_PID")
+        return pid
+    assert engine_core_of is not None
+    if engine_core_of <= 0 or not os.path.isdir(f"/proc/{engine_core_of}"):
+        raise UsageError(f"--engine-core-of {engine_core_of}: no such process")
+    cores = engine_cores_of(engine_core_of)
+    if not cores:
+        raise UsageError(f"--engine-core-of {engine_core_of}: no VLLM::EngineCore process under it",
+                         hint="pass the pid of a vLLM API server (`vllm serve`), or --pid of the process itself")
+    if len(cores) > 1:
+        raise UsageError(f"--engine-core-of {engine_core_of}: {len(cores)} EngineCore processes under it "
+                         f"({', '.join(map(str, cores))})", hint="pick one with --pid")
+    return cores[0]
 
 
 def _write_report(out_dir: Path, bundle: Bundle, verdict: Verdict, by_engine: dict[str, Verdict],
@@ -58,23 +75,32 @@ def _interruptible(work: Callable[[], Bundle]) -> Bundle:
 
 
 def capture_cmd(
-    pid: int = typer.Option(..., "--pid", help="Process to capture; its children are captured too."),
+    pid: int | None = typer.Option(None, "--pid", help="Process to capture; its children are captured too.",
+                                   show_default=False),
+    engine_core_of: int | None = typer.Option(None, "--engine-core-of", metavar="API_SERVER_PID",
+                                              help="Capture the EngineCore (VLLM::EngineCore) under this API "
+                                              "server instead of naming a pid.", show_default=False),
+    all_descendants: bool = typer.Option(False, "--all-descendants", help="Capture a tree that is not one "
+                                         "engine (pid 1, a shell, other users' processes): every process in it "
+                                         "is paused briefly."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/capture-<timestamp>/)."),
     timeout: float = typer.Option(10.0, "--timeout", help="Bound on the whole capture, seconds."),
     tools: str = typer.Option(",".join(DEFAULT_BACKENDS), "--tools",
                               help="Comma-separated capture backends to run."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
 ) -> int:
-    """Read-only capture of a process and its children (stacks, GIL state, /proc), analyzed.
+    """Read-only capture of a live engine (stacks, GIL state, /proc), analyzed.
 
-    py-spy --native, pystack and gdb pause the target briefly while they read it (one at a time,
-    bounded by --timeout) and always resume it; /proc never does. For a capture that never pauses:
-    --tools proc,py-spy-nonblocking.
-    Exit 0 no hang evidence, 10 deadlock found, 4 crash or OOM.
+    Name the process with --pid, or its API server with --engine-core-of.
+    A tree that is not one engine (pid 1, your shell, other users' processes)
+    is refused unless --all-descendants. py-spy --native, pystack and gdb pause
+    the target briefly, one at a time, and always resume it; /proc never does.
+    A capture that never pauses: --tools proc,py-spy-nonblocking.
+    Exit codes: 0 no hang evidence, 10 deadlock found, 4 crash or OOM,
+    2 bad usage or a refused pid.
     """
-    if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
-        raise UsageError(f"--pid {pid}: no such process", hint="pass the pid of the EngineCore or its API server")
-    if pid == os.getpid():
+    target = _target(pid, engine_core_of)
+    if target == os.getpid():
         raise UsageError("--pid: refusing to capture kvdiag itself")
     if not 0 < timeout <= 600:
         raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
@@ -83,16 +109,17 @@ def capture_cmd(
         make_backends(names)
     except ValueError as exc:
         raise UsageError(f"--tools: {exc}") from None
-    out_dir = out or _default_out()
+    scope = capture_scope(target)
+    if scope.problems and not all_descendants:
+        raise UsageError(f"refusing to capture pid {target}: " + "; ".join(scope.problems),
+                         hint="name the engine: --engine-core-of API_SERVER_PID (or --pid of its EngineCore); "
+                         "--all-descendants captures the whole tree anyway")
+    out_dir = prepare_out_dir(out, "capture")
     bundle_dir = out_dir / "bundle"
-    try:
-        bundle_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise UsageError(f"--out {out_dir}: cannot create: {exc.strerror}") from None
-    typer.echo(f"capturing pid {pid} and its children with {', '.join(names)} "
+    typer.echo(f"capturing pid {target} and its children with {', '.join(names)} "
                f"(read-only, at most {timeout + CAPTURE_SLACK_S:.0f}s)", err=True)
-    bundle = _interruptible(lambda: capture_tree(pid, bundle_dir, timeout_s=timeout, backends=names,
-                                                 command=f"capture --pid {pid}"))
+    bundle = _interruptible(lambda: capture_tree(target, bundle_dir, timeout_s=timeout, backends=names,
+                                                 command=f"capture --pid {target}", pids=scope.pids))
     verdict = analyze(bundle)
     by_engine = analyze_by_engine(bundle)
     code = exit_code_for(verdict)

@@ -15,7 +15,7 @@ from kvdiag import __version__
 from kvdiag.errors import ExitCode, KvdiagError, Terminated
 
 # Each module defines ``register(app)`` adding its command(s).
-_COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "sim")
+_COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact")
 
 app = typer.Typer(
     name="kvdiag",
@@ -53,6 +53,65 @@ def _register_all() -> None:
         module.register(app)
 
 
+def _classes(*dotted: str) -> tuple[type[BaseException], ...]:
+    """The exception classes named ``module:Class`` that this install has (others are skipped)."""
+    found: list[type[BaseException]] = []
+    for name in dotted:
+        module_name, _, attr = name.partition(":")
+        try:
+            cls = getattr(importlib.import_module(module_name), attr, None)
+        except ImportError:
+            continue
+        if isinstance(cls, type) and issubclass(cls, BaseException) and cls not in found:
+            found.append(cls)
+    return tuple(found)
+
+
+def _cli_usage_types() -> tuple[type[BaseException], ...]:
+    """Bad-usage exceptions of the CLI library: click's, and the copies typer >= 0.26 vendors as
+    ``typer._click`` (not subclasses of click's: an ``except click.ClickException`` misses them).
+    pyproject pins typer/click; both families are listed so a drifted install still exits 2."""
+    return _classes("click.exceptions:ClickException", "typer._click.exceptions:ClickException")
+
+
+def _cli_abort_types() -> tuple[type[BaseException], ...]:
+    return _classes("click.exceptions:Abort", "typer._click.exceptions:Abort", "typer.exceptions:Abort")
+
+
+def _show_usage_error(exc: BaseException, argv: list[str]) -> None:
+    """click's own rendering (usage line, "Try ... --help", "Error: ..."); click leaves out the usage
+    line for some errors (an option missing its value): then it is built from the command named."""
+    if getattr(exc, "ctx", None) is None:
+        usage = _usage_of(argv)
+        if usage:
+            typer.echo(usage, err=True)
+    show = getattr(exc, "show", None)
+    if callable(show):
+        show()
+    else:
+        typer.echo(f"kvdiag: error: {exc}", err=True)
+
+
+def _usage_of(argv: list[str]) -> str | None:
+    """"Usage: kvdiag CMD [OPTIONS]..." and the --help hint for the deepest command ``argv`` names."""
+    import click
+
+    try:
+        cmd: click.Command = typer.main.get_command(app)
+        path = ["kvdiag"]
+        for token in argv:
+            sub = getattr(cmd, "commands", {}).get(token)
+            if sub is None:
+                if not token.startswith("-"):
+                    break
+                continue
+            cmd, path = sub, [*path, token]
+        ctx = click.Context(cmd, info_name=" ".join(path))
+        return f"{cmd.get_usage(ctx)}\nTry '{' '.join(path)} --help' for help.\n"
+    except Exception:  # noqa: BLE001 - the error itself still gets printed
+        return None
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated(f"received {signal.Signals(signum).name}")
 
@@ -69,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("KVDIAG_DEBUG") == "1"
     try:
         _register_all()
-        rv = app(args=argv, standalone_mode=False)
+        rv = app(args=argv, prog_name="kvdiag", standalone_mode=False)
     except KvdiagError as exc:
         if debug:
             raise
@@ -85,14 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:  # click usage errors in standalone_mode=False still raise these
         code = exc.code if isinstance(exc.code, int) else ExitCode.USAGE
         return code
-    except Exception as exc:  # a bug: one line unless --debug
-        import click
-
-        if isinstance(exc, click.exceptions.Abort):
+    except Exception as exc:  # usage errors of the CLI library, else a bug: one line unless --debug
+        if isinstance(exc, _cli_abort_types()):
             typer.echo("kvdiag: interrupted", err=True)
             return ExitCode.INTERRUPTED
-        if isinstance(exc, click.ClickException):
-            exc.show()
+        if isinstance(exc, _cli_usage_types()):
+            _show_usage_error(exc, list(argv if argv is not None else sys.argv[1:]))
             return ExitCode.USAGE
         if debug:
             raise

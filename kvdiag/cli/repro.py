@@ -29,7 +29,11 @@ def two_engine(
     out: Path | None = typer.Option(None, "--out", "-o",
                                     help="Output folder (default: reports/repro-two-engine-<timestamp>)."),
 ) -> int:
-    """Run co-located engines; exit 0 if all are healthy, 10 if a deadlock/stall was found."""
+    """Run co-located engines from a scenario; capture and diagnose the one that hangs.
+
+    Exit codes: 0 all engines healthy, 10 deadlock or stall, 4 an engine failed,
+    2 bad usage or scenario, 130 interrupted.
+    """
     scen, name, text = load_scenario(scenario)
     out_dir = prepare_out_dir(out, "repro two-engine")
     con = console()

@@ -50,6 +50,10 @@ def soak(
                        stall_window_s=stall_window, chat=chat, read_timeout_s=read_timeout, capture=capture,
                        drain_grace_s=drain_grace)
     opts.validate()  # usage errors before any folder is created
+    if scenario is not None and url is None:
+        from kvdiag.scenario import load_scenario
+
+        load_scenario(scenario)  # an invalid scenario file is a usage error, before any folder exists
     out_dir = prepare_out_dir(out, "soak")
     con = console()
     subject = url if url else f"scenario {scenario}" if scenario else "simulated engine (soak-hybrid)"

@@ -7,12 +7,13 @@ every registered process group, SIGKILLs what is left after a grace period, and
 sweeps any process whose environment carries ``KVDIAG_RUN_ID=<run id>`` (a
 child that left its process group), then removes the private temp folders
 registered with ``dir PATH`` (raw, unredacted engine logs must not outlive a
-killed kvdiag). It ignores SIGINT/SIGTERM/SIGHUP so a
+killed kvdiag) and the run's own modelled-device files in /dev/shm. It ignores SIGINT/SIGTERM/SIGHUP so a
 Ctrl-C or a terminal hang-up cannot stop it before it has cleaned up.
 """
 
 from __future__ import annotations
 
+import importlib
 import os
 import shutil
 import signal
@@ -78,6 +79,37 @@ def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> Non
                 pass
 
 
+def run_device_name(run_id: str) -> str:
+    """The modelled device a run's simulated engines share when its scenario names none."""
+    return f"kvdiag-{run_id}"
+
+
+def remove_run_device(run_id: str, bound_s: float) -> bool:
+    """Remove the run's own modelled-device files (/dev/shm/kvdiag-dev-<device>.acct and
+    kvdiag-vmm-<device>.lock) once no live process uses them; True when none are left.
+
+    Killed engines never unlink them (EngineCore exits by os._exit or SIGKILL), and until their
+    new parent reaps them they still count as users: retry for up to ``bound_s``.
+    """
+    try:
+        native = importlib.import_module("kvdiag._native")
+    except ImportError:
+        return True  # no native allocator: no engine of this run made device files
+    name = run_device_name(run_id)
+    paths = [native.device_account_path(name), native.device_lock_path(name)]
+    deadline = time.monotonic() + bound_s
+    while True:
+        try:
+            native.remove_stale_device_files(name)
+        except Exception:  # noqa: BLE001 - a stranger's file we cannot open: leave it
+            return False
+        if not any(os.path.exists(p) for p in paths):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)
+
+
 def removable_temp_dir(path: str) -> bool:
     """Only kvdiag's own folders directly in the temp dir are ever removed."""
     p = os.path.realpath(path)
@@ -126,6 +158,7 @@ def main(argv: list[str]) -> int:
     time.sleep(0.3)
     if run_id:
         kill_groups([], run_id, grace_s)
+        remove_run_device(run_id, bound_s=10.0)
     return 0
 
 

@@ -16,7 +16,7 @@ from kvdiag.launch.engines import LaunchPlan, plan_engine
 from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.scenario.models import EngineSpec, Scenario
-from kvdiag.watch.logs import LogFollower, LogState, feed_line
+from kvdiag.watch.logs import MAX_LINE, LogFollower, LogState, feed_line
 from kvdiag.watch.probe import check_health, cpu_ticks, process_tree, scrape_metrics, threads_blocked
 from kvdiag.watch.stall import Observation, StallDetector
 
@@ -103,9 +103,10 @@ class ScenarioRun:
         self.watches: list[EngineWatch] = []
         self._client = httpx.Client(trust_env=False)
 
-    def _event(self, event: str, engine: str | None = None, detail: str | None = None) -> None:
-        self.timeline.append(TimelineEvent(t=round(self.clock() - self.t0, 3), event=event, engine=engine,
-                                           detail=detail))
+    def _event(self, event: str, engine: str | None = None, detail: str | None = None,
+               at: float | None = None) -> None:
+        t = self.clock() if at is None else at
+        self.timeline.append(TimelineEvent(t=round(t - self.t0, 3), event=event, engine=engine, detail=detail))
         self.progress(f"{engine + ': ' if engine else ''}{event}{' (' + detail + ')' if detail else ''}",
                       None)
 
@@ -128,7 +129,9 @@ class ScenarioRun:
         new = w.follower.read_new()
         for line in new:
             for ev in feed_line(w.state, line, w.spec.name):
-                self._event(ev, w.spec.name)
+                # Stamped with the poll's time, the time the stall detector counts the line as progress:
+                # a stall's onset (its last progress) then never precedes the line that was that progress.
+                self._event(ev, w.spec.name, at=now)
             if w.ready_re is not None and w.ready_re.search(line) and w.outcome is Outcome.PENDING:
                 w.healthy = True
         rc = w.proc.returncode()
@@ -156,7 +159,7 @@ class ScenarioRun:
                 w.quiet_since_t = w.detector.quiet_since
                 self._event("stall detected", w.spec.name,
                             f"no log line, health or CPU progress for {self.scenario.windows.stall_s:g}s; "
-                            f"last line: {(w.state.last_line or '')[:160]}")
+                            f"last line: {(w.state.last_line or '')[:MAX_LINE]}")
             elif w.started_t is not None and now - w.started_t > self.scenario.windows.startup_timeout_s:
                 w.outcome = Outcome.TIMEOUT
                 self._event("startup timeout", w.spec.name,

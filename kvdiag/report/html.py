@@ -14,11 +14,13 @@ import base64
 import hashlib
 import json
 import math
+import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Any
+from urllib.parse import quote
 
 import jinja2
 from markupsafe import Markup
@@ -38,7 +40,8 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 KIND_CLASS = {
     "healthy": "ok", "slow_start": "warn", "crash": "fail", "oom": "fail", "unknown": "unk",
     "gil_cycle": "bad", "lock_order_inversion": "bad", "lost_wakeup": "bad", "blocked_ipc_read": "bad",
-    "decode_stall": "bad", "not_saturated": "warn",
+    "decode_stall": "bad", "gil_held_blocked": "bad", "stopped": "warn", "traced": "warn",
+    "not_saturated": "warn",
 }
 
 
@@ -436,6 +439,91 @@ def raw_outputs(bundle: Bundle | None, bundle_dir: Path | None) -> list[dict[str
     return out
 
 
+def bundle_href(rel: str | None, bundle_path: str | None) -> str | None:
+    """A link from the report page to ``rel`` (a path inside the bundle folder), or None.
+
+    ``bundle_path`` is where the bundle folder is as seen from the page (report.bundle_path: "bundle"
+    beside report.html). Absolute paths and paths leaving the bundle (a foreign bundle may name
+    ../../etc/...) get no link.
+    """
+    if not rel or bundle_path is None:
+        return None
+    parts = PurePosixPath(rel.replace("\\", "/")).parts
+    if not parts or rel.startswith(("/", "\\")) or ".." in parts or ":" in parts[0]:
+        return None
+    base = bundle_path.replace("\\", "/").rstrip("/")
+    return quote(f"{base}/{'/'.join(parts)}" if base else "/".join(parts), safe="/")
+
+
+# ---------------------------------------------------------------- A/B
+
+AB_SIDES = ("stock", "fixed")
+_SIDE_BUNDLE = re.compile(r"^(?:\.\./)?[A-Za-z0-9_.-]+/bundle/?$")
+
+
+def _page_href(path: str | None, base: str) -> str | None:
+    """A link to ``path`` (relative to the A/B output folder ``base``, as seen from the page)."""
+    if not path or path.startswith(("/", "\\")) or ":" in path.split("/", 1)[0]:
+        return None
+    if ".." in PurePosixPath(path).parts:
+        return None
+    return quote(posixpath.normpath(posixpath.join(base, path)) if base else path, safe="/")
+
+
+def ab_view(report: Report) -> dict[str, Any] | None:
+    """Both runs of ``kvdiag ab`` side by side, from the stored comparison (``report.ab``).
+
+    Reads either shape of the comparison (each side's verdict, summary, exit code, engines and
+    report/bundle paths); per-engine verdicts come from ``verdicts_by_engine`` keyed "side/engine",
+    else from the side's verdict when that names the engine.
+    """
+    ab = report.ab
+    if not isinstance(ab, dict):
+        return None
+    # The A/B output folder as seen from the page: the folder holding the A/B bundle.
+    base = posixpath.dirname((report.bundle_path or "bundle").replace("\\", "/").rstrip("/"))
+    sides: list[dict[str, Any]] = []
+    for label in AB_SIDES:
+        side = ab.get(label)
+        if not isinstance(side, dict):
+            continue
+        side_verdict = report.verdicts_by_engine.get(label)
+        engines: list[dict[str, Any]] = []
+        raw_engines = side.get("engines")
+        for name, info in (raw_engines.items() if isinstance(raw_engines, dict) else []):
+            info = info if isinstance(info, dict) else {}
+            own = report.verdicts_by_engine.get(f"{label}/{name}")
+            if own is not None:
+                kind: str | None = own.kind.value
+            elif side_verdict is not None and side_verdict.engine == name:
+                kind = side_verdict.kind.value
+            elif side_verdict is not None and side_verdict.kind.value == "healthy":
+                kind = "healthy"  # a healthy run: every engine in it is
+            else:
+                kind = None
+            engines.append({"name": str(name), "phase": info.get("phase"), "healthy": info.get("healthy"),
+                            "startup_s": info.get("startup_s"), "verdict": kind})
+        report_rel = side.get("report") if isinstance(side.get("report"), str) else f"{label}/report.html"
+        bundle_rel = side.get("bundle")
+        if isinstance(bundle_rel, str) and _SIDE_BUNDLE.match(bundle_rel):
+            # stored relative to the A/B bundle folder ("../stock/bundle")
+            bundle_rel = posixpath.normpath(posixpath.join("bundle", bundle_rel))
+        else:
+            bundle_rel = posixpath.join(posixpath.dirname(str(report_rel)), "bundle")
+        sides.append({
+            "label": label, "verdict": str(side.get("verdict") or "unknown"),
+            "summary": str(side.get("summary") or ""), "exit_code": side.get("exit_code"),
+            "report": report_rel, "report_href": _page_href(str(report_rel), base),
+            "bundle": bundle_rel, "bundle_href": _page_href(bundle_rel + "/bundle.json", base),
+            "engines": engines,
+        })
+    if not sides:
+        return None
+    separated = bool(ab.get("separated"))
+    return {"separated": separated, "sides": sides, "base": base,
+            "title": "A/B separated" if separated else "A/B did not separate"}
+
+
 # ---------------------------------------------------------------- page
 
 def _env() -> jinja2.Environment:
@@ -467,6 +555,26 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
     """
     safe_bundle = redact_obj(bundle) if bundle is not None else None
     data = report_dict(report)
+    ab = ab_view(report)
+
+    def link(rel: str | None) -> str | None:
+        """A link into the bundle folder; none to a file the folder does not hold."""
+        href = bundle_href(rel, report.bundle_path)
+        if href is None or (bundle_dir is not None and rel and _inside(bundle_dir, rel) is None):
+            return None
+        if bundle_dir is not None and rel and not (bundle_dir / rel).is_file():
+            return None
+        return href
+
+    def engine_log(name: str, rel: str | None) -> str | None:
+        """An engine's log; an A/B engine ("stock/coder") keeps it in its own run's bundle."""
+        if ab is None:
+            return link(rel)
+        side = next((x for x in ab["sides"] if name.startswith(f"{x['label']}/")), None)
+        if side is None or not rel:
+            return None
+        return _page_href(f"{side['bundle']}/{rel}", str(ab["base"]))
+
     script = (TEMPLATES / "report.js").read_text(encoding="utf-8")
     digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
     csp = (f"default-src 'none'; style-src 'unsafe-inline'; img-src data:; script-src 'sha256-{digest}'; "
@@ -479,8 +587,12 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
         diagram=cycle_diagram(report.verdict.cycle),
         timeline=timeline_diagram(report),
         processes=processes_view(safe_bundle, report),
-        raw=raw_outputs(safe_bundle, bundle_dir),
+        # An A/B bundle holds no raw files of its own (each run's bundle does): list only what is here.
+        raw=[item for item in raw_outputs(safe_bundle, bundle_dir) if ab is None or item["text"] is not None],
         have_bundle=safe_bundle is not None,
+        link=link,
+        engine_log=engine_log,
+        ab=ab,
         report_json=script_json(data),
         page_js=Markup(script),
         csp=csp,

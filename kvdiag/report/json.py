@@ -13,7 +13,7 @@ from typing import Any
 from kvdiag import __version__
 from kvdiag.model import Bundle, EngineRecord, Finding, Report, Verdict
 from kvdiag.report.redact import redact_obj
-from kvdiag.watch.banner import assess_risk
+from kvdiag.watch.banner import assess_risk_for
 
 # Keys every engine entry carries (null when unknown); the schema requires them.
 ENGINE_PID_ROLES = ("api_server", "engine_core")
@@ -21,7 +21,7 @@ ENGINE_PID_ROLES = ("api_server", "engine_core")
 
 def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str, object]:
     """One ``report.engines[]`` item: the record plus banner risk and the engine's own verdict."""
-    risks = [assess_risk(b) for b in rec.banners]
+    risks = [assess_risk_for(b, rec.allocator) for b in rec.banners]
     banners: list[dict[str, Any]] = []
     for banner, risk in zip(rec.banners, risks, strict=True):
         entry = banner.model_dump(mode="json")
@@ -97,6 +97,8 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         scenario=bundle.scenario_path,
         stall_window_s=bundle.stall_window_s,
         interrupted=bundle.interrupted,
+        environment=bundle.environment,
+        redaction=bundle.redaction.model_copy(deep=True),
         stall_to_verdict_s=bundle.stall_to_verdict_s,
     )
     return redact_obj(report)

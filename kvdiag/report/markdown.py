@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 
 from kvdiag.model import Bundle, Report
-from kvdiag.report.html import clean_text, format_frame
+from kvdiag.report.html import ab_view, clean_text, format_frame
 from kvdiag.report.redact import redact_text
+from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
@@ -45,7 +46,12 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     """Render the Markdown summary; ``bundle`` adds the stacks of the cited threads."""
     v = report.verdict
     out: list[str] = []
-    out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
+    ab = ab_view(report)
+    if ab is not None:  # the A/B outcome, not the stock side's hang, heads an A/B report
+        out.append(f"### kvdiag: {ab['title']} (" + ", ".join(f"{side['label']}: `{side['verdict']}`"
+                                                          for side in ab["sides"]) + ")")
+    else:
+        out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
     out.append("")
     out.append(f"**{_inline(clean_text(v.summary))}**")
     out.append("")
@@ -55,8 +61,22 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     if report.scenario:
         facts.append(f"scenario: {_code(report.scenario)}")
     out.append(" · ".join(facts))
+    if v.signature:
+        out += ["", f"signature: {_code(v.signature)}"]
+    if v.known is not None:
+        known = _inline(clean_text(v.known.line()))
+        if v.known.workaround:
+            known += f"; workaround: {_code(v.known.workaround)}"
+        out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
+    if ab is not None:
+        out += ["", "| allocator | verdict | exit code | engines | report |",
+                "|---|---|---|---|---|"]
+        for side in ab["sides"]:
+            engines = ", ".join(f"{e['name']}: {e['verdict'] or e['phase']}" for e in side["engines"])
+            out.append("| " + " | ".join(_cell(x) for x in (
+                side["label"], side["verdict"], side["exit_code"], engines, side["report"])) + " |")
     if v.cycle:
         out += ["", "**Wait-for cycle** (A → B: A waits for B)", "",
                 _fence([" → ".join(v.cycle + [v.cycle[0]] if v.cycle[0] != v.cycle[-1] else v.cycle)])]
@@ -105,7 +125,7 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
                 e.get("name"), e.get("allocator"), e.get("phase"), "yes" if e.get("healthy") else "no",
                 e.get("verdict"), pids.get("api_server"), pids.get("engine_core"),
                 f"{startup:.1f} s" if isinstance(startup, (int, float)) else None,
-                _short(e.get("last_log_line")))) + " |")
+                _short(e.get("last_log_line"), MAX_LINE))) + " |")
         errors = [(e.get("name"), e.get("error")) for e in report.engines if e.get("error")]
         for name, err in errors:
             out.append(f"- {_cell(name)} error: {_code(str(err))}")
@@ -134,6 +154,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         env_lines.append(f"stall detected → verdict: {report.stall_to_verdict_s:.1f} s")
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
+    if report.environment is not None:
+        from kvdiag.report.envtext import environment_lines
+
+        env_lines += environment_lines(report.environment)
+    red = report.redaction
+    env_lines.append(f"redacted: {red.total} value(s)" + (
+        f" ({', '.join(f'{k} {n}' for k, n in red.by_kind.items())})" if red.total else ""))
     out.append(_fence(env_lines))
     out.append("")
     return redact_text("\n".join(out))

@@ -41,6 +41,13 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
     console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
     console.print(head)
     console.print(Text(v.summary))
+    if v.signature:
+        console.print(Text(f"signature: {v.signature}", style="bold"))
+    if v.known is not None:
+        line = Text(v.known.line(), style="bold cyan")
+        if v.known.workaround:
+            line.append(f"; workaround: {v.known.workaround}", style="")
+        console.print(line)
     if report.interrupted:
         console.print(Text("the run was interrupted: partial report", style="yellow"))
     if report.stall_to_verdict_s is not None:
@@ -95,6 +102,18 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
             line.append(f" [{f.engine}]", style="dim")
         line.append(": " + f.message)
         console.print(line)
+
+    env = report.environment
+    if env is not None:
+        from kvdiag.report.envtext import gpu_lines
+
+        pk = env.packages
+        console.print(Text(f"  environment: {env.os}, kernel {env.kernel}, Python {env.python}, "
+                           f"vLLM {pk.get('vllm') or '—'}, kvcached {pk.get('kvcached') or '—'} "
+                           f"({env.kvcached.verdict}), torch {pk.get('torch') or '—'}; {'; '.join(gpu_lines(env))}",
+                           style="dim"))
+        if env.ptrace.problem:
+            console.print(Text(f"  ptrace: {env.ptrace.problem}; fix: {env.ptrace.fix}", style="yellow"))
 
     if paths:
         for name, path in paths.items():

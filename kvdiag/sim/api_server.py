@@ -441,6 +441,28 @@ def _bind(host: str, port: int) -> socket.socket:
 
 def serve(cfg: SimConfig) -> int:
     """Run the API server (and its EngineCore) until a signal or engine death; returns the exit code."""
+    try:
+        return _serve(cfg)
+    finally:
+        _drop_device_files(cfg.device_name)
+
+
+def _drop_device_files(device_name: str) -> None:
+    """Remove the modelled device's /dev/shm files once no live process uses them.
+
+    EngineCore ends with os._exit or SIGKILL (like vLLM's), so its allocator never unlinks them;
+    the API server, which has reaped it by now, does. Co-located engines still running on the
+    same device keep the files (the native check looks for live users under the file's lock).
+    """
+    try:
+        import importlib
+
+        importlib.import_module("kvdiag._native").remove_stale_device_files(device_name)
+    except Exception:  # noqa: BLE001 - no native module: no files were made; never mask the exit
+        pass
+
+
+def _serve(cfg: SimConfig) -> int:
     log = vlog.setup("APIServer")
     log.info("kvdiag simulated engine (not vLLM) serving model %s; the EngineCore runs the %s page allocator",
              cfg.name, cfg.allocator)

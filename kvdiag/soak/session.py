@@ -28,6 +28,7 @@ from rich.console import Console
 
 from kvdiag.errors import EngineFailed, ExitCode, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
+from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, ScenarioRun
 from kvdiag.model import (
     Bundle,
@@ -225,9 +226,11 @@ class SoakRun:
         self.bundle.scenario = scen.model_dump(mode="json")
         self.bundle.scenario_path = name
         self.bundle_dir.mkdir(parents=True, exist_ok=True)
-        from kvdiag.report import redact_text
+        from kvdiag.redact import Tally, note_file, write_redacted
 
-        (self.bundle_dir / "scenario.yaml").write_text(redact_text(text), encoding="utf-8")
+        tally = Tally()
+        write_redacted(self.bundle_dir / "scenario.yaml", text, tally)
+        note_file(self.bundle.redaction, "scenario.yaml", tally.as_dict())
         spec = scen.engines[0]
         raw_log_dir = private_temp_path("kvdiag-soak-logs-")  # created once the reaper knows it
         device: str | None = None
@@ -243,7 +246,7 @@ class SoakRun:
                     shutil.rmtree(raw_log_dir, ignore_errors=True)
 
                 procs.on_teardown(_final_log)
-                device = scen.device.name or f"kvdiag-{procs.run_id}"
+                device = scen.device.name or run_device_name(procs.run_id)
                 run = ScenarioRun(scen, raw_log_dir, procs, device,
                                   progress=lambda m, w: self._echo(m))
                 self.t0 = run.t0
@@ -304,12 +307,11 @@ class SoakRun:
         src = raw_log_dir / f"{name}.log"
         if not src.exists():
             return
-        from kvdiag.report import redact_text
+        from kvdiag.redact import Tally, copy_redacted, note_file
 
-        logs = self.bundle_dir / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        (logs / src.name).write_text(redact_text(src.read_text(encoding="utf-8", errors="replace")),
-                                     encoding="utf-8")
+        tally = Tally()
+        copy_redacted(src, self.bundle_dir / "logs" / src.name, tally)
+        note_file(self.bundle.redaction, f"logs/{src.name}", tally.as_dict())
 
     # -- external server ---------------------------------------------------------------------------
     def _run_external(self, url: str) -> RunArtifacts:

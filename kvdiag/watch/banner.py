@@ -127,3 +127,15 @@ def assess_risk(banner: BannerInfo, gpu_utilization: float | None = None,
         if pages == 0:
             reasons.append("mem_size_per_layer is smaller than one page: the pool has no pages at all")
     return BannerRisk(risky=bool(reasons), pages_per_layer=pages, reasons=reasons)
+
+
+def assess_risk_for(banner: BannerInfo, allocator: str | None) -> BannerRisk:
+    """:func:`assess_risk` for an engine running ``allocator``: the deadlock the banner predicts is the
+    stock allocator's (alloc_page waits holding the GIL); the fixed one waits without it, so for a
+    fixed-allocator engine the risk does not apply and its reasons become notes."""
+    risk = assess_risk(banner)
+    if allocator == "fixed" and risk.risky:
+        return BannerRisk(risky=False, pages_per_layer=risk.pages_per_layer,
+                          reasons=[f"no deadlock with the fixed allocator (it waits without holding the GIL); "
+                                   f"the stock allocator would hang: {reason}" for reason in risk.reasons])
+    return risk

@@ -10,6 +10,9 @@ from pathlib import Path
 from kvdiag.model import BannerInfo, EnginePhase
 from kvdiag.watch.banner import BANNER_MARKER, parse_banner
 
+# Characters of one log line kept where a line is quoted (events, reports); a banner is about 300.
+MAX_LINE = 2000
+
 # vLLM prefixes: "(EngineCore pid=6898) ...", "(EngineCore_DP0 pid=..)", "(APIServer pid=6790) ...".
 _PID_PREFIX = re.compile(r"\((?P<who>[A-Za-z]+(?:_[A-Za-z]*\d+)?)(?:-\d+)? pid=(?P<pid>\d+)\)")
 _UVICORN_PID = re.compile(r"Started server process \[(?P<pid>\d+)\]")
@@ -69,7 +72,11 @@ def feed_line(state: LogState, line: str, source: str | None = None) -> list[str
     banner = parse_banner(line, state.lines_seen, source)
     if banner is not None:
         state.banners.append(banner)
-        events.append(f"banner group_id={banner.group_id} enable_prealloc={int(banner.enable_prealloc)}")
+        # The fields the prealloc deadlock turns on, whole (the raw banner is in the log and the bundle).
+        events.append(f"banner group_id={banner.group_id} num_layers={banner.num_layers} "
+                      f"mem_size_per_layer={banner.mem_size_per_layer_mb:g}MB page_size={banner.page_size_mb:g}MB "
+                      f"enable_prealloc={int(banner.enable_prealloc)} "
+                      f"min_reserved_pages={banner.min_reserved_pages} max_reserved_pages={banner.max_reserved_pages}")
     for phase, pattern in _PHASE_PATTERNS:
         if pattern.search(line) and _ORDER.index(phase) > _ORDER.index(state.phase):
             state.phase = phase

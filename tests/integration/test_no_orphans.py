@@ -123,7 +123,23 @@ def test_interrupted_run_leaves_readable_report(tmp_path: Path) -> None:
     proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "repro", "two-engine", "--scenario", str(scen),
                              "--out", str(out)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                             start_new_session=True)
-    time.sleep(2.0)
+    # Interrupt once both engines are up (engine two never gets ready), not after a fixed sleep:
+    # on a busy machine kvdiag may not have launched anything 2 s in.
+    deadline = time.monotonic() + 90
+    def two_started() -> bool:
+        # engine two's own process (not a forked child: those say --child)
+        for pid in _marked(marker):
+            try:
+                argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"-1.0" in argv and b"--child" not in argv:
+                return True
+        return False
+
+    while not two_started() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert two_started(), "engine two never started"
     proc.send_signal(signal.SIGTERM)
     _, err = proc.communicate(timeout=30)
     assert proc.returncode == 130, err

@@ -46,7 +46,9 @@ def test_every_saved_bundle_gets_its_expected_verdict(name: str) -> None:
     bundle = load(name)
     verdict = analyze(bundle)
     assert verdict.kind.value == EXPECTED[name], verdict.summary
-    assert exit_code_for(verdict) == (10 if verdict.kind.is_hang else 0)
+    expected_code = {"crash": 4, "oom": 4, "stopped": 5, "traced": 5}.get(verdict.kind.value,
+                                                                         10 if verdict.kind.is_hang else 0)
+    assert exit_code_for(verdict) == expected_code
     if verdict.kind.is_hang:
         assert verdict.evidence, "a hang verdict must cite threads"
         pids = {p.pid for p in bundle.processes}

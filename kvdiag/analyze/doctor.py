@@ -1,0 +1,255 @@
+"""`kvdiag doctor`'s rules: known kvcached risks judged from the environment and a scenario. Pure.
+
+Each rule returns :class:`DoctorCheck` rows, one per subject, each with a
+status (risk / ok / unknown / n/a), what it found and what to change:
+
+- ``prealloc_pool``: prealloc on and a pool of at most min_reserved pages per
+  layer: the worker's first reserve empties the free list (the seed's engine 2);
+- ``colocation``: two or more kvcached engines on one GPU, a later one with
+  prealloc on (the seed's reproduction A);
+- ``prefix_build``: an installed kvcached (or a scenario's simulated engine)
+  with the pre-#422 allocator;
+- ``headroom``: a GPU fuller than kvcached's utilization headroom (#377
+  underflow on older builds), or engines that together claim more;
+- ``page_vs_block``: a KV block that does not fit in one page (#367).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, RiskStatus
+from kvdiag.watch.banner import assess_risk, pages_per_layer
+
+DEFAULT_KVCACHED_UTIL = 0.95
+FIX_BUILD = "install kvcached >= 0.1.6 (or a git build at or after 666671b, PR #422)"
+FIX_PREALLOC = "KVCACHED_PAGE_PREALLOC_ENABLED=false on this engine"
+
+
+@dataclass
+class EnginePlan:
+    """What a scenario says about one engine, resolved by the caller (environment merged)."""
+
+    name: str
+    kind: str                        # "sim" | "command"
+    kvcached: bool                   # kvcached manages this engine's KV cache
+    prealloc: bool
+    device: str                      # engines with equal devices share a GPU
+    allocator: str = "external"      # sim: stock | fixed; command: external (the installed kvcached)
+    banner: BannerInfo | None = None  # what its PageAllocator banner will say, when known
+    gpu_memory_utilization: float | None = None
+    kvcached_util: float = DEFAULT_KVCACHED_UTIL
+    page_size_mb: int | None = None
+    tokens_per_page: int | None = None   # sim: tokens one page holds
+    block_size: int | None = None
+    env_errors: list[str] = field(default_factory=list)
+
+
+def _row(check: str, subject: str, status: RiskStatus, detail: str, fix: str | None = None,
+         upstream: str | None = None) -> DoctorCheck:
+    return DoctorCheck(check=check, subject=subject, status=status, detail=detail, fix=fix, upstream=upstream)
+
+
+def pool_checks(engines: Sequence[EnginePlan], banners: Sequence[BannerInfo]) -> list[DoctorCheck]:
+    rows: list[DoctorCheck] = []
+    subjects: list[tuple[str, BannerInfo | None, EnginePlan | None]] = [
+        (f"engine {e.name}", e.banner, e) for e in engines if e.kvcached]
+    subjects += [(f"banner {b.source or ''}:{b.line_no or '?'}", b, None) for b in banners]
+    for subject, banner, plan in subjects:
+        if banner is None:
+            rows.append(_row("prealloc_pool", subject, RiskStatus.UNKNOWN,
+                             "pool size unknown until the engine prints its PageAllocator banner",
+                             "run `kvdiag banner LOG` on its log, or pass `--log LOG` here"))
+            continue
+        risk = assess_risk(banner)
+        pages = pages_per_layer(banner)
+        pool = (f"{pages} page(s) per layer ({banner.mem_size_per_layer_mb} MB / {banner.page_size_mb} MB), "
+                f"min_reserved_pages={banner.min_reserved_pages}, prealloc={'on' if banner.enable_prealloc else 'off'}")
+        pool_reasons = [r for r in risk.reasons if "min_reserved" in r or "smaller than one page" in r]
+        if pool_reasons:
+            sim_fixed = plan is not None and plan.kind == "sim" and plan.allocator == "fixed"
+            rows.append(_row("prealloc_pool", subject, RiskStatus.OK if sim_fixed else RiskStatus.RISK,
+                             pool_reasons[0] + (" (the fixed allocator does not wait with the GIL "
+                                                            "held)" if sim_fixed else ""),
+                             None if sim_fixed else
+                             f"{FIX_PREALLOC}, or a bigger KV pool (more than {banner.min_reserved_pages} pages "
+                             f"per layer: raise --gpu-memory-utilization or lower KVCACHED_MIN_RESERVED_PAGES), "
+                             f"or {FIX_BUILD}", "kvcached #371"))
+        else:
+            rows.append(_row("prealloc_pool", subject, RiskStatus.OK, pool))
+    return rows
+
+
+def colocation_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
+    rows: list[DoctorCheck] = []
+    groups: dict[str, list[EnginePlan]] = {}
+    for e in engines:
+        if e.kvcached:
+            groups.setdefault(e.device, []).append(e)
+    for device, members in groups.items():
+        names = ", ".join(e.name for e in members)
+        if len(members) < 2:
+            rows.append(_row("colocation", f"{device}", RiskStatus.OK, f"one kvcached engine ({names})"))
+            continue
+        later = [e for e in members[1:] if e.prealloc]
+        fixed = all(_build_fixed(e, env) for e in members)
+        if later and not fixed:
+            rows.append(_row(
+                "colocation", device, RiskStatus.RISK,
+                f"kvcached engines {names} share one GPU and {', '.join(e.name for e in later)} start(s) with "
+                f"prealloc on while an earlier engine is live (the seed's reproduction A)",
+                f"one kvcached engine per GPU, or {FIX_PREALLOC.replace('this engine', 'the later engines')}, "
+                f"or {FIX_BUILD} (and >= #448 so co-located engines get a real virtual pool)", "kvcached #371"))
+        elif later:
+            rows.append(_row("colocation", device, RiskStatus.OK,
+                             f"kvcached engines {names} share one GPU; the allocator has the #422 fix"))
+        else:
+            rows.append(_row("colocation", device, RiskStatus.OK,
+                             f"kvcached engines {names} share one GPU, prealloc off on the later ones"))
+    rt = env.kvcached_runtime
+    if rt is not None and rt.segments:
+        live = ", ".join(s.name for s in rt.segments)
+        pre = env.kvcached.verdict == "pre_fix"
+        rows.append(_row("colocation", "this host (live)", RiskStatus.RISK if pre else RiskStatus.OK,
+                         f"{len(rt.segments)} kvcached engine(s) live now ({live}); a new prealloc engine on the "
+                         f"same GPU is co-located" + (" with a pre-fix build" if pre else ""),
+                         f"start the new engine with KVCACHED_PAGE_PREALLOC_ENABLED=false, or {FIX_BUILD}"
+                         if pre else None, "kvcached #371" if pre else None))
+    return rows
+
+
+def _build_fixed(e: EnginePlan, env: EnvironmentRecord) -> bool:
+    if e.kind == "sim":
+        return e.allocator == "fixed"
+    return env.kvcached.verdict in ("fixed", "not_affected")
+
+
+def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
+    rows: list[DoctorCheck] = []
+    k = env.kvcached
+    gil = next((c for c in k.checks if c.defect == "gil_holding_alloc_page"), None)
+    others = [c for c in k.checks if c.defect != "gil_holding_alloc_page" and c.status is DefectStatus.PRESENT]
+    extra = "".join(f"; also {c.title} ({c.upstream})" for c in others)
+    where = f"kvcached {k.version or '?'}" + (f" (git {k.git_commit[:12]})" if k.git_commit else "") + \
+        (f" at {k.location}" if k.location else "")
+    if not k.installed:
+        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.NOT_APPLICABLE,
+                         "kvcached is not installed here"))
+    elif k.verdict == "pre_fix":
+        ev = "; ".join(gil.evidence[:2]) if gil else ""
+        off = env.env.get("KVCACHED_PAGE_PREALLOC_ENABLED", "true").strip().lower() != "true"
+        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.OK if off and not others else RiskStatus.RISK,
+                         f"{where}: pre-fix build: {ev}{extra}"
+                         + (" (KVCACHED_PAGE_PREALLOC_ENABLED is off here: no prealloc worker, no GIL cycle)"
+                            if off else ""),
+                         f"{FIX_BUILD}; until then KVCACHED_PAGE_PREALLOC_ENABLED=false",
+                         gil.upstream if gil else None))
+    elif k.verdict in ("fixed", "not_affected"):
+        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.RISK if others else RiskStatus.OK,
+                         f"{where}: {k.summary}{extra}", FIX_BUILD if others else None))
+    else:
+        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.UNKNOWN, f"{where}: {k.summary}"))
+    for e in engines:
+        if e.kind == "sim" and e.kvcached:
+            if e.allocator == "stock" and not e.prealloc:
+                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.OK,
+                                 "simulated engine with kvdiag's stock allocator (the pre-#422 model), prealloc "
+                                 "off: no prealloc worker, so no GIL cycle"))
+            elif e.allocator == "stock":
+                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.RISK,
+                                 "simulated engine with kvdiag's stock allocator: the pre-#422 model (alloc_page "
+                                 "waits with the GIL held)",
+                                 "allocator: fixed in the scenario (or `--allocator fixed`) to see the fix",
+                                 "kvcached #371"))
+            else:
+                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.OK,
+                                 f"simulated engine with kvdiag's {e.allocator} allocator"))
+    return rows
+
+
+def headroom_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
+    rows: list[DoctorCheck] = []
+    underflow = next((c for c in env.kvcached.checks if c.defect == "headroom_underflow"), None)
+    wraps = underflow is None or underflow.status is not DefectStatus.FIXED
+    util = DEFAULT_KVCACHED_UTIL
+    raw = env.env.get("KVCACHED_GPU_UTILIZATION")
+    try:
+        util = float(raw) if raw else util
+    except ValueError:
+        pass
+    if not env.gpus:
+        rows.append(_row("headroom", "GPUs", RiskStatus.NOT_APPLICABLE, env.gpu_note or "no GPU"))
+    for g in env.gpus:
+        if g.total_mb is None or g.free_mb is None:
+            rows.append(_row("headroom", f"GPU {g.index}", RiskStatus.UNKNOWN, "free memory unknown"))
+            continue
+        headroom = g.total_mb * (1.0 - util)
+        detail = (f"{g.free_mb / 1024:.1f} GiB free of {g.total_mb / 1024:.1f} GiB; kvcached keeps "
+                  f"{headroom / 1024:.1f} GiB ({1 - util:.0%}, KVCACHED_GPU_UTILIZATION={util:g})")
+        if g.free_mb < headroom:
+            rows.append(_row("headroom", f"GPU {g.index}", RiskStatus.RISK,
+                             detail + (": below it, and on a build without #377's fix the unsigned subtraction "
+                                       "wraps so the prealloc reserve is uncapped" if wraps else ": below it"),
+                             "free GPU memory (lower the engines' --gpu-memory-utilization)"
+                             + (f", and {FIX_BUILD}" if wraps else ""), "kvcached #377"))
+        else:
+            rows.append(_row("headroom", f"GPU {g.index}", RiskStatus.OK, detail))
+    groups: dict[str, list[EnginePlan]] = {}
+    for e in engines:
+        if e.kvcached and e.gpu_memory_utilization is not None:
+            groups.setdefault(e.device, []).append(e)
+    for device, members in groups.items():
+        total = sum(e.gpu_memory_utilization or 0.0 for e in members)
+        limit = min(e.kvcached_util for e in members)
+        parts = " + ".join(f"{e.name} {e.gpu_memory_utilization:g}" for e in members)
+        if total > limit:
+            rows.append(_row("headroom", device, RiskStatus.RISK,
+                             f"engines claim {parts} = {total:.2f} of the device, more than "
+                             f"KVCACHED_GPU_UTILIZATION={limit:g}: the device ends fuller than kvcached's headroom",
+                             f"lower --gpu-memory-utilization so the sum stays <= {limit:g}", "kvcached #377"))
+        else:
+            rows.append(_row("headroom", device, RiskStatus.OK,
+                             f"engines claim {parts} = {total:.2f} of the device (<= {limit:g})"))
+    return rows
+
+
+def page_block_checks(engines: Sequence[EnginePlan]) -> list[DoctorCheck]:
+    rows: list[DoctorCheck] = []
+    for e in engines:
+        if not e.kvcached:
+            continue
+        subject = f"engine {e.name}"
+        if e.kind == "sim":
+            rows.append(_row("page_vs_block", subject, RiskStatus.NOT_APPLICABLE,
+                             f"simulated engine: it allocates whole {e.page_size_mb or '?'} MB pages of "
+                             f"{e.tokens_per_page or '?'} tokens (its block size only shows in its logs)"))
+            continue
+        if e.page_size_mb is not None and e.page_size_mb % 2:
+            rows.append(_row("page_vs_block", subject, RiskStatus.RISK,
+                             f"KVCACHED_PAGE_SIZE_MB={e.page_size_mb} is not a multiple of 2 MB",
+                             "KVCACHED_PAGE_SIZE_MB=2 (or 4, 8, ...)"))
+            continue
+        if e.tokens_per_page is not None and e.block_size is not None:
+            if e.tokens_per_page < e.block_size:
+                rows.append(_row("page_vs_block", subject, RiskStatus.RISK,
+                                 f"a page holds {e.tokens_per_page} tokens, a KV block needs {e.block_size}",
+                                 "raise KVCACHED_PAGE_SIZE_MB", "kvcached #367"))
+            else:
+                rows.append(_row("page_vs_block", subject, RiskStatus.OK,
+                                 f"a {e.page_size_mb or '?'} MB page holds {e.tokens_per_page} tokens, "
+                                 f"{e.tokens_per_page // e.block_size} block(s) of {e.block_size}"))
+            continue
+        rows.append(_row("page_vs_block", subject, RiskStatus.UNKNOWN,
+                         f"page {e.page_size_mb or 2} MB; a block's size depends on the model (hybrid linear-"
+                         "attention/Mamba state can exceed a page): a kvcached with #367 refuses to start naming "
+                         "KVCACHED_PAGE_SIZE_MB, older builds hang silently in warm-up",
+                         "if warm-up hangs with an empty pool, raise KVCACHED_PAGE_SIZE_MB", "kvcached #367"))
+    return rows
+
+
+def doctor_checks(env: EnvironmentRecord, engines: Sequence[EnginePlan] = (),
+                  banners: Sequence[BannerInfo] = ()) -> list[DoctorCheck]:
+    """Every rule, in the order a reader goes through them."""
+    return (build_checks(engines, env) + pool_checks(engines, banners) + colocation_checks(engines, env)
+            + headroom_checks(engines, env) + page_block_checks(engines))

@@ -1,0 +1,69 @@
+"""Known upstream defects, recognised from a verdict's kind and its project frames.
+
+A match is by exact signature (a capture of the very stacks the table was
+made from) or by pattern: the verdict kind plus frames that must appear on
+the cited threads. Names are compared on their last scope, so the real
+kvcached (``kvcached::PageAllocator::alloc_page``) and kvdiag's model of it
+(``kvdiag::stock::PageAllocator::alloc_page``) match the same entry.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvdiag.model import KnownDefect, Verdict, VerdictKind
+
+
+@dataclass(frozen=True)
+class KnownHang:
+    defect: KnownDefect
+    kinds: frozenset[VerdictKind]
+    # Each entry: a thread must cite one of these frames; different entries may be different threads.
+    needs: tuple[frozenset[str], ...]
+    signatures: frozenset[str] = field(default_factory=frozenset)
+
+
+_PREALLOC_GIL = KnownDefect(
+    id="kvcached#371",
+    title="prealloc GIL cycle: alloc_page waits with the GIL held while the prealloc worker needs the GIL in "
+          "map_pages (also #334)",
+    fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
+    workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false",
+    url="https://github.com/ovg-project/kvcached/issues/371")
+_IPC_READ = KnownDefect(
+    id="kvcached#371",
+    title="worker IPC reply awaited with no timeout: a live but stuck worker hangs the engine (IPC half of #371)",
+    fixed_by="PR #422 (KVCACHED_IPC_TIMEOUT)", fixed_in="0.1.6",
+    workaround="restart the stuck worker; a kvcached >= 0.1.6 fails after KVCACHED_IPC_TIMEOUT seconds",
+    url="https://github.com/ovg-project/kvcached/issues/371")
+
+KNOWN: tuple[KnownHang, ...] = (
+    KnownHang(_PREALLOC_GIL, frozenset({VerdictKind.GIL_CYCLE}),
+              (frozenset({"alloc_page"}),
+               frozenset({"map_pages", "prealloc_worker", "should_use_worker_ipc", "trigger_preallocation"})),
+              # the seed's stacks (tests/fixtures/seed/, kvcached built from fea40de); kvdiag's
+              # simulated engines with the stock allocator give the same one
+              frozenset({"gil_cycle-3716a34488aa"})),
+    KnownHang(_IPC_READ, frozenset({VerdictKind.BLOCKED_IPC_READ, VerdictKind.UNKNOWN}),
+              (frozenset({"_send_and_receive_message", "broadcast_map_to_kv_tensors",
+                          "broadcast_unmap_from_kv_tensors", "broadcast_kv_tensors_created"}),)),
+)
+
+
+def _last(name: str) -> str:
+    return name.rsplit("::", 1)[-1]
+
+
+def match_known(verdict: Verdict, groups: Sequence[Sequence[str]]) -> KnownDefect | None:
+    """The known defect this verdict is, or None."""
+    for entry in KNOWN:
+        if verdict.signature and verdict.signature in entry.signatures:
+            return entry.defect.model_copy(update={"match": "signature"})
+    names = [{_last(n) for n in g} for g in groups]
+    for entry in KNOWN:
+        if verdict.kind not in entry.kinds:
+            continue
+        if all(any(need & g for g in names) for need in entry.needs):
+            return entry.defect.model_copy(update={"match": "pattern"})
+    return None

@@ -1,0 +1,150 @@
+"""A stable hang signature: the verdict kind and the project frames it cites, hashed.
+
+The same hang gives the same signature on every run and host: pids, tids,
+addresses, file paths and line numbers are left out; C++ names keep their
+last two scopes (``PageAllocator::alloc_page``) without templates or
+parameters; libc, the interpreter, binding glue, wait primitives and the
+standard library are not project frames. Per cited thread the native
+project frames are used when there are any (they are what every capture
+tool sees), else its Python project frames; at most :data:`FRAMES_PER_THREAD`,
+innermost first. Threads are sorted, so the order of the evidence does not
+matter. Pure: no I/O.
+
+Format: ``<kind>-<12 hex digits>``, e.g. ``gil_cycle-5d0c2b8e41a7``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import sys
+from collections.abc import Iterable, Sequence
+
+from kvdiag.analyze import vocab as v
+from kvdiag.model import Bundle, EvidenceItem, Frame, Verdict
+
+FRAMES_PER_THREAD = 4
+SCHEME = "kvdiag-signature-1"
+_DESCRIBED = re.compile(r"^(?P<name>.*?) \((?P<where>[^()]*)\)$")
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"threading", "asyncio", "selectors", "socket",
+                                                                   "queue", "concurrent", "multiprocessing"}
+
+
+# Call plumbing that is not the project's logic: libffi/ctypes, and kvdiag's own binding bridge
+# (its model allocator then signs exactly like kvcached's pybind11 build).
+_MORE_GLUE = ("ffi_", "_ctypes", "PyCFuncPtr", "kvdiag::bindings::")
+
+
+def _drop_nested(text: str, open_ch: str, close_ch: str) -> str:
+    out: list[str] = []
+    depth = 0
+    for ch in text:
+        if ch == open_ch:
+            depth += 1
+        elif ch == close_ch and depth:
+            depth -= 1
+        elif depth == 0:
+            out.append(ch)
+    return "".join(out)
+
+
+def canonical_name(name: str) -> str:
+    """``kvcached::PageAllocator::map_pages(std::vector<long> const&)`` → ``PageAllocator::map_pages``."""
+    n = name.strip()
+    if n.startswith("<") and n.endswith(">"):  # Python's <module>, <lambda>, <listcomp>
+        return n
+    n = re.sub(r"\s*\[clone [^\]]*\]", "", n)
+    n = re.sub(r"\s*\(inlined\)$", "", n)
+    n = re.sub(r"@@?[A-Z_]+[\d.]*$", "", n)
+    n = n.replace("operator()", "operator_call")
+    n = _drop_nested(n, "<", ">")
+    n = _drop_nested(n, "(", ")")
+    n = re.sub(r"\s+const$", "", n).strip()
+    n = re.sub(r"\.(?:constprop|isra|part|cold)\.\d+$", "", n)
+    parts = [p for p in n.split("::") if p]
+    return "::".join(parts[-2:]) if parts else n
+
+
+def _frame_from_text(text: str) -> Frame:
+    """Back from an evidence line (``alloc_page (gil_cycle.c:66)``) to a frame, as far as it tells."""
+    m = _DESCRIBED.match(text)
+    if m is None:
+        return Frame(name=text)
+    name, where = m.group("name"), m.group("where")
+    fm = re.match(r"^(?P<file>.+):(?P<line>\d+)$", where)
+    if fm:
+        file = fm.group("file")
+        return Frame(name=name, kind="python" if file.endswith(".py") else "native", file=file)
+    return Frame(name=name, library=where)
+
+
+def _is_stdlib_python(frame: Frame) -> bool:
+    file = frame.file or ""
+    if "site-packages" in file or "dist-packages" in file:
+        return False
+    if re.search(r"/lib/python3[\d.]*/", file):
+        return True
+    mod = os.path.basename(file).removesuffix(".py")
+    return bool(mod) and "/" not in file and mod in _STDLIB
+
+
+def project_frames(frames: Iterable[Frame]) -> list[str]:
+    """The canonical names of a thread's project frames, innermost first (native ones when any)."""
+    native: list[str] = []
+    python: list[str] = []
+    for f in frames:
+        if f.kind == "python":
+            if not _is_stdlib_python(f):
+                python.append(canonical_name(f.name))
+        elif not v.is_system_frame(f) and not f.name.startswith(_MORE_GLUE):
+            native.append(canonical_name(f.name))
+    chosen = native or python
+    out: list[str] = []
+    for name in chosen:
+        if name and (not out or out[-1] != name):
+            out.append(name)
+    return out[:FRAMES_PER_THREAD]
+
+
+def _thread_frames(item: EvidenceItem, bundle: Bundle | None) -> list[Frame]:
+    """The cited frames of ``item`` as frames: from the bundle's thread when there, else parsed back."""
+    cited = list(item.frames)
+    if bundle is not None:
+        for p in bundle.processes:
+            if p.pid != item.pid:
+                continue
+            for t in p.threads:
+                if t.tid == item.tid and t.frames:
+                    wanted = set(cited)
+                    picked = [f for f in t.frames if v.describe(f) in wanted]
+                    if picked:
+                        return picked
+    return [_frame_from_text(x) for x in cited]
+
+
+def signature_groups(verdict: Verdict, bundle: Bundle | None = None) -> list[tuple[str, ...]]:
+    """Per cited thread, its project frames; empty threads dropped, duplicates merged, sorted."""
+    groups = {tuple(project_frames(_thread_frames(item, bundle))) for item in verdict.evidence}
+    return sorted(g for g in groups if g)
+
+
+def signature_from_groups(kind: str, groups: Sequence[Sequence[str]]) -> str:
+    canon = "\n".join([SCHEME, kind] + [" > ".join(g) for g in sorted(tuple(g) for g in groups)])
+    return f"{kind}-{hashlib.sha256(canon.encode('utf-8')).hexdigest()[:12]}"
+
+
+def hang_signature(verdict: Verdict, bundle: Bundle | None = None) -> str | None:
+    """The signature of a hang verdict; None for a verdict that is not a hang."""
+    if not verdict.kind.is_hang:
+        return None
+    return signature_from_groups(verdict.kind.value, signature_groups(verdict, bundle))
+
+
+def sign(verdict: Verdict, bundle: Bundle | None = None) -> Verdict:
+    """Set ``verdict.signature`` and ``verdict.known`` (in place; returned for chaining)."""
+    from kvdiag.analyze.known import match_known
+
+    verdict.signature = hang_signature(verdict, bundle)
+    verdict.known = match_known(verdict, signature_groups(verdict, bundle)) if verdict.signature else None
+    return verdict

@@ -1,0 +1,77 @@
+"""Environment stage: what machine a run happened on, recorded once into every bundle.
+
+:func:`collect_environment` gathers OS/kernel, Python, package versions
+(vLLM, kvcached, torch, ... from metadata, nothing heavy imported), CUDA
+driver/runtime and GPUs (optional cuda-python, in a bounded child process),
+the kvcached/vLLM variables in effect (redacted), cgroup CPU/memory limits,
+ptrace capability with the fix when capture would be refused, the installed
+kvcached's build fingerprint, and kvcached's live state (segments, sockets).
+Every part is best effort: what cannot be read becomes a line in ``errors``.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from collections.abc import Callable, Mapping
+from typing import TypeVar
+
+from kvdiag.environment.gpu import read_gpus
+from kvdiag.environment.host import (
+    cgroup_limits,
+    memory_total_mb,
+    os_name,
+    package_versions,
+    relevant_env,
+    usable_cpus,
+)
+from kvdiag.environment.kvcached import fingerprint_tree, installed_kvcached
+from kvdiag.environment.ptrace import probe_ptrace
+from kvdiag.environment.runtime import collect_runtime
+from kvdiag.model import EnvironmentRecord, GpuInfo
+
+__all__ = ["collect_environment", "fingerprint_tree", "installed_kvcached", "probe_ptrace"]
+
+T = TypeVar("T")
+
+
+def _safe(errors: list[str], what: str, fn: Callable[[], T], default: T) -> T:
+    try:
+        return fn()
+    except Exception as exc:  # one unreadable fact must not cost the record (or the run)
+        errors.append(f"{what}: {type(exc).__name__}: {exc}")
+        return default
+
+
+def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool = True,
+                        runtime: bool = True, gpu_timeout_s: float = 20.0) -> EnvironmentRecord:
+    """The environment record of this host. ``environ`` is the environment the engines get
+    (default: this process's); ``gpus=False`` skips the CUDA query (no child process)."""
+    errors: list[str] = []
+    env = dict(os.environ if environ is None else environ)
+    rec = EnvironmentRecord(os=_safe(errors, "os", os_name, ""), kernel=platform.release(),
+                            machine=platform.machine(), python=platform.python_version())
+    rec.packages = _safe(errors, "packages", package_versions, {})
+    try:
+        from kvdiag import __version__
+
+        rec.packages["kvdiag"] = __version__
+    except ImportError:  # pragma: no cover - kvdiag is importable: we are it
+        pass
+    rec.env = _safe(errors, "environment", lambda: relevant_env(env), {})
+    rec.cpus = usable_cpus()
+    no_limits: tuple[float | None, int | None] = (None, None)
+    rec.cpu_limit, rec.memory_limit_mb = _safe(errors, "cgroup", cgroup_limits, no_limits)
+    rec.memory_total_mb = memory_total_mb()
+    rec.ptrace = _safe(errors, "ptrace", probe_ptrace, rec.ptrace)
+    rec.kvcached = _safe(errors, "kvcached", installed_kvcached, rec.kvcached)
+    if gpus:
+        no_gpu: tuple[str | None, str | None, list[GpuInfo], str] = (None, None, [], "GPU query failed")
+        rec.cuda_driver, rec.cuda_runtime, rec.gpus, rec.gpu_note = _safe(
+            errors, "gpu", lambda: read_gpus(gpu_timeout_s), no_gpu)
+    else:
+        rec.gpu_note = "not queried"
+    if runtime:
+        rec.kvcached_runtime = _safe(errors, "kvcached runtime", collect_runtime, None)
+    rec.errors = errors
+    return rec

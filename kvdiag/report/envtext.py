@@ -1,0 +1,57 @@
+"""The environment record as plain lines (Markdown, terminal and `kvdiag doctor` share them)."""
+
+from __future__ import annotations
+
+from kvdiag.model import EnvironmentRecord
+
+
+def _mb(value: int | None) -> str:
+    return "?" if value is None else f"{value / 1024:.1f} GiB"
+
+
+def gpu_lines(env: EnvironmentRecord) -> list[str]:
+    if not env.gpus:
+        return [env.gpu_note or "no GPU"]
+    return [f"GPU {g.index}: {g.name}, {_mb(g.total_mb)} total, {_mb(g.free_mb)} free" for g in env.gpus]
+
+
+def environment_lines(env: EnvironmentRecord) -> list[str]:
+    """One fact per line, redacted already (the record is redacted when collected)."""
+    pkgs = ", ".join(f"{k} {v}" if v else f"{k} —" for k, v in env.packages.items())
+    lines = [f"OS: {env.os}, kernel {env.kernel} ({env.machine})", f"Python: {env.python}", f"packages: {pkgs}",
+             f"CUDA: driver {env.cuda_driver or '—'}, runtime {env.cuda_runtime or '—'}"]
+    lines += gpu_lines(env)
+    limits = []
+    if env.cpu_limit is not None:
+        limits.append(f"cgroup CPU quota {env.cpu_limit:g}")
+    if env.memory_limit_mb is not None:
+        limits.append(f"cgroup memory limit {_mb(env.memory_limit_mb)}")
+    lines.append(f"CPUs: {env.cpus if env.cpus is not None else '?'}, memory {_mb(env.memory_total_mb)}"
+                 + (f" ({', '.join(limits)})" if limits else ""))
+    p = env.ptrace
+    scope = "absent" if p.yama_ptrace_scope is None else str(p.yama_ptrace_scope)
+    lines.append(f"ptrace: yama ptrace_scope {scope}, CAP_SYS_PTRACE {'yes' if p.cap_sys_ptrace else 'no'}, "
+                 f"container {p.container or 'none'}: "
+                 + (f"capture refused: {p.problem}; fix: {p.fix}" if p.problem else "attach allowed"))
+    k = env.kvcached
+    if k.installed:
+        ver = f" {k.version}" if k.version else ""
+        git = f" (git {k.git_commit[:12]})" if k.git_commit else ""
+        lines.append(f"kvcached{ver}{git}: {k.verdict}: {k.summary}")
+        for c in k.checks:
+            lines.append(f"  {c.defect}: {c.status.value} ({c.upstream})")
+    else:
+        lines.append(f"kvcached: {k.summary or 'not installed'}")
+    rt = env.kvcached_runtime
+    if rt is not None:
+        for s in rt.segments:
+            lines.append(f"shm segment /dev/shm/{s.name}: used {s.used_bytes}/{s.total_bytes} B, prealloc "
+                         f"{s.prealloc_bytes} B, pids {', '.join(map(str, s.pids)) or 'none'}")
+        for sock in rt.sockets:
+            lines.append(f"IPC socket {sock.path}: listener {', '.join(map(str, sock.listener_pids)) or 'none'}, "
+                         f"peers {', '.join(map(str, sock.peer_pids)) or 'none'}" + (" (stale)" if sock.stale else ""))
+    for key, value in env.env.items():
+        lines.append(f"{key}={value}")
+    for err in env.errors:
+        lines.append(f"not collected: {err}")
+    return lines

@@ -1,0 +1,61 @@
+"""The environment record: facts of this host, redaction, ptrace judgement."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from kvdiag.environment import collect_environment
+from kvdiag.environment.host import relevant_env
+from kvdiag.environment.ptrace import judge
+from kvdiag.model import EnvironmentRecord, PtraceAccess
+from kvdiag.report.redact import REDACTED
+
+
+def test_record_of_this_host_round_trips() -> None:
+    rec = collect_environment(runtime=False)
+    assert rec.python and rec.kernel == os.uname().release and rec.os
+    assert rec.packages.get("kvdiag") and "vllm" in rec.packages and "torch" in rec.packages
+    assert rec.cpus and rec.cpus >= 1 and rec.memory_total_mb and rec.memory_total_mb > 0
+    assert rec.ptrace.uid == os.getuid()
+    if not rec.gpus:   # this CI machine: says so in words
+        assert rec.gpu_note.startswith("no GPU")
+    assert EnvironmentRecord.model_validate_json(rec.model_dump_json()) == rec
+
+
+def test_variables_in_effect_are_chosen_and_redacted() -> None:
+    env = relevant_env({"KVCACHED_PAGE_PREALLOC_ENABLED": "true", "HF_TOKEN": "hf_abcdefghijklmnopqrstuvwxyz123456",
+                        "VLLM_API_KEY": "s3cret-value", "HOME": "/root", "ENABLE_KVCACHED": "1",
+                        "CUDA_VISIBLE_DEVICES": "0", "VLLM_USE_V1": "1"})
+    assert env["KVCACHED_PAGE_PREALLOC_ENABLED"] == "true" and env["ENABLE_KVCACHED"] == "1"
+    assert env["HF_TOKEN"] == REDACTED and env["VLLM_API_KEY"] == REDACTED
+    assert "HOME" not in env and list(env) == sorted(env)
+
+
+@pytest.mark.parametrize(("scope", "cap", "container", "refused", "fix_has"), [
+    (0, False, None, False, None),
+    (1, False, None, True, "ptrace_scope=0"),
+    (1, True, None, False, None),
+    (1, False, "docker", True, "--cap-add=SYS_PTRACE"),
+    (2, False, "kubernetes", True, "SYS_PTRACE"),
+    (2, True, None, False, None),
+    (3, True, None, True, "reboot"),
+    (None, False, None, False, None),    # no Yama: same-uid attach is allowed
+])
+def test_ptrace_judgement(scope: int | None, cap: bool, container: str | None, refused: bool,
+                          fix_has: str | None) -> None:
+    acc = judge(PtraceAccess(yama_ptrace_scope=scope, cap_sys_ptrace=cap, container=container, uid=1000))
+    assert (acc.problem is not None) is refused
+    assert acc.attach_children is (not refused)
+    if fix_has:
+        assert acc.fix is not None and fix_has in acc.fix
+
+
+def test_ptrace_facts_match_proc() -> None:
+    acc = collect_environment(gpus=False, runtime=False).ptrace
+    yama = Path("/proc/sys/kernel/yama/ptrace_scope")
+    assert acc.yama_ptrace_scope == (int(yama.read_text()) if yama.exists() else None)
+    cap_eff = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapEff"))
+    assert acc.cap_sys_ptrace is bool(int(cap_eff.split()[1], 16) >> 19 & 1)
