@@ -106,6 +106,15 @@ def resume_if_left_stopped(pid: int, before: _Before, settle_s: float = 1.0,
     """
     if not before.exists or before.any_stopped:
         return None
+    # One check-and-resume at a time: a chain thread and an interrupted capture may both look.
+    with _RESUME_LOCK:
+        return _resume_if_left_stopped(pid, settle_s, watch_s)
+
+
+_RESUME_LOCK = threading.Lock()
+
+
+def _resume_if_left_stopped(pid: int, settle_s: float, watch_s: float) -> Finding | None:
     start = time.monotonic()
     after = _observe(pid)
     while after.exists and time.monotonic() - start < max(settle_s, watch_s):
@@ -327,7 +336,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
         kill_active_tools()
         resumed = [f for pid, b in befores.items()
                    if (f := resume_if_left_stopped(pid, b, settle_s=1.0, watch_s=0.5)) is not None]
-        resumed += [job.resumed for job in jobs if job.resumed is not None]
+        seen = {f.pid for f in resumed}
+        resumed += [job.resumed for job in jobs if job.resumed is not None and job.resumed.pid not in seen]
         if resumed:
             exc.capture_findings = resumed  # type: ignore[attr-defined]
         raise

@@ -27,6 +27,7 @@ from kvdiag.model import ToolRun
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ATTACHER = FIXTURES / "tools" / "hung_attacher.py"
+RECORDER = FIXTURES / "tools" / "signal_recorder.py"
 sys.path.insert(0, str(FIXTURES / "hangers"))
 import hanger_kit as hk  # noqa: E402
 
@@ -131,13 +132,26 @@ def test_every_ptrace_tool_is_checked_not_only_the_last(target: int, tmp_path: P
     assert not stopped(target)
 
 
-def test_a_target_stopped_when_found_is_left_as_found(target: int, tmp_path: Path) -> None:
-    os.kill(target, signal.SIGSTOP)
-    assert wait_for(lambda: stopped(target))
-    _, findings = capture_processes([target], tmp_path / "raw", timeout_s=2.0, backends=["proc", HungAttacher()])
-    assert wait_for(lambda: states(target)[1] == 0)     # the killed attacher is gone
-    assert stopped(target), "kvdiag resumed a process that was stopped before it came"
-    assert not [f for f in findings if f.kind == "capture_left_stopped"], findings
+def test_a_target_stopped_when_found_is_left_as_found(tmp_path: Path) -> None:
+    """Stopped before kvdiag came: left stopped, and kvdiag sends it no SIGCONT (the target records
+    every SIGCONT it gets)."""
+    log = tmp_path / "signals.log"
+    proc = subprocess.Popen([sys.executable, str(RECORDER), str(log), "120"], stdout=subprocess.PIPE,
+                            start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == b"READY"
+        target = proc.pid
+        os.kill(target, signal.SIGSTOP)
+        assert wait_for(lambda: stopped(target))
+        _, findings = capture_processes([target], tmp_path / "raw", timeout_s=2.0,
+                                        backends=["proc", HungAttacher()])
+        assert wait_for(lambda: states(target)[1] == 0)     # the killed attacher is gone
+        assert stopped(target), (states(target), findings)
+        assert not [f for f in findings if f.kind == "capture_left_stopped"], findings
+        assert "SIGCONT" not in (log.read_text() if log.exists() else ""), "kvdiag resumed it"
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 class _Interrupt(BaseException):
