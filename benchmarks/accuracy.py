@@ -1,23 +1,32 @@
-"""Verdict accuracy on deterministic hanging programs, with all tools and with pystack missing.
+"""Verdict accuracy on the hanging-programs corpus, with all tools and with each tool missing in turn.
 
-Every hanger in tests/fixtures/hangers (GIL cycle in three shapes, one of them on a stripped
-interpreter, lock-order inversion, lost wakeup, blocked IPC read) and two healthy programs
-(busy, idle server) is started --runs times; each run is captured (all backends, read-only)
-and analyzed. The same is repeated with pystack unavailable. The expected verdict of each
-program comes from how it was written (hanger_kit.KINDS), not from the analyzer.
+Every program in tests/fixtures/hangers (hanger_kit.KINDS: GIL cycles in seven shapes, GIL held
+while blocked, lock-order inversions with pthread mutexes and Python locks, lost wakeups, blocked
+reads on sockets, pipes, multiprocessing queues and asyncio streams, slow starts, a decode stall,
+crashes, OOMs, stopped and traced targets, and healthy programs that look stuck in one snapshot)
+is started --runs times and captured the way `kvdiag capture --pid` does (all backends,
+read-only). Each capture is analyzed as it is, then once per tool as if that tool were missing:
+the backends do not feed each other (each reads the target on its own), so dropping one tool's
+data from the capture is what a capture without it would have merged
+(kvdiag.capture.merge.without_tool). The expected verdict of each program comes from how it was
+written (hanger_kit.KINDS), never from the analyzer.
 
-    python benchmarks/accuracy.py [--runs 3]
+Metrics per mode: accuracy; false deadlocks = runs of progressing programs (healthy, slow_start)
+given a hang verdict; missed deadlocks = runs of hanging programs (a hang kind expected) called
+healthy or slow_start.
+
+    python benchmarks/accuracy.py [--runs 3] [--keep-bundles tests/fixtures/bundles/corpus]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
+import json
+import shutil
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Sequence
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,68 +36,124 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
 import hanger_kit as hk  # noqa: E402
 
 from kvdiag.analyze import analyze  # noqa: E402
-from kvdiag.capture import capture_processes, process_tree  # noqa: E402
-from kvdiag.capture.base import CaptureBackend  # noqa: E402
-from kvdiag.capture.tools import PystackBackend  # noqa: E402
+from kvdiag.bundle_io import save_bundle  # noqa: E402
+from kvdiag.capture.bundle import capture_tree  # noqa: E402
+from kvdiag.capture.merge import without_tool  # noqa: E402
 from kvdiag.model import Bundle, VerdictKind  # noqa: E402
 
+TOOLS = ("proc", "py-spy", "pystack", "gdb")
+MODES = ("all_tools", *(f"no_{t}" for t in TOOLS))
+PROGRESSING = frozenset({"healthy", "slow_start"})
 
-def capture_verdict(root: int, raw: Path, backends: Sequence[str | CaptureBackend]) -> str:
-    evidence, findings = capture_processes(process_tree(root), raw, timeout_s=10.0, backends=backends)
-    return analyze(Bundle(processes=evidence, findings=findings)).kind.value
+
+def drop(bundle: Bundle, mode: str) -> Bundle:
+    if mode == "all_tools":
+        return bundle
+    tool = mode.removeprefix("no_")
+    return bundle.model_copy(update={"processes": [without_tool(p, tool) for p in bundle.processes]})
+
+
+def keep_bundle(bundle: Bundle, dest: Path, kind: str) -> None:
+    """bundle.json only (the analyzer reads nothing else), with machine-specific paths made relative."""
+    shutil.rmtree(dest, ignore_errors=True)
+    copy = bundle.model_copy(deep=True)
+    copy.command = f"capture --pid {bundle.processes[0].pid if bundle.processes else 0}  # corpus {kind}"
+    copy.host.pop("cpus", None)
+    copy.environment = None
+    for e in copy.engines:
+        e.log_path = "service.log" if e.log_path else None
+    for p in copy.processes:
+        p.log_files = ["service.log" for _ in p.log_files]
+        if p.progress is not None:
+            p.progress.log_growth = {f"service-{i}.log": n for i, n in enumerate(p.progress.log_growth.values())}
+        for r in p.tools:
+            r.raw_path = None
+    save_bundle(copy, dest)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--only", nargs="*", default=None, help="program names (default: all)")
+    ap.add_argument("--keep-bundles", type=Path, default=None, help="save the first run's bundles here")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-accuracy-"))
-    stripped = hk.stripped_libpython(tmp / "stripped")
-    cases: list[tuple[str, str, dict[str, str] | None]] = [(k, k, None) for k in hk.KINDS if k != "dstate"]
-    if stripped is not None:
-        cases.insert(2, ("gil_cycle_stripped", "gil_cycle_native", dict(os.environ, LD_LIBRARY_PATH=str(stripped))))
-    modes: dict[str, list[str | CaptureBackend]] = {
-        "all_tools": ["proc", "py-spy", "pystack", "gdb"],
-        "pystack_missing": ["proc", "py-spy", PystackBackend(binary=str(tmp / "no-pystack")), "gdb"],
-    }
-    tally: dict[str, dict[str, Counter[str]]] = {m: {} for m in modes}
+    cases = [k for k in (args.only or hk.KINDS) if k not in hk.BENCH_EXCLUDE]
+    skipped = {k: why for k in cases if (why := hk.available(k)) is not None}
+    cases = [k for k in cases if k not in skipped]
+    tally: dict[str, dict[str, Counter[str]]] = {m: {k: Counter() for k in cases} for m in MODES}
+    capture_s: list[float] = []
     start = time.monotonic()
-    for name, kind, env in cases:
-        for mode, backends in modes.items():
-            seen: Counter[str] = Counter()
-            for i in range(args.runs):
-                with hk.running(kind, env=env, bound_s=90, build_dir=tmp / "build") as h:
-                    seen[capture_verdict(h.root_pid, tmp / f"{name}-{mode}-{i}", backends)] += 1
-            tally[mode][name] = seen
-    print(f"{'program':22} {'expected':22} {'all tools':28} {'pystack missing':28}")
+    try:
+        for run in range(args.runs):
+            for kind in cases:
+                with hk.running(kind, bound_s=90) as h:
+                    t0 = time.monotonic()
+                    bundle = capture_tree(h.root_pid, tmp / f"{kind}-{run}", timeout_s=10.0, backends=list(TOOLS))
+                    capture_s.append(time.monotonic() - t0)
+                for mode in MODES:
+                    tally[mode][kind][analyze(drop(bundle, mode)).kind.value] += 1
+                if run == 0 and args.keep_bundles is not None:
+                    keep_bundle(bundle, args.keep_bundles / kind, kind)
+                shutil.rmtree(tmp / f"{kind}-{run}", ignore_errors=True)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
     results: dict[str, dict[str, float]] = {}
-    for mode in modes:
-        total = correct = healthy = false_dl = hangs = missed = 0
-        for name, kind, _ in cases:
+    for mode in MODES:
+        total = correct = progressing = false_dl = hanging = missed = 0
+        for kind in cases:
             expect = hk.KINDS[kind].expect
-            for verdict, n in tally[mode][name].items():
+            for verdict, n in tally[mode][kind].items():
                 total += n
                 correct += n * (verdict == expect)
-                is_hang = VerdictKind(verdict).is_hang
-                if hk.KINDS[kind].hangs:
-                    hangs += n
-                    missed += n * (not is_hang)
-                else:
-                    healthy += n
-                    false_dl += n * is_hang
-        results[mode] = {"accuracy": correct / total, "false_deadlock": false_dl / max(healthy, 1),
-                         "missed_deadlock": missed / max(hangs, 1)}
-    for name, kind, _ in cases:
-        cells = [", ".join(f"{v} x{n}" for v, n in sorted(tally[m][name].items())) for m in modes]
-        print(f"{name:22} {hk.KINDS[kind].expect:22} {cells[0]:28} {cells[1]:28}")
+                if expect in PROGRESSING:
+                    progressing += n
+                    false_dl += n * VerdictKind(verdict).is_hang
+                elif VerdictKind(expect).is_hang:
+                    hanging += n
+                    missed += n * (verdict in PROGRESSING)
+        results[mode] = {"accuracy": correct / max(total, 1), "false_deadlock": false_dl,
+                         "progressing": progressing, "missed_deadlock": missed, "hanging": hanging}
+
+    print(f"{len(cases)} programs x {args.runs} runs, each capture analyzed in {len(MODES)} modes")
+    if skipped:
+        print("skipped: " + "; ".join(f"{k} ({why})" for k, why in skipped.items()))
+    width = max(len(k) for k in cases) + 1
+    print(f"\n{'program':{width}} {'expected':21} " + " ".join(f"{m:22}" for m in MODES))
+    for kind in cases:
+        cells = []
+        for mode in MODES:
+            seen = tally[mode][kind]
+            bad = {v: n for v, n in seen.items() if v != hk.KINDS[kind].expect}
+            cells.append("ok" if not bad else ", ".join(f"{v} x{n}" for v, n in sorted(bad.items())))
+        print(f"{kind:{width}} {hk.KINDS[kind].expect:21} " + " ".join(f"{c:22}" for c in cells))
+
+    kinds = sorted({hk.KINDS[k].expect for k in cases} | {v for k in cases for v in tally["all_tools"][k]})
+    print("\nconfusion (all tools): rows expected, columns verdict")
+    print(f"{'':21} " + " ".join(f"{k[:10]:>10}" for k in kinds))
+    for exp in kinds:
+        row = Counter[str]()
+        for k in cases:
+            if hk.KINDS[k].expect == exp:
+                row.update(tally["all_tools"][k])
+        if row:
+            print(f"{exp:21} " + " ".join(f"{row.get(k, 0) or '.':>10}" for k in kinds))
+
+    print()
     for mode, r in results.items():
-        print(f"{mode:16} accuracy {r['accuracy']:.3f}  false deadlock {r['false_deadlock']:.3f}  "
-              f"missed deadlock {r['missed_deadlock']:.3f}")
-    print(f"{len(cases)} programs x {args.runs} runs x {len(modes)} modes in {time.monotonic() - start:.0f}s")
+        print(f"{mode:12} accuracy {r['accuracy']:.3f}  false deadlocks {r['false_deadlock']:.0f}/"
+              f"{r['progressing']:.0f}  missed deadlocks {r['missed_deadlock']:.0f}/{r['hanging']:.0f}")
+    print(f"capture: median {sorted(capture_s)[len(capture_s) // 2]:.1f}s, max {max(capture_s):.1f}s; "
+          f"total {time.monotonic() - start:.0f}s")
     a = results["all_tools"]
-    print(f"RESULT accuracy={a['accuracy']:.3f} false_deadlock={a['false_deadlock']:.3f} "
-          f"missed_deadlock={a['missed_deadlock']:.3f} "
-          f"accuracy_tool_missing={results['pystack_missing']['accuracy']:.3f}")
+    missing = {m: r["accuracy"] for m, r in results.items() if m != "all_tools"}
+    worst = min(missing, key=lambda m: missing[m])
+    extra = " ".join(f"accuracy_{m}={acc:.3f}" for m, acc in missing.items())
+    print(json.dumps({"worst_tool_missing": worst}))
+    print(f"RESULT accuracy={a['accuracy']:.3f} false_deadlock={a['false_deadlock'] / max(a['progressing'], 1):.3f} "
+          f"missed_deadlock={a['missed_deadlock'] / max(a['hanging'], 1):.3f} "
+          f"accuracy_tool_missing={missing[worst]:.3f} {extra}")
     return 0
 
 

@@ -1,22 +1,29 @@
 """Fixed vs stock page allocator: fast path, contention, stalls, and the engine-2 repro.
 
-Run from the repo root after ``pip install --no-build-isolation -e .``:
+Run from the repo root after the install (a regular ``pip install .`` is what users get):
 
-    python benchmarks/allocator.py [--quick] [--out FILE]
+    python benchmarks/allocator.py [--quick] [--rounds N] [--out FILE]
 
-Measures (stock is the baseline, measured in the same run; medians of alternating rounds):
-  single_ratio     fixed / stock alloc_page+free_page pairs per second, one Python thread
-                   calling the bindings (what the engine's scheduler thread does).
-  contended_ratio  fixed / stock alloc_page+free_page pairs per second, 8 Python threads calling
-                   the bindings of one allocator (how an engine's threads reach it). Stock blocks
-                   on its lock with the GIL held and wakes its worker through the one condvar on
-                   every free; fixed only try_locks under the GIL and releases it to block.
-                   For information only: 8 NATIVE threads (kvdiag._native.stress, C++ threads, no
-                   GIL) — both allocators then serialise on one mutex, so no gain is expected — and
-                   8 Python threads allocating bursts of 16 pages (slow path, maps). There fixed is
-                   slower (~0.8x): it releases the GIL around every synchronous map (fix 6), the
-                   modelled device serialises the maps anyway, so the threads only pay GIL hand-offs;
-                   stock keeps the GIL through its maps, which is what deadlocks it.
+Run as a script (not ``python -m``), sys.path[0] is benchmarks/, so kvdiag and kvdiag._native come
+from the installed package, not from the checkout in the current directory; the header prints
+where they came from, whether the install is editable, and the build type and flags of the
+stock and fixed code (the run stops if they differ: both must be measured at the same
+optimization level).
+
+Every row runs --rounds alternating rounds (stock first in even rounds, fixed first in odd ones);
+each round gives one fixed/stock ratio, and the row reports the median ratio and its spread
+(min..max over the rounds). Rows (stock is the baseline, measured in the same run):
+  single_ratio     alloc_page+free_page pairs per second, one Python thread calling the bindings
+                   (what the engine's scheduler thread does).
+  contended_ratio  the same pairs from 8 Python threads sharing one allocator.
+  native_pairs_ratio   8 NATIVE threads (kvdiag._native.stress, C++ threads, no GIL), alloc+free
+                   pairs: both allocators serialise on one mutex, so this is the cost of the lock
+                   and the list work per op.
+  native_random_ratio  8 native threads, randomized alloc/free/free_pages/trigger/resize/trim.
+  burst_ratio      8 Python threads allocating bursts of 16 pages with 100 us maps (slow path:
+                   the reserve runs dry, so most pages are mapped synchronously). Fixed releases
+                   the GIL around each map and combines concurrent callers' maps into one
+                   backend call; stock keeps the GIL through its maps (which is what deadlocks it).
   stalls           operations slower than --stall-ms (default 250 ms, 2.5x the fixed allocator's
                    100 ms wait slice) or raising AllocatorTimeout, over 10^7 randomized
                    alloc/free/free_pages/trigger/resize/trim operations on the fixed allocator
@@ -24,7 +31,10 @@ Measures (stock is the baseline, measured in the same run; medians of alternatin
   stock_hangs / fixed_hangs  tests/fixtures/alloc_engine2.py (the seed's engine 2, prealloc on)
                    run 20 times each; a run "hangs" if alloc_page has not returned 3 s after the
                    fixture's READY line (a healthy start takes ~0.2 s); hung runs are killed.
-Ends with: RESULT single_ratio=... contended_ratio=... stalls=... stock_hangs=N/20 fixed_hangs=N/20
+The slow-path rows also print the allocators' own counts per 1,000 pages or ops (map calls,
+pages per map, worker wake-ups, combined maps), which show why one is faster than the other.
+Ends with: RESULT single_ratio=... contended_ratio=... stalls=... native_pairs_ratio=...
+native_random_ratio=... burst_ratio=... stock_hangs=N/20 fixed_hangs=N/20 build=...
 """
 
 from __future__ import annotations
@@ -65,7 +75,10 @@ def _make(native: Any, kind: str, **kw: Any) -> Any:
     return cls(4, 256 * PAGE, PAGE, **args)
 
 
-def single_thread(native: Any, kind: str, pairs: int) -> float:
+Sample = tuple[float, dict[str, int]]  # (rate per second, the allocator's counters)
+
+
+def single_thread(native: Any, kind: str, pairs: int) -> Sample:
     """alloc_page + free_page pairs per second from one Python thread (prealloc on, reserve warm)."""
     a = _make(native, kind)
     a.start_prealloc_thread()
@@ -76,19 +89,19 @@ def single_thread(native: Any, kind: str, pairs: int) -> float:
         free(alloc())
     dt = time.perf_counter() - t0
     a.stop_prealloc_thread()
-    return pairs / dt
+    return pairs / dt, a.counters()
 
 
-def native_contended(native: Any, kind: str, ops: int, mode: str = "alloc_free") -> float:
+def native_contended(native: Any, kind: str, ops: int, mode: str = "alloc_free") -> Sample:
     """Pairs (alloc_free) or operations (random) per second from 8 native threads."""
     r = native.stress(kind=kind, threads=8, ops=ops, mode=mode, num_layers=4, mem_size_per_layer=256 * PAGE,
                       page_size=PAGE, min_reserved_pages=5, max_reserved_pages=10, device_name=_dev(kind))
     if r["errors"] or r["double_allocs"]:
         raise SystemExit(f"{kind} stress failed: {r}")
-    return float(r["ops"]) / (r["elapsed_ns"] / 1e9)
+    return float(r["ops"]) / (r["elapsed_ns"] / 1e9), r["counters"]
 
 
-def python_contended(native: Any, kind: str, seconds: float, burst: int = 1, latency_us: int = 0) -> float:
+def python_contended(native: Any, kind: str, seconds: float, burst: int = 1, latency_us: int = 0) -> Sample:
     """Pages allocated+freed per second by 8 Python threads calling the bindings."""
     a = _make(native, kind, map_latency_us=latency_us)
     a.start_prealloc_thread()
@@ -123,17 +136,73 @@ def python_contended(native: Any, kind: str, seconds: float, burst: int = 1, lat
         t.join()
     dt = time.perf_counter() - t0
     a.stop_prealloc_thread()
-    return sum(counts) / dt
+    c = a.counters()
+    c["units"] = sum(counts)
+    return sum(counts) / dt, c
 
 
-def rounds(fn: Callable[[str], float], n: int) -> tuple[float, float]:
-    """Median of n alternating rounds for stock and fixed."""
-    stock: list[float] = []
-    fixed: list[float] = []
-    for _ in range(n):
-        stock.append(fn("stock"))
-        fixed.append(fn("fixed"))
-    return statistics.median(stock), statistics.median(fixed)
+class Row:
+    """One benchmark row: alternating rounds, one fixed/stock ratio per round."""
+
+    def __init__(self, key: str, name: str) -> None:
+        self.key, self.name = key, name
+        self.stock: list[float] = []
+        self.fixed: list[float] = []
+        self.ratios: list[float] = []
+        self.counters: dict[str, list[dict[str, int]]] = {"stock": [], "fixed": []}
+
+    def run(self, fn: Callable[[str], Sample], n: int) -> None:
+        for i in range(n):
+            got: dict[str, Sample] = {}
+            for kind in (("stock", "fixed") if i % 2 == 0 else ("fixed", "stock")):
+                got[kind] = fn(kind)
+            self.stock.append(got["stock"][0])
+            self.fixed.append(got["fixed"][0])
+            self.ratios.append(got["fixed"][0] / got["stock"][0])
+            self.counters["stock"].append(got["stock"][1])
+            self.counters["fixed"].append(got["fixed"][1])
+
+    @property
+    def ratio(self) -> float:
+        return statistics.median(self.ratios)
+
+    def line(self) -> str:
+        spread = f"{min(self.ratios):.2f}..{max(self.ratios):.2f}"
+        return (f"{self.name:<44}{statistics.median(self.stock):>12,.0f}/s{statistics.median(self.fixed):>12,.0f}/s"
+                f"{self.ratio:>12.2f}x  {spread:<11} n={len(self.ratios)}")
+
+    def counts(self, units: int | None) -> str:
+        """The allocators' own counts per 1,000 units (pages or ops), summed over the rounds."""
+        out = []
+        for kind in ("stock", "fixed"):
+            cs = self.counters[kind]
+            total = {k: sum(int(c.get(k, 0)) for c in cs) for k in
+                     ("map_calls", "pages_mapped", "unmap_calls", "worker_wakeups", "combined_maps", "units")}
+            n = total["units"] if units is None else units * len(cs)
+            per = 1000.0 / max(1, n)
+            batch = total["pages_mapped"] / max(1, total["map_calls"])
+            out.append(f"{kind}: {total['map_calls'] * per:.1f} maps ({batch:.1f} pages each), "
+                       f"{total['unmap_calls'] * per:.1f} unmaps, {total['worker_wakeups'] * per:.1f} worker wake-ups, "
+                       f"{total['combined_maps'] * per:.1f} combined maps")
+        return "    per 1,000: " + "; ".join(out)
+
+
+def install_info(native: Any) -> tuple[str, str]:
+    """(where kvdiag and kvdiag._native were imported from, the build type shared by stock and fixed)."""
+    import kvdiag
+
+    pkg = Path(kvdiag.__file__).resolve().parent
+    so = Path(native.__file__).resolve()
+    # A regular install puts the package in site-packages; an editable one (or running with the
+    # checkout on sys.path) imports the repository's kvdiag/.
+    editable = pkg == ROOT / "kvdiag"
+    kind = "EDITABLE install or the checkout (kvdiag from the repository)" if editable else "regular install"
+    info = native.build_info()
+    if info["stock"] != info["fixed"]:
+        raise SystemExit(f"stock and fixed were compiled differently, a ratio would compare builds:\n"
+                         f"  stock: {info['stock']}\n  fixed: {info['fixed']}")
+    where = f"{kind}: kvdiag from {pkg}, _native from {so}"
+    return where, info["fixed"]
 
 
 def engine2_once(native: Any, kind: str, hang_after_s: float) -> tuple[bool, float]:
@@ -183,6 +252,7 @@ def engine2_runs(native: Any, kind: str, runs: int, hang_after_s: float) -> tupl
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run, not for the record)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per row (default 7, quick 3)")
     ap.add_argument("--stall-ms", type=int, default=250)
     ap.add_argument("--out", type=Path, default=None, help="also write the output to this file")
     args = ap.parse_args()
@@ -191,31 +261,36 @@ def main() -> int:
 
     native = native_module()
     q = args.quick
-    n_rounds = 3 if q else 7
+    n_rounds = args.rounds or (3 if q else 7)
     t_start = time.monotonic()
+    where, build = install_info(native)
+    build_type = build.split(" ", 1)[0]
     say(f"kvdiag allocator benchmark  (cpus={os.cpu_count()}, python {sys.version.split()[0]})")
+    say(f"install: {where}")
+    say(f"build (stock and fixed alike): {build}")
     say("")
-    say(f"{'measure':<46}{'stock':>14}{'fixed':>14}{'fixed/stock':>13}")
-
-    def row(name: str, s: float, f: float, unit: str = "/s") -> float:
-        ratio = f / s if s else float("inf")
-        say(f"{name:<46}{s:>12,.0f}{unit}{f:>12,.0f}{unit}{ratio:>12.2f}x")
-        return ratio
+    say(f"{'measure':<44}{'stock':>14}{'fixed':>14}{'fixed/stock':>13}  {'spread':<11}")
 
     pairs = 50_000 if q else 300_000
-    s, f = rounds(lambda k: single_thread(native, k, pairs), n_rounds)
-    single_ratio = row("1 Python thread, alloc+free pairs", s, f)
-
     secs = 0.4 if q else 1.0
-    s, f = rounds(lambda k: python_contended(native, k, secs), n_rounds)
-    contended_ratio = row("8 Python threads, alloc+free pairs", s, f)
     ops = 300_000 if q else 1_500_000
-    s, f = rounds(lambda k: native_contended(native, k, ops), 3)
-    row("8 native threads, alloc+free pairs (info)", s, f)
-    s, f = rounds(lambda k: native_contended(native, k, ops // 2, mode="random"), 3)
-    row("8 native threads, randomized ops (info)", s, f)
-    s, f = rounds(lambda k: python_contended(native, k, secs, burst=16, latency_us=100), 3)
-    row("8 Py threads, bursts of 16, 100us maps (info)", s, f)
+    rows = [
+        (Row("single_ratio", "1 Python thread, alloc+free pairs"),
+         lambda k: single_thread(native, k, pairs), None),
+        (Row("contended_ratio", "8 Python threads, alloc+free pairs"),
+         lambda k: python_contended(native, k, secs), None),
+        (Row("native_pairs_ratio", "8 native threads, alloc+free pairs"),
+         lambda k: native_contended(native, k, ops), ops),
+        (Row("native_random_ratio", "8 native threads, randomized ops"),
+         lambda k: native_contended(native, k, ops // 2, mode="random"), ops // 2),
+        (Row("burst_ratio", "8 Py threads, bursts of 16, 100us maps"),
+         lambda k: python_contended(native, k, secs, burst=16, latency_us=100), None),
+    ]
+    for row, fn, units in rows:
+        row.run(fn, n_rounds)
+        say(row.line())
+        if row.key in ("native_random_ratio", "burst_ratio"):
+            say(row.counts(units))
 
     total = 1_000_000 if q else 10_000_000
     t0 = time.monotonic()
@@ -240,8 +315,10 @@ def main() -> int:
         f"{fixed_hangs}/{runs}" + (f", started in median {statistics.median(fixed_times):.3f} s "
                                    f"(max {max(fixed_times):.3f} s) after READY" if fixed_times else ""))
     say(f"total {time.monotonic() - t_start:.0f} s")
-    say(f"RESULT single_ratio={single_ratio:.2f} contended_ratio={contended_ratio:.2f} stalls={stalls} "
-        f"stock_hangs={stock_hangs}/{runs} fixed_hangs={fixed_hangs}/{runs}")
+    ratios = " ".join(f"{row.key}={row.ratio:.2f}" for row, _, _ in rows if row.key not in ("single_ratio",
+                                                                                            "contended_ratio"))
+    say(f"RESULT single_ratio={rows[0][0].ratio:.2f} contended_ratio={rows[1][0].ratio:.2f} stalls={stalls} "
+        f"{ratios} stock_hangs={stock_hangs}/{runs} fixed_hangs={fixed_hangs}/{runs} build={build_type}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(LINES) + "\n")

@@ -43,7 +43,8 @@ def _event(report: dict[str, Any], name: str) -> float | None:
 
 def one_run(argv: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
     t = time.monotonic()
-    proc = subprocess.run([sys.executable, "-m", "kvdiag", *argv, "--out", str(out)], cwd=ROOT,
+    # -P: the repository root (cwd) must not shadow the installed kvdiag (a non-editable install).
+    proc = subprocess.run([sys.executable, "-P", "-m", "kvdiag", *argv, "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True, timeout=timeout_s)
     wall = time.monotonic() - t
     report = json.loads((out / "report.json").read_text())

@@ -191,6 +191,9 @@ nb::dict counters_dict(const CounterSnapshot& s) {
   d["unmap_calls"] = s.unmap_calls;
   d["backoffs"] = s.backoffs;
   d["alloc_timeouts"] = s.alloc_timeouts;
+  d["worker_wakeups"] = s.worker_wakeups;
+  d["pages_mapped"] = s.pages_mapped;
+  d["combined_maps"] = s.combined_maps;
   return d;
 }
 
@@ -458,12 +461,24 @@ NB_MODULE(_native, m) {
         d["final_total"] = r.final_total;
         d["final_inflight"] = r.final_inflight;
         d["first_error"] = r.first_error;
+        d["counters"] = counters_dict(r.counters);
         return d;
       },
       "kind"_a = "fixed", "threads"_a = 4, "ops"_a = 1000000, "mode"_a = "random", "seed"_a = 1, "stall_ms"_a = 100,
       "hold_max"_a = 8, "start_prealloc"_a = true, "num_layers"_a = 4, "mem_size_per_layer"_a = 64 * 65536,
       "page_size"_a = 65536, "kwargs"_a,
       "Run a native multi-threaded stress loop (GIL released) and return its statistics.");
+
+  m.def(
+      "build_info",
+      [] {
+        nb::dict d;
+        d["stock"] = stock::build_info();
+        d["fixed"] = fixed::build_info();
+        d["bindings"] = KVDIAG_BUILD_INFO;
+        return d;
+      },
+      "How each part of this extension was compiled (CMake build type, flags, optimization).");
 
   m.def("_shutdown_all", &shutdown_all_fixed,
         "At exit: stop every live fixed allocator's worker and drop device files we were last to use.");

@@ -115,6 +115,9 @@ CounterSnapshot Counters::snapshot(int64_t inflight) const {
   s.unmap_calls = unmap_calls.load();
   s.backoffs = backoffs.load();
   s.alloc_timeouts = alloc_timeouts.load();
+  s.worker_wakeups = worker_wakeups.load();
+  s.pages_mapped = pages_mapped.load();
+  s.combined_maps = combined_maps.load();
   return s;
 }
 

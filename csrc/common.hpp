@@ -105,15 +105,20 @@ struct CounterSnapshot {
   int64_t unmap_calls = 0;
   int64_t backoffs = 0;        // reserve back-offs because the device VMM lock was busy (fixed only)
   int64_t alloc_timeouts = 0;  // AllocatorTimeout raised by alloc_page (fixed only)
+  int64_t worker_wakeups = 0;  // rounds the prealloc worker ran after a wake-up
+  int64_t pages_mapped = 0;    // pages over all map calls (pages_mapped / map_calls = batch size)
+  int64_t combined_maps = 0;   // synchronous maps that carried the pages of several callers (fixed only)
 };
 
 // Lock-free counters shared by both allocators.
 struct Counters {
   std::atomic<int64_t> waits{0}, wait_timeouts{0}, sync_fallbacks{0}, map_calls{0}, map_ns_total{0},
-      map_ns_max{0}, map_failures{0}, unmap_calls{0}, backoffs{0}, alloc_timeouts{0};
+      map_ns_max{0}, map_failures{0}, unmap_calls{0}, backoffs{0}, alloc_timeouts{0}, worker_wakeups{0},
+      pages_mapped{0}, combined_maps{0};
 
-  void record_map(int64_t ns) {
+  void record_map(int64_t ns, size_t pages) {
     map_calls.fetch_add(1, std::memory_order_relaxed);
+    pages_mapped.fetch_add(static_cast<int64_t>(pages), std::memory_order_relaxed);
     map_ns_total.fetch_add(ns, std::memory_order_relaxed);
     int64_t prev = map_ns_max.load(std::memory_order_relaxed);
     while (ns > prev && !map_ns_max.compare_exchange_weak(prev, ns, std::memory_order_relaxed)) {
@@ -137,6 +142,27 @@ void log_line(LogLevel level, const char* file, int line, const char* fmt, ...)
 #define KVD_INFO(...) KVD_LOG(::kvdiag::LogLevel::Info, __VA_ARGS__)
 #define KVD_WARN(...) KVD_LOG(::kvdiag::LogLevel::Warning, __VA_ARGS__)
 #define KVD_ERROR(...) KVD_LOG(::kvdiag::LogLevel::Error, __VA_ARGS__)
+
+// How the translation unit that expands KVDIAG_BUILD_INFO was compiled: the CMake build type and
+// flags (compile definitions set by CMakeLists.txt) and what the compiler itself reports
+// (__OPTIMIZE__, NDEBUG). benchmarks/allocator.py compares the stock and fixed strings.
+#ifndef KVDIAG_BUILD_TYPE
+#define KVDIAG_BUILD_TYPE "unknown build type"
+#endif
+#ifndef KVDIAG_CXX_FLAGS
+#define KVDIAG_CXX_FLAGS "flags not recorded"
+#endif
+#ifdef __OPTIMIZE__
+#define KVDIAG_OPT_STATE "optimized"
+#else
+#define KVDIAG_OPT_STATE "NOT optimized"
+#endif
+#ifdef NDEBUG
+#define KVDIAG_NDEBUG_STATE ", NDEBUG"
+#else
+#define KVDIAG_NDEBUG_STATE ", assertions on"
+#endif
+#define KVDIAG_BUILD_INFO KVDIAG_BUILD_TYPE " (" KVDIAG_CXX_FLAGS "; " KVDIAG_OPT_STATE KVDIAG_NDEBUG_STATE ")"
 
 inline int64_t ns_between(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(b - a).count();

@@ -3,8 +3,8 @@
 // Contract of this file (pure C++, no Python):
 //   Locks:   g_registry_mu (process-local, guards the per-name registries; held only for map
 //            look-ups, never across I/O waits other than open()). DeviceVmmLock: a gate (gate_mu_ +
-//            gate_cv_, held only to flip gate_busy_) +
-//            flock on the lock file. DeviceAccount: flock on the accounting file while claiming a slot.
+//            gate_cv_, held only to flip gate_busy_) + flock on the lock file, taken only by the
+//            gate's holder (maps/unmaps, and busy_elsewhere's non-blocking probe). DeviceAccount: flock on the accounting file while claiming a slot.
 //   GIL:     never touched; nothing here calls into Python.
 //   Waits:   DeviceVmmLock::lock() is unbounded by design (stock model). lock_until() polls
 //            flock(LOCK_NB) until its deadline. Slot claiming holds flock for a few microseconds.
@@ -288,16 +288,10 @@ int64_t device_used_bytes(const std::string& device_name) {
 DeviceVmmLock::DeviceVmmLock(const std::string& device_name) : presence_(DeviceAccount::open(device_name)) {
   const std::string path = device_lock_path(device_name);
   fd_ = open_shared(path);
-  probe_fd_ = ::open(path.c_str(), O_RDWR | O_CLOEXEC);
-  if (probe_fd_ < 0) {
-    ::close(fd_);
-    throw std::runtime_error("cannot open " + path + ": " + std::strerror(errno));
-  }
 }
 
 DeviceVmmLock::~DeviceVmmLock() {
   if (fd_ >= 0) ::close(fd_);
-  if (probe_fd_ >= 0) ::close(probe_fd_);
 }
 
 bool DeviceVmmLock::gate_wait(std::unique_lock<std::mutex>& g, const Clock::time_point* deadline) {
@@ -324,8 +318,10 @@ void DeviceVmmLock::lock() {
     std::unique_lock<std::mutex> g(gate_mu_);
     gate_wait(g, nullptr);
   }
+  if (flock(fd_, LOCK_EX | LOCK_NB) == 0) return;
+  blocked_elsewhere_.store(true);
   flock_retry(fd_, LOCK_EX);
-  held_here_.store(true);
+  blocked_elsewhere_.store(false);
 }
 
 bool DeviceVmmLock::lock_until(Clock::time_point deadline) {
@@ -336,11 +332,13 @@ bool DeviceVmmLock::lock_until(Clock::time_point deadline) {
   auto pause = std::chrono::microseconds(50);
   for (;;) {
     if (flock(fd_, LOCK_EX | LOCK_NB) == 0) {
-      held_here_.store(true);
+      blocked_elsewhere_.store(false);
       return true;
     }
+    blocked_elsewhere_.store(true);
     auto now = Clock::now();
     if (now >= deadline) {
+      blocked_elsewhere_.store(false);
       gate_release();
       return false;
     }
@@ -350,21 +348,27 @@ bool DeviceVmmLock::lock_until(Clock::time_point deadline) {
 }
 
 void DeviceVmmLock::unlock() {
-  held_here_.store(false);
   flock_retry(fd_, LOCK_UN);
   gate_release();
 }
 
 bool DeviceVmmLock::busy_elsewhere() {
-  // A map of our own in progress is not "another process"; the caller's own bounds cover it.
-  if (held_here_.load()) return false;
-  std::unique_lock<std::mutex> g(probe_mu_, std::try_to_lock);
-  if (!g.owns_lock()) return false;
-  if (flock(probe_fd_, LOCK_EX | LOCK_NB) == 0) {
-    flock_retry(probe_fd_, LOCK_UN);
-    return false;
+  // The probe takes this process's gate, so it never overlaps a map of our own: a map that
+  // arrives meanwhile waits on the gate (woken by gate_release) instead of finding the file lock
+  // taken and polling. If the gate is taken, one of our threads holds the file lock (a map of our
+  // own: not "elsewhere") or is blocked on it, which means someone else holds it.
+  {
+    std::lock_guard<std::mutex> g(gate_mu_);
+    if (gate_busy_) return blocked_elsewhere_.load();
+    gate_busy_ = true;
   }
-  return errno == EWOULDBLOCK;
+  bool busy = false;
+  if (flock(fd_, LOCK_EX | LOCK_NB) == 0)
+    flock_retry(fd_, LOCK_UN);
+  else
+    busy = errno == EWOULDBLOCK;
+  gate_release();
+  return busy;
 }
 
 }  // namespace kvdiag

@@ -70,7 +70,8 @@ class DeviceVmmLock {
   void lock();                                       // unbounded (stock model)
   bool lock_until(Clock::time_point deadline);       // bounded
   void unlock();
-  // True when another process (not this one) holds the lock right now. Non-blocking.
+  // True when another process (or another DeviceVmmLock object) holds the lock right now.
+  // Non-blocking; false while a thread of this object holds it.
   bool busy_elsewhere();
 
  private:
@@ -79,13 +80,13 @@ class DeviceVmmLock {
   std::mutex gate_mu_;
   std::condition_variable gate_cv_;
   bool gate_busy_ = false;
-  std::mutex probe_mu_;
-  std::atomic<bool> held_here_{false};
+  // The gate's holder found the file lock taken (by another process or DeviceVmmLock object)
+  // and is waiting for it.
+  std::atomic<bool> blocked_elsewhere_{false};
   // A slot in the device's accounting file marks this process as a user of the device, so the
   // last user's cleanup never unlinks a lock file that is still in use.
   std::shared_ptr<DeviceAccount> presence_;
   int fd_ = -1;
-  int probe_fd_ = -1;
 };
 
 // Path helpers (exposed for tests and the Python layer).

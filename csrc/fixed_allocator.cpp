@@ -1,26 +1,39 @@
 // kvdiag native allocators: the FIXED page allocator.
 //
 // Contract of this file (pure C++; bindings in bindings.cpp):
-//   Locks:   mu_ (lists, counters, worker state) is only held for O(pages) list work; it is released
-//            before every map/unmap/mem_get_info/device probe/sleep/Python callback. ctl_mu_
-//            serialises start/stop (order ctl_mu_ -> mu_).
+//   Locks:   mu_ (page lists, counts, combined-map queue, worker state) is held only for O(1) work
+//            per page; it is released before every map/unmap/mem_get_info/device probe/sleep/
+//            Python callback, and callers wake the worker (worker_cv_) after releasing it.
+//            ctl_mu_ serialises start/stop (order ctl_mu_ -> mu_).
 //   GIL:     the bindings release it around every call that may block; the fast paths
-//            (try_alloc_fast/try_free_fast) only try_lock mu_ and never wait.
-//   Python:  broadcast map/unmap callbacks, invoked with no lock held (the std::function is copied
-//            out under mu_ and called after unlocking).
-//   Waits:   alloc_page: pages_cv_.wait_until in wait_timeout_ms slices, total <= map_timeout_ms,
-//            then AllocatorTimeout. Maps/unmaps: deadline = now + map_timeout_ms. Worker:
-//            worker_cv_ wait (trigger/stop) and wait_for(backoff_ms). stop: exit_cv_.wait_for
-//            (stop_timeout_ms), then detach. wait_prealloc_idle: polled until its deadline.
+//            (try_alloc_fast/try_free_fast) only try_lock mu_ (a bounded spin of kSpinTries) and
+//            never wait.
+//   Python:  the worker never calls should_use_worker_ipc (an atomic holds the answer). Broadcast
+//            map/unmap callbacks, when installed for worker IPC, are invoked with no lock held
+//            (the std::function is copied out under mu_ and called after unlocking).
+//   Waits:   alloc_page: pages_cv_/sync_cv_ wait_until in wait_timeout_ms slices, total <=
+//            map_timeout_ms, then AllocatorTimeout. Maps/unmaps: deadline = now + map_timeout_ms.
+//            Worker: worker_cv_ wait (trigger/stop) and wait_for(backoff_ms). stop:
+//            exit_cv_.wait_for(stop_timeout_ms), then detach. wait_prealloc_idle: polled until
+//            its deadline.
 //
 // The six fixes, by where they live:
-//   1 bounded wait, then synchronous map on the caller ........ alloc_page
+//   1 bounded wait, then synchronous map on the caller ........ alloc_page, map_for_caller
 //   2 in-flight pages visible; the worker never takes more than half the free list at once, so
-//     callers can still map synchronously while it works ....... prealloc_worker, publish_locked
+//     callers can still map synchronously while it works ....... prealloc_worker, publish_inflight_locked
 //   3 stalled/failed map -> log + AllocatorTimeout/RuntimeError . map_pages, alloc_page
 //   4 saturating headroom ...................................... get_avail_physical_pages
 //   5 back off while another process holds the device VMM lock  prealloc_worker
 //   6 GIL released around waits and maps; no callback under a lock  bindings.cpp, map_pages
+//
+// Why releasing the GIL costs no throughput (issue 19): with the GIL released, several callers
+// can need a synchronous map at the same time, and each would queue for the device lock to map
+// one page. Instead they COMBINE (map_for_caller): the first becomes the leader and maps every
+// page queued so far in one backend call; the others wait for that call's outcome. A map then
+// costs one device-lock round per batch of callers instead of one per caller, which is what the
+// stock allocator gets by accident from serialising every caller on the GIL. The fast paths do
+// O(1) work under mu_ with no allocation and no clock read, and never wake a worker that is
+// already awake.
 #include "fixed_allocator.hpp"
 
 #include <algorithm>
@@ -28,6 +41,8 @@
 
 namespace kvdiag {
 namespace fixed {
+
+const char* build_info() { return KVDIAG_BUILD_INFO; }
 
 namespace {
 
@@ -41,22 +56,39 @@ namespace {
 
 }  // namespace
 
+// One caller's page in a combined synchronous map. Shared between the caller and the leader
+// that maps it, so a caller that gives up (deadline) never leaves the leader a dangling pointer.
+struct PageAllocator::SyncMap {
+  enum class State { Queued, Mapping, Done };
+  page_id_t page;
+  Clock::time_point deadline;
+  State state = State::Queued;
+  bool abandoned = false;  // the caller timed out while the leader was mapping this page
+  MapOutcome outcome;
+};
+
 std::shared_ptr<PageAllocator> PageAllocator::create(const AllocatorConfig& cfg) {
   return std::make_shared<PageAllocator>(cfg);
 }
 
-PageAllocator::PageAllocator(const AllocatorConfig& cfg) : cfg_(cfg) {
-  max_pages_ = validate_config(cfg_);
-  num_free_pages_ = num_total_pages_ = max_pages_;
+PageAllocator::PageAllocator(const AllocatorConfig& cfg)
+    : cfg_(cfg),
+      max_pages_(validate_config(cfg_)),
+      reserved_(static_cast<size_t>(max_pages_)),
+      free_(static_cast<size_t>(max_pages_)),
+      reclaimed_(static_cast<size_t>(max_pages_)) {
   min_reserved_pages_ = std::min(max_pages_, cfg_.min_reserved_pages);
   max_reserved_pages_ = std::min(max_pages_, cfg_.max_reserved_pages);
   enable_page_prealloc_ = cfg_.enable_prealloc;
   backend_ = make_backend(cfg_, max_pages_);
-  for (page_id_t i = 0; i < max_pages_; ++i) free_page_list_.push_back(i);
+  for (page_id_t i = 0; i < max_pages_; ++i) free_.push_back(i);
   in_use_.assign(static_cast<size_t>(max_pages_), 0);
   {
     std::lock_guard<std::mutex> lk(mu_);
-    publish_locked();
+    num_free_.store(max_pages_, std::memory_order_relaxed);
+    num_total_.store(max_pages_, std::memory_order_relaxed);
+    publish_reserved_locked();
+    publish_inflight_locked();
   }
   banner_ = format_banner(cfg_, min_reserved_pages_, max_reserved_pages_);
   if (cfg_.print_banner) std::cout << banner_ << std::endl;
@@ -64,55 +96,47 @@ PageAllocator::PageAllocator(const AllocatorConfig& cfg) : cfg_(cfg) {
 
 PageAllocator::~PageAllocator() { stop_prealloc_thread(); }
 
-void PageAllocator::publish_locked() {
-  a_num_free_.store(num_free_pages_, std::memory_order_relaxed);
-  a_num_total_.store(num_total_pages_, std::memory_order_relaxed);
-  a_reserved_.store(static_cast<int64_t>(reserved_page_list_.size()), std::memory_order_relaxed);
-  a_inflight_.store(inflight_locked(), std::memory_order_relaxed);
-}
-
-int64_t PageAllocator::inflight_locked() const {
-  return num_free_pages_ - static_cast<int64_t>(free_page_list_.size()) -
-         static_cast<int64_t>(reserved_page_list_.size());
+void PageAllocator::publish_inflight_locked() {
+  // Pages counted free but in neither list: a worker batch being mapped, pages being unmapped,
+  // pages of a caller that gave up on a combined map.
+  a_inflight_.store(num_free_.load(std::memory_order_relaxed) - static_cast<int64_t>(free_.size()) -
+                        static_cast<int64_t>(reserved_.size()),
+                    std::memory_order_relaxed);
 }
 
 int64_t PageAllocator::get_num_inuse_pages() const {
-  return a_num_total_.load(std::memory_order_relaxed) - a_num_free_.load(std::memory_order_relaxed);
+  return num_total_.load(std::memory_order_relaxed) - num_free_.load(std::memory_order_relaxed);
 }
 
-void PageAllocator::wake_worker_locked() {
-  if (!enable_page_prealloc_ || !running_) return;
+// Marks the worker signalled; true if it sleeps and must be notified (after unlocking mu_).
+// A worker that is awake re-checks signaled_ before it sleeps, so it is notified once per sleep.
+bool PageAllocator::wake_worker_locked() {
+  if (!enable_page_prealloc_ || !running_) return false;
+  const bool notify = worker_waiting_ && !signaled_;
   signaled_ = true;
-  if (worker_waiting_) worker_cv_.notify_one();
-}
-
-void PageAllocator::notify_waiters(bool had_waiters) {
-  if (had_waiters) pages_cv_.notify_all();
+  return notify;
 }
 
 void PageAllocator::start_prealloc_thread() {
   if (!enable_page_prealloc_) return;
   std::lock_guard<std::mutex> ctl(ctl_mu_);
   if (worker_.joinable()) return;
+  uint64_t gen;
   {
     std::lock_guard<std::mutex> lk(mu_);
     running_ = true;
     worker_exited_ = false;
     signaled_ = true;  // the initial trigger, like kvcached's start_prealloc_thread
-  }
-  std::shared_ptr<PageAllocator> self = weak_from_this().lock();
-  uint64_t gen;
-  {
-    std::lock_guard<std::mutex> lk(mu_);
     gen = ++worker_gen_;
   }
+  std::shared_ptr<PageAllocator> self = weak_from_this().lock();
   worker_ = std::thread([this, self, gen] { prealloc_worker(gen); });
 }
 
 void PageAllocator::stop_prealloc_thread() {
   std::lock_guard<std::mutex> ctl(ctl_mu_);
   if (!worker_.joinable()) return;
-  std::unique_lock<std::mutex> lk(mu_);
+  Lock lk(mu_);
   running_ = false;
   worker_cv_.notify_all();
   const bool exited = exit_cv_.wait_for(lk, std::chrono::milliseconds(cfg_.stop_timeout_ms),
@@ -129,102 +153,256 @@ void PageAllocator::stop_prealloc_thread() {
 }
 
 void PageAllocator::trigger_preallocation() {
-  std::lock_guard<std::mutex> lk(mu_);
-  wake_worker_locked();
+  bool notify;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    notify = wake_worker_locked();
+  }
+  notify_worker(notify);
 }
 
-page_id_t PageAllocator::take_reserved_locked() {
-  page_id_t page_id = reserved_page_list_.front();
-  reserved_page_list_.pop_front();
-  num_free_pages_--;
-  in_use_[page_id] = 1;
-  if (static_cast<int64_t>(reserved_page_list_.size()) < min_reserved_pages_) wake_worker_locked();
-  publish_locked();
+page_id_t PageAllocator::take_reserved_locked(bool* notify_worker) {
+  const page_id_t page_id = reserved_.pop_front();
+  num_free_.store(num_free_.load(std::memory_order_relaxed) - 1, std::memory_order_relaxed);
+  in_use_[static_cast<size_t>(page_id)] = 1;
+  publish_reserved_locked();
+  *notify_worker = static_cast<int64_t>(reserved_.size()) < min_reserved_pages_ && wake_worker_locked();
   return page_id;
+}
+
+bool PageAllocator::spin_try_lock(Lock& lk) {
+  for (int i = 0;; ++i) {
+    if (mu_.try_lock()) {
+      lk = Lock(mu_, std::adopt_lock);
+      return true;
+    }
+    if (i == kSpinTries) return false;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    asm volatile("yield");
+#endif
+  }
 }
 
 page_id_t PageAllocator::try_alloc_fast() {
-  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-  if (!lk.owns_lock() || reserved_page_list_.empty()) return -1;
-  return take_reserved_locked();
+  bool notify = false;
+  page_id_t page_id;
+  {
+    Lock lk;
+    if (!spin_try_lock(lk) || reserved_.empty()) return -1;
+    page_id = take_reserved_locked(&notify);
+  }
+  notify_worker(notify);
+  return page_id;
 }
 
 __attribute__((noinline)) page_id_t PageAllocator::alloc_page() {
-  const auto deadline = map_deadline();
-  std::unique_lock<std::mutex> lk(mu_);
-  page_id_t page_id = -1;
-  bool counted_wait = false;
+  Lock lk;
+  lock_hot(lk);
+  if (!reserved_.empty()) {
+    bool notify = false;
+    const page_id_t page_id = take_reserved_locked(&notify);
+    lk.unlock();
+    notify_worker(notify);
+    return page_id;
+  }
+  return alloc_slow(lk);
+}
+
+// The reserve is empty: map a free page on this thread (combined with concurrent callers), or
+// wait a bounded time for pages in flight.
+page_id_t PageAllocator::alloc_slow(Lock& lk) {
+  Clock::time_point deadline{};  // set on the first wait: the fast paths never read the clock
+  bool waited = false;
   for (;;) {
-    if (!reserved_page_list_.empty()) return take_reserved_locked();
-    if (!free_page_list_.empty()) {
-      page_id = free_page_list_.front();
-      free_page_list_.pop_front();
-      num_free_pages_--;
-      in_use_[page_id] = 1;
-      publish_locked();
-      break;
+    if (!reserved_.empty()) {
+      bool notify = false;
+      const page_id_t page_id = take_reserved_locked(&notify);
+      lk.unlock();
+      notify_worker(notify);
+      return page_id;
     }
-    if (num_free_pages_ <= 0) throw std::runtime_error("No free pages left");
+    if (!free_.empty()) break;
+    if (num_free_.load(std::memory_order_relaxed) <= 0) throw std::runtime_error("No free pages left");
     // Fix 2: pages exist but are in flight (the worker is mapping them, or a free is unmapping
     // them). That is "wait a little", never "wait forever".
     const auto now = Clock::now();
-    if (now >= deadline) {
-      counters_.alloc_timeouts++;
-      const int64_t inflight = inflight_locked();
-      throw AllocatorTimeout("alloc_page: no page became available within map_timeout_ms=" +
-                             std::to_string(cfg_.map_timeout_ms) + "; " + std::to_string(inflight) +
-                             " page(s) are in flight (a map or unmap is stalled)");
-    }
-    if (!counted_wait) {
+    if (!waited) {
+      waited = true;
+      deadline = now + std::chrono::milliseconds(cfg_.map_timeout_ms);
       counters_.waits++;
-      counted_wait = true;
+    } else if (now >= deadline) {
+      counters_.alloc_timeouts++;
+      throw AllocatorTimeout("alloc_page: no page became available within map_timeout_ms=" +
+                             std::to_string(cfg_.map_timeout_ms) + "; " +
+                             std::to_string(a_inflight_.load(std::memory_order_relaxed)) +
+                             " page(s) are in flight (a map or unmap is stalled)");
     }
     waiters_++;
     // Fix 1: a bounded slice; the loop re-checks the lists (sync fallback) after each one.
-    auto status = pages_cv_.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(cfg_.wait_timeout_ms)));
+    const auto status =
+        pages_cv_.wait_until(lk, std::min(deadline, now + std::chrono::milliseconds(cfg_.wait_timeout_ms)));
     waiters_--;
     if (status == std::cv_status::timeout) counters_.wait_timeouts++;
   }
-  lk.unlock();
+  const page_id_t page_id = free_.pop_front();
+  num_free_.store(num_free_.load(std::memory_order_relaxed) - 1, std::memory_order_relaxed);
+  in_use_[static_cast<size_t>(page_id)] = 1;
   if (enable_page_prealloc_) counters_.sync_fallbacks++;
-  MapOutcome r = map_pages({page_id}, map_deadline());
+  const MapOutcome r = map_for_caller(lk, page_id);
   if (!r.ok()) {
-    lk.lock();
-    in_use_[page_id] = 0;
-    free_page_list_.push_front(page_id);
-    num_free_pages_++;
-    publish_locked();
-    const bool had_waiters = waiters_ > 0;
     lk.unlock();
-    notify_waiters(had_waiters);
     throw_map_error(r, "alloc_page", cfg_.map_timeout_ms);
   }
-  trigger_preallocation();
+  // Like kvcached: after a synchronous map, ask the worker to top the reserve up.
+  const bool notify = wake_worker_locked();
+  lk.unlock();
+  notify_worker(notify);
   return page_id;
+}
+
+// Undoes an alloc of `page_id` whose map failed: back to the front of the free list.
+void PageAllocator::return_page_locked(page_id_t page_id) {
+  in_use_[static_cast<size_t>(page_id)] = 0;
+  free_.push_front(page_id);
+  num_free_.store(num_free_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+  publish_inflight_locked();
+  if (waiters_ > 0) pages_cv_.notify_all();
+}
+
+// Maps `page_id` (taken off the free list, counted in use) for the calling thread; mu_ is held on
+// entry and on return. Concurrent callers combine: whoever finds no map running leads and maps
+// every queued page in one backend call; the others wait for its outcome, each for at most its
+// own map_timeout_ms. On failure the page is back on the free list (or, if the caller gave up
+// while its page was being mapped, the leader puts it back when the map returns).
+MapOutcome PageAllocator::map_for_caller(Lock& lk, page_id_t page_id) {
+  auto me = std::make_shared<SyncMap>();
+  me->page = page_id;
+  me->deadline = map_deadline();
+  sync_queue_.push_back(me);
+  for (;;) {
+    if (me->state == SyncMap::State::Done) {
+      if (!me->outcome.ok()) return_page_locked(page_id);
+      return me->outcome;
+    }
+    if (me->state == SyncMap::State::Queued && !sync_leader_) {
+      lead_combined_map(lk);
+      continue;
+    }
+    const auto now = Clock::now();
+    if (now >= me->deadline) {
+      if (me->state == SyncMap::State::Queued) {
+        sync_queue_.erase(std::find(sync_queue_.begin(), sync_queue_.end(), me));
+        return_page_locked(page_id);
+      } else {
+        // The leader is mapping our page and its map outlived our deadline (a stalled callback):
+        // the page is free again but in flight until the leader's map returns.
+        me->abandoned = true;
+        in_use_[static_cast<size_t>(page_id)] = 0;
+        num_free_.store(num_free_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+        publish_inflight_locked();
+      }
+      counters_.alloc_timeouts++;
+      return {MapStatus::Timeout, "the combined map carrying this page did not finish in time"};
+    }
+    sync_waiters_++;
+    sync_cv_.wait_until(lk, std::min(me->deadline, now + std::chrono::milliseconds(cfg_.wait_timeout_ms)));
+    sync_waiters_--;
+  }
+}
+
+// Maps every queued caller page in one backend call (mu_ held on entry and on return).
+void PageAllocator::lead_combined_map(Lock& lk) {
+  sync_leader_ = true;
+  std::vector<std::shared_ptr<SyncMap>> batch;
+  batch.swap(sync_queue_);
+  std::vector<page_id_t> pages;
+  pages.reserve(batch.size());
+  Clock::time_point deadline = batch.front()->deadline;
+  for (auto& m : batch) {
+    m->state = SyncMap::State::Mapping;
+    pages.push_back(m->page);
+    deadline = std::min(deadline, m->deadline);
+  }
+  if (batch.size() > 1) counters_.combined_maps++;
+  lk.unlock();
+  std::vector<MapOutcome> outcome(batch.size(), map_pages(pages, deadline));
+  if (batch.size() > 1 && !outcome[0].ok() && outcome[0].status != MapStatus::Timeout) {
+    // A combined map failed as a whole (e.g. the device has room for some of the pages only):
+    // give each caller the outcome its own page would have had.
+    for (size_t i = 0; i < batch.size(); ++i) outcome[i] = map_pages({pages[i]}, batch[i]->deadline);
+  }
+  lk.lock();
+  bool returned = false;
+  for (size_t i = 0; i < batch.size(); ++i) {
+    SyncMap& m = *batch[i];
+    m.outcome = outcome[i];
+    m.state = SyncMap::State::Done;
+    if (m.abandoned) {
+      // Its caller has gone: a mapped page joins the reserve, an unmapped one the free list.
+      if (m.outcome.ok())
+        reserved_.push_back(m.page);
+      else
+        free_.push_front(m.page);
+      returned = true;
+    }
+  }
+  sync_leader_ = false;
+  if (returned) {
+    publish_reserved_locked();
+    publish_inflight_locked();
+    if (waiters_ > 0) pages_cv_.notify_all();
+  }
+  // Wakes the callers of this batch and, if pages were queued meanwhile, their next leader.
+  if (sync_waiters_ > 0) sync_cv_.notify_all();
 }
 
 void PageAllocator::check_allocated_locked(page_id_t page_id) const {
   if (page_id < 0 || page_id >= max_pages_)
     throw InvalidArgument("page_id", "out of range: " + std::to_string(page_id));
-  if (!in_use_[page_id]) throw InvalidArgument("page_id", "page " + std::to_string(page_id) + " is not allocated");
+  if (!in_use_[static_cast<size_t>(page_id)])
+    throw InvalidArgument("page_id", "page " + std::to_string(page_id) + " is not allocated");
 }
 
 bool PageAllocator::try_free_fast(page_id_t page_id) {
-  std::unique_lock<std::mutex> lk(mu_, std::try_to_lock);
-  if (!lk.owns_lock()) return false;
-  check_allocated_locked(page_id);
-  if (static_cast<int64_t>(reserved_page_list_.size()) >= max_reserved_pages_) return false;
-  in_use_[page_id] = 0;
-  num_free_pages_++;
-  reserved_page_list_.push_back(page_id);
-  publish_locked();
-  const bool had_waiters = waiters_ > 0;
-  lk.unlock();
-  notify_waiters(had_waiters);
+  bool had_waiters;
+  {
+    Lock lk;
+    if (!spin_try_lock(lk)) return false;
+    check_allocated_locked(page_id);
+    if (static_cast<int64_t>(reserved_.size()) >= max_reserved_pages_) return false;
+    in_use_[static_cast<size_t>(page_id)] = 0;
+    num_free_.store(num_free_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    reserved_.push_back(page_id);
+    publish_reserved_locked();
+    had_waiters = waiters_ > 0;
+  }
+  if (had_waiters) pages_cv_.notify_all();
   return true;
 }
 
-void PageAllocator::free_page(page_id_t page_id) { free_pages({page_id}); }
+void PageAllocator::free_page(page_id_t page_id) {
+  bool had_waiters;
+  {
+    Lock lk;
+    lock_hot(lk);
+    check_allocated_locked(page_id);
+    in_use_[static_cast<size_t>(page_id)] = 0;
+    num_free_.store(num_free_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
+    if (static_cast<int64_t>(reserved_.size()) >= max_reserved_pages_) {
+      // Over the reserve: unmap it (outside mu_), then it joins the free list.
+      publish_inflight_locked();
+      lk.unlock();
+      unmap_and_return({page_id}, false);
+      return;
+    }
+    reserved_.push_back(page_id);
+    publish_reserved_locked();
+    had_waiters = waiters_ > 0;
+  }
+  if (had_waiters) pages_cv_.notify_all();
+}
 
 void PageAllocator::free_pages(const std::vector<page_id_t>& page_ids) {
   std::vector<page_id_t> to_unmap;
@@ -236,18 +414,20 @@ void PageAllocator::free_pages(const std::vector<page_id_t>& page_ids) {
       for (size_t j = 0; j < i; ++j)
         if (page_ids[j] == page_ids[i]) throw InvalidArgument("page_ids", "duplicate page " + std::to_string(page_ids[i]));
     }
-    num_free_pages_ += static_cast<int64_t>(page_ids.size());
+    num_free_.store(num_free_.load(std::memory_order_relaxed) + static_cast<int64_t>(page_ids.size()),
+                    std::memory_order_relaxed);
     for (page_id_t id : page_ids) {
-      in_use_[id] = 0;
-      if (static_cast<int64_t>(reserved_page_list_.size()) < max_reserved_pages_)
-        reserved_page_list_.push_back(id);
+      in_use_[static_cast<size_t>(id)] = 0;
+      if (static_cast<int64_t>(reserved_.size()) < max_reserved_pages_)
+        reserved_.push_back(id);
       else
         to_unmap.push_back(id);
     }
-    publish_locked();
+    publish_reserved_locked();
+    publish_inflight_locked();
     had_waiters = waiters_ > 0;
   }
-  notify_waiters(had_waiters);
+  if (had_waiters) pages_cv_.notify_all();
   if (!to_unmap.empty()) unmap_and_return(std::move(to_unmap), false);
 }
 
@@ -259,62 +439,58 @@ void PageAllocator::unmap_and_return(std::vector<page_id_t> pages, bool to_recla
     if (to_reclaimed) {
       // Out of the pool either way; a page that failed to unmap stays mapped and is skipped when
       // it is mapped again after a grow.
-      reclaimed_page_list_.insert(reclaimed_page_list_.end(), pages.begin(), pages.end());
+      for (page_id_t id : pages) reclaimed_.push_back(id);
     } else if (r.ok()) {
-      free_page_list_.insert(free_page_list_.end(), pages.begin(), pages.end());
+      for (page_id_t id : pages) free_.push_back(id);
     } else {
       // Still mapped: keep them usable as reserve rather than losing them.
-      reserved_page_list_.insert(reserved_page_list_.end(), pages.begin(), pages.end());
+      for (page_id_t id : pages) reserved_.push_back(id);
     }
-    publish_locked();
+    publish_reserved_locked();
+    publish_inflight_locked();
     had_waiters = waiters_ > 0;
   }
-  notify_waiters(had_waiters);
+  if (had_waiters) pages_cv_.notify_all();
 }
 
 bool PageAllocator::resize(int64_t new_mem_size) {
   if (new_mem_size < 0) throw InvalidArgument("new_mem_size", "must be >= 0");
   const int64_t new_num_pages = new_mem_size / cfg_.page_size;
   std::vector<page_id_t> to_unmap;
-  bool had_waiters;
+  bool had_waiters = false;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    const int64_t total = num_total_.load(std::memory_order_relaxed);
+    const int64_t free_count = num_free_.load(std::memory_order_relaxed);
     if (new_num_pages > max_pages_) return false;
-    const int64_t inuse = num_total_pages_ - num_free_pages_;
-    if (new_num_pages < inuse) return false;
-    if (new_num_pages == num_total_pages_) return true;
-    if (new_num_pages > num_total_pages_) {
-      const int64_t grow = new_num_pages - num_total_pages_;
+    if (new_num_pages < total - free_count) return false;
+    if (new_num_pages == total) return true;
+    if (new_num_pages > total) {
+      const int64_t grow = new_num_pages - total;
       // Pages still being unmapped by a concurrent shrink are not back yet.
-      if (static_cast<int64_t>(reclaimed_page_list_.size()) < grow) return false;
-      for (int64_t i = 0; i < grow; ++i) {
-        free_page_list_.push_back(reclaimed_page_list_.back());
-        reclaimed_page_list_.pop_back();
-      }
-      num_free_pages_ += grow;
-      num_total_pages_ = new_num_pages;
-      publish_locked();
+      if (static_cast<int64_t>(reclaimed_.size()) < grow) return false;
+      for (int64_t i = 0; i < grow; ++i) free_.push_back(reclaimed_.pop_back());
+      num_free_.store(free_count + grow, std::memory_order_relaxed);
+      num_total_.store(new_num_pages, std::memory_order_relaxed);
       had_waiters = waiters_ > 0;
     } else {
-      int64_t shrink = num_total_pages_ - new_num_pages;
-      if (static_cast<int64_t>(free_page_list_.size() + reserved_page_list_.size()) < shrink) return false;
-      while (shrink > 0 && !free_page_list_.empty()) {
-        reclaimed_page_list_.push_back(free_page_list_.back());
-        free_page_list_.pop_back();
+      int64_t shrink = total - new_num_pages;
+      if (static_cast<int64_t>(free_.size() + reserved_.size()) < shrink) return false;
+      while (shrink > 0 && !free_.empty()) {
+        reclaimed_.push_back(free_.pop_back());
         --shrink;
       }
       while (shrink > 0) {
-        to_unmap.push_back(reserved_page_list_.back());
-        reserved_page_list_.pop_back();
+        to_unmap.push_back(reserved_.pop_back());
         --shrink;
       }
-      num_free_pages_ -= num_total_pages_ - new_num_pages;
-      num_total_pages_ = new_num_pages;
-      publish_locked();
-      had_waiters = false;
+      num_free_.store(free_count - (total - new_num_pages), std::memory_order_relaxed);
+      num_total_.store(new_num_pages, std::memory_order_relaxed);
     }
+    publish_reserved_locked();
+    publish_inflight_locked();
   }
-  notify_waiters(had_waiters);
+  if (had_waiters) pages_cv_.notify_all();
   if (!to_unmap.empty()) unmap_and_return(std::move(to_unmap), true);
   return true;
 }
@@ -323,18 +499,23 @@ void PageAllocator::trim() {
   std::vector<page_id_t> to_unmap;
   {
     std::lock_guard<std::mutex> lk(mu_);
-    to_unmap.assign(reserved_page_list_.begin(), reserved_page_list_.end());
-    reserved_page_list_.clear();
-    publish_locked();
+    to_unmap.reserve(reserved_.size());
+    while (!reserved_.empty()) to_unmap.push_back(reserved_.pop_front());
+    publish_reserved_locked();
+    publish_inflight_locked();
   }
   if (!to_unmap.empty()) unmap_and_return(std::move(to_unmap), false);
 }
 
 __attribute__((noinline)) void PageAllocator::prealloc_worker(uint64_t gen) {
-  std::unique_lock<std::mutex> lk(mu_);
+  Lock lk(mu_);
   const auto backoff = std::chrono::milliseconds(cfg_.backoff_ms);
   // `gen` retires a worker that was detached by a timed-out stop if a new one has been started.
   auto live = [&] { return running_ && gen == worker_gen_; };
+  auto wanted = [&] {
+    return std::min<int64_t>(min_reserved_pages_ - static_cast<int64_t>(reserved_.size()),
+                             static_cast<int64_t>(free_.size()));
+  };
   while (live()) {
     if (!signaled_) {
       worker_busy_ = false;
@@ -345,28 +526,25 @@ __attribute__((noinline)) void PageAllocator::prealloc_worker(uint64_t gen) {
     }
     signaled_ = false;
     worker_busy_ = true;
-    if (std::min<int64_t>(min_reserved_pages_ - static_cast<int64_t>(reserved_page_list_.size()),
-                          static_cast<int64_t>(free_page_list_.size())) <= 0)
-      continue;
+    counters_.worker_wakeups.fetch_add(1, std::memory_order_relaxed);
+    if (wanted() <= 0) continue;  // a transient dip that frees refilled before the worker ran
     // Fix 4 (and no driver call under mu_): the headroom check runs unlocked and saturates.
     lk.unlock();
     const int64_t avail = get_avail_physical_pages();
     lk.lock();
     if (!live()) break;
-    const int64_t current_reserved = static_cast<int64_t>(reserved_page_list_.size());
-    int64_t to_reserve = std::max<int64_t>(0, min_reserved_pages_ - current_reserved);
-    to_reserve = std::min<int64_t>(to_reserve, static_cast<int64_t>(free_page_list_.size()));
-    to_reserve = std::min<int64_t>(to_reserve, avail);
+    const int64_t current_reserved = static_cast<int64_t>(reserved_.size());
+    const int64_t to_reserve = std::min<int64_t>(wanted(), avail);
     KVD_INFO("prealloc worker: min_reserved_pages: %ld, current_reserved: %ld, to_reserve: %ld, "
              "len(free_page_list): %zu, avail_physical_pages: %ld",
              static_cast<long>(min_reserved_pages_), static_cast<long>(current_reserved),
-             static_cast<long>(to_reserve), free_page_list_.size(), static_cast<long>(avail));
+             static_cast<long>(to_reserve), free_.size(), static_cast<long>(avail));
     if (to_reserve <= 0) {
       if (avail <= 0) KVD_WARN("prealloc worker: no physical headroom on the device; not reserving");
       continue;
     }
     int64_t done = 0;
-    while (live() && done < to_reserve && !free_page_list_.empty()) {
+    while (live() && done < to_reserve && !free_.empty()) {
       // Fix 5: while another process is mid-VMM on this device, leave the pages on the free list
       // (callers can still map them synchronously) and retry later.
       lk.unlock();
@@ -378,30 +556,28 @@ __attribute__((noinline)) void PageAllocator::prealloc_worker(uint64_t gen) {
         continue;
       }
       // mu_ was released for the probe: callers may have emptied the free list meanwhile.
-      if (free_page_list_.empty()) break;
+      if (free_.empty()) break;
       // Fix 2: at most half the free list per map call, so the free list rarely empties under
       // a caller; every page in flight is counted in get_num_inflight_pages().
-      const int64_t half = std::max<int64_t>(1, (static_cast<int64_t>(free_page_list_.size()) + 1) / 2);
+      const int64_t half = std::max<int64_t>(1, (static_cast<int64_t>(free_.size()) + 1) / 2);
       const int64_t chunk = std::min<int64_t>(to_reserve - done, half);
       std::vector<page_id_t> batch;
       batch.reserve(static_cast<size_t>(chunk));
-      for (int64_t i = 0; i < chunk; ++i) {
-        batch.push_back(free_page_list_.front());
-        free_page_list_.pop_front();
-      }
-      publish_locked();
+      for (int64_t i = 0; i < chunk; ++i) batch.push_back(free_.pop_front());
+      publish_inflight_locked();
       lk.unlock();
       MapOutcome r = map_pages(batch, map_deadline());
       lk.lock();
       if (r.ok()) {
-        reserved_page_list_.insert(reserved_page_list_.end(), batch.begin(), batch.end());
+        for (page_id_t id : batch) reserved_.push_back(id);
         done += chunk;
       } else {
-        free_page_list_.insert(free_page_list_.begin(), batch.begin(), batch.end());
+        for (auto it = batch.rbegin(); it != batch.rend(); ++it) free_.push_front(*it);
         KVD_ERROR("Failed to preallocate %zu pages: %s (%s)", batch.size(), r.message.c_str(),
                   map_status_name(r.status));
       }
-      publish_locked();
+      publish_reserved_locked();
+      publish_inflight_locked();
       if (waiters_ > 0) pages_cv_.notify_all();
       if (!r.ok()) {
         // Back off; the next trigger retries. Callers are not blocked meanwhile.
@@ -409,7 +585,7 @@ __attribute__((noinline)) void PageAllocator::prealloc_worker(uint64_t gen) {
         break;
       }
     }
-    KVD_INFO("Preallocated %ld pages, reserved=%zu", static_cast<long>(done), reserved_page_list_.size());
+    KVD_INFO("Preallocated %ld pages, reserved=%zu", static_cast<long>(done), reserved_.size());
   }
   if (gen == worker_gen_) {
     worker_busy_ = false;
@@ -439,7 +615,7 @@ __attribute__((noinline)) MapOutcome PageAllocator::map_pages(const std::vector<
   } else {
     r = backend_->map(page_ids, deadline);
   }
-  counters_.record_map(ns_between(t0, Clock::now()));
+  counters_.record_map(ns_between(t0, Clock::now()), page_ids.size());
   if (!r.ok()) {
     counters_.map_failures++;
     KVD_ERROR("map of %zu page(s) failed (%s): %s", page_ids.size(), map_status_name(r.status), r.message.c_str());
@@ -523,7 +699,7 @@ void PageAllocator::set_should_use_worker_ipc_callback(const BoolCallback& cb) {
 
 CounterSnapshot PageAllocator::counters() const {
   std::lock_guard<std::mutex> lk(mu_);
-  return counters_.snapshot(inflight_locked());
+  return counters_.snapshot(a_inflight_.load(std::memory_order_relaxed));
 }
 
 }  // namespace fixed

@@ -235,6 +235,7 @@ __attribute__((noinline)) void PageAllocator::prealloc_worker() {
     if (!prealloc_running_) break;
     worker_busy_ = true;
     prealloc_needed_ = false;
+    counters_.worker_wakeups.fetch_add(1, std::memory_order_relaxed);
     KVD_INFO("prealloc worker triggered...");
     const int64_t current_reserved = static_cast<int64_t>(reserved_page_list_.size());
     int64_t to_reserve = std::max<int64_t>(0, min_reserved_pages_ - current_reserved);
@@ -281,11 +282,11 @@ __attribute__((noinline)) void PageAllocator::map_pages(const std::vector<page_i
   auto t0 = Clock::now();
   if ((cfg_.world_size > 1 || should_use_worker_ipc()) && broadcast_map_callback_) {
     broadcast_map_callback_(cfg_.world_size, offsets);  // cross-process RPC in kvcached; can block
-    counters_.record_map(ns_between(t0, Clock::now()));
+    counters_.record_map(ns_between(t0, Clock::now()), page_ids.size());
     return;
   }
   MapOutcome r = backend_->map(page_ids, std::nullopt);  // unbounded, like the driver
-  counters_.record_map(ns_between(t0, Clock::now()));
+  counters_.record_map(ns_between(t0, Clock::now()), page_ids.size());
   if (!r.ok()) {
     counters_.map_failures++;
     throw std::runtime_error("Failed to map pages to KV tensors: " + r.message);
@@ -369,6 +370,8 @@ void PageAllocator::set_should_use_worker_ipc_callback(BoolCallback cb) {
 }
 
 void PageAllocator::set_use_worker_ipc(bool v) { use_worker_ipc_flag_ = v; }
+
+const char* build_info() { return KVDIAG_BUILD_INFO; }
 
 CounterSnapshot PageAllocator::counters() const {
   std::lock_guard<std::mutex> lock(lock_);

@@ -30,6 +30,9 @@
 namespace kvdiag {
 namespace stock {
 
+// How this file was compiled (CMake build type, flags, optimization); see KVDIAG_BUILD_INFO.
+const char* build_info();
+
 class PageAllocator {
  public:
   explicit PageAllocator(const AllocatorConfig& cfg);

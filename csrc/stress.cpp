@@ -40,6 +40,7 @@ struct AnyAllocator {
   int64_t num_free() const { return fixed_ ? fixed_->get_num_free_pages() : stock_->get_num_free_pages(); }
   int64_t num_total() const { return fixed_ ? fixed_->get_num_total_pages() : stock_->get_num_total_pages(); }
   int64_t inflight() const { return fixed_ ? fixed_->get_num_inflight_pages() : stock_->get_num_inflight_pages(); }
+  CounterSnapshot counters() const { return fixed_ ? fixed_->counters() : stock_->counters(); }
 };
 
 struct Shared {
@@ -179,6 +180,7 @@ StressResult run_stress(const StressOptions& o) {
   r.final_total = a.num_total();
   r.final_inflight = a.inflight();
   r.first_error = sh.first_error;
+  r.counters = a.counters();
   return r;
 }
 

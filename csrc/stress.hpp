@@ -43,6 +43,7 @@ struct StressResult {
   int64_t final_total = 0;
   int64_t final_inflight = 0;
   std::string first_error;
+  CounterSnapshot counters;  // the allocator's counters at the end of the run
 };
 
 StressResult run_stress(const StressOptions& opts);

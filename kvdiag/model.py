@@ -45,6 +45,12 @@ class VerdictKind(str, Enum):
     # nothing it does can be judged; capture left it as found.
     STOPPED = "stopped"
     TRACED = "traced"
+    # No evidence is not health (issue 21): outcomes that say why nothing could be judged.
+    NO_ACCESS = "no_access"            # ptrace / /proc/PID/mem refused: the fix is named (exit 3)
+    EXITED = "exited"                  # the target exited before or during capture (exit 5)
+    ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 5)
+    NOT_PYTHON = "not_python"          # no Python interpreter in the target (exit 5)
+    KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 5)
     NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
 
     @property
@@ -58,6 +64,13 @@ _HANG_KINDS = frozenset({
 })
 # Outcomes about the target's state rather than its health: their own exit code, never 10.
 TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
+
+
+# Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
+NO_EVIDENCE_KINDS = frozenset({
+    VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
+    VerdictKind.KERNEL_THREAD,
+})
 
 
 class Confidence(str, Enum):
@@ -188,6 +201,24 @@ class ThreadEvidence(_Model):
     gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
 
 
+class TargetAccess(_Model):
+    """What the preflight (kvdiag.capture.access) found about reading one process, before attaching."""
+
+    uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
+    our_uid: int | None = None
+    ptrace_ok: bool = True           # /proc/PID/mem opened: ptrace-based tools may attach and read
+    refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
+    fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
+    kernel_thread: bool = False
+    zombie: bool = False
+    exit_status: str | None = None   # "exit code 3", "killed by SIGKILL" when known (zombie)
+    python: bool | None = None       # a Python interpreter is in the process; None: could not tell
+    ptrace_scope: int | None = None  # /proc/sys/kernel/yama/ptrace_scope (None: no Yama)
+    cap_sys_ptrace: bool = False     # CAP_SYS_PTRACE in kvdiag's effective capabilities
+    container: str | None = None     # "docker", "podman", "kubernetes", ... when kvdiag runs in one
+    seccomp: int | None = None       # kvdiag's own seccomp mode (0 none, 1 strict, 2 filter)
+
+
 class ProcessEvidence(_Model):
     pid: int
     ppid: int | None = None
@@ -205,6 +236,7 @@ class ProcessEvidence(_Model):
     threads: list[ThreadEvidence] = Field(default_factory=list)
     tools: list[ToolRun] = Field(default_factory=list)
     gil_futex_range: tuple[int, int] | None = None   # [start, end) address of the GIL struct
+    access: TargetAccess | None = None   # the preflight's findings; None: captured without one
     tracer_pid: int | None = None    # TracerPid when another debugger holds the process
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
@@ -284,6 +316,9 @@ class SoakStats(_Model):
     itl_p99_s: float | None = None
     stalled: bool = False
     stall_after_s: float | None = None
+    # How the load phase ended, as the soak judgement (analyze) reads it.
+    server_unreachable: bool = False  # an external server stopped answering during the load
+    all_requests_failed: bool = False  # not one request succeeded: the soak tested nothing
     # The load phase: duration_s is the time actually loaded; then requests in flight got up to
     # drain_grace_s to finish (drain_s it took; drain_cut still in flight at its end, cancelled).
     requested_duration_s: float | None = None
@@ -412,6 +447,7 @@ class EnvironmentRecord(_Model):
     gpus: list[GpuInfo] = Field(default_factory=list)
     gpu_note: str = ""               # "no GPU: ...", or how the GPUs were read
     env: dict[str, str] = Field(default_factory=dict)    # KVCACHED_*/VLLM_*/... in effect (redacted)
+    env_source: str = ""             # whose environment: "kvdiag" or "pid 1234" (a captured engine's)
     cpus: int | None = None          # CPUs this process may run on
     cpu_limit: float | None = None   # cgroup cpu.max quota in CPUs
     memory_limit_mb: int | None = None
@@ -423,7 +459,8 @@ class EnvironmentRecord(_Model):
 
 
 class RiskStatus(str, Enum):
-    RISK = "risk"
+    RISK = "risk"            # a known hang risk applies: `kvdiag doctor` exits 10
+    WARN = "warn"            # worth fixing, not a hang risk (e.g. capture would be refused)
     OK = "ok"
     UNKNOWN = "unknown"
     NOT_APPLICABLE = "n/a"
@@ -463,14 +500,18 @@ class KnownDefect(_Model):
     url: str | None = None
     match: Literal["signature", "pattern"] = "pattern"
 
-    def line(self) -> str:
-        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
-        text = f"known: {self.id} ({self.title})"
+    def text(self) -> str:
+        """``kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        text = f"{self.id} ({self.title})"
         if self.fixed_by:
             text += f"; fixed by {self.fixed_by}"
         if self.fixed_in:
             text += f", first in {self.fixed_in}"
         return text
+
+    def line(self) -> str:
+        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        return f"known: {self.text()}"
 
 
 class Bundle(_Model):
@@ -492,6 +533,11 @@ class Bundle(_Model):
     findings: list[Finding] = Field(default_factory=list)
     stall_detected: bool = False     # the watcher saw no progress for the stall window
     interrupted: bool = False
+    interrupted_reason: str | None = None   # "interrupted (Ctrl-C)", "received SIGTERM", ...
+    # Nested runs (``kvdiag ab``): label -> that run's bundle folder, relative to this bundle folder.
+    runs: dict[str, str] = Field(default_factory=dict)
+    # What analyze said about this bundle when the run wrote it; renderers read only this.
+    diagnosis: Diagnosis | None = None
     environment: EnvironmentRecord | None = None   # the machine it ran on (kvdiag.environment)
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
     stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds (capture, analysis)
@@ -519,6 +565,33 @@ class Verdict(_Model):
     known: KnownDefect | None = None
 
 
+class ABSide(_Model):
+    """One side of an A/B run, as the comparison reads it from that side's bundle."""
+
+    verdict: VerdictKind
+    summary: str
+    exit_code: int
+    bundle: str                      # the side's bundle folder, relative to the A/B bundle folder
+    report: str | None = None        # the side's report.html, relative to the A/B output folder
+    engines: dict[str, dict[str, object]] = Field(default_factory=dict)
+
+
+class ABComparison(_Model):
+    stock: ABSide
+    fixed: ABSide
+    separated: bool                  # stock reproduced a hang and fixed is healthy
+
+
+class Diagnosis(_Model):
+    """analyze(bundle): everything the run concluded. Stored in the bundle; renderers read only this."""
+
+    verdict: Verdict
+    verdicts_by_engine: dict[str, Verdict] = Field(default_factory=dict)
+    exit_code: int = 0
+    ab: ABComparison | None = None
+    notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
+
+
 class Report(_Model):
     """report.json. Field names here are the user-facing contract."""
 
@@ -543,3 +616,6 @@ class Report(_Model):
     environment: EnvironmentRecord | None = None
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
     stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds
+
+
+Bundle.model_rebuild()

@@ -119,13 +119,16 @@ _URL_CREDS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
 # Anchored on the secret-ish word (fast); the callback walks back to the start of the full name.
 _NAMED = re.compile(r"(?i)" + _NAME_TAIL + r"(?P<q>[\"']?)(?P<sep>\s*[:=]\s*)" + _VALUE)
 _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.-")
-# Any flag followed by a value (`--flag VALUE` or `--flag=VALUE`); is_secret_flag decides.
+# A flag name with a secret-ish part somewhere in it (the lookahead keeps `--port 8000` from ever
+# reaching the callback); is_secret_flag decides.
+_FLAG_NAME = r"(?=[A-Za-z0-9_.\-]*?(?i:key|token|secret|passw|auth|credential))[A-Za-z0-9][A-Za-z0-9_.\-]*"
+# Any such flag followed by a value (`--flag VALUE` or `--flag=VALUE`).
 _FLAG = re.compile(
-    r"(?<![\w\-])(?P<flag>--?[A-Za-z0-9][A-Za-z0-9_.\-]*)(?P<sep>=|[ \t]+|[\"']\s*,\s*)(?!-|[\"']-)" + _VALUE)
+    r"(?<![\w\-])(?P<flag>--?" + _FLAG_NAME + r")(?P<sep>=|[ \t]+|[\"']\s*,\s*)(?!-|[\"']-)" + _VALUE)
 # The same across a line break, in list layouts only: a YAML block list (`- --api-key` / `- VALUE`)
 # and a pretty-printed JSON or Python list (`"--api-key",` / `"VALUE"`).
 _FLAG_LIST_ML = re.compile(
-    r"(?<![\w\-])(?P<flag>--?[A-Za-z0-9][A-Za-z0-9_.\-]*)"
+    r"(?<![\w\-])(?P<flag>--?" + _FLAG_NAME + r")"
     r"(?P<sep>[\"']?[ \t]*,[ \t]*\r?\n[ \t]*[\"']?|[\"']?[ \t]*\r?\n[ \t]*-[ \t]+[\"']?)"
     r"(?!-)(?P<val>[^\s\"',;&)}\]>\x00]+)")
 _SHAPES: list[tuple[str, str]] = [
@@ -140,6 +143,10 @@ _SHAPES: list[tuple[str, str]] = [
     ("jwt", r"\beyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),
 ]
 _SHAPE = re.compile("|".join(f"(?P<s{i}>{p})" for i, (_, p) in enumerate(_SHAPES)))
+# Literal prefixes of the shapes: a line holding none of them cannot match, and substring tests are
+# much cheaper than the alternation over megabytes of log.
+_SHAPE_HINTS = ("hf_", "sk-", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "glpat-", "AKIA", "ASIA",
+                "xox", "AIza", "eyJ")
 _SHAPE_KINDS = {f"s{i}": kind for i, (kind, _) in enumerate(_SHAPES)}
 # Searched in lower-cased text: much faster than an IGNORECASE alternation over megabytes of log.
 _KEYWORD = re.compile(r"token|key|secret|passw|auth|cookie|credential|bearer")
@@ -274,7 +281,16 @@ class _Pass:
                 if _KEYWORD.search(line.lower()):
                     lines[i] = self.named_line(line)
             out = "".join(lines)
-        return _SHAPE.sub(self.shape, out)
+        return self.shapes(out)
+
+    def shapes(self, s: str) -> str:
+        if not any(h in s for h in _SHAPE_HINTS):
+            return s
+        lines = s.splitlines(keepends=True)
+        for i, line in enumerate(lines):
+            if any(h in line for h in _SHAPE_HINTS):
+                lines[i] = _SHAPE.sub(self.shape, line)
+        return "".join(lines)
 
 
 def redact_text(s: str, tally: Tally | None = None) -> str:
@@ -299,7 +315,7 @@ def redact_shapes(s: str, tally: Tally | None = None) -> str:
     p = _Pass(tally)
     out = _URL_CREDS.sub(p.url, s) if "://" in s else s
     out = _BEARER.sub(p.bearer, out)
-    out = _SHAPE.sub(p.shape, out)
+    out = p.shapes(out)
     p.done()
     return out
 
@@ -499,7 +515,7 @@ def scan_text(text: str) -> list[tuple[int, str]]:
             _URL_CREDS.sub(p.url, line)
         if _KEYWORD.search(line.lower()):
             p.named_line(line)
-        _SHAPE.sub(p.shape, line)
+        p.shapes(line)
         out.extend((no, kind) for kind in sorted(p.counts))
     return out
 

@@ -16,23 +16,19 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import TracebackType
 
 from rich.console import Console
 
 from kvdiag import __version__
-from kvdiag.bundle_io import save_bundle
-from kvdiag.errors import ExitCode, Interrupted, KvdiagError, UsageError
+from kvdiag.errors import Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
-    Confidence,
-    ProcessEvidence,
-    ProcessRole,
     TimelineEvent,
     Verdict,
-    VerdictKind,
 )
 from kvdiag.scenario.models import Scenario
 
@@ -83,50 +79,23 @@ class RunArtifacts:
 def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[str], timeout_s: float,
                      bundle: Bundle) -> None:
     """Capture every process of each given engine into the bundle (read-only)."""
-    from kvdiag.capture import capture_processes, find_engine_processes
+    from kvdiag.capture.bundle import capture_engine
 
     for w in watches:
         if w.proc.pid is None:
             continue
-        roles = find_engine_processes(w.proc.pid, dict(w.state.pids))
-        pids: list[int] = []
-        for role in (ProcessRole.ENGINE_CORE, ProcessRole.API_SERVER, ProcessRole.WORKER, ProcessRole.OTHER):
-            for pid in roles.get(role, []):
-                if pid not in pids:
-                    pids.append(pid)
-        if not pids:
-            pids = [w.proc.pid]
-        raw_dir = bundle_dir / "raw" / w.spec.name
-        evidence, findings = capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=tools)
-        for ev in evidence:
-            ev.engine = w.spec.name
-            for role, role_pids in roles.items():
-                if ev.pid in role_pids:
-                    ev.role = role
-        _relativize(evidence, bundle_dir)
-        redact_tree(raw_dir)
+        evidence, findings = capture_engine(w.spec.name, w.proc.pid, bundle_dir, timeout_s=timeout_s,
+                                            backends=tools, log_pids=dict(w.state.pids))
         bundle.processes.extend(evidence)
-        for f in findings:
-            f.engine = f.engine or w.spec.name
         bundle.findings.extend(findings)
+    if bundle.environment is not None:
+        # kvcached's segments and worker sockets as they are while the engines hang (not at launch).
+        from kvdiag.environment.runtime import collect_runtime
 
-
-def _relativize(evidence: list[ProcessEvidence], bundle_dir: Path) -> None:
-    for ev in evidence:
-        for tool in ev.tools:
-            if tool.raw_path and Path(tool.raw_path).is_absolute():
-                try:
-                    tool.raw_path = str(Path(tool.raw_path).relative_to(bundle_dir))
-                except ValueError:
-                    pass
-
-
-def redact_tree(folder: Path) -> None:
-    """Rewrite every text file under ``folder`` with secrets redacted (a safety net: capture already
-    writes its raw outputs redacted)."""
-    from kvdiag.redact import redact_tree as _redact_tree
-
-    _redact_tree(folder)
+        try:
+            bundle.environment.kvcached_runtime = collect_runtime()
+        except OSError as exc:
+            bundle.environment.errors.append(f"kvcached runtime at capture: {exc}")
 
 
 def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | None = None) -> None:
@@ -148,20 +117,96 @@ def analyze_bundle(bundle: Bundle) -> tuple[Verdict, dict[str, Verdict]]:
     return analyze(bundle), analyze_by_engine(bundle)
 
 
-def finish(out_dir: Path, bundle: Bundle, command: str, ab: dict[str, object] | None = None,
-           verdict: Verdict | None = None, by_engine: dict[str, Verdict] | None = None,
-           exit_code: int | None = None) -> RunArtifacts:
-    """Analyze (unless given), save the bundle and write report.json/html/md."""
-    from kvdiag.analyze import exit_code_for
-    from kvdiag.report import write_outputs
+def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
+           verdict_t: float | None = None) -> RunArtifacts:
+    """The one tail of every run: redact → analyze → store the diagnosis → write bundle → render.
 
-    if verdict is None:
-        verdict, by_engine = analyze_bundle(bundle)
-    code = exit_code if exit_code is not None else exit_code_for(verdict)
-    save_bundle(bundle, out_dir / "bundle")  # redacted there; bundle.redaction gets the summary
-    paths = write_outputs(out_dir, bundle, verdict, command=command, exit_code=code,
-                          verdicts_by_engine=by_engine or {}, ab=ab)
-    return RunArtifacts(out_dir, bundle, verdict, by_engine or {}, code, paths)
+    ``runs``: the nested runs' bundles (``kvdiag ab``); ``verdict_t``: run time of the verdict
+    event added to the timeline. Renderers read only the diagnosis stored in the bundle.
+    """
+    from kvdiag.analyze import diagnose
+    from kvdiag.analyze.soak import stall_to_verdict_s
+    from kvdiag.bundle import write_bundle
+    from kvdiag.redact import redact_bundle
+    from kvdiag.report import render_run
+
+    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
+    diag = diagnose(red, runs)
+    if verdict_t is not None:
+        red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)   # issue 17 item 7
+        red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
+    red.diagnosis = diag
+    red = write_bundle(red, out_dir / "bundle")
+    paths = render_run(out_dir, red)
+    return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths)
+
+
+class LaunchedRun:
+    """The launch → teardown frame of every run that starts engines (repro, each side of ab, soak).
+
+    On entry: the scenario's redacted copy in the bundle, a process set (own process groups,
+    out-of-process reaper), a private folder for the engines' raw logs and the run's modelled
+    device; ``self.run`` is the :class:`ScenarioRun` that launches and watches the engines.
+    :meth:`copy_logs` puts redacted copies of the logs into the bundle. On exit: teardown
+    (engines stopped, logs copied a last time, raw logs and the run's device files removed) on
+    every path, interrupts included.
+    """
+
+    def __init__(self, scenario: Scenario, scenario_text: str, bundle: Bundle, bundle_dir: Path,
+                 progress: Callable[[str], None]) -> None:
+        self.scenario = scenario
+        self.bundle = bundle
+        self.bundle_dir = bundle_dir
+        self._progress = progress
+        self._text = scenario_text
+        self.raw_log_dir = private_temp_path("kvdiag-logs-")  # created once the reaper knows it
+        self.device: str | None = None
+        self._procs: ProcessSet | None = None
+        self.run: ScenarioRun
+
+    def __enter__(self) -> LaunchedRun:
+        from kvdiag.redact import Tally, note_file, write_redacted
+
+        tally = Tally()
+        write_redacted(self.bundle_dir / "scenario.yaml", self._text, tally)
+        note_file(self.bundle.redaction, "scenario.yaml", tally.as_dict())
+        procs = ProcessSet(grace_s=self.scenario.windows.kill_grace_s)
+        procs.__enter__()
+        self._procs = procs
+        try:
+            procs.make_private_dir(self.raw_log_dir)  # raw logs are unredacted: never left behind
+            procs.on_teardown(self._final_logs)
+            self.device = self.scenario.device.name or run_device_name(procs.run_id)
+            # Engines log into the private folder; the bundle gets redacted copies.
+            self.run = ScenarioRun(self.scenario, self.raw_log_dir, procs, self.device,
+                                   progress=lambda m, w: self._progress(m))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+        return self
+
+    def copy_logs(self) -> None:
+        """Redacted copies of what the engines printed so far into bundle/logs/."""
+        if self.raw_log_dir.exists():
+            _copy_logs_redacted(self.raw_log_dir, self.bundle_dir, self.bundle)
+
+    def _final_logs(self) -> None:  # what engines printed until teardown, then no raw copy
+        self.copy_logs()
+        shutil.rmtree(self.raw_log_dir, ignore_errors=True)
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        try:
+            if self._procs is not None:
+                self._procs.__exit__(exc_type, exc, tb)
+        finally:
+            if self.raw_log_dir.exists():  # teardown did not get to its hook: copy what is there
+                self._final_logs()
+            if self.device is not None and self.scenario.device.name is None:
+                # The modelled device was this run's own: drop its shared lock/accounting files.
+                from kvdiag.allocator import remove_device_files
+
+                remove_device_files(self.device)
 
 
 def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, command: str,
@@ -170,42 +215,26 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     """Run a co-location scenario end to end and write its report into ``out_dir``."""
     if allocator is not None:
         for e in scenario.engines:
-            if e.kind == "sim":
+            if e.kind == "sim" or (e.kind == "vllm" and e.allocator != "external"):
                 e.allocator = allocator  # type: ignore[assignment]
     bundle = new_bundle(command)
     bundle.scenario = scenario.model_dump(mode="json")
     bundle.scenario_path = scenario_name
     bundle.stall_window_s = scenario.windows.stall_s
     bundle_dir = out_dir / "bundle"
-    from kvdiag.redact import Tally, note_file, write_redacted
-
-    tally = Tally()
-    write_redacted(bundle_dir / "scenario.yaml", scenario_text, tally)
-    note_file(bundle.redaction, "scenario.yaml", tally.as_dict())
-    raw_log_dir = private_temp_path("kvdiag-logs-")  # created once the reaper knows it
     result: RunResult | None = None
     interrupted: KvdiagError | None = None
     started = time.monotonic()
 
-    def progress(msg: str, _w: object) -> None:
-        console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {msg}", highlight=False, markup=True)
+    def progress(msg: str) -> None:
+        console.print(f"[dim]{time.monotonic() - started:6.1f}s[/dim] {_esc(msg)}", highlight=False, markup=True)
         if on_event:
             on_event(msg)
 
     arts: RunArtifacts | None = None
-    device: str | None = None
     try:
-        with ProcessSet(grace_s=scenario.windows.kill_grace_s) as procs:
-            procs.make_private_dir(raw_log_dir)  # raw logs are unredacted: never left behind
-
-            def _final_logs() -> None:  # what engines printed until teardown, then no raw copy
-                _copy_logs_redacted(raw_log_dir, bundle_dir, bundle)
-                shutil.rmtree(raw_log_dir, ignore_errors=True)
-
-            procs.on_teardown(_final_logs)
-            device = scenario.device.name or run_device_name(procs.run_id)
-            # Engines log into a private temp dir; the bundle gets redacted copies.
-            run = ScenarioRun(scenario, raw_log_dir, procs, device, progress=lambda m, w: progress(_esc(m), w))
+        with LaunchedRun(scenario, scenario_text, bundle, bundle_dir, progress) as launched:
+            run = launched.run
             try:
                 result = run.run()
                 when = scenario.capture.when
@@ -213,7 +242,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                            [w for w in result.watches if w.proc.alive()] if when == "always" else [])
                 if targets:
                     progress(f"capturing {', '.join(w.spec.name for w in targets)} "
-                             f"({', '.join(scenario.capture.tools)})", None)
+                             f"({', '.join(scenario.capture.tools)})")
                     _capture_engines(targets, bundle_dir, list(scenario.capture.tools),
                                      scenario.capture.tool_timeout_s, bundle)
                     run.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3),
@@ -221,33 +250,21 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             except (Interrupted, KeyboardInterrupt) as exc:
                 interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
                 result = RunResult(run.watches, run.timeline, run.metrics, run.t0)
+                bundle.findings.extend(getattr(exc, "capture_findings", []))   # a target capture had to resume
             _fill_bundle(bundle, result)
-            _copy_logs_redacted(raw_log_dir, bundle_dir, bundle)
+            launched.copy_logs()
             if interrupted is None:
                 # Verdict and report before teardown: the user gets them as soon as the
                 # evidence is in, and stopping hung engines (grace period) adds no delay.
-                verdict, by_engine = analyze_bundle(bundle)
-                bundle.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3), event="verdict",
-                                                     detail=verdict.kind.value))
-                arts = finish(out_dir, bundle, command, verdict=verdict, by_engine=by_engine)
-                progress(f"verdict {verdict.kind.value}; stopping engines", None)
+                arts = finish(out_dir, bundle, verdict_t=time.monotonic() - run.t0)
+                progress(f"verdict {arts.verdict.kind.value}; stopping engines")
     except (Interrupted, KeyboardInterrupt) as exc:
         interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
-    finally:
-        if raw_log_dir.exists():  # teardown did not get to its hook: copy what is there
-            _copy_logs_redacted(raw_log_dir, bundle_dir, bundle)
-            shutil.rmtree(raw_log_dir, ignore_errors=True)
-        if device is not None and scenario.device.name is None:
-            # The modelled device was this run's own: drop its shared lock/accounting files.
-            from kvdiag.sim.harness import remove_device_files
-
-            remove_device_files(device)
     if interrupted is not None or arts is None:
         stop = interrupted or Interrupted("interrupted")
         bundle.interrupted = True
-        verdict = Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {stop.message}",
-                          confidence=Confidence.LOW)
-        finish(out_dir, bundle, command, verdict=verdict, by_engine={}, exit_code=ExitCode.INTERRUPTED)
+        bundle.interrupted_reason = stop.message
+        finish(out_dir, bundle)
         console.print(f"interrupted; partial report written to {out_dir}")
         raise stop
     return arts
@@ -270,3 +287,33 @@ def _esc(text: str) -> str:
     from rich.markup import escape
 
     return escape(text)
+
+
+AB_SIDES = ("stock", "fixed")
+
+
+def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, console: Console,
+           on_side: Callable[[str, RunArtifacts], None] | None = None) -> RunArtifacts:
+    """`kvdiag ab`: the scenario once per allocator, each a full run nested in ``out_dir/<side>/``.
+
+    The A/B bundle names both nested bundles (``runs``); its diagnosis (the comparison) is
+    computed from them by analyze, so `kvdiag analyze/report` on the A/B folder says the same.
+    """
+    import copy
+
+    sides: dict[str, RunArtifacts] = {}
+    for allocator in AB_SIDES:
+        console.rule(f"{allocator} allocator")
+        sub = prepare_out_dir(out_dir / allocator, f"ab {allocator}")
+        sides[allocator] = run_scenario(copy.deepcopy(scenario), scenario_name, scenario_text, sub,
+                                        f"ab ({allocator})", console, allocator=allocator)
+        if on_side is not None:
+            on_side(allocator, sides[allocator])
+    bundle = new_bundle("ab")
+    bundle.scenario_path = scenario_name
+    bundle.stall_window_s = scenario.windows.stall_s
+    bundle.runs = {side: f"../{side}/bundle" for side in AB_SIDES}
+    bundle.engines = [e.model_copy(update={"name": f"{side}/{e.name}"})
+                      for side, arts in sides.items() for e in arts.bundle.engines]
+    bundle.findings = [f for arts in sides.values() for f in arts.bundle.findings]
+    return finish(out_dir, bundle, runs={side: arts.bundle for side, arts in sides.items()})

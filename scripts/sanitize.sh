@@ -3,7 +3,8 @@
 # ThreadSanitizer and AddressSanitizer (+UBSan) in separate build dirs, runs multi-threaded
 # alloc/free/trigger/resize/trim stress on the FIXED allocator (host backend), and exits non-zero
 # on any sanitizer report, libstdc++ assertion (-D_GLIBCXX_ASSERTIONS) or inconsistent final
-# state. ~1 min on 2 cores.
+# state (the concurrent paths: combined synchronous maps, in-flight waits, worker wake-ups).
+# ~2-3 min on 2 cores.
 #
 #   scripts/sanitize.sh            # both
 #   scripts/sanitize.sh tsan|asan  # one
@@ -46,6 +47,7 @@ if [[ $WHICH == all || $WHICH == tsan ]]; then
   run build-tsan "$TS" fixed 10 200000 random 0      # over-subscribed pool: waits, out-of-pages
   run build-tsan "$TS" fixed 8 200000 alloc_free 0
   run build-tsan "$TS" fixed 4 20000 random 200      # slow maps: in-flight windows
+  run build-tsan "$TS" fixed 10 20000 random 200     # slow maps, over-subscribed: combined maps, waits
 fi
 if [[ $WHICH == all || $WHICH == asan ]]; then
   build build-asan -fsanitize=address,undefined -fno-sanitize-recover=undefined
@@ -54,6 +56,7 @@ if [[ $WHICH == all || $WHICH == asan ]]; then
   run build-asan "$AS" fixed 10 400000 random 0
   run build-asan "$AS" fixed 8 400000 alloc_free 0
   run build-asan "$AS" fixed 4 20000 random 200
+  run build-asan "$AS" fixed 10 20000 random 200
 fi
 if [[ $status -eq 0 ]]; then echo "sanitize: clean"; else echo "sanitize: FAILED"; fi
 exit $status

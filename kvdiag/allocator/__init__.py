@@ -32,6 +32,7 @@ __all__ = [
     "kvcached_env_kwargs",
     "make_allocator",
     "native_module",
+    "remove_device_files",
 ]
 
 _BUILD_HINT = (
@@ -102,3 +103,19 @@ def kvcached_env_kwargs(env: Mapping[str, str]) -> dict[str, Any]:
     if "KVCACHED_CONTIGUOUS_LAYOUT" in env:
         out["contiguous_layout"] = _env_bool(env["KVCACHED_CONTIGUOUS_LAYOUT"])
     return out
+
+
+def remove_device_files(device_name: str) -> None:
+    """Delete a modelled device's shared files (lock and accounting) once no engine uses it."""
+    import os
+
+    try:
+        native = native_module()
+        paths = [native.device_lock_path(device_name), native.device_account_path(device_name)]
+    except Exception:  # noqa: BLE001 - no native module: nothing was created
+        return
+    for p in paths:
+        try:
+            os.unlink(p)
+        except OSError:
+            pass

@@ -1,5 +1,7 @@
-"""Analyze stage: pure rules over a bundle → Verdict. No I/O, no clock.
+"""Analyze stage: pure rules over a bundle → Verdict / Diagnosis. No I/O, no clock.
 
+- :func:`diagnose`: the run's whole conclusion (verdicts, exit code, soak judgement, A/B
+  comparison), stored in the bundle by the run and recomputed by ``kvdiag analyze``;
 - :func:`analyze_by_engine`: one verdict per engine (processes captured
   without an engine record form one group named ``pid-<first pid>``);
 - :func:`analyze`: the overall verdict, the worst engine's, naming the others.
@@ -8,15 +10,15 @@
 from __future__ import annotations
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
+from kvdiag.analyze.diagnosis import diagnose, exit_code_for
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.errors import ExitCode
-from kvdiag.model import TARGET_STATE_KINDS, Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
-    "classify_process", "classify_thread", "exit_code_for", "hang_signature", "severity", "sign",
+    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "severity", "sign",
 ]
 
 
@@ -65,15 +67,3 @@ def analyze(bundle: Bundle) -> Verdict:
                 extra.append(f)
     overall.findings += extra
     return sign(overall, bundle)
-
-
-def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 5 stopped/traced target, 6 soak not
-    saturated, 0 otherwise."""
-    if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
-        return ExitCode.ENGINE_FAILED
-    if verdict.kind in TARGET_STATE_KINDS:
-        return ExitCode.TARGET_STOPPED
-    if verdict.kind is VerdictKind.NOT_SATURATED:
-        return ExitCode.NOT_SATURATED
-    return ExitCode.DEADLOCK if verdict.kind.is_hang else ExitCode.OK

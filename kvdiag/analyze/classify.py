@@ -81,7 +81,10 @@ def _arch_syscalls(machine: str | None) -> dict[str, frozenset[int]]:
 
 
 def _kind_from_frames(segment: list[Frame]) -> tuple[WaitKind | None, str | None]:
-    """Innermost frame that says what the thread waits in."""
+    """Innermost frame that says what the thread waits in (a condvar wait inside take_gil is a GIL wait)."""
+    gil = _gil_frames(segment)
+    if gil is not None:
+        return WaitKind.GIL_WAIT, gil
     for f in segment:
         name = f.name
         if v.matches(name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
@@ -100,6 +103,8 @@ def _kind_from_frames(segment: list[Frame]) -> tuple[WaitKind | None, str | None
             return WaitKind.SLEEP, name
         if v.matches(name, v.SPIN):
             return WaitKind.RUNNING, name
+        if v.matches(name, v.JOIN_WAIT):
+            return WaitKind.FUTEX_WAIT, name
     return None, None
 
 
@@ -178,7 +183,11 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     # What it is blocked in: frames (every tool's innermost segment), then the kernel.
     kind: WaitKind | None = None
     wait_frame: str | None = None
-    for seg in segments:
+    # The tools read the thread at different instants. When the best stack has native frames and
+    # shows no wait, the thread was executing then; another tool's older wait does not count.
+    executing = any(f.kind == "native" for f in frames) and _kind_from_frames(segments[0] if segments else [])[0] \
+        is None
+    for seg in segments[:1] if executing else segments:
         kind, wait_frame = _kind_from_frames(seg)
         if kind is not None:
             break
@@ -215,6 +224,9 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         wait_frame = gil_frame or wait_frame
     running = (th.cpu_ticks_delta is not None and th.cpu_ticks_delta >= RUNNING_TICKS) or (
         th.cpu_ticks_delta is None and th.state is ThreadState.RUNNING) or kind is WaitKind.RUNNING
+    if th.cpu_ticks_delta is None and th.state is ThreadState.UNKNOWN and executing and view.holds_gil and \
+            kind is None:
+        running = True   # no /proc: holding the GIL outside any wait is executing Python
     view.running = running and not view.stopped
     if view.running:
         kind = WaitKind.RUNNING

@@ -11,7 +11,8 @@ status (risk / ok / unknown / n/a), what it found and what to change:
   with the pre-#422 allocator;
 - ``headroom``: a GPU fuller than kvcached's utilization headroom (#377
   underflow on older builds), or engines that together claim more;
-- ``page_vs_block``: a KV block that does not fit in one page (#367).
+- ``page_vs_block``: a KV block that does not fit in one page (#367);
+- ``capture_access``: a warning when kvdiag's tracers would be refused here.
 """
 
 from __future__ import annotations
@@ -248,8 +249,19 @@ def page_block_checks(engines: Sequence[EnginePlan]) -> list[DoctorCheck]:
     return rows
 
 
+def access_checks(env: EnvironmentRecord) -> list[DoctorCheck]:
+    """Whether kvdiag could capture a hung engine here (a warning, not a hang risk)."""
+    p = env.ptrace
+    if p.problem:
+        return [_row("capture_access", "this host", RiskStatus.WARN, p.problem, p.fix)]
+    scope = "absent" if p.yama_ptrace_scope is None else str(p.yama_ptrace_scope)
+    return [_row("capture_access", "this host", RiskStatus.OK,
+                 f"py-spy/pystack/gdb may attach (yama ptrace_scope {scope}, CAP_SYS_PTRACE "
+                 f"{'yes' if p.cap_sys_ptrace else 'no'})")]
+
+
 def doctor_checks(env: EnvironmentRecord, engines: Sequence[EnginePlan] = (),
                   banners: Sequence[BannerInfo] = ()) -> list[DoctorCheck]:
     """Every rule, in the order a reader goes through them."""
     return (build_checks(engines, env) + pool_checks(engines, banners) + colocation_checks(engines, env)
-            + headroom_checks(engines, env) + page_block_checks(engines))
+            + headroom_checks(engines, env) + page_block_checks(engines) + access_checks(env))

@@ -31,6 +31,20 @@ _PREALLOC_GIL = KnownDefect(
     fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
     workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false",
     url="https://github.com/ovg-project/kvcached/issues/371")
+_GIL_HELD_WAIT = KnownDefect(
+    id="kvcached#371",
+    title="alloc_page waits for the prealloc worker with the GIL held: every Python thread stalls behind it "
+          "(GIL half of #371)",
+    fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
+    workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false",
+    url="https://github.com/ovg-project/kvcached/issues/371")
+_RUNTIME_STALL = KnownDefect(
+    id="kvcached#371",
+    title="runtime stall under load (reproduction B): decode stops while alloc_page waits with the GIL held "
+          "and the prealloc worker needs the GIL in map_pages",
+    fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
+    workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false",
+    url="https://github.com/ovg-project/kvcached/issues/371")
 _IPC_READ = KnownDefect(
     id="kvcached#371",
     title="worker IPC reply awaited with no timeout: a live but stuck worker hangs the engine (IPC half of #371)",
@@ -45,6 +59,9 @@ KNOWN: tuple[KnownHang, ...] = (
               # the seed's stacks (tests/fixtures/seed/, kvcached built from fea40de); kvdiag's
               # simulated engines with the stock allocator give the same one
               frozenset({"gil_cycle-3716a34488aa"})),
+    KnownHang(_RUNTIME_STALL, frozenset({VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN}),
+              (frozenset({"alloc_page"}), frozenset({"map_pages", "prealloc_worker", "should_use_worker_ipc"}))),
+    KnownHang(_GIL_HELD_WAIT, frozenset({VerdictKind.GIL_HELD_BLOCKED}), (frozenset({"alloc_page"}),)),
     KnownHang(_IPC_READ, frozenset({VerdictKind.BLOCKED_IPC_READ, VerdictKind.UNKNOWN}),
               (frozenset({"_send_and_receive_message", "broadcast_map_to_kv_tensors",
                           "broadcast_unmap_from_kv_tensors", "broadcast_kv_tensors_created"}),)),

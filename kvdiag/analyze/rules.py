@@ -12,8 +12,10 @@ import re
 from collections.abc import Iterable
 
 from kvdiag.analyze import vocab as v
+from kvdiag.analyze.access import evidence_outcome, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -35,8 +37,9 @@ from kvdiag.watch.banner import assess_risk_for
 SEVERITY: tuple[VerdictKind, ...] = (
     VerdictKind.GIL_CYCLE, VerdictKind.GIL_HELD_BLOCKED, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
     VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
-    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.SLOW_START, VerdictKind.NOT_SATURATED,
-    VerdictKind.HEALTHY,
+    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.NO_ACCESS, VerdictKind.EXITED,
+    VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON, VerdictKind.KERNEL_THREAD, VerdictKind.SLOW_START,
+    VerdictKind.NOT_SATURATED, VerdictKind.HEALTHY,
 )
 KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
@@ -172,9 +175,9 @@ def _released_gil(t: ThreadView) -> bool:
 
 
 def _outside_peer(t: ThreadView, pid: int) -> bool:
-    """The fd the thread reads is connected to another process (or to no process at all)."""
+    """The read can end without any thread of ``pid``: its peer is another process, none, or unknown."""
     conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
-    return bool(conns) and all(f.peer_pids != [pid] for f in conns)
+    return not conns or all(f.peer_pids != [pid] for f in conns)
 
 
 def peer_phrase(info: FdInfo) -> str:
@@ -423,12 +426,18 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
                        cycle=g.describe_cycle(cycle))
     owners_known = any(t.owner_tid is not None for t in waiters)
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
-    if not owners_known and len(addrs) >= 2 and not any(t.running and not t.idle_by_design for t in views):
+    # Without /proc there are no addresses at all: two untimed mutex waits from frames, with no
+    # thread left that could release anything, still cannot end (low confidence).
+    unread = not addrs and all(t.wait_addr is None for t in waiters) and not _possible_signallers(views, waiters)
+    if not owners_known and (len(addrs) >= 2 or unread) and not any(t.running and not t.idle_by_design
+                                                                     for t in views):
         evidence = [_item(t, f"waits for mutex {t.wait_addr:#x} (owner unknown)" if t.wait_addr else
                           "waits for a mutex (owner unknown)", engine) for t in waiters[:4]]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=Confidence.LOW, engine=engine,
                        summary=(f"likely lock-order inversion in pid {proc.pid}: {len(waiters)} threads wait on "
-                                f"{len(addrs)} different mutexes and nothing runs (owners could not be read)"),
+                                f"{f'{len(addrs)} different mutexes' if addrs else 'mutexes'}"
+                                f"{''.join(where(t, 1) for t in waiters[:1])} and nothing runs "
+                                f"(owners could not be read)"),
                        evidence=evidence)
     return rule_python_lock_inversion(proc, views, engine)
 
@@ -667,7 +676,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     machine = bundle.host.get("machine")
     findings = (banner_findings(e) if e else []) + relevant
     findings += [f for p in procs for f in process_findings(p, machine, e.name if e else None)]
-    pverdicts = _process_verdicts(procs, machine, e.name if e else None)
+    pverdicts = _process_verdicts(judgeable(procs, relevant), machine, e.name if e else None)
     hang = pverdicts[0] if pverdicts else None
 
     def done(verdict: Verdict) -> Verdict:
@@ -688,9 +697,12 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         if exited_badly or (e.error and _CRASH.search(e.error)):
             line = _telling_line(text, _CRASH) or (e.error or "")
             code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
-            return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH,
-                                summary=f"{name}: engine exited{code}: {line.strip()[:200]}".rstrip(": ")))
-        stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or 5.0)
+            # Without an exit code (a bare capture) the end of the log is the only witness.
+            what = f"engine exited{code}" if exited_badly or e.phase is EnginePhase.EXITED else \
+                "its log ends with a crash"
+            return done(Verdict(kind=VerdictKind.CRASH, confidence=Confidence.HIGH if exited_badly else
+                                Confidence.MEDIUM, summary=f"{name}: {what}: {line.strip()[:200]}".rstrip(": ")))
+        stall = decode_stalled(e, bundle.metrics, bundle.stall_window_s or STALL_WINDOW_S)
         if stall is not None:
             if hang is not None:
                 return done(Verdict(kind=VerdictKind.DECODE_STALL, confidence=hang.confidence,
@@ -708,6 +720,11 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
                                 summary=f"{name}: decode stall: {log_stall}{mech}"))
     if hang is not None:
         return done(hang)
+    outcome = evidence_outcome(name, procs, relevant, e.name if e else None)   # no evidence is not health
+    if outcome is not None:
+        if e is not None and e.phase is EnginePhase.STALLED:
+            outcome.summary += f"; the engine had stalled in phase {e.phase.value}"
+        return done(outcome)
     stalled = e is not None and (e.phase is EnginePhase.STALLED or (bundle.stall_detected and not e.healthy))
     if stalled and e is not None:
         if _any_running(procs, machine):

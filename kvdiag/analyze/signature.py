@@ -107,25 +107,44 @@ def project_frames(frames: Iterable[Frame]) -> list[str]:
     return out[:FRAMES_PER_THREAD]
 
 
-def _thread_frames(item: EvidenceItem, bundle: Bundle | None) -> list[Frame]:
-    """The cited frames of ``item`` as frames: from the bundle's thread when there, else parsed back."""
+_TOOL_ORDER = ("pystack", "py-spy", "gdb")
+
+
+def _thread_stacks(item: EvidenceItem, bundle: Bundle | None) -> list[list[Frame]]:
+    """Where to read the thread's project frames, in order: the cited frames, the thread's merged
+    stack, then each tool's own stack (pystack, py-spy, gdb). Without the bundle's thread, only the
+    evidence lines parsed back."""
     cited = list(item.frames)
     if bundle is not None:
         for p in bundle.processes:
             if p.pid != item.pid:
                 continue
             for t in p.threads:
-                if t.tid == item.tid and t.frames:
-                    wanted = set(cited)
-                    picked = [f for f in t.frames if v.describe(f) in wanted]
-                    if picked:
-                        return picked
-    return [_frame_from_text(x) for x in cited]
+                if t.tid != item.tid:
+                    continue
+                wanted = set(cited)
+                picked = [f for f in t.frames if v.describe(f) in wanted]
+                tools = sorted(t.frames_by_tool, key=lambda n: (_TOOL_ORDER.index(n) if n in _TOOL_ORDER
+                                                                 else len(_TOOL_ORDER), n))
+                return [picked or [_frame_from_text(x) for x in cited], list(t.frames)] + [
+                    list(t.frames_by_tool[n]) for n in tools]
+    return [[_frame_from_text(x) for x in cited]]
+
+
+def _thread_group(item: EvidenceItem, bundle: Bundle | None) -> tuple[str, ...]:
+    # The citation stops after a dozen frames, and the merged stack may hold one tool's frames only:
+    # without pystack the interpreter's own frames can fill both before the first project frame, so
+    # the next place is read until one names a project frame.
+    for frames in _thread_stacks(item, bundle):
+        group = project_frames(frames)
+        if group:
+            return tuple(group)
+    return ()
 
 
 def signature_groups(verdict: Verdict, bundle: Bundle | None = None) -> list[tuple[str, ...]]:
     """Per cited thread, its project frames; empty threads dropped, duplicates merged, sorted."""
-    groups = {tuple(project_frames(_thread_frames(item, bundle))) for item in verdict.evidence}
+    groups = {_thread_group(item, bundle) for item in verdict.evidence}
     return sorted(g for g in groups if g)
 
 

@@ -74,6 +74,9 @@ EVENT_WAIT = frozenset({"poll", "ppoll", "epoll_wait", "epoll_pwait", "epoll_pwa
 SLEEP = frozenset({"nanosleep", "clock_nanosleep", "time_sleep", "pysleep", "usleep", "sleep",
                    "thrd_sleep", "std::this_thread::sleep_for"})
 SPIN = frozenset({"sched_yield", "os_sched_yield"})
+# Waiting for another thread to exit (a futex wait on its TID).
+JOIN_WAIT = frozenset({"pthread_join", "pthread_clockjoin_ex", "pthread_timedjoin_np", "pthread_join_common",
+                       "thrd_join", "std::thread::join"})
 
 # Python frames by (file basename, function) that say what kind of wait this is.
 PY_FRAME_KINDS: dict[tuple[str, str], str] = {
@@ -198,7 +201,7 @@ _SYSTEM_SRC = re.compile(r"(^|/)(Python|Objects|Modules|Include|Parser|Programs)
                          r"misc|posix|stdlib|string|elf)/|/lib-dynload/|python-build")
 _SYSTEM_PREFIXES = ("futex", "PyCOND", "PyMUTEX", "Py", "pthread_", "clone", "start_thread", "libc_start")
 WAIT_PRIMITIVES = (GIL_ACQUIRE | COND_WAIT | MUTEX_WAIT | PY_LOCK_WAIT | IO_READ | EVENT_WAIT | SLEEP | SPIN
-                    | EVAL_FRAMES)
+                    | EVAL_FRAMES | JOIN_WAIT)
 
 
 _BINDING_GLUE = ("nanobind::detail::", "nanobind::gil_scoped", "nanobind::cpp_function", "pybind11::detail::",

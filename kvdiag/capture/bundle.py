@@ -14,7 +14,7 @@ from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes, process_tree
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
-from kvdiag.model import Bundle, ProcessRole
+from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole
 
 
 def host_info() -> dict[str, str]:
@@ -55,9 +55,38 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     host=host_info(), processes=evidence, findings=findings, engines=engines,
-                    environment=collect_environment())
+                    environment=collect_environment(target_pid=evidence[0].pid if evidence else root_pid))
     save_bundle(bundle, bundle_dir)
     return bundle
 
 
-__all__ = ["capture_tree", "host_info"]
+def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: float,
+                   backends: Sequence[str | CaptureBackend] | None = None,
+                   log_pids: dict[str, int] | None = None) -> tuple[list[ProcessEvidence], list[Finding]]:
+    """Capture one launched engine read-only into ``bundle_dir/raw/<name>/`` (repro, ab, soak).
+
+    The engine's known processes (EngineCore first, then the API server and workers); when no
+    role is known (a command engine that is not vLLM-shaped), its whole process tree.
+    """
+    roles = find_engine_processes(root_pid, log_pids)
+    order: tuple[ProcessRole, ...] = (ProcessRole.ENGINE_CORE, ProcessRole.API_SERVER, ProcessRole.WORKER)
+    if not roles.get(ProcessRole.ENGINE_CORE):
+        order += (ProcessRole.OTHER,)
+    pids: list[int] = []
+    for role in order:
+        pids += [pid for pid in roles.get(role, []) if pid not in pids]
+    # The EngineCore is where a vLLM engine's hangs live: its verdict-critical evidence comes first.
+    evidence, findings = capture_processes(pids or [root_pid], bundle_dir / "raw" / name, timeout_s=timeout_s,
+                                           backends=backends, bundle_dir=bundle_dir,
+                                           focus=roles.get(ProcessRole.ENGINE_CORE))
+    for ev in evidence:
+        ev.engine = name
+        for role, role_pids in roles.items():
+            if ev.pid in role_pids:
+                ev.role = role
+    for f in findings:
+        f.engine = f.engine or name
+    return evidence, findings
+
+
+__all__ = ["capture_engine", "capture_tree", "host_info"]

@@ -10,7 +10,7 @@ inference, then py-spy's ``+gil`` marker).
 from __future__ import annotations
 
 from kvdiag.capture.base import BackendResult
-from kvdiag.model import Frame, GilState, ThreadEvidence
+from kvdiag.model import Frame, GilState, ProcessEvidence, ThreadEvidence
 
 # Which tool's GIL reading to trust first.
 _GIL_PRECEDENCE = ("pystack", "proc", "py-spy", "gdb")
@@ -52,3 +52,34 @@ def merge_threads(results: dict[str, BackendResult]) -> list[ThreadEvidence]:
             best = max(t.frames_by_tool.items(), key=lambda kv: stack_richness(kv[0], kv[1]))
             t.frames = list(best[1])
     return [merged[tid] for tid in sorted(merged)]
+
+
+def _settle(t: ThreadEvidence) -> None:
+    t.gil = next((t.gil_by_tool[k] for k in _GIL_PRECEDENCE if k in t.gil_by_tool), GilState.UNKNOWN)
+    t.frames = list(max(t.frames_by_tool.items(), key=lambda kv: stack_richness(kv[0], kv[1]))[1]) \
+        if t.frames_by_tool else []
+
+
+def without_tool(proc: ProcessEvidence, tool: str) -> ProcessEvidence:
+    """``proc`` as a capture without ``tool`` would have merged it (for "what if it were missing").
+
+    Valid because the backends do not feed each other: each reads the target on its own, the
+    ptrace tools one after another. Dropping "proc" keeps only what the stack tools saw.
+    """
+    out = proc.model_copy(deep=True)
+    out.tools = [r for r in out.tools if r.tool != tool]
+    if tool == "proc":
+        out = ProcessEvidence(pid=proc.pid, role=proc.role, engine=proc.engine, alive=proc.alive,
+                              python_version=proc.python_version, tools=out.tools)
+        for t in proc.threads:
+            if not t.frames_by_tool:
+                continue
+            out.threads.append(ThreadEvidence(tid=t.tid, name=t.name, frames_by_tool=dict(t.frames_by_tool),
+                                              gil_by_tool={k: g for k, g in t.gil_by_tool.items() if k != "proc"}))
+    else:
+        for t in out.threads:
+            t.frames_by_tool.pop(tool, None)
+            t.gil_by_tool.pop(tool, None)
+    for t in out.threads:
+        _settle(t)
+    return out

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from kvdiag.capture.discover import _title, classify_title
 from kvdiag.model import ProcessRole
-from kvdiag.proc import process_tree
+from kvdiag.proc import process_tree, read_stat
 
 # More processes than a vLLM tree has (API server, EngineCore per DP rank, a worker per TP rank,
 # resource tracker) even at 8 GPUs; a tree this big is a session or a host.
@@ -38,18 +38,10 @@ def _uid(pid: int) -> int | None:
 
 def _ancestors(pid: int) -> list[int]:
     out: list[int] = []
-    cur = pid
-    for _ in range(4096):
-        try:
-            with open(f"/proc/{cur}/stat", "rb") as fh:
-                data = fh.read()
-            ppid = int(data[data.rindex(b")") + 2:].split()[1])
-        except (OSError, ValueError, IndexError):
-            break
-        if ppid <= 0:
-            break
-        out.append(ppid)
-        cur = ppid
+    st = read_stat(pid)
+    while st is not None and st.ppid > 0 and len(out) < 4096:
+        out.append(st.ppid)
+        st = read_stat(st.ppid)
     return out
 
 
@@ -67,7 +59,7 @@ def capture_scope(root: int, *, me: int | None = None, my_uid: int | None = None
 
     kvdiag's own process is never part of the scope. Reasons: ``root`` is pid 1;
     it is an ancestor of kvdiag (a shell or session: its tree holds kvdiag and everything else
-    started from it); its tree holds processes of another user than the caller; the tree is
+    started from it); its tree mixes users (processes of another user than ``root``'s owner); the tree is
     larger than any engine's (:data:`MAX_TREE`).
     """
     me = os.getpid() if me is None else me
@@ -79,14 +71,18 @@ def capture_scope(root: int, *, me: int | None = None, my_uid: int | None = None
     elif root in _ancestors(me):
         problems.append(f"pid {root} is an ancestor of kvdiag itself (a shell or a session): its tree is "
                         "everything started from it")
+    # The engine's owner is whoever owns the pid the user named: `sudo kvdiag capture` of another
+    # user's engine is the fix no_access prints, so only a tree that mixes users needs consent.
+    owner = _uid(root)
+    expected = {my_uid} if owner is None else {owner}
     foreign: dict[int, int] = {}
     for pid in pids:
         uid = _uid(pid)
-        if uid is not None and uid != my_uid:
+        if uid is not None and uid not in expected:
             foreign[uid] = foreign.get(uid, 0) + 1
     if foreign:
         who = ", ".join(f"uid {uid}: {n} process{'es' if n > 1 else ''}" for uid, n in sorted(foreign.items()))
-        problems.append(f"the tree of pid {root} holds processes of other users than you ({who})")
+        problems.append(f"the tree of pid {root} holds processes of other users than its owner ({who})")
     if len(pids) > MAX_TREE:
         problems.append(f"the tree of pid {root} has {len(pids)} processes, more than one engine has "
                         f"(at most {MAX_TREE})")

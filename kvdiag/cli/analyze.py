@@ -7,9 +7,9 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.analyze import analyze, analyze_by_engine, exit_code_for
+from kvdiag.analyze import diagnose
 from kvdiag.analyze.text import format_verdict
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_run
 
 
 def analyze_cmd(
@@ -18,24 +18,33 @@ def analyze_cmd(
 ) -> int:
     """Re-analyze a saved bundle offline; print the verdict and the frames behind it.
 
-    BUNDLE: a run folder, its bundle/ folder or a bundle.json (e.g. from a bug).
-    Nothing is captured again and no file is written (kvdiag report re-renders).
-    Exit codes: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM,
-    2 no readable bundle.
+    BUNDLE: a run folder, its bundle/ folder or a bundle.json (e.g. from a bug); an A/B folder
+    is judged from its two nested runs. Nothing is captured again and no file is written
+    (kvdiag report re-renders). The diagnosis is recomputed from the bundle alone; --json says
+    whether it agrees with the one the run stored.
+    Exit codes: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM, 2 no readable bundle
+    (an A/B folder: as kvdiag ab; an interrupted run: 130).
     """
-    loaded, bundle_dir = load_bundle(bundle)
-    verdict = analyze(loaded)
-    by_engine = analyze_by_engine(loaded)
-    code = exit_code_for(verdict)
+    run = load_run(bundle)
+    diag = diagnose(run.bundle, run.run_bundles)
+    stored = run.bundle.diagnosis
+    agrees = None if stored is None else (stored.verdict.kind, stored.exit_code) == (diag.verdict.kind, diag.exit_code)
     if as_json:
-        typer.echo(json.dumps({"verdict": verdict.model_dump(mode="json"),
-                               "verdicts_by_engine": {k: v.model_dump(mode="json") for k, v in by_engine.items()},
-                               "bundle": str(bundle_dir), "exit_code": code}, indent=2))
+        typer.echo(json.dumps({"verdict": diag.verdict.model_dump(mode="json"),
+                               "verdicts_by_engine": {k: v.model_dump(mode="json")
+                                                      for k, v in diag.verdicts_by_engine.items()},
+                               "ab": diag.ab.model_dump(mode="json") if diag.ab is not None else None,
+                               "notes": diag.notes, "bundle": str(run.bundle_dir), "exit_code": diag.exit_code,
+                               "agrees_with_run": agrees}, indent=2))
     else:
-        typer.echo(format_verdict(verdict, by_engine))
-        typer.echo(f"bundle: {bundle_dir}")
-        typer.echo(f"exit code {code}")
-    return code
+        typer.echo(format_verdict(diag.verdict, diag.verdicts_by_engine))
+        for note in diag.notes:
+            typer.echo(f"note: {note}")
+        if agrees is False and stored is not None:
+            typer.echo(f"note: the run itself said {stored.verdict.kind.value} (exit {stored.exit_code})")
+        typer.echo(f"bundle: {run.bundle_dir}")
+        typer.echo(f"exit code {diag.exit_code}")
+    return diag.exit_code
 
 
 def register(app: typer.Typer) -> None:

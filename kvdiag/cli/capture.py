@@ -12,14 +12,14 @@ from types import FrameType
 
 import typer
 
-from kvdiag.analyze import analyze, analyze_by_engine, exit_code_for
 from kvdiag.analyze.text import format_verdict
+from kvdiag.capture.access import is_kernel_thread
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, DEFAULT_BACKENDS, make_backends
-from kvdiag.capture.select import capture_scope, engine_cores_of
+from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, Verdict
-from kvdiag.runner import prepare_out_dir
+from kvdiag.model import Bundle
+from kvdiag.runner import finish, prepare_out_dir
 
 
 def _target(pid: int | None, engine_core_of: int | None) -> int:
@@ -42,21 +42,6 @@ def _target(pid: int | None, engine_core_of: int | None) -> int:
         raise UsageError(f"--engine-core-of {engine_core_of}: {len(cores)} EngineCore processes under it "
                          f"({', '.join(map(str, cores))})", hint="pick one with --pid")
     return cores[0]
-
-
-def _write_report(out_dir: Path, bundle: Bundle, verdict: Verdict, by_engine: dict[str, Verdict],
-                  code: int) -> dict[str, Path]:
-    """report.json/html/md through kvdiag.report when that stage is installed; {} otherwise."""
-    try:
-        from kvdiag.report import write_outputs
-    except ImportError:
-        return {}
-    try:
-        return write_outputs(out_dir, bundle, verdict, command=bundle.command, exit_code=code,
-                             verdicts_by_engine=by_engine)
-    except Exception as exc:  # the bundle and the verdict are already safe; say what failed
-        typer.echo(f"kvdiag: warning: report not written: {type(exc).__name__}: {exc}", err=True)
-        return {}
 
 
 def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
@@ -96,8 +81,11 @@ def capture_cmd(
     is refused unless --all-descendants. py-spy --native, pystack and gdb pause
     the target briefly, one at a time, and always resume it; /proc never does.
     A capture that never pauses: --tools proc,py-spy-nonblocking.
+    Before attaching, kvdiag checks that it may read the target (owner, ptrace_scope,
+    CAP_SYS_PTRACE, container); when it may not, it says why and the fix (no_access).
     Exit codes: 0 no hang evidence, 10 deadlock found, 4 crash or OOM,
-    2 bad usage or a refused pid.
+    3 no access (the fix is printed), 5 nothing to judge (the target exited, is a
+    zombie, runs no Python or is a kernel thread), 2 bad usage or a refused pid.
     """
     target = _target(pid, engine_core_of)
     if target == os.getpid():
@@ -109,21 +97,29 @@ def capture_cmd(
         make_backends(names)
     except ValueError as exc:
         raise UsageError(f"--tools: {exc}") from None
-    scope = capture_scope(target)
+    kthread = is_kernel_thread(target)
+    if kthread:
+        # Refused, but as an outcome with a report (kernel_thread, exit 5), not a scope question:
+        # only the named thread is looked at, through /proc, and nothing attaches to it.
+        scope = Scope(root=target, pids=[target], problems=[])
+    else:
+        scope = capture_scope(target)
     if scope.problems and not all_descendants:
         raise UsageError(f"refusing to capture pid {target}: " + "; ".join(scope.problems),
                          hint="name the engine: --engine-core-of API_SERVER_PID (or --pid of its EngineCore); "
                          "--all-descendants captures the whole tree anyway")
     out_dir = prepare_out_dir(out, "capture")
     bundle_dir = out_dir / "bundle"
-    typer.echo(f"capturing pid {target} and its children with {', '.join(names)} "
-               f"(read-only, at most {timeout + CAPTURE_SLACK_S:.0f}s)", err=True)
+    if kthread:
+        typer.echo(f"pid {target} is a kernel thread: capture refused; recording what /proc shows", err=True)
+    else:
+        typer.echo(f"capturing pid {target} and its children with {', '.join(names)} "
+                   f"(read-only, at most {timeout + CAPTURE_SLACK_S:.0f}s)", err=True)
     bundle = _interruptible(lambda: capture_tree(target, bundle_dir, timeout_s=timeout, backends=names,
                                                  command=f"capture --pid {target}", pids=scope.pids))
-    verdict = analyze(bundle)
-    by_engine = analyze_by_engine(bundle)
-    code = exit_code_for(verdict)
-    paths = _write_report(out_dir, bundle, verdict, by_engine, code)
+    # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
+    arts = finish(out_dir, bundle)
+    verdict, by_engine, code, paths = arts.verdict, arts.verdicts_by_engine, arts.exit_code, arts.paths
     if as_json:
         typer.echo(json.dumps({"verdict": verdict.model_dump(mode="json"),
                                "verdicts_by_engine": {k: v.model_dump(mode="json") for k, v in by_engine.items()},

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 from pathlib import Path
 
 import typer
@@ -26,8 +27,8 @@ from kvdiag.scenario import EngineSpec, Scenario, load_scenario
 from kvdiag.watch.banner import parse_banners
 
 BUILTIN_NAMES = ("two-engine", "default")
-_STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.OK: "green", RiskStatus.UNKNOWN: "yellow",
-                 RiskStatus.NOT_APPLICABLE: "dim"}
+_STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",
+                 RiskStatus.UNKNOWN: "yellow", RiskStatus.NOT_APPLICABLE: "dim"}
 
 
 def _true(value: str | None) -> bool:
@@ -168,6 +169,10 @@ def render(report: DoctorReport, console: Console) -> None:
         table.add_row(Text(c.check), Text(c.subject), Text(c.status.value, style=_STATUS_STYLE[c.status]),
                       Text(c.detail + (f" [{c.upstream}]" if c.upstream else "")), Text(c.fix or "—"))
     console.print(table)
+    for c in report.checks:
+        if c.status is RiskStatus.WARN:
+            console.print(Text(f"warning: {c.check}: {c.detail}" + (f"; fix: {c.fix}" if c.fix else ""),
+                               style="yellow"))
     risks = [c for c in report.checks if c.status is RiskStatus.RISK]
     if risks:
         console.print(Text(f"{len(risks)} known risk(s) apply: "
@@ -206,7 +211,8 @@ def doctor_cmd(
     if as_json:
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2, ensure_ascii=False))
     else:
-        render(report, Console(highlight=False, soft_wrap=False))
+        # Piped into a file or a bug report: wide enough for the table to stay readable.
+        render(report, Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 140))
     return report.exit_code
 
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.analyze import analyze, analyze_by_engine, exit_code_for
-from kvdiag.bundle_io import atomic_write_text, load_bundle
+from kvdiag.analyze import diagnose
+from kvdiag.bundle import atomic_write_text, load_run
 from kvdiag.errors import ExitCode, UsageError
 
 
@@ -18,34 +18,36 @@ def report_cmd(
     out: Path | None = typer.Option(None, "--out", "-o", help="Folder for report.json/html/md "
                                     "(default: the run folder holding bundle/)"),
 ) -> int:
-    """Re-analyze a saved bundle and re-render its report (HTML, JSON, Markdown).
+    """Re-render a saved bundle's report (HTML, JSON, Markdown) from the diagnosis stored in it.
 
-    BUNDLE: a run folder, its bundle/ folder or a bundle.json.
+    BUNDLE: a run folder, its bundle/ folder or a bundle.json. The report says what the run
+    said (the stored diagnosis); a bundle without one is analyzed first.
     Exit codes: 0 written, 2 no readable bundle or an unwritable output.
     """
     from kvdiag.cli.common import console
-    from kvdiag.report import build_report, render_html, render_terminal, write_outputs
+    from kvdiag.report import build_report, render_html, render_run, render_terminal
 
-    loaded, bundle_dir = load_bundle(bundle)
-    verdict, by_engine = analyze(loaded), analyze_by_engine(loaded)
-    command = loaded.command or "report"
-    code = exit_code_for(verdict)
+    run = load_run(bundle)
+    loaded, bundle_dir = run.bundle, run.bundle_dir
+    if loaded.diagnosis is None:  # a bundle written before diagnoses were stored, or by hand
+        loaded.diagnosis = diagnose(loaded, run.run_bundles)
+    diag = loaded.diagnosis
     con = console()
     paths: dict[str, Path]
+    report = build_report(loaded, diag.verdict, command=loaded.command or "report", exit_code=diag.exit_code,
+                          verdicts_by_engine=diag.verdicts_by_engine,
+                          ab=diag.ab.model_dump(mode="json") if diag.ab is not None else None,
+                          bundle_path=str(bundle_dir))
     try:
         if html is not None:
             # Links in the page lead to the bundle's files from where the page is written.
-            report = build_report(loaded, verdict, command=command, exit_code=code, verdicts_by_engine=by_engine,
-                                  bundle_path=_relative_to(bundle_dir, html.parent))
+            report = report.model_copy(update={"bundle_path": _relative_to(bundle_dir, html.parent)})
             atomic_write_text(html, render_html(report, loaded, bundle_dir))
             paths = {"report.html": html}
         else:
             # A bundle/ folder sits in its run folder: re-render there, beside it, like the original run.
-            target = out if out is not None else (bundle_dir.parent if bundle_dir.name == "bundle" else bundle_dir)
-            paths = write_outputs(target, loaded, verdict, command=command, exit_code=code,
-                                  verdicts_by_engine=by_engine, bundle_dir=bundle_dir)
-            report = build_report(loaded, verdict, command=command, exit_code=code, verdicts_by_engine=by_engine,
-                                  bundle_path=str(bundle_dir))
+            target = out if out is not None else run.out_dir
+            paths = render_run(target, loaded, bundle_dir=bundle_dir)
     except OSError as exc:
         raise UsageError(f"cannot write the report: {exc.strerror or exc} ({exc.filename or ''})",
                          hint="pass --out DIR or --html FILE pointing at a writable place") from None

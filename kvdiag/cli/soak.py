@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
+from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import SoakStats
 
 
@@ -18,8 +19,9 @@ class AllocatorChoice(str, Enum):
 
 def soak(
     model: str = typer.Option("sim", "--model", "-m", help="Model to load. 'sim' launches the embedded simulated "
-                              "engine (no GPU); with --url, the model name requests use (default: the first one "
-                              "the server lists)."),
+                              "engine (no GPU); a model folder launches `vllm serve DIR` (real vLLM, embedded "
+                              "soak-vllm scenario); with --url, the model name requests use (default: the first "
+                              "one the server lists)."),
     url: str | None = typer.Option(None, "--url", help="Drive an already running OpenAI-compatible server "
                                    "(e.g. http://127.0.0.1:8000) instead of launching one."),
     scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML whose first engine is "
@@ -33,7 +35,8 @@ def soak(
     allocator: AllocatorChoice | None = typer.Option(None, "--allocator", help="Allocator of the launched "
                                                      "simulated engine (default: the scenario's, stock)."),
     stall_window: float | None = typer.Option(None, "--stall-window", help="Requests in flight and no token for "
-                                              "this many seconds is a stall (default: the scenario's, 5)."),
+                                              "this many seconds is a stall (default: the scenario's, "
+                                              f"{STALL_WINDOW_S:g})."),
     chat: bool = typer.Option(False, "--chat", help="Use /v1/chat/completions instead of /v1/completions."),
     read_timeout: float = typer.Option(60.0, "--read-timeout", help="A request that receives no byte for this "
                                        "long ends as timed out."),
@@ -56,7 +59,8 @@ def soak(
         load_scenario(scenario)  # an invalid scenario file is a usage error, before any folder exists
     out_dir = prepare_out_dir(out, "soak")
     con = console()
-    subject = url if url else f"scenario {scenario}" if scenario else "simulated engine (soak-hybrid)"
+    subject = (url if url else f"scenario {scenario}" if scenario else "simulated engine (soak-hybrid)"
+               if model == "sim" else f"vllm serve {model} (soak-vllm)")
     con.print(f"kvdiag soak: {subject}, {concurrency} streams, output {out_dir}", highlight=False)
     arts = SoakRun(opts, out_dir, con).run()
     if arts.bundle.soak is not None:

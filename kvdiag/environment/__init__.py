@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import platform
+import re
 from collections.abc import Callable, Mapping
 from typing import TypeVar
 
@@ -22,6 +23,7 @@ from kvdiag.environment.host import (
     memory_total_mb,
     os_name,
     package_versions,
+    process_environ,
     relevant_env,
     usable_cpus,
 )
@@ -43,11 +45,26 @@ def _safe(errors: list[str], what: str, fn: Callable[[], T], default: T) -> T:
         return default
 
 
+def _runtime_of_torch(version: str | None) -> str | None:
+    """``2.10.0+cu128`` → ``12.8 (torch build)``: the CUDA runtime torch ships with."""
+    m = re.search(r"\+cu(\d+)(\d)$", version or "")
+    return f"{m.group(1)}.{m.group(2)} (torch build)" if m else None
+
+
 def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool = True,
-                        runtime: bool = True, gpu_timeout_s: float = 20.0) -> EnvironmentRecord:
-    """The environment record of this host. ``environ`` is the environment the engines get
-    (default: this process's); ``gpus=False`` skips the CUDA query (no child process)."""
+                        runtime: bool = True, gpu_timeout_s: float = 20.0,
+                        target_pid: int | None = None) -> EnvironmentRecord:
+    """The environment record of this host. The variables recorded are ``environ``'s, else those of
+    ``target_pid`` (a captured engine, when /proc lets us read them), else this process's;
+    ``gpus=False`` skips the CUDA query (no child process)."""
     errors: list[str] = []
+    source = "kvdiag" if environ is None else "given"
+    if environ is None and target_pid is not None:
+        environ = process_environ(target_pid)
+        if environ is None:
+            errors.append(f"environment of pid {target_pid}: not readable; kvdiag's own is shown")
+        else:
+            source = f"pid {target_pid}"
     env = dict(os.environ if environ is None else environ)
     rec = EnvironmentRecord(os=_safe(errors, "os", os_name, ""), kernel=platform.release(),
                             machine=platform.machine(), python=platform.python_version())
@@ -59,6 +76,7 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
     except ImportError:  # pragma: no cover - kvdiag is importable: we are it
         pass
     rec.env = _safe(errors, "environment", lambda: relevant_env(env), {})
+    rec.env_source = source
     rec.cpus = usable_cpus()
     no_limits: tuple[float | None, int | None] = (None, None)
     rec.cpu_limit, rec.memory_limit_mb = _safe(errors, "cgroup", cgroup_limits, no_limits)
@@ -71,6 +89,8 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
             errors, "gpu", lambda: read_gpus(gpu_timeout_s), no_gpu)
     else:
         rec.gpu_note = "not queried"
+    if rec.cuda_runtime is None:
+        rec.cuda_runtime = _runtime_of_torch(rec.packages.get("torch"))
     if runtime:
         rec.kvcached_runtime = _safe(errors, "kvcached runtime", collect_runtime, None)
     rec.errors = errors

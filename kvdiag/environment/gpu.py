@@ -16,15 +16,19 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from kvdiag.model import GpuInfo
+if TYPE_CHECKING:
+    from kvdiag.model import GpuInfo
 
 QUERY_TIMEOUT_S = 20.0
-_CHILD = "import json, sys; from kvdiag.environment.gpu import query; json.dump(query(), sys.stdout)"
+# The child runs this file as a script: standard library only, so it starts fast (no pydantic).
+_SCRIPT = str(Path(__file__).resolve())
 
 
 def _version(v: int) -> str:
@@ -126,19 +130,39 @@ def query() -> dict[str, Any]:
     return {"driver": None, "runtime": None, "gpus": [], "note": f"{note} (/dev/nvidia0 {dev})"}
 
 
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        proc.communicate(timeout=5)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        pass
+
+
 def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | None, list[GpuInfo], str]:
     """(driver, runtime, gpus, note), queried in a child process bounded by ``timeout_s``."""
     try:
-        proc = subprocess.run([sys.executable, "-c", _CHILD], capture_output=True, text=True,
-                              timeout=timeout_s, stdin=subprocess.DEVNULL)
-    except subprocess.TimeoutExpired:
-        return None, None, [], f"GPU query did not answer within {timeout_s:g}s (driver busy or wedged?)"
+        # Its own process group, so that a timeout also ends an nvidia-smi it started.
+        proc = subprocess.Popen([sys.executable, "-I", _SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
     except OSError as exc:
         return None, None, [], f"GPU query could not start: {exc}"
     try:
-        data = json.loads(proc.stdout.strip().splitlines()[-1])
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        return None, None, [], f"GPU query did not answer within {timeout_s:g}s (driver busy or wedged?)"
+    except BaseException:
+        _kill_group(proc)
+        raise
+    try:
+        data = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return None, None, [], f"GPU query failed (exit {proc.returncode}): {proc.stderr.strip()[-200:]}"
+        return None, None, [], f"GPU query failed (exit {proc.returncode}): {err.strip()[-200:]}"
+    from kvdiag.model import GpuInfo
+
     gpus = [GpuInfo.model_validate(g) for g in data.get("gpus", [])]
     return data.get("driver"), data.get("runtime"), gpus, str(data.get("note", ""))
 

@@ -131,3 +131,17 @@ def usable_cpus() -> int | None:
         return len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
         return os.cpu_count()
+
+
+def process_environ(pid: int) -> dict[str, str] | None:
+    """The environment ``pid`` was started with (/proc/PID/environ), or None when it cannot be read."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return None
+    out: dict[str, str] = {}
+    for item in raw.split(b"\0"):
+        key, sep, value = item.partition(b"=")
+        if sep and key:
+            out[key.decode(errors="replace")] = value.decode(errors="replace")
+    return out

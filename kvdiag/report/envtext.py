@@ -50,8 +50,10 @@ def environment_lines(env: EnvironmentRecord) -> list[str]:
         for sock in rt.sockets:
             lines.append(f"IPC socket {sock.path}: listener {', '.join(map(str, sock.listener_pids)) or 'none'}, "
                          f"peers {', '.join(map(str, sock.peer_pids)) or 'none'}" + (" (stale)" if sock.stale else ""))
+    if env.env:
+        lines.append(f"variables ({env.env_source or 'kvdiag'}):")
     for key, value in env.env.items():
-        lines.append(f"{key}={value}")
+        lines.append(f"  {key}={value}")
     for err in env.errors:
         lines.append(f"not collected: {err}")
     return lines

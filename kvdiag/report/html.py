@@ -1,6 +1,6 @@
 """report.html: one self-contained page (no network) rendered with jinja2.
 
-Everything shown comes from the redacted report, the (redacted) bundle and
+Everything shown comes from the report and the bundle (redacted where their data entered) and
 raw files inside the bundle folder. All text goes through jinja2's
 autoescape; the only unescaped insertions are this package's own CSS/JS and
 the report as JSON, escaped for a ``<script type="application/json">`` block.
@@ -26,8 +26,8 @@ import jinja2
 from markupsafe import Markup
 
 from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence
+from kvdiag.redact import redact_text
 from kvdiag.report.json import report_dict
-from kvdiag.report.redact import redact_obj, redact_shapes, redact_text
 
 TEMPLATES = Path(__file__).parent / "templates"
 RAW_FILE_CAP = 256 * 1024        # characters kept per raw file (head and tail)
@@ -418,7 +418,7 @@ def raw_outputs(bundle: Bundle | None, bundle_dir: Path | None) -> list[dict[str
         if rel in seen:
             continue
         seen.add(rel)
-        entry: dict[str, Any] = {"title": redact_text(title), "path": redact_text(rel), "text": None,
+        entry: dict[str, Any] = {"title": title, "path": rel, "text": None,
                                  "size": None, "truncated": False, "note": None}
         path = _inside(bundle_dir, rel)
         if path is None:
@@ -553,7 +553,7 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
     ``bundle`` adds per-process, per-thread stacks (cited frames highlighted);
     ``bundle_dir`` adds the raw tool outputs and logs found in it.
     """
-    safe_bundle = redact_obj(bundle) if bundle is not None else None
+    safe_bundle = bundle   # redacted where its data entered (bundle writer / loader / write_outputs)
     data = report_dict(report)
     ab = ab_view(report)
 
@@ -597,5 +597,4 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
         page_js=Markup(script),
         csp=csp,
     )
-    # Last line of defence for token shapes that arrived by a path not redacted above.
-    return redact_shapes(page)
+    return page

@@ -2,7 +2,7 @@
 
 The report is the user-facing contract (schema/report.schema.json): every
 other renderer (HTML, Markdown, terminal) reads it, never the raw bundle
-alone. It is redacted when built, so nothing downstream can leak a secret.
+alone. Its inputs were redacted where they entered (the bundle writer or loader, write_outputs).
 """
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import json
 from typing import Any
 
 from kvdiag import __version__
+from kvdiag.analyze.health import engine_health
 from kvdiag.model import Bundle, EngineRecord, Finding, Report, Verdict
-from kvdiag.report.redact import redact_obj
 from kvdiag.watch.banner import assess_risk_for
 
 # Keys every engine entry carries (null when unknown); the schema requires them.
@@ -35,13 +35,19 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str,
         banner_risk = {"risky": any(r.risky for r in risks),
                        "pages_per_layer": min(r.pages_per_layer for r in risks),
                        "reasons": reasons}
+    health = engine_health(rec, verdict)
     pids: dict[str, int | None] = {role: rec.pids.get(role) for role in ENGINE_PID_ROLES}
     pids.update({k: v for k, v in rec.pids.items() if k not in pids})
     return {
         "name": rec.name,
         "allocator": rec.allocator,
         "phase": rec.phase.value,
-        "healthy": rec.healthy,
+        # Healthy means the engine's verdict is healthy (kvdiag.analyze.health): a stalled engine is
+        # not, even when its /health still answers (vLLM's /health does not see a decode stall);
+        # what /health said is kept apart and named in the health line.
+        "healthy": health.healthy,
+        "health": health.line,
+        "health_endpoint_ok": rec.healthy,
         "url": rec.url,
         "exit_code": rec.exit_code,
         "pids": pids,
@@ -101,12 +107,12 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         redaction=bundle.redaction.model_copy(deep=True),
         stall_to_verdict_s=bundle.stall_to_verdict_s,
     )
-    return redact_obj(report)
+    return report
 
 
 def report_dict(report: Report) -> dict[str, Any]:
-    """The JSON-ready form of ``report`` (redacted again: reports may be built by hand)."""
-    data: dict[str, Any] = redact_obj(report.model_dump(mode="json"))
+    """The JSON-ready form of ``report``."""
+    data: dict[str, Any] = report.model_dump(mode="json")
     return data
 
 

@@ -6,7 +6,6 @@ import re
 
 from kvdiag.model import Bundle, Report
 from kvdiag.report.html import ab_view, clean_text, format_frame
-from kvdiag.report.redact import redact_text
 from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
@@ -122,7 +121,7 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
             pids = _dict(e.get("pids"))
             startup = e.get("startup_s")
             out.append("| " + " | ".join(_cell(x) for x in (
-                e.get("name"), e.get("allocator"), e.get("phase"), "yes" if e.get("healthy") else "no",
+                e.get("name"), e.get("allocator"), e.get("phase"), _healthy(e),
                 e.get("verdict"), pids.get("api_server"), pids.get("engine_core"),
                 f"{startup:.1f} s" if isinstance(startup, (int, float)) else None,
                 _short(e.get("last_log_line"), MAX_LINE))) + " |")
@@ -163,7 +162,12 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         f" ({', '.join(f'{k} {n}' for k, n in red.by_kind.items())})" if red.total else ""))
     out.append(_fence(env_lines))
     out.append("")
-    return redact_text("\n".join(out))
+    return "\n".join(out)
+
+
+def _healthy(e: dict[str, object]) -> str:
+    """The engine's health line (derived from its verdict and probes by kvdiag.analyze.health)."""
+    return str(e.get("health") or ("yes" if e.get("healthy") else "no"))
 
 
 def _list(value: object) -> list[dict[str, object]]:
@@ -195,6 +199,5 @@ def _cited_stacks(report: Report, bundle: Bundle | None) -> list[tuple[str, list
             if len(th.frames) > MAX_THREAD_FRAMES:
                 lines.append(f"… {len(th.frames) - MAX_THREAD_FRAMES} outer frames")
             name = f' "{th.name}"' if th.name else ""
-            out.append((redact_text(f"pid {proc.pid} tid {th.tid}{name} — {role}"),
-                        [redact_text(line) for line in lines]))
+            out.append((f"pid {proc.pid} tid {th.tid}{name} — {role}", list(lines)))
     return out

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping, Sequence
+
+from kvdiag.interpreter import module_argv
 
 
 def _fmt(value: float) -> str:
@@ -44,7 +45,7 @@ def command(
     a list of raw arguments, or a mapping ``{"fail-mode": "raise"}`` turned into ``--fail-mode raise``
     (``True`` adds the bare flag, ``False``/``None`` drop it).
     """
-    argv = [python or sys.executable, "-m", "kvdiag.sim", "serve", "--host", host, "--port", str(port)]
+    argv = [*module_argv("kvdiag.sim", python), "serve", "--host", host, "--port", str(port)]
     opts: list[tuple[str, object]] = [
         ("--preset", preset), ("--model", model), ("--layers", layers), ("--kv-per-layer-mb", kv_per_layer_mb),
         ("--page-size-mb", page_size_mb), ("--allocator", allocator), ("--backend", backend),

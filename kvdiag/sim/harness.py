@@ -16,7 +16,8 @@ from types import TracebackType
 
 import httpx
 
-from kvdiag.launch.process import free_port
+from kvdiag.allocator import remove_device_files
+from kvdiag.ports import free_port
 from kvdiag.proc import alive as process_alive
 from kvdiag.proc import children
 from kvdiag.sim.cmdline import command
@@ -155,19 +156,3 @@ class SimProcess:
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
         self.stop()
-
-
-def remove_device_files(device_name: str) -> None:
-    """Delete a modelled device's shared files (lock and accounting) once no engine uses it."""
-    try:
-        from kvdiag.allocator import native_module
-
-        native = native_module()
-        paths = [native.device_lock_path(device_name), native.device_account_path(device_name)]
-    except Exception:  # noqa: BLE001 - no native module: nothing was created
-        return
-    for p in paths:
-        try:
-            os.unlink(p)
-        except OSError:
-            pass

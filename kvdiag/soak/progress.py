@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections import deque
+
 from rich.console import Console
 from rich.live import Live
 from rich.text import Text
@@ -13,12 +15,13 @@ from kvdiag.soak.loadgen import LoadGenerator
 class ProgressView:
     """One status line, redrawn in place on a terminal; a plain line every ``every_s`` otherwise."""
 
-    def __init__(self, console: Console, every_s: float = 5.0) -> None:
+    def __init__(self, console: Console, every_s: float = 5.0, window_s: float = 5.0) -> None:
         self.console = console
         self.every_s = every_s
+        self.window_s = window_s
         self._live: Live | None = None
         self._last_print_t: float | None = None
-        self._prev: tuple[float, int] | None = None
+        self._samples: deque[tuple[float, int]] = deque()
         self.rate = 0.0
 
     def start(self) -> None:
@@ -32,12 +35,23 @@ class ProgressView:
             self._live = None
 
     def line(self, t: float, lg: LoadGenerator, snap: MetricsSnapshot | None, quiet_s: float) -> str:
-        """The status text at run time ``t`` (seconds)."""
-        if self._prev is not None and t > self._prev[0]:
-            self.rate = (lg.tokens - self._prev[1]) / (t - self._prev[0])
-        self._prev = (t, lg.tokens)
-        parts = [f"{t:6.1f}s", f"{self.rate:7.0f} tok/s", f"in flight {lg.in_flight}",
-                 f"ok {lg.ok}", f"failed {lg.failed + lg.timed_out}"]
+        """The status text at run time ``t`` (seconds).
+
+        The rate is over the last ``window_s`` seconds (tokens counted by the load generator, as the
+        summary counts them), not between two redraws a fraction of a second apart: bursty streams
+        would read 0 tok/s between bursts while thousands of tokens flowed. The running total is
+        shown beside it, the figure the summary's average divides by the load time.
+        """
+        self._samples.append((t, lg.tokens))
+        while len(self._samples) > 2 and self._samples[1][0] <= t - self.window_s:
+            self._samples.popleft()
+        t0, tokens0 = self._samples[0]
+        if t > t0:
+            self.rate = (lg.tokens - tokens0) / (t - t0)
+        span = min(self.window_s, t - t0)
+        rate = f"{self.rate:7.0f} tok/s (last {span:.0f}s)" if span >= 0.5 else "      - tok/s"
+        parts = [f"{t:6.1f}s", rate, f"{lg.tokens} tokens",
+                 f"in flight {lg.in_flight}", f"ok {lg.ok}", f"failed {lg.failed + lg.timed_out}"]
         if snap is not None:
             if snap.running is not None:
                 parts.append(f"running {snap.running:.0f}")

@@ -14,7 +14,6 @@ verdict and report are written before anything is torn down.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import signal
 import time
 from collections.abc import Callable
@@ -26,13 +25,12 @@ from typing import Any
 import httpx
 from rich.console import Console
 
-from kvdiag.errors import EngineFailed, ExitCode, Interrupted, KvdiagError, UsageError
-from kvdiag.launch.process import ProcessSet, private_temp_path
-from kvdiag.launch.reaper import run_device_name
-from kvdiag.launch.session import EngineWatch, Outcome, ScenarioRun
+from kvdiag.defaults import STALL_WINDOW_S, TOOL_TIMEOUT_S
+from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
+from kvdiag.launch.process import ProcessSet
+from kvdiag.launch.session import EngineWatch, Outcome
 from kvdiag.model import (
     Bundle,
-    Confidence,
     EnginePhase,
     EngineRecord,
     Finding,
@@ -41,12 +39,10 @@ from kvdiag.model import (
     ProcessRole,
     SoakStats,
     TimelineEvent,
-    Verdict,
-    VerdictKind,
 )
-from kvdiag.runner import RunArtifacts, analyze_bundle, finish, new_bundle, redact_tree
+from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
 from kvdiag.scenario.loader import parse_scenario
-from kvdiag.scenario.models import Scenario
+from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
 from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
 from kvdiag.soak.progress import ProgressView
@@ -58,6 +54,7 @@ from kvdiag.watch.logs import feed_line
 Clock = Callable[[], float]
 COMMAND = "soak"
 DEFAULT_SCENARIO = "soak-hybrid.yaml"
+VLLM_SCENARIO = "soak-vllm.yaml"
 _TICK_S = 0.25
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -94,7 +91,7 @@ class SoakOptions:
             raise UsageError("--stall-window must be > 0")
         if self.read_timeout_s <= 0:
             raise UsageError("--read-timeout must be > 0")
-        if self.read_timeout_s <= (self.stall_window_s or 5.0):
+        if self.read_timeout_s <= (self.stall_window_s or STALL_WINDOW_S):
             raise UsageError("--read-timeout must be longer than the stall window",
                              hint="requests that time out first would hide the stall from the watchdog")
         if self.url is not None:
@@ -109,17 +106,43 @@ class SoakOptions:
             if self.allocator is not None:
                 raise UsageError("--allocator applies to engines kvdiag launches, not to --url",
                                  hint="restart your server with the allocator you want to test")
-        elif self.model != "sim" and self.scenario is None:
-            raise UsageError(f"--model {self.model!r} needs --url (a running server) or --scenario (how to "
-                             "launch it)", hint="--model sim (the default) launches the simulated engine")
+        elif self.model != "sim" and self.scenario is None and not _local_model_dir(self.model):
+            raise UsageError(f"--model {self.model!r} is not a model folder on this machine; it needs --url (a "
+                             "running server) or --scenario (how to launch it)",
+                             hint="--model sim launches the simulated engine; --model DIR launches `vllm serve DIR`")
 
 
-def load_soak_scenario(path: Path | None) -> tuple[Scenario, str, str]:
-    """The scenario file, or the embedded soak-hybrid default. Returns (scenario, name, text)."""
+def _request_model(spec: EngineSpec) -> str | None:
+    """The model name requests carry: none for the sim, what `vllm serve` was given for a vLLM engine."""
+    if spec.kind == "sim":
+        return None
+    if spec.kind == "vllm":
+        from kvdiag.launch.vllm import expand
+
+        return expand(spec.model)
+    return spec.model
+
+
+def _local_model_dir(model: str) -> bool:
+    """A Hugging Face style model folder here (config.json inside): `kvdiag soak --model DIR` serves it with vLLM."""
+    from kvdiag.launch.vllm import expand
+
+    return (Path(expand(model)) / "config.json").is_file()
+
+
+def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario, str, str]:
+    """The scenario file, or an embedded default: soak-hybrid (simulated) for ``model`` "sim", else
+    soak-vllm serving the model folder ``model`` with real vLLM. Returns (scenario, name, text)."""
     if path is None:
-        text = resources.files("kvdiag.soak").joinpath("builtin", DEFAULT_SCENARIO).read_text("utf-8")
-        name = f"<builtin>/{DEFAULT_SCENARIO}"
-        return parse_scenario(text, name), name, text
+        builtin = DEFAULT_SCENARIO if model == "sim" else VLLM_SCENARIO
+        text = resources.files("kvdiag.soak").joinpath("builtin", builtin).read_text("utf-8")
+        name = f"<builtin>/{builtin}"
+        scen = parse_scenario(text, name)
+        if model != "sim":
+            from kvdiag.launch.vllm import expand
+
+            scen.engines[0].model = str(Path(expand(model)).resolve())
+        return scen, name, text
     from kvdiag.scenario import load_scenario
 
     return load_scenario(path)
@@ -129,7 +152,7 @@ def single_engine(scenario: Scenario, allocator: str | None, stall_window_s: flo
     """A copy of ``scenario`` with only its first engine (soak drives one engine)."""
     first = scenario.engines[0].model_copy(deep=True)
     first.start_after = None
-    if allocator is not None and first.kind == "sim":
+    if allocator is not None and (first.kind == "sim" or (first.kind == "vllm" and first.allocator != "external")):
         first.allocator = allocator  # type: ignore[assignment]
     windows = scenario.windows.model_copy()
     if stall_window_s is not None:
@@ -182,9 +205,9 @@ class SoakRun:
         self.processes: list[ProcessEvidence] = []
         self.interrupted: Interrupted | None = None
         self.scenario: Scenario | None = None
-        self.window_s = opts.stall_window_s or 5.0
+        self.window_s = opts.stall_window_s or STALL_WINDOW_S
         self.tools: list[str] = list(opts.tools or ["pystack", "py-spy", "gdb", "proc"])
-        self.tool_timeout_s = 15.0
+        self.tool_timeout_s = TOOL_TIMEOUT_S
         self.loadgen: LoadGenerator | None = None
         self.result = _DriveResult()
         self.load_started_t: float | None = None
@@ -214,7 +237,7 @@ class SoakRun:
     # -- launched engine ---------------------------------------------------------------------------
     def _run_launched(self) -> RunArtifacts:
         opts = self.opts
-        base, name, text = load_soak_scenario(opts.scenario)
+        base, name, text = load_soak_scenario(opts.scenario, opts.model)
         scen = single_engine(base, opts.allocator, opts.stall_window_s)
         self.scenario = scen
         self.window_s = scen.windows.stall_s
@@ -226,29 +249,12 @@ class SoakRun:
         self.bundle.scenario = scen.model_dump(mode="json")
         self.bundle.scenario_path = name
         self.bundle_dir.mkdir(parents=True, exist_ok=True)
-        from kvdiag.redact import Tally, note_file, write_redacted
-
-        tally = Tally()
-        write_redacted(self.bundle_dir / "scenario.yaml", text, tally)
-        note_file(self.bundle.redaction, "scenario.yaml", tally.as_dict())
         spec = scen.engines[0]
-        raw_log_dir = private_temp_path("kvdiag-soak-logs-")  # created once the reaper knows it
-        device: str | None = None
         arts: RunArtifacts | None = None
         watch: EngineWatch | None = None
         try:
-            with ProcessSet(grace_s=scen.windows.kill_grace_s) as procs:
-                procs.make_private_dir(raw_log_dir)  # raw logs are unredacted: never left behind
-
-                def _final_log() -> None:  # what the engine printed until teardown, then no raw copy
-                    if watch is not None:
-                        self._copy_log(raw_log_dir, spec.name)
-                    shutil.rmtree(raw_log_dir, ignore_errors=True)
-
-                procs.on_teardown(_final_log)
-                device = scen.device.name or run_device_name(procs.run_id)
-                run = ScenarioRun(scen, raw_log_dir, procs, device,
-                                  progress=lambda m, w: self._echo(m))
+            with LaunchedRun(scen, text, self.bundle, self.bundle_dir, self._echo) as launched:
+                run = launched.run
                 self.t0 = run.t0
                 try:
                     result = run.run()
@@ -258,7 +264,7 @@ class SoakRun:
                     if watch is not None and watch.outcome is Outcome.READY:
                         subject = _Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator,
                                            watch=watch, root_pid=watch.proc.pid,
-                                           request_model=None if spec.kind == "sim" else spec.model)
+                                           request_model=_request_model(spec))
                         self._drive(subject)
                     elif watch is not None and watch.outcome is Outcome.STALLED and opts.capture:
                         # The engine never came up: capture its startup hang like `repro` does.
@@ -268,23 +274,17 @@ class SoakRun:
                 except (Interrupted, KeyboardInterrupt) as exc:
                     self.interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
                     self.timeline.extend(e for e in run.timeline if e not in self.timeline)
-                self._fill_launched(watch, raw_log_dir)
+                self._fill_launched(watch)
+                launched.copy_logs()
                 if self.interrupted is None:
                     arts = self._verdict_and_report()
                     self._echo(f"verdict {arts.verdict.kind.value}; stopping the engine")
         except (Interrupted, KeyboardInterrupt) as exc:
             self.interrupted = self.interrupted or (
                 exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)"))
-        finally:
-            if raw_log_dir.exists():  # teardown did not get to its hook
-                if watch is not None:
-                    self._copy_log(raw_log_dir, spec.name)
-                shutil.rmtree(raw_log_dir, ignore_errors=True)
-            if device is not None and spec.kind == "sim" and scen.device.name is None:
-                _remove_device_files(device)
         return self._final(arts)
 
-    def _fill_launched(self, watch: EngineWatch | None, raw_log_dir: Path) -> None:
+    def _fill_launched(self, watch: EngineWatch | None) -> None:
         b = self.bundle
         if watch is not None:
             if self.result.stalled:
@@ -299,19 +299,6 @@ class SoakRun:
                 self.timeline.append(TimelineEvent(t=self._rel(watch.quiet_since_t),
                                                    event="stall onset (last progress)", engine=watch.spec.name))
             b.stall_detected = watch.outcome is Outcome.STALLED
-        self._copy_log(raw_log_dir, watch.spec.name if watch else "")
-
-    def _copy_log(self, raw_log_dir: Path, name: str) -> None:
-        if not name:
-            return
-        src = raw_log_dir / f"{name}.log"
-        if not src.exists():
-            return
-        from kvdiag.redact import Tally, copy_redacted, note_file
-
-        tally = Tally()
-        copy_redacted(src, self.bundle_dir / "logs" / src.name, tally)
-        note_file(self.bundle.redaction, f"logs/{src.name}", tally.as_dict())
 
     # -- external server ---------------------------------------------------------------------------
     def _run_external(self, url: str) -> RunArtifacts:
@@ -554,32 +541,19 @@ class SoakRun:
     # -- capture -----------------------------------------------------------------------------------
     def _capture(self, s: _Subject) -> None:
         """Read-only capture of the engine's EngineCore, API server and workers into the bundle."""
-        from kvdiag.capture import capture_processes, find_engine_processes
+        from kvdiag.capture.bundle import capture_engine
 
         if s.root_pid is None:
             return
         log_pids = dict(s.watch.state.pids) if s.watch is not None else dict(s.log_pids)
-        roles = find_engine_processes(s.root_pid, log_pids)
-        pids: list[int] = []
-        for role in (ProcessRole.ENGINE_CORE, ProcessRole.API_SERVER, ProcessRole.WORKER):
-            for pid in roles.get(role, []):
-                if pid not in pids:
-                    pids.append(pid)
-        if not pids:
-            pids = [s.root_pid]
-        self.event("capturing", f"pids {', '.join(map(str, pids))} with {', '.join(self.tools)}", engine=s.name)
-        raw_dir = self.bundle_dir / "raw" / s.name
-        evidence, findings = capture_processes(pids, raw_dir, timeout_s=self.tool_timeout_s, backends=self.tools,
-                                               bundle_dir=self.bundle_dir)
-        for ev in evidence:
-            ev.engine = s.name
-            for role, role_pids in roles.items():
-                if ev.pid in role_pids:
-                    ev.role = role
-        if raw_dir.exists():
-            redact_tree(raw_dir)
-        for f in findings:
-            f.engine = f.engine or s.name
+        self.event("capturing", f"{s.name} (pid {s.root_pid} and its engine processes) with "
+                   f"{', '.join(self.tools)}", engine=s.name)
+        try:
+            evidence, findings = capture_engine(s.name, s.root_pid, self.bundle_dir, timeout_s=self.tool_timeout_s,
+                                                backends=self.tools, log_pids=log_pids)
+        except BaseException as exc:   # interrupted mid-capture: the partial report says what was resumed
+            self.findings.extend(getattr(exc, "capture_findings", []))
+            raise
         self.processes.extend(evidence)
         self.findings.extend(findings)
         self.event("capture finished", f"{len(evidence)} process(es)", engine=s.name)
@@ -593,6 +567,8 @@ class SoakRun:
         b.findings = list(self.findings)
         if self.result.summary is not None:
             b.soak = self._soak_stats(self.result.summary)
+            b.soak.server_unreachable = self.result.unreachable
+            b.soak.all_requests_failed = self.result.all_failing
         b.timeline = sorted(self.timeline, key=lambda e: e.t)
 
     def _soak_stats(self, summary: SoakSummary) -> SoakStats:
@@ -623,22 +599,9 @@ class SoakRun:
         return st
 
     def _verdict_and_report(self) -> RunArtifacts:
-        from kvdiag.analyze.soak import saturation_verdict, stall_to_verdict_s
-
+        """The run's tail: the soak's facts go into the bundle, analyze judges them (kvdiag.analyze)."""
         self._fill_common()
-        verdict, by_engine = analyze_bundle(self.bundle)
-        if self.result.unreachable and verdict.kind is VerdictKind.HEALTHY:
-            verdict = Verdict(kind=VerdictKind.CRASH, confidence=Confidence.MEDIUM, engine="server",
-                              summary=f"server: stopped answering during the soak ({self.opts.url})")
-        if self.bundle.soak is not None and not self.result.all_failing:
-            verdict = saturation_verdict(verdict, self.bundle.soak)
-        self.bundle.stall_to_verdict_s = stall_to_verdict_s(self.timeline, self._rel(self.clock()))
-        self.bundle.timeline.append(TimelineEvent(t=self._rel(self.clock()), event="verdict",
-                                                  detail=verdict.kind.value))
-        code = None
-        if self.result.all_failing and verdict.kind is VerdictKind.HEALTHY:
-            code = ExitCode.FAILED
-        return finish(self.out_dir, self.bundle, COMMAND, verdict=verdict, by_engine=by_engine, exit_code=code)
+        return finish(self.out_dir, self.bundle, verdict_t=self.clock() - self.t0)
 
     def _final(self, arts: RunArtifacts | None) -> RunArtifacts:
         if self.interrupted is not None or arts is None:
@@ -647,10 +610,8 @@ class SoakRun:
                 self.result.summary = self.loadgen.summary()
             self._fill_common()
             self.bundle.interrupted = True
-            verdict = Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {stop.message}",
-                              confidence=Confidence.LOW)
-            finish(self.out_dir, self.bundle, COMMAND, verdict=verdict, by_engine={},
-                   exit_code=ExitCode.INTERRUPTED)
+            self.bundle.interrupted_reason = stop.message
+            finish(self.out_dir, self.bundle)
             self.console.print(f"interrupted; partial report written to {self.out_dir}")
             raise stop
         if self.result.all_failing:
@@ -711,15 +672,6 @@ def _server_pids(s: _Subject) -> list[int]:
     from kvdiag.proc import process_tree
 
     return process_tree(s.root_pid) or [s.root_pid]
-
-
-def _remove_device_files(device: str) -> None:
-    """Delete the modelled device's lock/accounting files a simulated engine created."""
-    try:
-        from kvdiag.sim.harness import remove_device_files
-    except ImportError:
-        return
-    remove_device_files(device)
 
 
 def run_soak(opts: SoakOptions, out_dir: Path, console: Console) -> RunArtifacts:

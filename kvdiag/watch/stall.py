@@ -16,13 +16,16 @@ class Observation:
     tokens: float | None = None    # cumulative generated tokens (serving engines)
     running: float | None = None   # requests running (serving engines)
     all_threads_blocked: bool | None = None
+    output_started: bool | None = None  # the engine printed its first log line (None: not known)
 
 
 @dataclass
 class StallDetector:
     """Decides "stalled" once nothing has progressed for ``window_s``.
 
-    Startup: progress = a new log line or CPU use above ``cpu_ticks_per_s``.
+    Startup: progress = a new log line or CPU use above ``cpu_ticks_per_s``. Before the first
+    log line the window is not applied at all (the interpreter is still starting, which on a busy
+    machine takes longer than any stall window); the startup timeout bounds that phase.
     Serving: progress = tokens produced, or no request running (idle is not a stall).
     Pure logic; the caller supplies the clock through observations.
     """
@@ -39,6 +42,12 @@ class StallDetector:
         """Feed one poll; returns True while the engine is stalled."""
         if self._last_progress is None:
             self._last_progress = obs.now
+        if obs.output_started is False and not obs.healthy:
+            # Not armed yet: the window counts from the first line the engine prints.
+            self._last_progress = obs.now
+            self._last_cpu = self._last_cpu_t = None
+            self.stalled_since = None
+            return False
         progressed = False
         if obs.healthy and obs.running is not None:
             # Serving: a decode stall is running requests with no new tokens.

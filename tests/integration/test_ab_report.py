@@ -106,3 +106,12 @@ def test_ab_view_reads_the_stored_comparison_shape() -> None:
     report.ab = {"stock": evil, "fixed": fixed, "separated": False}
     view = ab_view(report)
     assert view is not None and view["sides"][0]["report_href"] is None and not view["separated"]
+
+
+def test_report_rerenders_the_same_ab_page_from_the_bundle(ab_run: Path) -> None:
+    before = (ab_run / "report.html").read_text()
+    proc = run_kvdiag("report", str(ab_run), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    after = (ab_run / "report.html").read_text()
+    for name in ("verdict", "ab", "engines", "processes"):
+        assert _section(after, name) == _section(before, name), name

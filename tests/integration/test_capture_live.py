@@ -8,6 +8,7 @@ import os
 import shutil
 import signal
 import stat
+import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -237,3 +238,27 @@ def test_killing_kvdiag_mid_capture_leaves_no_tool_behind(sig: signal.Signals, b
 def _with_marker(marker: str) -> list[int]:
     return [int(p) for p in os.listdir("/proc") if p.isdigit() and int(p) != os.getpid()
             and marker in _cmdline(int(p))]
+
+
+def test_capture_bound_and_verdict_hold_under_2x_cpu_oversubscription(build_dir: Path, tmp_path: Path) -> None:
+    """Busy neighbours (two CPU burners per core) slow every tool down; capture must still end within
+    its bound, leave the target as found, and not mistake a starved deadlock for progress."""
+    burn = "import signal\nsignal.alarm(90)\nwhile True:\n    pass\n"
+    burners = [subprocess.Popen([sys.executable, "-c", burn], start_new_session=True)
+               for _ in range(2 * (os.cpu_count() or 1))]
+    try:
+        with hk.running("gil_cycle", build_dir=build_dir, bound_s=90) as h:
+            before = observe(h.pid)
+            timeout = 6.0
+            start = time.monotonic()
+            evidence, findings = capture_processes([h.pid], tmp_path / "raw", timeout_s=timeout)
+            elapsed = time.monotonic() - start
+            after = observe(h.pid)
+    finally:
+        for b in burners:
+            b.kill()
+            b.wait(timeout=10)
+    assert elapsed <= timeout + CAPTURE_SLACK_S
+    assert after == before and after[1] == 0
+    assert not [f for f in findings if f.kind.startswith("capture_left")]
+    assert analyze(Bundle(processes=evidence, findings=findings)).kind is VerdictKind.GIL_CYCLE

@@ -117,3 +117,17 @@ def test_headroom_and_colocation_rules() -> None:
     assert by == {"GPU 0": RiskStatus.RISK, "GPU 1": RiskStatus.OK}
     env.kvcached = fingerprint_tree(FIXTURES / "kvcached_postfix")
     assert {r.status for r in colocation_checks([a, b], env)} == {RiskStatus.OK}
+
+
+def test_refused_capture_is_a_warning_with_its_fix() -> None:
+    from kvdiag.analyze.doctor import access_checks, doctor_checks
+    from kvdiag.environment.ptrace import judge
+
+    env = collect_environment(gpus=False, runtime=False)
+    env.ptrace = judge(env.ptrace.model_copy(update={"yama_ptrace_scope": 1, "cap_sys_ptrace": False,
+                                                     "container": "docker"}))
+    (row,) = access_checks(env)
+    assert row.status is RiskStatus.WARN and "--cap-add=SYS_PTRACE" in (row.fix or "")
+    # a warning, not a hang risk: it alone does not make doctor exit 10
+    env.kvcached = fingerprint_tree(FIXTURES / "kvcached_postfix")
+    assert not [c for c in doctor_checks(env) if c.status is RiskStatus.RISK]

@@ -11,6 +11,7 @@ folder is clean, and the scanner finds a secret planted back into a copy.
 from __future__ import annotations
 
 import json
+import os
 import secrets
 import shutil
 import subprocess
@@ -69,7 +70,11 @@ def _env_secrets(s: dict[str, str]) -> dict[str, str]:
             "GCP_CREDENTIALS": s["credential"], "SETTING_HF": s["hf"], "SETTING_SK": s["sk"],
             "SETTING_GH": s["ghp"], "SETTING_PAT": s["github_pat"], "SETTING_AWS": s["aws"],
             "SETTING_SLACK": s["slack"], "SETTING_JWT": s["jwt"], "SETTING_HDR": f"Bearer {s['bearer']}",
-            "DATABASE_URL": f"postgres://{s['url_user']}:{s['url_pass']}@db.internal:5432/app"}
+            "DATABASE_URL": f"postgres://{s['url_user']}:{s['url_pass']}@db.internal:5432/app",
+            # variables the environment record collects (KVCACHED_*, VLLM_*, CUDA_*, HF_*)
+            "VLLM_API_KEY": s["api_key"], "KVCACHED_NOTE": s["ghp"], "CUDA_NOTE": s["jwt"],
+            "VLLM_HF_ENDPOINT": f"https://{s['url_user']}:{s['url_pass']}@hub.internal/x",
+            "HF_HUB_HEADER": f"Bearer {s['bearer']}"}
 
 
 def _needles(s: dict[str, str]) -> dict[str, bytes]:
@@ -132,16 +137,28 @@ def python_target(secret_values: dict[str, str]) -> Iterator[subprocess.Popen[st
         proc.wait(timeout=10)
 
 
+def _kvdiag_env(s: dict[str, str]) -> dict[str, str]:
+    """kvdiag's own environment, with secrets in variables its environment record collects."""
+    return {**os.environ, "HF_TOKEN": s["hf_token_flag"], "VLLM_API_KEY": s["api_key"],
+            "VLLM_HF_ENDPOINT": f"https://{s['url_user']}:{s['url_pass']}@hub.internal/x",
+            "KVCACHED_NOTE": s["ghp"], "CUDA_NOTE": s["jwt"], "VLLM_HEADER": f"Bearer {s['bearer']}"}
+
+
 def test_capture_of_a_python_process_writes_no_secret(python_target: subprocess.Popen[str], tmp_path: Path,
                                                       secret_values: dict[str, str]) -> None:
     out = tmp_path / "capture"
-    proc = run_kvdiag("capture", "--pid", str(python_target.pid), "--out", str(out), "--timeout", "10")
+    proc = subprocess.run([sys.executable, "-m", "kvdiag", "capture", "--pid", str(python_target.pid), "--out",
+                           str(out), "--timeout", "10"], capture_output=True, text=True, timeout=240,
+                          cwd=Path(__file__).resolve().parents[2], env=_kvdiag_env(secret_values))
     assert proc.returncode in (0, 10), proc.stdout + proc.stderr
     # py-spy printed the command line, and it was captured redacted
     raw = (out / "bundle" / "raw" / str(python_target.pid))
     assert "--api-key ***REDACTED***" in (raw / "py-spy.txt").read_text()
     assert "--api-key ***REDACTED***" in (raw / "proc.txt").read_text()
     assert assert_no_secret_bytes(out, secret_values) >= 8
+    env = json.loads((out / "bundle" / "bundle.json").read_text())["environment"]["env"]
+    # the target's kvcached/vLLM variables are recorded (environment record), their secrets redacted
+    assert env["HF_TOKEN"] == env["VLLM_API_KEY"] == "***REDACTED***" and "KVCACHED_NOTE" in env, env
     for needle in _needles(secret_values).values():
         assert needle.decode() not in proc.stdout + proc.stderr
     _check_summary(out)

@@ -37,4 +37,5 @@ def test_gil_cycle_captured_twice_signs_the_same_and_is_known(tmp_path: Path) ->
     assert v1.known.fixed_by and "#422" in v1.known.fixed_by and v1.known.fixed_in == "0.1.6"
     # every bundle carries the environment record
     assert b1.environment is not None and b1.environment.python
+    assert b1.environment.env_source == f"pid {pid1}"   # the engine's own variables, not kvdiag's
     assert b2.environment is not None and b2.environment.kernel

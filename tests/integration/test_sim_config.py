@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import sys
-
 import pytest
 
+from kvdiag.interpreter import module_argv
 from kvdiag.sim import command
 from kvdiag.sim.config import PRESETS, SimConfig, parse_args
 
@@ -88,8 +87,9 @@ def test_command_round_trips_through_the_parser() -> None:
                    device_name="dev0", weights_gb=16.0, min_reserved_pages=5, max_reserved_pages=5,
                    extra={"fail-mode": "raise", "fail_at": "load", "no-async-scheduling": True,
                           "worker-ipc": None})
-    assert argv[:4] == [sys.executable, "-m", "kvdiag.sim", "serve"]
-    cfg = parse_args(argv[3:])
+    head = module_argv("kvdiag.sim")  # the user's folder stays off the engine's sys.path
+    assert argv[:len(head) + 1] == [*head, "serve"] and "-P" in head
+    cfg = parse_args(argv[len(head):])
     want = SimConfig(port=8401, layers=28, kv_per_layer_mb=11.0, page_size_mb=2, allocator="fixed", prealloc=False,
                      device_name="dev0", weights_gb=16.0, min_reserved_pages=5, max_reserved_pages=5,
                      fail_mode="raise", fail_at="load", async_scheduling=False)

@@ -162,6 +162,87 @@ def test_fixed_alloc_page_releases_the_gil_while_it_waits(held_lock: tuple[str, 
     assert got == [0]
 
 
+def _alloc_in_threads(a: PageAllocator, n: int) -> tuple[list[threading.Thread], list[int], list[BaseException]]:
+    got: list[int] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            got.append(a.alloc_page())
+        except BaseException as exc:  # noqa: BLE001 - reported by the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, daemon=True) for _ in range(n)]
+    for t in threads:
+        t.start()
+    return threads, got, errors
+
+
+def test_fixed_concurrent_synchronous_maps_are_combined(held_lock: tuple[str, object]) -> None:
+    dev, lock = held_lock
+    a = _small("fixed", device_name=dev, map_timeout_ms=60_000)  # prealloc on, worker not started
+    threads, got, errors = _alloc_in_threads(a, 4)
+    # Every caller has taken a free page and queued it (GIL released); the first leads a map that
+    # waits for the device lock the test holds.
+    assert _poll(lambda: a.counters()["sync_fallbacks"] == 4)
+    lock.release()  # type: ignore[attr-defined]
+    for t in threads:
+        t.join(30)
+    assert not errors and sorted(got) == [0, 1, 2, 3]
+    c = a.counters()
+    # The leader's own page, then the three that queued meanwhile in ONE backend call.
+    assert (c["map_calls"], c["pages_mapped"], c["combined_maps"]) == (2, 4, 1)
+    assert a.get_num_mapped_pages() == 4 and a.get_num_inuse_pages() == 4
+
+
+def test_fixed_queued_callers_time_out_and_return_their_pages(held_lock: tuple[str, object]) -> None:
+    dev, _lock = held_lock
+    a = _small("fixed", device_name=dev, map_timeout_ms=300, wait_timeout_ms=50)
+    threads, got, errors = _alloc_in_threads(a, 3)
+    for t in threads:
+        t.join(30)
+    assert not got and len(errors) == 3
+    assert all(isinstance(e, native.AllocatorTimeout) for e in errors), errors
+    assert a.get_num_free_pages() == 8 and a.get_num_inuse_pages() == 0 and a.get_num_inflight_pages() == 0
+    assert a.get_num_mapped_pages() == 0
+
+
+def test_fixed_caller_gives_up_on_a_stalled_combined_map_and_its_page_is_kept() -> None:
+    calls: list[int] = []
+    entered = [threading.Event(), threading.Event()]
+    release = [threading.Event(), threading.Event()]
+
+    def slow_map(world_size: int, offsets: Sequence[int]) -> None:
+        i = len(calls)
+        calls.append(len(offsets))
+        entered[min(i, 1)].set()
+        release[min(i, 1)].wait(60)
+
+    a = _small("fixed", map_timeout_ms=3000, wait_timeout_ms=50)  # prealloc on, worker not started
+    a.set_use_worker_ipc(True)
+    a.set_broadcast_map_callback(slow_map)
+    threads, got, errors = _alloc_in_threads(a, 3)
+    try:
+        assert entered[0].wait(10)  # the first caller leads; its map is stuck in the callback
+        assert _poll(lambda: a.counters()["sync_fallbacks"] == 3)  # the other two queued behind it
+        release[0].set()
+        assert entered[1].wait(10)  # the next leader maps both queued pages in one call
+        assert calls == [1, 2]
+        # The caller whose page is in that stuck call gives up at its deadline (~3 s)...
+        assert _poll(lambda: len(errors) == 1, timeout_s=30)
+        assert isinstance(errors[0], native.AllocatorTimeout), errors
+        assert a.get_num_inflight_pages() == 1  # ...and its page is free again, but still in flight
+    finally:
+        release[1].set()
+    for t in threads:
+        t.join(30)
+    assert len(set(got)) == 2
+    # The stuck map finished: the abandoned page was mapped, so it joins the reserve.
+    assert _poll(lambda: a.get_num_inflight_pages() == 0)
+    assert a.get_num_reserved_pages() == 1 and a.get_num_inuse_pages() == 2
+    assert a.counters()["alloc_timeouts"] == 1
+
+
 def test_fixed_alloc_page_times_out_when_the_worker_map_stalls() -> None:
     release = threading.Event()
     entered = threading.Event()

@@ -22,7 +22,7 @@ from packaging.requirements import Requirement
 from kvdiag.cli.main import main
 
 ROOT = Path(__file__).resolve().parents[2]
-COMMANDS = [["repro", "two-engine"], ["soak"], ["ab"], ["capture"], ["analyze"], ["report"], ["banner"],
+COMMANDS = [["repro", "two-engine"], ["soak"], ["ab"], ["capture"], ["analyze"], ["report"], ["banner"], ["doctor"],
             ["repro"], ["sim"], []]
 
 

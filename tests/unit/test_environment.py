@@ -59,3 +59,71 @@ def test_ptrace_facts_match_proc() -> None:
     assert acc.yama_ptrace_scope == (int(yama.read_text()) if yama.exists() else None)
     cap_eff = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("CapEff"))
     assert acc.cap_sys_ptrace is bool(int(cap_eff.split()[1], 16) >> 19 & 1)
+
+
+def test_gpus_read_through_nvidia_smi_in_a_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The nvidia-smi path of the bounded GPU query (CI has no GPU: a stand-in prints nvidia-smi's CSV)."""
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is not None:
+        pytest.skip("cuda-python is installed: it is asked first")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\necho '0, NVIDIA H200, 143771, 4000, 570.124.06'\n"
+                   "echo '1, NVIDIA H200, 143771, 140000, 570.124.06'\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    from kvdiag.environment.gpu import read_gpus
+
+    driver, runtime, gpus, note = read_gpus(timeout_s=60)
+    assert driver == "570.124.06" and runtime is None and note == "read with nvidia-smi"
+    assert [(g.index, g.name, g.total_mb, g.free_mb) for g in gpus] == [
+        (0, "NVIDIA H200", 143771, 4000), (1, "NVIDIA H200", 143771, 140000)]
+
+
+def test_gpu_query_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wedged driver (here: an nvidia-smi that never answers) costs the timeout, not the run."""
+    import importlib.util
+
+    if importlib.util.find_spec("cuda") is not None:
+        pytest.skip("cuda-python is installed: it is asked first")
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text("#!/bin/sh\nexec sleep 61.25\n")
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    from kvdiag.environment.gpu import read_gpus
+
+    _, _, gpus, note = read_gpus(timeout_s=3)
+    assert gpus == [] and "did not answer within 3s" in note
+    left = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            if Path(f"/proc/{pid}/cmdline").read_bytes() == b"sleep\x0061.25\x00":
+                left.append(pid)
+        except OSError:
+            continue
+    assert left == [], "the stuck nvidia-smi outlived the query"
+
+
+def test_variables_of_a_captured_engine_are_its_own() -> None:
+    """`kvdiag capture` records the target's variables (from /proc/PID/environ), redacted."""
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", ""), "KVCACHED_PAGE_PREALLOC_ENABLED": "false",
+           "KVCACHED_IPC_NAME": "VLMM", "HF_TOKEN": "hf_" + "q" * 34}
+    child = subprocess.Popen([sys.executable, "-c", "import sys; print('READY', flush=True); sys.stdin.read()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == "READY"
+        rec = collect_environment(gpus=False, runtime=False, target_pid=child.pid)
+    finally:
+        assert child.stdin is not None
+        child.stdin.close()
+        child.wait(timeout=30)
+        if child.stdout:
+            child.stdout.close()
+    assert rec.env_source == f"pid {child.pid}"
+    assert rec.env["KVCACHED_PAGE_PREALLOC_ENABLED"] == "false" and rec.env["KVCACHED_IPC_NAME"] == "VLMM"
+    assert rec.env["HF_TOKEN"] == REDACTED
+    gone = collect_environment(gpus=False, runtime=False, target_pid=child.pid)
+    assert gone.env_source == "kvdiag" and any("not readable" in e for e in gone.errors)

@@ -33,9 +33,11 @@ def seed_bundle() -> Bundle:
     return Bundle(processes=[proc])
 
 
-@pytest.mark.parametrize("name", ["gil_cycle_stripped", "gil_cycle_no_pystack"])
-def test_same_hang_same_signature_whatever_the_tools_or_symbols(name: str) -> None:
-    ref, _ = _verdict("gil_cycle")
+@pytest.mark.parametrize(("ref_name", "name"), [("gil_cycle", "gil_cycle_stripped"),
+                                                 ("gil_cycle", "gil_cycle_no_pystack"),
+                                                 ("lock_inversion", "lock_inversion_no_pystack")])
+def test_same_hang_same_signature_whatever_the_tools_or_symbols(ref_name: str, name: str) -> None:
+    ref, _ = _verdict(ref_name)
     other, _ = _verdict(name)
     assert ref.signature is not None and ref.signature == other.signature
     assert ref.evidence[0].pid != other.evidence[0].pid   # different captures, different pids
@@ -94,3 +96,33 @@ def test_hanger_gil_cycle_matches_371_by_pattern() -> None:
     assert verdict.known is not None and verdict.known.id == "kvcached#371" and verdict.known.match == "pattern"
     ctypes_only, _ = _verdict("gil_cycle_ctypes")   # a GIL cycle, but not kvcached's frames
     assert ctypes_only.kind is VerdictKind.GIL_CYCLE and ctypes_only.known is None
+
+
+def test_blocked_worker_ipc_read_is_the_ipc_half_of_371() -> None:
+    v = Verdict(kind=VerdictKind.BLOCKED_IPC_READ, summary="", evidence=[EvidenceItem(pid=5, tid=5, role="r", frames=[
+        "epoll_wait (libc.so.6)", "select (selectors.py:468)", "_run_once (base_events.py:1898)",
+        "_send_and_receive_message (tp_ipc_util.py:120)", "broadcast_map_to_kv_tensors (tp_ipc_util.py:160)"])])
+    from kvdiag.analyze.signature import sign
+
+    sign(v)
+    assert v.signature is not None and v.signature.startswith("blocked_ipc_read-")
+    assert v.known is not None and v.known.id == "kvcached#371" and "KVCACHED_IPC_TIMEOUT" in (v.known.fixed_by or "")
+
+
+def test_alloc_page_holding_the_gil_while_blocked_is_the_gil_half_of_371() -> None:
+    from kvdiag.analyze.signature import sign
+
+    v = Verdict(kind=VerdictKind.GIL_HELD_BLOCKED, summary="", evidence=[EvidenceItem(pid=5, tid=5, role="r", frames=[
+        "pthread_cond_wait (libc.so.6)", "kvcached::PageAllocator::alloc_page() (vmm_ops.so)",
+        "_alloc (kv_cache_manager.py:205)"])])
+    sign(v)
+    assert v.signature is not None and v.signature.startswith("gil_held_blocked-")
+    assert v.known is not None and v.known.id == "kvcached#371" and "GIL half" in v.known.title
+
+
+def test_soak_stall_with_the_seed_cycle_is_reproduction_b_of_371() -> None:
+    verdict, bundle = _verdict("soak_gil_cycle")
+    assert verdict.kind is VerdictKind.DECODE_STALL
+    assert signature_groups(verdict, bundle) == [("PageAllocator::alloc_page",),
+                                                 ("PageAllocator::map_pages", "PageAllocator::prealloc_worker")]
+    assert verdict.known is not None and verdict.known.id == "kvcached#371" and "reproduction B" in verdict.known.title

@@ -7,10 +7,19 @@ import subprocess
 import sys
 import time
 
-from kvdiag.analyze import exit_code_for
+from kvdiag.analyze import diagnose, exit_code_for
 from kvdiag.analyze.soak import saturation_verdict, stall_to_verdict_s
 from kvdiag.errors import ExitCode
-from kvdiag.model import MetricsSnapshot, SoakStats, TimelineEvent, Verdict, VerdictKind
+from kvdiag.model import (
+    Bundle,
+    EnginePhase,
+    EngineRecord,
+    MetricsSnapshot,
+    SoakStats,
+    TimelineEvent,
+    Verdict,
+    VerdictKind,
+)
 from kvdiag.soak.saturation import SaturationSampler, judge, machine_cpu_times
 
 
@@ -76,6 +85,28 @@ def test_not_saturated_verdict_and_exit_code() -> None:
     assert saturation_verdict(healthy, SoakStats(saturated=False, stalled=True)) is healthy
     stall = Verdict(kind=VerdictKind.DECODE_STALL, summary="x")
     assert saturation_verdict(stall, SoakStats(saturated=False)) is stall
+
+
+def test_diagnose_judges_saturation_from_the_bundle_alone() -> None:
+    """The run and `kvdiag analyze` reach the same verdict: the judgement reads only SoakStats."""
+    def bundle(saturated: bool | None) -> Bundle:
+        note = "not saturated: KV cache peaked at 31% (< 90%); bottleneck: load: too small" if saturated is False \
+            else None
+        return Bundle(command="soak", stall_window_s=5.0,
+                      engines=[EngineRecord(name="hybrid", phase=EnginePhase.SERVING, healthy=True)],
+                      soak=SoakStats(requests_ok=10, tokens=2560, saturated=saturated, saturation_note=note))
+
+    diag = diagnose(bundle(False))
+    assert diag.verdict.kind is VerdictKind.NOT_SATURATED and diag.exit_code == 6
+    assert "KV cache peaked at 31%" in diag.verdict.summary
+    assert any("inconclusive" in n for n in diag.notes)
+    for sat in (True, None):
+        d = diagnose(bundle(sat))
+        assert d.verdict.kind is VerdictKind.HEALTHY and d.exit_code == 0
+    failing = bundle(False)
+    assert failing.soak is not None
+    failing.soak.all_requests_failed = True            # every request failed: exit 1 wins
+    assert diagnose(failing).exit_code == 1
 
 
 def test_stall_to_verdict() -> None:

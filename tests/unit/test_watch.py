@@ -93,3 +93,16 @@ def test_parse_real_metrics() -> None:
     snap = parse_metrics(path.read_text(), t=1.0)
     assert snap.kv_cache_usage is not None and snap.generation_tokens is not None
     assert snap.running is not None
+
+
+def test_stall_window_is_not_applied_before_the_first_log_line() -> None:
+    """Issue 12 item 1: an interpreter that has printed nothing yet (busy machine) is starting, not stalled."""
+    d = StallDetector(window_s=5.0)
+    for t in range(0, 60):  # a minute of silence with no CPU progress, before any output
+        assert not d.observe(Observation(now=float(t), new_log_lines=0, cpu_ticks=100, healthy=False,
+                                         output_started=False))
+    # the first line arms the window; silence after it is a stall one window later
+    assert not d.observe(Observation(now=60.0, new_log_lines=1, cpu_ticks=100, healthy=False, output_started=True))
+    assert not d.observe(Observation(now=64.0, new_log_lines=0, cpu_ticks=100, healthy=False, output_started=True))
+    assert d.observe(Observation(now=65.5, new_log_lines=0, cpu_ticks=100, healthy=False, output_started=True))
+    assert d.stalled_since == 60.0

@@ -1,0 +1,66 @@
+// kvdiag native allocators: PageRing, the fixed allocator's page lists.
+//
+// Contract of this file (pure C++, no Python):
+//   Locks:   none; a PageRing is not thread-safe, its owner guards it (the fixed allocator's mu_).
+//   GIL:     never touched.
+//   Waits:   none. Every operation is O(1) and never allocates after construction, so the
+//            owner's lock is held for a few instructions per page (std::deque allocates blocks
+//            as it moves and computes size() from its iterators).
+#pragma once
+
+#include <cstddef>
+#include <stdexcept>
+#include <vector>
+
+#include "common.hpp"
+
+namespace kvdiag {
+
+// A fixed-capacity double-ended queue of page ids (a circular buffer).
+class PageRing {
+ public:
+  explicit PageRing(size_t capacity) : buf_(capacity > 0 ? capacity : 1) {}
+
+  size_t size() const { return size_; }
+  bool empty() const { return size_ == 0; }
+  page_id_t front() const { return buf_[head_]; }
+  page_id_t back() const { return buf_[wrap(head_ + size_ - 1)]; }
+  page_id_t operator[](size_t i) const { return buf_[wrap(head_ + i)]; }
+
+  void push_back(page_id_t id) {
+    grow_check();
+    buf_[wrap(head_ + size_)] = id;
+    ++size_;
+  }
+  void push_front(page_id_t id) {
+    grow_check();
+    head_ = head_ == 0 ? buf_.size() - 1 : head_ - 1;
+    buf_[head_] = id;
+    ++size_;
+  }
+  page_id_t pop_front() {
+    const page_id_t id = buf_[head_];
+    head_ = wrap(head_ + 1);
+    --size_;
+    return id;
+  }
+  page_id_t pop_back() {
+    --size_;
+    return buf_[wrap(head_ + size_)];
+  }
+  void clear() { head_ = size_ = 0; }
+
+ private:
+  size_t wrap(size_t i) const { return i >= buf_.size() ? i - buf_.size() : i; }
+  // Every page id is in at most one list, so a ring sized to the pool never fills; a full ring
+  // is a bookkeeping bug, reported rather than silently overwriting a page id.
+  void grow_check() const {
+    if (size_ == buf_.size()) throw std::logic_error("PageRing overflow: a page id is in two lists");
+  }
+
+  std::vector<page_id_t> buf_;
+  size_t head_ = 0;
+  size_t size_ = 0;
+};
+
+}  // namespace kvdiag

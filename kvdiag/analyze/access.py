@@ -1,0 +1,153 @@
+"""No evidence is not health: outcomes for processes whose evidence could not be had. Pure.
+
+A process kvdiag may not read (ptrace refused), one that exited before or
+during capture, a zombie, a process without a Python interpreter and a kernel
+thread each get their own outcome (:data:`kvdiag.model.NO_EVIDENCE_KINDS`),
+never ``healthy`` and never a deadlock kind. What /proc still shows without
+ptrace (state, wchan per thread, CPU over the sampling window) is reported as
+partial evidence, never judged.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+from kvdiag.model import Confidence, Finding, ProcessEvidence, ThreadState, Verdict, VerdictKind
+
+# Tool errors that mean "the kernel refused", whatever the preflight thought.
+_PERMISSION_WORDS = ("permission denied", "operation not permitted", "eperm", "eacces",
+                     "ptrace: operation not permitted", "not permitted")
+_STACK_TOOLS = ("py-spy", "pystack", "gdb")
+# When every process has an outcome, the group's verdict is the first of these that occurs.
+_ORDER = (VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.KERNEL_THREAD,
+          VerdictKind.NOT_PYTHON)
+
+
+def _gone(proc: ProcessEvidence, findings: list[Finding]) -> bool:
+    return not proc.alive or any(f.pid == proc.pid and f.kind in ("target_exited", "process_gone")
+                                 for f in findings)
+
+
+def _tools_refused(proc: ProcessEvidence) -> list[str]:
+    """Errors of the stack tools that ran, when every one of them was refused by the kernel."""
+    if proc.tracer_pid:   # held by another debugger: EPERM is that, not a permission problem
+        return []
+    ran = [t for t in proc.tools if t.tool in _STACK_TOOLS and t.error and "not installed" not in t.error
+           and "skipped" not in t.error]
+    if not ran or any(t.ok for t in proc.tools if t.tool in _STACK_TOOLS):
+        return []
+    refused = [t for t in ran if any(w in (t.error or "").lower() for w in _PERMISSION_WORDS)]
+    return [f"{t.tool}: {t.error}" for t in refused] if len(refused) == len(ran) else []
+
+
+def partial_evidence(proc: ProcessEvidence) -> str:
+    """One line of what /proc shows without ptrace, labelled partial."""
+    parts = [f"state {proc.state.value}"]
+    if proc.threads:
+        states = Counter(t.state.value for t in proc.threads)
+        parts.append(f"{len(proc.threads)} thread{'s' if len(proc.threads) != 1 else ''} ("
+                     + ", ".join(f"{n} {st}" for st, n in states.most_common()) + ")")
+        wchans = Counter(t.wchan for t in proc.threads if t.wchan)
+        if wchans:
+            parts.append("wchan " + ", ".join(f"{w} x{n}" if n > 1 else w for w, n in wchans.most_common(4)))
+    if proc.cpu_percent is not None:
+        parts.append(f"CPU {proc.cpu_percent:g}% over the sampling window")
+    p = proc.progress
+    if p is not None and p.window_s:
+        grew = sum(p.log_growth.values())
+        parts.append(f"over {p.window_s:g}s: {p.cpu_ticks} CPU ticks" + (f", log grew {grew} bytes" if p.log_growth
+                                                                          else ""))
+    return f"partial evidence for pid {proc.pid} (/proc only, not judged): " + "; ".join(parts)
+
+
+def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKind | None:
+    """The no-evidence outcome of one captured process, or None when its evidence can be judged."""
+    a = proc.access
+    if a is not None and a.kernel_thread:
+        return VerdictKind.KERNEL_THREAD
+    if (a is not None and a.zombie) or proc.state is ThreadState.ZOMBIE:
+        return VerdictKind.ZOMBIE
+    if _gone(proc, findings):
+        return VerdictKind.EXITED
+    if (a is not None and not a.ptrace_ok) or _tools_refused(proc):
+        return VerdictKind.NO_ACCESS
+    if a is not None and a.python is False:
+        return VerdictKind.NOT_PYTHON
+    return None
+
+
+def judgeable(procs: list[ProcessEvidence], findings: list[Finding]) -> list[ProcessEvidence]:
+    """The processes whose evidence the hang rules may judge."""
+    return [p for p in procs if process_outcome(p, findings) is None]
+
+
+def _label(proc: ProcessEvidence) -> str:
+    return f"pid {proc.pid}" + (f" ({proc.comm})" if proc.comm else "")
+
+
+def _no_access(name: str, procs: list[ProcessEvidence], engine: str | None) -> Verdict:
+    first = procs[0]
+    a = first.access
+    refused = list(a.refused) if a is not None else []
+    refused += _tools_refused(first)
+    fixes = list(a.fixes) if a is not None else []
+    if not fixes:
+        fixes = [f"run kvdiag as root keeping your PATH (sudo env \"PATH=$PATH\" kvdiag ...) or as the user "
+                 f"that owns pid {first.pid}"]
+    why = refused[1] if len(refused) > 1 else (refused[0] if refused else "ptrace was refused")
+    others = f" (and {len(procs) - 1} more process{'es' if len(procs) > 2 else ''})" if len(procs) > 1 else ""
+    findings = [Finding(kind="access_refused", pid=first.pid, engine=engine, message=r) for r in refused]
+    findings += [Finding(kind="access_fix", pid=first.pid, engine=engine, message=f) for f in fixes]
+    findings += [Finding(kind="partial_evidence", pid=p.pid, engine=engine, message=partial_evidence(p))
+                 for p in procs]
+    return Verdict(kind=VerdictKind.NO_ACCESS, confidence=Confidence.HIGH, engine=engine, findings=findings,
+                   summary=(f"{name}: no access: kvdiag may not read {_label(first)}{others}: {why}. "
+                            f"Fix: {fixes[0]}. Nothing was judged: the stacks a verdict needs could not be "
+                            "read (what /proc shows is listed as partial evidence)"))
+
+
+def _single(kind: VerdictKind, name: str, proc: ProcessEvidence, engine: str | None) -> Verdict:
+    a = proc.access
+    status = f" ({a.exit_status})" if a is not None and a.exit_status else ""
+    partial = [Finding(kind="partial_evidence", pid=proc.pid, engine=engine, message=partial_evidence(proc))]
+    if kind is VerdictKind.EXITED:
+        summary = (f"{name}: {_label(proc)} exited before or during capture{status}: nothing left to diagnose, "
+                   "nothing judged")
+        partial = []
+    elif kind is VerdictKind.ZOMBIE:
+        parent = f" by its parent pid {proc.ppid}" if proc.ppid else ""
+        summary = (f"{name}: {_label(proc)} is a zombie: it exited{status} and was not reaped{parent}; nothing runs "
+                   "in it, nothing to diagnose")
+    elif kind is VerdictKind.KERNEL_THREAD:
+        summary = (f"{name}: {_label(proc)} is a kernel thread: capture refused (kernel threads run no Python and "
+                   "no stack tool can attach); pass the pid of the engine process")
+        partial = []
+    else:
+        summary = (f"{name}: {_label(proc)} runs no Python interpreter: kvdiag diagnoses Python engines "
+                   "(pass the pid of the engine process); nothing judged")
+    return Verdict(kind=kind, confidence=Confidence.HIGH, engine=engine, findings=partial, summary=summary)
+
+
+def evidence_outcome(name: str, procs: list[ProcessEvidence], findings: list[Finding],
+                     engine: str | None = None) -> Verdict | None:
+    """The group's outcome when its evidence could not be had, else None (judge it normally).
+
+    Any process that could not be read makes the group ``no_access`` (health cannot be claimed
+    for it). Otherwise the group gets an outcome only when none of its processes could be judged.
+    """
+    if not procs:
+        return None
+    outcomes = {p.pid: process_outcome(p, findings) for p in procs}
+    refused = [p for p in procs if outcomes[p.pid] is VerdictKind.NO_ACCESS]
+    if refused:
+        return _no_access(name, refused, engine)
+    if any(o is None for o in outcomes.values()):
+        return None
+    for kind in _ORDER:
+        hit = next((p for p in procs if outcomes[p.pid] is kind), None)
+        if hit is not None:
+            return _single(kind, name, hit, engine)
+    return None
+
+
+__all__ = ["evidence_outcome", "judgeable", "partial_evidence", "process_outcome"]

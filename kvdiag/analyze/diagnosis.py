@@ -1,0 +1,127 @@
+"""diagnose(bundle) -> Diagnosis: the whole run's conclusion as a pure function of its bundle.
+
+Three layers, each read only from the bundle (no I/O, no clock):
+- the per-engine verdicts and the overall verdict (:func:`kvdiag.analyze.analyze_by_engine`);
+- the run-level judgement: an interrupted run, and what a soak's load phase said (a server
+  that stopped answering, a load where every request failed, a load that never saturated the
+  KV pool: :mod:`kvdiag.analyze.soak`);
+- for ``kvdiag ab``, the comparison of the two nested runs (their bundles are passed in).
+
+The run stores the result in ``bundle.diagnosis``; ``kvdiag report`` renders that, and
+``kvdiag analyze`` recomputes it and must agree.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvdiag.analyze.health import engine_health
+from kvdiag.analyze.soak import saturation_verdict
+from kvdiag.errors import ExitCode
+from kvdiag.model import (
+    NO_EVIDENCE_KINDS,
+    TARGET_STATE_KINDS,
+    ABComparison,
+    ABSide,
+    Bundle,
+    Confidence,
+    Diagnosis,
+    EngineRecord,
+    Verdict,
+    VerdictKind,
+)
+
+AB_SIDES = ("stock", "fixed")
+
+
+def exit_code_for(verdict: Verdict) -> int:
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access, 5 nothing to judge (a
+    stopped/traced target, or one that exited, is a zombie, runs no Python or is a kernel thread), 6 a soak that
+    never saturated (inconclusive), 0 otherwise."""
+    if verdict.kind is VerdictKind.NO_ACCESS:
+        return ExitCode.NO_ACCESS
+    if verdict.kind in NO_EVIDENCE_KINDS:
+        return ExitCode.NOT_DIAGNOSABLE
+    if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
+        return ExitCode.ENGINE_FAILED
+    if verdict.kind in TARGET_STATE_KINDS:
+        return ExitCode.TARGET_STOPPED
+    if verdict.kind is VerdictKind.NOT_SATURATED:
+        return ExitCode.NOT_SATURATED
+    return ExitCode.DEADLOCK if verdict.kind.is_hang else ExitCode.OK
+
+
+def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:
+    """What the run that wrote ``bundle`` concluded. ``runs``: the nested runs' bundles (ab)."""
+    if bundle.interrupted:
+        reason = bundle.interrupted_reason or "interrupted"
+        return Diagnosis(verdict=Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {reason}",
+                                         confidence=Confidence.LOW),
+                         exit_code=ExitCode.INTERRUPTED, notes=["the run was interrupted: no verdict"])
+    if bundle.runs:
+        return _diagnose_ab(bundle, runs or {})
+    from kvdiag.analyze import analyze, analyze_by_engine
+
+    verdict, by_engine = analyze(bundle), analyze_by_engine(bundle)
+    code = exit_code_for(verdict)
+    notes: list[str] = []
+    soak = bundle.soak
+    if soak is not None and verdict.kind is VerdictKind.HEALTHY:
+        if soak.server_unreachable:
+            engine = bundle.engines[0] if bundle.engines else None
+            where = f" ({engine.url})" if engine is not None and engine.url else ""
+            name = engine.name if engine is not None else "server"
+            verdict = Verdict(kind=VerdictKind.CRASH, confidence=Confidence.MEDIUM, engine=name,
+                              summary=f"{name}: stopped answering during the soak{where}",
+                              findings=verdict.findings)
+            code = exit_code_for(verdict)
+            notes.append("the server stopped answering during the load: crash")
+        elif soak.all_requests_failed:
+            code = ExitCode.FAILED
+            notes.append("every request failed: the soak tested nothing (exit 1)")
+        elif soak.saturated is False and not soak.stalled:
+            verdict = saturation_verdict(verdict, soak)
+            code = exit_code_for(verdict)
+            notes.append("no stall, but the KV cache never got near full: inconclusive (exit 6)")
+    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes)
+
+
+def _side(label: str, rel: str, sub: Bundle) -> ABSide:
+    diag = sub.diagnosis if sub.diagnosis is not None else diagnose(sub)
+    return ABSide(verdict=diag.verdict.kind, summary=diag.verdict.summary, exit_code=diag.exit_code, bundle=rel,
+                  report=f"{label}/report.html",
+                  engines={e.name: _engine_line(e, diag.verdicts_by_engine.get(e.name)) for e in sub.engines})
+
+
+def _engine_line(e: EngineRecord, verdict: Verdict | None) -> dict[str, object]:
+    health = engine_health(e, verdict)
+    return {"phase": e.phase.value, "healthy": health.healthy, "health": health.line, "startup_s": e.startup_s}
+
+
+def _diagnose_ab(bundle: Bundle, runs: Mapping[str, Bundle]) -> Diagnosis:
+    missing = [label for label in AB_SIDES if label not in runs or label not in bundle.runs]
+    if missing:
+        return Diagnosis(verdict=Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW,
+                                         summary=f"A/B bundle without its {' and '.join(missing)} run(s)"),
+                         exit_code=ExitCode.FAILED)
+    # Each side is judged fresh from its own bundle, exactly as `kvdiag analyze SIDE` would.
+    diags = {label: diagnose(runs[label]) for label in AB_SIDES}
+    stock, fixed = diags["stock"].verdict, diags["fixed"].verdict
+    reproduced = stock.kind.is_hang
+    fixed_ok = fixed.kind is VerdictKind.HEALTHY
+    ok = reproduced and fixed_ok
+    summary = (f"stock: {stock.kind.value}; fixed: {fixed.kind.value} — "
+               + ("the fixed allocator removes the hang the stock one reproduces" if ok
+                  else "A/B did not separate: "
+                  + ("stock did not reproduce" if not reproduced else "fixed is not healthy")))
+    verdict = Verdict(kind=stock.kind if reproduced else fixed.kind, summary=summary,
+                      confidence=Confidence.HIGH if ok else Confidence.MEDIUM,
+                      evidence=stock.evidence, cycle=stock.cycle)
+    sides = {label: _side(label, bundle.runs[label], runs[label].model_copy(update={"diagnosis": diags[label]}))
+             for label in AB_SIDES}
+    by_engine = {"stock": stock, "fixed": fixed}
+    by_engine.update({f"{label}/{name}": v for label in AB_SIDES
+                      for name, v in diags[label].verdicts_by_engine.items()})
+    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine,
+                     exit_code=ExitCode.OK if ok else ExitCode.FAILED,
+                     ab=ABComparison(stock=sides["stock"], fixed=sides["fixed"], separated=ok))

@@ -1,0 +1,116 @@
+"""Write and read a bundle folder: bundle/bundle.json plus the raw files beside it."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pydantic import ValidationError
+
+from kvdiag.errors import BundleError
+from kvdiag.model import SCHEMA_VERSION, Bundle
+from kvdiag.redact import redact_bundle, redact_text
+
+BUNDLE_DIR = "bundle"            # inside a run's output folder
+BUNDLE_FILE = "bundle.json"
+SCENARIO_FILE = "scenario.yaml"
+LOGS_DIR = "logs"                # logs/<engine>.log, redacted copies
+RAW_DIR = "raw"                  # raw/<engine>/... raw tool outputs, redacted
+_MAX_NESTING = 2                 # an ab run nests plain runs, nothing deeper
+
+
+def atomic_write_text(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so readers never see a half-written file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def write_text_redacted(path: Path, text: str) -> None:
+    """A text file entering the bundle (scenario, logs, raw tool output), secrets redacted."""
+    atomic_write_text(path, redact_text(text))
+
+
+def write_bundle(bundle: Bundle, bundle_dir: Path) -> Bundle:
+    """Redact ``bundle`` (kvdiag.redact, the one redactor) and write it as ``bundle_dir/bundle.json``.
+
+    Returns the redacted copy that was written (with its redaction summary)."""
+    safe = redact_bundle(bundle)
+    atomic_write_text(bundle_dir / BUNDLE_FILE, safe.model_dump_json(indent=2))
+    return safe
+
+
+def save_bundle(bundle: Bundle, bundle_dir: Path) -> Path:
+    """Write bundle_dir/bundle.json, redacted; the caller's ``bundle.redaction`` gets the summary written."""
+    safe = write_bundle(bundle, bundle_dir)
+    bundle.redaction = safe.redaction.model_copy(deep=True)
+    return bundle_dir / BUNDLE_FILE
+
+
+def resolve_bundle_dir(path: Path) -> Path:
+    """Accept the bundle folder, its bundle.json, or a run folder holding bundle/."""
+    if path.is_file():
+        return path.parent
+    if (path / BUNDLE_FILE).is_file():
+        return path
+    if (path / BUNDLE_DIR / BUNDLE_FILE).is_file():
+        return path / BUNDLE_DIR
+    raise BundleError(f"{path}: no {BUNDLE_FILE} found", hint="pass a run folder, its bundle/ or bundle.json")
+
+
+def load_bundle(path: Path) -> tuple[Bundle, Path]:
+    """The bundle at ``path`` (run folder, bundle folder or bundle.json) and its folder."""
+    bundle_dir = resolve_bundle_dir(path)
+    file = bundle_dir / BUNDLE_FILE
+    try:
+        data = json.loads(file.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BundleError(f"{file}: cannot read bundle: {exc}") from exc
+    version = str(data.get("schema_version", "")) if isinstance(data, dict) else ""
+    if version != SCHEMA_VERSION:
+        raise BundleError(f"{file}: bundle schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
+    try:
+        # Data entering this run from disk: a bundle written by an older kvdiag may hold secrets.
+        return redact_bundle(Bundle.model_validate(data)), bundle_dir
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        loc = ".".join(str(p) for p in first["loc"])
+        raise BundleError(f"{file}: invalid bundle at {loc}: {first['msg']}") from exc
+
+
+@dataclass
+class LoadedRun:
+    """A bundle read from disk, with the nested runs it names (``kvdiag ab``)."""
+
+    bundle: Bundle
+    bundle_dir: Path
+    runs: dict[str, LoadedRun] = field(default_factory=dict)
+
+    @property
+    def run_bundles(self) -> dict[str, Bundle]:
+        return {label: run.bundle for label, run in self.runs.items()}
+
+    @property
+    def out_dir(self) -> Path:
+        """The run's output folder (where report.* go): the folder holding bundle/."""
+        return self.bundle_dir.parent if self.bundle_dir.name == BUNDLE_DIR else self.bundle_dir
+
+
+def load_run(path: Path, _depth: int = 0) -> LoadedRun:
+    """The bundle at ``path`` and, recursively, the nested runs its ``runs`` name."""
+    bundle, bundle_dir = load_bundle(path)
+    run = LoadedRun(bundle, bundle_dir)
+    for label, rel in bundle.runs.items():
+        if _depth >= _MAX_NESTING or Path(rel).is_absolute():
+            raise BundleError(f"{bundle_dir / BUNDLE_FILE}: nested run {label!r} at {rel!r} is not allowed")
+        run.runs[label] = load_run(bundle_dir / rel, _depth + 1)
+    return run

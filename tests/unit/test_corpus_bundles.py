@@ -1,0 +1,100 @@
+"""The analyzer on one run's bundles of the whole hangers corpus (tests/fixtures/bundles/corpus).
+
+Saved by ``python benchmarks/accuracy.py --keep-bundles tests/fixtures/bundles/corpus``: each is a
+real capture (/proc, py-spy, pystack, gdb) of a program in tests/fixtures/hangers. The expected
+outcome is hanger_kit.KINDS[name].expect: how the program was written, not what the analyzer said.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdiag.analyze import analyze, exit_code_for
+from kvdiag.bundle_io import load_bundle
+from kvdiag.capture.merge import without_tool
+from kvdiag.model import Bundle, VerdictKind
+
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+CORPUS = FIXTURES / "bundles" / "corpus"
+sys.path.insert(0, str(FIXTURES / "hangers"))
+import hanger_kit as hk  # noqa: E402
+
+NAMES = sorted(p.name for p in CORPUS.iterdir() if (p / "bundle.json").is_file()) if CORPUS.is_dir() else []
+TOOLS = ("proc", "py-spy", "pystack", "gdb")
+
+
+def load(name: str) -> Bundle:
+    return load_bundle(CORPUS / name)[0]
+
+
+def test_the_corpus_covers_every_verdict_kind_of_the_contract() -> None:
+    expected = {hk.KINDS[n].expect for n in NAMES}
+    # CONTRACT.md's kinds (unknown: no rule matched, not a program shape) and the ones issues 13/18 added
+    contract = {"healthy", "slow_start", "gil_cycle", "lock_order_inversion", "lost_wakeup", "blocked_ipc_read",
+                "decode_stall", "crash", "oom", "gil_held_blocked", "stopped", "traced"}
+    assert contract <= expected, contract - expected
+    assert len(NAMES) >= 40
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_corpus_bundle_gets_its_expected_outcome(name: str) -> None:
+    verdict = analyze(load(name))
+    assert verdict.kind.value == hk.KINDS[name].expect, verdict.summary
+    code = exit_code_for(verdict)
+    assert code == {"crash": 4, "oom": 4, "stopped": 5, "traced": 5}.get(verdict.kind.value,
+                                                                          10 if verdict.kind.is_hang else 0)
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("name", [n for n in NAMES if hk.KINDS[n].expect in ("healthy", "slow_start")])
+def test_a_progressing_program_is_never_a_deadlock_whatever_tool_is_missing(name: str, tool: str) -> None:
+    bundle = load(name)
+    bundle = bundle.model_copy(update={"processes": [without_tool(p, tool) for p in bundle.processes]})
+    verdict = analyze(bundle)
+    assert not verdict.kind.is_hang, verdict.summary
+
+
+def _only(name: str) -> Bundle:
+    if name not in NAMES:
+        pytest.skip(f"{name} not in the saved corpus (its binding package was missing when it was saved)")
+    return load(name)
+
+
+def test_gil_held_blocked_cites_holder_and_waiters() -> None:
+    verdict = analyze(_only("gil_held_queue"))
+    assert verdict.kind is VerdictKind.GIL_HELD_BLOCKED
+    holder, *waiters = verdict.evidence
+    assert any(f.startswith("hold_gil_and_sleep") for f in holder.frames)
+    assert "both samples" in holder.role or "window" in holder.role
+    assert len(waiters) == 2 and all("waits for the GIL" in w.role for w in waiters)
+
+
+def test_gil_held_without_waiters_warns() -> None:
+    for name, frame in (("gil_held_sleep", "hold_gil_and_sleep"), ("gil_held_condvar", "hold_gil_and_wait")):
+        verdict = analyze(_only(name))
+        assert verdict.kind is VerdictKind.HEALTHY
+        assert any(f.kind == "gil_held_blocked" and frame in f.message for f in verdict.findings), name
+
+
+def test_timed_signaller_is_a_possible_signaller_not_a_lost_wakeup() -> None:
+    bundle = _only("healthy_timed_signaller")
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.HEALTHY
+    # the consumer alone looks exactly like a lost wakeup: only the producer's timed wait says otherwise
+    assert any(t.name == "consumer" for p in bundle.processes for t in p.threads)
+
+
+def test_stopped_target_names_what_its_stacks_show() -> None:
+    verdict = analyze(_only("stopped_gil_cycle"))
+    assert verdict.kind is VerdictKind.STOPPED and "gil_cycle" in verdict.summary
+    assert exit_code_for(verdict) == 5
+
+
+def test_traced_target_names_its_tracer() -> None:
+    bundle = _only("traced")
+    verdict = analyze(bundle)
+    tracer = bundle.processes[0].tracer_pid
+    assert verdict.kind is VerdictKind.TRACED and tracer is not None and f"pid {tracer}" in verdict.summary
