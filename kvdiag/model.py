@@ -240,6 +240,7 @@ class ProcessEvidence(_Model):
     tracer_pid: int | None = None    # TracerPid when another debugger holds the process
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
+    signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
 
 
 class BannerInfo(_Model):
@@ -563,6 +564,9 @@ class Verdict(_Model):
     # known upstream defect it matches.
     signature: str | None = None
     known: KnownDefect | None = None
+    # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
+    # evidence only, never timing noise (issue 17 item 6).
+    confidence_reasons: list[str] = Field(default_factory=list)
 
 
 class ABSide(_Model):

@@ -41,6 +41,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
     console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
     console.print(head)
     console.print(Text(v.summary))
+    if v.confidence_reasons:
+        console.print(Text(f"confidence {v.confidence.value}: " + "; ".join(v.confidence_reasons), style="dim"))
     if v.signature:
         console.print(Text(f"signature: {v.signature}", style="bold"))
     if v.known is not None:
