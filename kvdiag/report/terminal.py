@@ -18,7 +18,7 @@ from kvdiag.model import Report
 KEY_FRAMES = 8
 _KIND_STYLE = {
     "healthy": "bold green", "slow_start": "bold yellow", "crash": "bold magenta", "oom": "bold magenta",
-    "unknown": "bold white",
+    "unknown": "bold white", "not_saturated": "bold yellow",
 }
 
 
@@ -52,6 +52,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         console.print(line)
     if report.interrupted:
         console.print(Text("the run was interrupted: partial report", style="yellow"))
+    if report.stall_to_verdict_s is not None:
+        console.print(Text(f"stall detected → verdict: {report.stall_to_verdict_s:.1f} s", style="dim"))
     if v.cycle:
         cycle = list(v.cycle)
         if cycle[0] != cycle[-1]:

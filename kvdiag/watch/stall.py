@@ -105,16 +105,22 @@ class ServingStall:
     """The serving policy: a stall once requests are in flight and no token arrived for ``window_s``.
 
     Feed it with :meth:`observe` as often as convenient. ``onset`` is the last moment of
-    progress (the last token, or when requests became in flight after an idle spell).
+    progress (the last token, or when requests became in flight after an idle spell). With
+    ``max_blind_s``, an observation that comes more than that after the previous one never
+    fires: the caller was not looking, and tokens it has not read yet may wait in its sockets.
     """
 
     window_s: float
     clock: Clock = time.monotonic
+    max_blind_s: float | None = None
     onset: float | None = None           # last progress point, once stalled
     fired_at: float | None = None        # when the stall was declared
+    blind_spells: int = 0                # observations skipped for firing after a gap
+    longest_blind_s: float = 0.0         # longest gap between two observations
     _last_progress: float | None = None
     _last_tokens: float | None = None
     _was_busy: bool = False
+    _last_observe: float | None = None
 
     def __post_init__(self) -> None:
         if self.window_s <= 0:
@@ -129,6 +135,12 @@ class ServingStall:
         increase when known, ``now`` the observation time (default: the clock).
         """
         now = self.clock() if now is None else now
+        blind = False
+        if self._last_observe is not None:
+            gap = now - self._last_observe
+            self.longest_blind_s = max(self.longest_blind_s, gap)
+            blind = self.max_blind_s is not None and gap > self.max_blind_s
+        self._last_observe = now
         if self._last_progress is None:
             self._last_progress = now
         if tokens is not None and (self._last_tokens is None or tokens > self._last_tokens):
@@ -149,6 +161,9 @@ class ServingStall:
             else:
                 return True
         if in_flight > 0 and now - self._last_progress >= self.window_s:
+            if blind:
+                self.blind_spells += 1
+                return False
             self.onset = self._last_progress
             self.fired_at = now
             return True
