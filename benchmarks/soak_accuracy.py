@@ -25,6 +25,16 @@ CPU (user+sys, time.process_time of each client process over its load window) pe
 
 Prints tables and ends with
 `RESULT ttft_p50_err=... itl_p50_err=... ttft_p99_err=... itl_p99_err=... cpu_ratio=...`.
+
+``--vllm`` (issue 17 item 8): kvdiag's soak client against `vllm bench serve` on the SAME real vLLM CPU
+server (the tiny model, prefix caching off so repeated prompts cost what new ones do), SAME request mix:
+N completions of a 64-token prompt and 32 output tokens (ignore_eos), C at a time. bench uses its random
+dataset (64 input tokens); kvdiag sends 64 random token ids as the prompt. Rounds alternate which client
+goes first. Compared: TTFT and ITL p50/p99 (relative difference to bench's), client CPU per request
+(user+sys of the client process over its load window only: bench's from /proc between its "Starting main
+benchmark run" line and its result banner, so its imports are not counted), tokens (usage) and failures
+(kvdiag's SSE parse failures beside bench's failed requests). Needs scripts/setup_vllm_cpu.sh. Ends with
+`RESULT ttft_p50_diff=... ttft_p99_diff=... itl_p50_diff=... itl_p99_diff=... cpu_ratio=... parse_failures=...`.
 """
 
 from __future__ import annotations
@@ -33,7 +43,9 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import re
+import statistics
 import subprocess
 import sys
 import time
@@ -345,17 +357,185 @@ def _phase(url: str, args: argparse.Namespace, tap: bool) -> tuple[dict[str, Any
     return results["kvdiag"], results["raw"]
 
 
+# --------------------------------------------------------------------------------------------------
+# --vllm: kvdiag's soak client vs `vllm bench serve` on one real vLLM server
+VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "4M",
+             "--no-enable-prefix-caching"]
+
+
+def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_len: int, max_tokens: int,
+                       seed: int) -> dict[str, Any]:
+    """kvdiag's LoadGenerator sending exactly ``num`` requests; percentiles over every request."""
+    import random
+
+    from kvdiag.soak.loadgen import LoadConfig, LoadGenerator, RequestStatus
+
+    rnd = random.Random(seed)
+    prompt = [rnd.randrange(4, 500) for _ in range(input_len)]   # ids past the special tokens
+    cfg = LoadConfig(base_url=url, model=model, concurrency=concurrency, max_tokens=max_tokens, prompt=prompt,
+                     max_requests=num, keep_records=num + concurrency)
+    lg = LoadGenerator(cfg)
+
+    async def drive() -> float:
+        lg.start()
+        cpu0 = time.process_time()
+        while lg.ok + lg.failed + lg.timed_out < num:
+            await asyncio.sleep(0.01)
+        cpu = time.process_time() - cpu0
+        await lg.stop()
+        return cpu
+
+    cpu = asyncio.run(drive())
+    recs = list(lg.records)
+    ttft = [r.ttft_s for r in recs if r.ttft_s is not None and r.status is RequestStatus.OK]
+    itl = [g for r in recs if r.status is RequestStatus.OK for g in r.itl_s]
+    parse = sum(1 for r in recs if r.error and ("SSE" in r.error or "JSON" in r.error))
+    return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
+            "itl_p99": _pct(itl, 99), "ok": lg.ok, "failed": lg.failed + lg.timed_out, "parse_failures": parse,
+            "tokens": sum(r.usage_tokens or r.tokens for r in recs if r.status is RequestStatus.OK),
+            "cpu_s": cpu, "requests": num}
+
+
+def _stat_cpu(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as fh:
+        fields = fh.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def run_bench(vllm_exe: str, url: str, model: str, concurrency: int, num: int, input_len: int, max_tokens: int,
+              seed: int, out_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """`vllm bench serve`, its load-window CPU read from /proc, its JSON result."""
+    name = f"bench-{seed}.json"
+    argv = [vllm_exe, "bench", "serve", "--backend", "openai", "--base-url", url, "--model", model,
+            "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(max_tokens),
+            "--num-prompts", str(num), "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
+            "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
+            "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert proc.stdout is not None
+    cpu_start = cpu_end = None
+    lines: list[str] = []
+    for line in proc.stdout:
+        lines.append(line.rstrip())
+        if "Starting main benchmark run" in line:
+            cpu_start = _stat_cpu(proc.pid)
+        elif "Serving Benchmark Result" in line and cpu_start is not None:
+            cpu_end = _stat_cpu(proc.pid)
+    proc.wait(timeout=120)
+    if proc.returncode != 0 or cpu_start is None or cpu_end is None:
+        raise SystemExit("vllm bench serve failed:\n" + "\n".join(lines[-30:]))
+    res = json.loads((out_dir / name).read_text())
+    return {"ttft_p50": res["median_ttft_ms"] / 1000, "ttft_p99": res["p99_ttft_ms"] / 1000,
+            "itl_p50": res["median_itl_ms"] / 1000, "itl_p99": res["p99_itl_ms"] / 1000,
+            "ok": res["completed"], "failed": res["failed"], "tokens": res["total_output_tokens"],
+            "cpu_s": cpu_end - cpu_start, "requests": num}
+
+
+def main_vllm(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from kvdiag.launch.engines import plan_engine
+    from kvdiag.launch.process import EngineProcess, ProcessSet, free_port
+    from kvdiag.launch.vllm import default_model, find_vllm
+    from kvdiag.scenario.models import EngineSpec, VllmParams
+
+    model = default_model()
+    vllm_exe = find_vllm(None)
+    spec = EngineSpec(name="bench", kind="vllm", model=model, allocator="external", vllm=VllmParams(args=VLLM_ARGS))
+    rows: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    with tempfile.TemporaryDirectory(prefix="kvdiag-bench-soak-") as tmp, ProcessSet(grace_s=5) as procs:
+        plan = plan_engine(spec, free_port(), "unused", 96.0, run_dir=procs.run_dir())
+        env = procs.env_for(plan.env)
+        engine = EngineProcess("bench", plan.argv, env, Path(tmp) / "server.log")
+        procs.start(engine)
+        import httpx
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(f"{plan.url}/health", timeout=1.0).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if not engine.alive():
+                raise SystemExit("vLLM server exited:\n" + (Path(tmp) / "server.log").read_text()[-3000:])
+            time.sleep(0.5)
+        else:
+            raise SystemExit("vLLM server did not come up in 300 s")
+        print(f"vLLM CPU server up at {plan.url} ({model}); {args.rounds} rounds of {args.num_prompts} requests, "
+              f"{args.concurrency} at a time, {args.input_len} prompt + {args.max_tokens} output tokens")
+        client_argv = [sys.executable, __file__, "--client", "kvdiag-vllm", "--url", plan.url, "--model", model,
+                       "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
+                       "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens)]
+        bench_env = dict(env, PYTHONUNBUFFERED="1")
+        for r in range(args.rounds):
+            def kvdiag_side(r: int = r) -> dict[str, Any]:
+                out = subprocess.run(client_argv + ["--seed", str(r)], capture_output=True, text=True, cwd=ROOT,
+                                     timeout=300)
+                if out.returncode != 0:
+                    raise SystemExit(f"kvdiag client failed: {out.stderr[-2000:]}")
+                return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+
+            def bench_side(r: int = r) -> dict[str, Any]:
+                return run_bench(vllm_exe, plan.url, model, args.concurrency, args.num_prompts, args.input_len,
+                                 args.max_tokens, r, Path(tmp), bench_env)
+
+            first, second = (kvdiag_side, bench_side) if r % 2 == 0 else (bench_side, kvdiag_side)
+            a = first()
+            b = second()
+            k, bn = (a, b) if r % 2 == 0 else (b, a)
+            rows.append((f"round {r}", k, bn))
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:8.2f}"
+
+    print(f"{'':9} {'metric':9} {'kvdiag ms':>9} {'bench ms':>9} {'diff':>7}")
+    diffs: dict[str, list[float]] = {k: [] for k in KEYS}
+    for label, k, bn in rows:
+        for key in KEYS:
+            d = _err(k[key], bn[key])
+            diffs[key].append(d)
+            print(f"{label:9} {key:9} {ms(k[key])} {ms(bn[key])} {d:7.3f}")
+        print(f"{label:9} requests ok/failed: kvdiag {k['ok']}/{k['failed']} (SSE parse failures "
+              f"{k['parse_failures']}), bench {bn['ok']}/{bn['failed']}; output tokens kvdiag {k['tokens']} bench "
+              f"{bn['tokens']}; client CPU per request kvdiag {k['cpu_s'] / k['requests'] * 1000:.2f} ms, bench "
+              f"{bn['cpu_s'] / bn['requests'] * 1000:.2f} ms")
+    med = {key: statistics.median(v) for key, v in diffs.items()}
+    cpu_ratio = statistics.median(k["cpu_s"] / bn["cpu_s"] for _, k, bn in rows)
+    parse = sum(k["parse_failures"] for _, k, _ in rows)
+    bench_failed = sum(bn["failed"] for _, _, bn in rows)
+    print("diff = |kvdiag - bench| / bench (median over rounds); cpu_ratio = kvdiag client CPU / bench client CPU "
+          "for the same requests; target: diffs <= 0.05, cpu_ratio <= 1, 0 parse failures")
+    print(f"RESULT ttft_p50_diff={med['ttft_p50']:.4f} ttft_p99_diff={med['ttft_p99']:.4f} "
+          f"itl_p50_diff={med['itl_p50']:.4f} itl_p99_diff={med['itl_p99']:.4f} cpu_ratio={cpu_ratio:.3f} "
+          f"parse_failures={parse} bench_failed={bench_failed}")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--duration", type=float, default=25.0, help="seconds of load per phase (two phases)")
     ap.add_argument("--concurrency", type=int, default=16, help="streams per client")
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--step-ms", type=float, default=20.0, help="the sim's decode step (the ITL it produces)")
-    ap.add_argument("--client", choices=["kvdiag", "raw"], help=argparse.SUPPRESS)
+    ap.add_argument("--vllm", action="store_true", help="kvdiag's soak client vs `vllm bench serve` on real vLLM")
+    ap.add_argument("--rounds", type=int, default=3, help="--vllm: rounds (alternating which client goes first)")
+    ap.add_argument("--num-prompts", type=int, default=200, help="--vllm: requests per client per round")
+    ap.add_argument("--input-len", type=int, default=64, help="--vllm: prompt tokens")
+    ap.add_argument("--model", help=argparse.SUPPRESS)
+    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--client", choices=["kvdiag", "raw", "kvdiag-vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--tap", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
     ap.add_argument("--start-at", type=float, default=0.0, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.client == "kvdiag-vllm":
+        print(json.dumps(client_kvdiag_vllm(args.url, args.model, args.concurrency, args.num_prompts, args.input_len,
+                                            args.max_tokens, args.seed)))
+        return 0
+    if args.vllm:
+        if args.concurrency == 16:
+            args.concurrency = 8
+        return main_vllm(args)
     if args.client == "kvdiag":
         print(json.dumps(client_kvdiag(args.url, args.concurrency, args.duration, args.max_tokens, args.start_at,
                                        args.tap)))

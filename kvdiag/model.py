@@ -240,6 +240,7 @@ class ProcessEvidence(_Model):
     tracer_pid: int | None = None    # TracerPid when another debugger holds the process
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
+    signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
 
 
 class BannerInfo(_Model):

@@ -213,7 +213,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     """Run a co-location scenario end to end and write its report into ``out_dir``."""
     if allocator is not None:
         for e in scenario.engines:
-            if e.kind == "sim":
+            if e.kind == "sim" or (e.kind == "vllm" and e.allocator != "external"):
                 e.allocator = allocator  # type: ignore[assignment]
     bundle = new_bundle(command)
     bundle.scenario = scenario.model_dump(mode="json")

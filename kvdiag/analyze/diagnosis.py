@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvdiag.analyze.health import engine_health
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
     NO_EVIDENCE_KINDS,
@@ -23,6 +24,7 @@ from kvdiag.model import (
     Bundle,
     Confidence,
     Diagnosis,
+    EngineRecord,
     Verdict,
     VerdictKind,
 )
@@ -80,8 +82,12 @@ def _side(label: str, rel: str, sub: Bundle) -> ABSide:
     diag = sub.diagnosis if sub.diagnosis is not None else diagnose(sub)
     return ABSide(verdict=diag.verdict.kind, summary=diag.verdict.summary, exit_code=diag.exit_code, bundle=rel,
                   report=f"{label}/report.html",
-                  engines={e.name: {"phase": e.phase.value, "healthy": e.healthy, "startup_s": e.startup_s}
-                           for e in sub.engines})
+                  engines={e.name: _engine_line(e, diag.verdicts_by_engine.get(e.name)) for e in sub.engines})
+
+
+def _engine_line(e: EngineRecord, verdict: Verdict | None) -> dict[str, object]:
+    health = engine_health(e, verdict)
+    return {"phase": e.phase.value, "healthy": health.healthy, "health": health.line, "startup_s": e.startup_s}
 
 
 def _diagnose_ab(bundle: Bundle, runs: Mapping[str, Bundle]) -> Diagnosis:

@@ -127,6 +127,8 @@ IDLE_FRAME_NAMES = frozenset({"blas_thread_server", "gomp_thread_start", "gomp_t
                               "Queue._feed", "_python_exit", "cuEventSynchronize_monitor"})
 IDLE_FRAME_SUBSTR = ("__kmp_", "blas_thread", "gloo::", "zmq::", "tqdm/_monitor", "monitor_death_pipe",
                      "start_worker_monitor", "resource_tracker")
+# (last two path components, function) of Python frames that are a worker's wait for its next task.
+IDLE_PY_FRAMES = frozenset({(("multiprocessing", "pool.py"), "worker")})
 IDLE_PROCESS_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
                         "multiprocessing.semaphore_tracker")
 

@@ -75,8 +75,10 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
     pids: list[int] = []
     for role in order:
         pids += [pid for pid in roles.get(role, []) if pid not in pids]
+    # The EngineCore is where a vLLM engine's hangs live: its verdict-critical evidence comes first.
     evidence, findings = capture_processes(pids or [root_pid], bundle_dir / "raw" / name, timeout_s=timeout_s,
-                                           backends=backends, bundle_dir=bundle_dir)
+                                           backends=backends, bundle_dir=bundle_dir,
+                                           focus=roles.get(ProcessRole.ENGINE_CORE))
     for ev in evidence:
         ev.engine = name
         for role, role_pids in roles.items():

@@ -4,9 +4,12 @@ Scheduling per process:
 1. /proc first (state, syscalls, CPU sampled over a short interval) so the
    kernel-side picture is taken before anything attaches (``py-spy-nonblocking``,
    which never pauses the target, would run alongside);
-2. then the ptrace-based tools (py-spy --native, pystack, gdb) one after the other:
-   Linux allows one tracer at a time, so running them together would make
-   one of them fail.
+2. then the ptrace-based tools one after the other (Linux allows one tracer at a
+   time, so running them together would make one of them fail), verdict-critical
+   first: pystack (the interpreter's own GIL flags, Python + native frames), then
+   py-spy --native, then gdb, which is optional and capped at GDB_BUDGET_S per
+   process (gdb loads only the symbols of the interpreter, libc and the allocators:
+   see tools.GDB_LIBRARIES).
 Different processes are captured concurrently. Each tool runs in its own
 process group and is killed at the deadline; a backend thread that is still
 stuck then is abandoned (daemon) and reported.
@@ -15,7 +18,9 @@ Read-only guarantee: the state, tracer and task list of every target are
 read before and after; a target left traced or stopped is a bug we report
 (and a stopped one is resumed with SIGCONT, as it was running before).
 
-Bound: :func:`capture_processes` returns within ``timeout_s + CAPTURE_SLACK_S``.
+Bound: :func:`capture_processes` returns within ``timeout_s + CAPTURE_SLACK_S``; as every process
+has its own chain and the chains run at once, the time does not grow with the number of processes
+(on a real vLLM tree: API server, EngineCore, Worker, resource tracker).
 """
 
 from __future__ import annotations
@@ -32,14 +37,20 @@ from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, list_tids, read_status
-from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend, pyspy_nonblocking
+from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend, gdb_all_symbols, pyspy_nonblocking
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
 DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
 _FACTORIES: dict[str, Callable[[], CaptureBackend]] = {
     "proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
-    "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "gdb": GdbBackend}
+    "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "gdb": GdbBackend,
+    "gdb-full": gdb_all_symbols}
+# Order of the ptrace chain, whatever order the tools were named in: verdict-critical evidence first.
+_CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
+# gdb is optional evidence: it gets at most this long per process (the chains run in parallel, so this
+# bounds the whole capture's gdb time whatever the number of processes).
+GDB_BUDGET_S = 4.0
 # A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung
 # pystack still leaves gdb time to run.
 _CHAIN_SHARE = 0.35
@@ -136,9 +147,12 @@ class _ProcessJob:
     """All backends for one pid: quiet backends at once, ptrace backends after /proc, in sequence."""
 
     def __init__(self, pid: int, backends: list[CaptureBackend], unavailable: dict[str, str],
-                 raw_dir: Path, timeout_s: float, deadline: float, access: TargetAccess | None = None) -> None:
+                 raw_dir: Path, timeout_s: float, deadline: float, access: TargetAccess | None = None,
+                 after: _AllSet | None = None) -> None:
         self.pid = pid
         self.backends = backends
+        self.after = after              # the chain waits for this (the focus processes' first tool)
+        self.first_done = threading.Event()
         self.access = access
         self.unavailable = dict(unavailable)
         if access is not None:   # the preflight's refusals: quick, and said in the report
@@ -176,11 +190,23 @@ class _ProcessJob:
                 self._proc_done.set()
 
     def _chain(self, chain: list[CaptureBackend]) -> None:
+        try:
+            self._chain_inner(chain)
+        finally:
+            self.first_done.set()
+
+    def _chain_inner(self, chain: list[CaptureBackend]) -> None:
         self._proc_done.wait(timeout=self._remaining())
+        if self.after is not None:
+            self.after.wait(timeout=self._remaining())
         for i, b in enumerate(chain):
+            if i == 1:
+                self.first_done.set()
             budget = self._remaining()
             if i < len(chain) - 1:
                 budget = min(budget, max(_MIN_TOOL_S, self.timeout_s * _CHAIN_SHARE))
+            if b.name == "gdb":
+                budget = min(budget, GDB_BUDGET_S)
             if budget <= 0.05:
                 with self._lock:
                     spent = f"{b.name} skipped: capture budget of {self.timeout_s:.1f}s spent"
@@ -191,7 +217,7 @@ class _ProcessJob:
     def usable_backends(self) -> tuple[list[CaptureBackend], list[CaptureBackend]]:
         ready = [b for b in self.backends if b.name not in self.unavailable]
         quiet = [b for b in ready if not b.stops_target]
-        chain = [b for b in ready if b.stops_target]
+        chain = sorted((b for b in ready if b.stops_target), key=lambda b: _CHAIN_ORDER.get(b.name, 9))
         if not any(b.name == "proc" for b in quiet):
             self._proc_done.set()
         return quiet, chain
@@ -204,6 +230,8 @@ class _ProcessJob:
         if chain:
             self.threads.append(threading.Thread(target=self._chain, args=(chain,), daemon=True,
                                                  name=f"kvdiag-capture-chain-{self.pid}"))
+        else:
+            self.first_done.set()   # nothing to attach here: processes waiting on this one go ahead
         for t in self.threads:
             t.start()
 
@@ -241,9 +269,35 @@ def _relative(path: str | None, bundle_dir: Path | None) -> str | None:
         return path
 
 
+class _AllSet:
+    """Set once every given event is set (waits bounded by the caller)."""
+
+    def __init__(self, events: list[threading.Event]) -> None:
+        self.events = events
+
+    def wait(self, timeout: float) -> bool:
+        end = time.monotonic() + timeout
+        return all(e.wait(timeout=max(0.0, end - time.monotonic())) for e in self.events)
+
+
+def _python_only(backends: list[CaptureBackend]) -> list[CaptureBackend]:
+    """The backends for a process outside the focus: pystack reads Python frames and GIL flags only, and
+    py-spy runs without pausing the target next to /proc (its native frames are gdb's job there)."""
+    out: list[CaptureBackend] = []
+    for b in backends:
+        if isinstance(b, PystackBackend) and b.native:
+            out.append(PystackBackend(b.binary, native=False))
+        elif isinstance(b, PyspyBackend) and b.native:
+            out.append(pyspy_nonblocking(b.binary))
+        else:
+            out.append(b)
+    return out
+
+
 def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.0,
                       backends: Sequence[str | CaptureBackend] | None = None, *,
                       bundle_dir: Path | None = None, parallel: bool = True,
+                      focus: Sequence[int] | None = None,
                       ) -> tuple[list[ProcessEvidence], list[Finding]]:
     """Capture evidence from ``pids`` read-only; never raises for tool problems.
 
@@ -251,8 +305,17 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     Raw tool outputs go to ``raw_dir/<pid>/``; ToolRun.raw_path is relative to ``bundle_dir``
     when given (absolute otherwise). ``parallel=False`` runs everything one after the other
     (the benchmark's baseline). Returns within ``timeout_s + CAPTURE_SLACK_S`` seconds.
+
+    ``focus``: the processes most likely to hold the hang (a vLLM engine's EngineCore). Their
+    verdict-critical evidence (/proc, then pystack with native frames) is taken first, with the
+    machine to themselves; the other processes get /proc and a non-pausing py-spy at once, then (once
+    the focus processes' pystack is done) pystack with Python frames and GIL flags only, and gdb.
+    None: every process is a focus process.
     """
     chosen = make_backends(backends)
+    focus_set = set(focus) if focus else None
+    if focus_set is not None and not focus_set & set(pids):
+        focus_set = None
     findings: list[Finding] = []
     unavailable: dict[str, str] = {}
     for b in chosen:
@@ -266,13 +329,22 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     # Preflight before attaching: may we read it, is it a kernel thread, a zombie, Python at all?
     accesses = {pid: check_target(pid) for pid in dict.fromkeys(pids) if befores[pid].exists}
     jobs: list[_ProcessJob] = []
+    focus_events: list[threading.Event] = []
+    focus_gate = _AllSet(focus_events)
+    caller_order = list(pids)
+    if focus_set is not None:  # focus processes first, so their chains start before the others wait
+        pids = [p for p in pids if p in focus_set] + [p for p in pids if p not in focus_set]
     try:
         for pid in dict.fromkeys(pids):
             if not befores[pid].exists:
                 findings.append(Finding(kind="process_gone", pid=pid, message=f"process {pid} does not exist"))
                 continue
-            job = _ProcessJob(pid, chosen, unavailable, raw_dir, timeout_s,
-                              deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid))
+            minor = focus_set is not None and pid not in focus_set
+            job = _ProcessJob(pid, _python_only(chosen) if minor else chosen, unavailable, raw_dir, timeout_s,
+                              deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
+                              after=focus_gate if minor and parallel else None)
+            if not minor:
+                focus_events.append(job.first_done)
             jobs.append(job)
             if parallel:
                 job.start()
@@ -313,6 +385,6 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 findings.append(Finding(kind=kind, pid=job.pid, message=f"pid {job.pid}: {run.error}"))
         findings.extend(verify_untouched(job.pid, befores[job.pid]))
         evidence.append(ev)
-    order = {pid: i for i, pid in enumerate(pids)}
+    order = {pid: i for i, pid in enumerate(caller_order)}
     evidence.sort(key=lambda e: order.get(e.pid, len(order)))
     return evidence, findings

@@ -81,13 +81,20 @@ class _ToolBackend:
 
 
 class PystackBackend(_ToolBackend):
+    """``native=False`` reads Python frames and GIL flags only (no native unwinding through every
+    library: several times cheaper on a torch-sized process)."""
+
     name = "pystack"
     binary = "pystack"
     stops_target = True
     raw_name = "pystack.txt"
 
+    def __init__(self, binary: str | None = None, native: bool = True) -> None:
+        super().__init__(binary)
+        self.native = native
+
     def argv(self, exe: str, pid: int) -> list[str]:
-        return [exe, "remote", str(pid), "--native-all", "--no-color"]
+        return [exe, "remote", str(pid), *(["--native-all"] if self.native else []), "--no-color"]
 
     def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
         return parse_pystack(text)
@@ -117,17 +124,36 @@ def pyspy_nonblocking(binary: str | None = None) -> PyspyBackend:
     return PyspyBackend(binary, native=False)
 
 
+# Shared libraries whose symbols gdb loads by default (regexes for gdb's `sharedlibrary`): the
+# interpreter, the C library (pthread/futex frames) and the allocators (kvdiag's, kvcached's). A vLLM
+# process maps ~200 libraries (libtorch_cpu alone is ~0.5 GB of symbols); reading all of them took
+# gdb 5-11 s per process, these few 0.4 s. Frames in other libraries keep their address and library.
+GDB_LIBRARIES = ("libpython", "libc[.]so", "libpthread", "libstdc", "_native", "kvcached", "vmm_ops")
+
+
 class GdbBackend(_ToolBackend):
+    """gdb in batch mode. ``all_symbols=False`` (the default, "gdb") loads symbols of GDB_LIBRARIES only;
+    "gdb-full" reads every library's symbols (slow on torch-sized processes)."""
+
     name = "gdb"
     binary = "gdb"
     stops_target = True
     raw_name = "gdb.txt"
 
+    def __init__(self, binary: str | None = None, all_symbols: bool = False) -> None:
+        super().__init__(binary)
+        self.all_symbols = all_symbols
+
     def argv(self, exe: str, pid: int) -> list[str]:
-        return [exe, "-p", str(pid), "-batch", "-nx",
-                "-iex", "set auto-load off", "-iex", "set debuginfod enabled off",
-                "-ex", "set pagination off", "-ex", "set confirm off",
-                "-ex", "thread apply all bt"]
+        argv = [exe, "-p", str(pid), "-batch", "-nx",
+                "-iex", "set auto-load off", "-iex", "set debuginfod enabled off"]
+        if not self.all_symbols:
+            argv += ["-iex", "set auto-solib-add off"]
+        argv += ["-ex", "set pagination off", "-ex", "set confirm off"]
+        if not self.all_symbols:
+            for lib in GDB_LIBRARIES:
+                argv += ["-ex", f"sharedlibrary {lib}"]
+        return argv + ["-ex", "thread apply all bt"]
 
     def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
         return parse_gdb(text), None
@@ -135,3 +161,10 @@ class GdbBackend(_ToolBackend):
     def usable(self, outcome: ToolOutcome, threads: list[ThreadEvidence]) -> bool:
         # gdb exits 0 even when attach fails ("ptrace: Operation not permitted"); threads decide.
         return not outcome.timed_out and bool(threads) and any(t.frames for t in threads)
+
+
+def gdb_all_symbols(binary: str | None = None) -> GdbBackend:
+    """gdb reading every shared library's symbols (all native frames named; seconds per large process)."""
+    b = GdbBackend(binary, all_symbols=True)
+    b.name = "gdb-full"
+    return b

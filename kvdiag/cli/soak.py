@@ -18,8 +18,9 @@ class AllocatorChoice(str, Enum):
 
 def soak(
     model: str = typer.Option("sim", "--model", "-m", help="Model to load. 'sim' launches the embedded simulated "
-                              "engine (no GPU); with --url, the model name requests use (default: the first one "
-                              "the server lists)."),
+                              "engine (no GPU); a model folder launches `vllm serve DIR` (real vLLM, embedded "
+                              "soak-vllm scenario); with --url, the model name requests use (default: the first "
+                              "one the server lists)."),
     url: str | None = typer.Option(None, "--url", help="Drive an already running OpenAI-compatible server "
                                    "(e.g. http://127.0.0.1:8000) instead of launching one."),
     scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML whose first engine is "
@@ -52,7 +53,8 @@ def soak(
         load_scenario(scenario)  # an invalid scenario file is a usage error, before any folder exists
     out_dir = prepare_out_dir(out, "soak")
     con = console()
-    subject = url if url else f"scenario {scenario}" if scenario else "simulated engine (soak-hybrid)"
+    subject = (url if url else f"scenario {scenario}" if scenario else "simulated engine (soak-hybrid)"
+               if model == "sim" else f"vllm serve {model} (soak-vllm)")
     con.print(f"kvdiag soak: {subject}, {concurrency} streams, output {out_dir}", highlight=False)
     arts = SoakRun(opts, out_dir, con).run()
     if arts.bundle.soak is not None:

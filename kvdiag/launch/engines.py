@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
+from pathlib import Path
 
 from kvdiag.interpreter import module_argv
 from kvdiag.scenario.models import EngineSpec
+
+PORT_ENV = "KVDIAG_ENGINE_PORT"
+PLACEHOLDERS = ("{port}", "{host}", "{model}", "{name}")
 
 
 @dataclass(frozen=True)
@@ -40,6 +45,53 @@ def sim_argv(spec: EngineSpec, port: int, device_name: str, device_size_gb: floa
     return argv + list(s.extra_args)
 
 
+def substitute(arg: str, spec: EngineSpec, port: int, model: str | None = None) -> str:
+    """``{port}``, ``{host}``, ``{model}`` and ``{name}`` in one argument (other braces stay as written)."""
+    if "{" not in arg:
+        return arg
+    return (arg.replace("{port}", str(port)).replace("{host}", spec.host)
+            .replace("{model}", model if model is not None else spec.model).replace("{name}", spec.name))
+
+
+def vllm_argv(spec: EngineSpec, port: int) -> list[str]:
+    """`vllm serve MODEL --host H --port P ARGS...` from the engine's vLLM environment."""
+    from kvdiag.launch.vllm import expand, find_vllm
+
+    model = expand(spec.model)
+    return [find_vllm(spec.python), "serve", model, "--host", spec.host, "--port", str(port),
+            *(substitute(a, spec, port, model) for a in spec.vllm.args)]
+
+
+def vllm_env(spec: EngineSpec, device_name: str, device_size_gb: float, run_dir: Path | None) -> dict[str, str]:
+    """What kvdiag's plugin in the EngineCore reads (kvdiag.vllm_plugin), when kvdiag's allocator is used."""
+    if spec.allocator == "external":
+        return {}
+    from kvdiag.launch.vllm import native_library, stage_plugin
+
+    pool = spec.vllm.pool
+    env = {
+        "KVDIAG_VLLM_ALLOCATOR": spec.allocator,
+        "KVDIAG_VLLM_ENGINE": spec.name,
+        "KVDIAG_VLLM_LAYERS": str(pool.layers),
+        "KVDIAG_VLLM_KV_PER_LAYER_MB": f"{pool.kv_per_layer_mb:g}",
+        "KVDIAG_VLLM_MAP_LATENCY_US": str(pool.map_latency_us),
+        "KVDIAG_VLLM_WARMUP_WAIT_MS": f"{pool.warmup_wait_ms:g}",
+        "KVDIAG_VLLM_DEVICE": device_name,
+        "KVDIAG_VLLM_DEVICE_SIZE_GB": f"{device_size_gb:g}",
+        "KVCACHED_PAGE_SIZE_MB": str(pool.page_size_mb),
+        "KVCACHED_MIN_RESERVED_PAGES": str(pool.min_reserved_pages),
+        "KVCACHED_MAX_RESERVED_PAGES": str(pool.max_reserved_pages),
+    }
+    native = native_library()
+    if native:
+        env["KVDIAG_NATIVE_PATH"] = native
+    if run_dir is not None:
+        site = stage_plugin(run_dir)
+        old = spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
+        env["PYTHONPATH"] = f"{site}{os.pathsep}{old}" if old else str(site)
+    return env
+
+
 def engine_env(spec: EngineSpec) -> dict[str, str]:
     """Environment additions for one engine: the scenario's env plus derived kvcached settings."""
     env = dict(spec.env)
@@ -52,9 +104,18 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
     return env
 
 
-def plan_engine(spec: EngineSpec, port: int, device_name: str, device_size_gb: float) -> LaunchPlan:
+def plan_engine(spec: EngineSpec, port: int, device_name: str, device_size_gb: float,
+                run_dir: Path | None = None) -> LaunchPlan:
+    """Command line and environment of one engine on ``port``; ``run_dir`` is the run's private temp folder
+    (kind vllm stages kvdiag's plugin there)."""
+    env = engine_env(spec)
     if spec.kind == "sim":
         argv = sim_argv(spec, port, device_name, device_size_gb)
+    elif spec.kind == "vllm":
+        argv = vllm_argv(spec, port)
+        for key, value in vllm_env(spec, device_name, device_size_gb, run_dir).items():
+            env.setdefault(key, value)
     else:
-        argv = list(spec.command)
-    return LaunchPlan(spec.name, argv, engine_env(spec), spec.host, port)
+        argv = [substitute(a, spec, port) for a in spec.command]
+    env[PORT_ENV] = str(port)
+    return LaunchPlan(spec.name, argv, env, spec.host, port)

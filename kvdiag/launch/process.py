@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -15,9 +16,14 @@ from types import FrameType, TracebackType
 
 from kvdiag.errors import EngineFailed, Terminated
 from kvdiag.interpreter import module_argv
-from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups
+from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm
 from kvdiag.ports import free_port as free_port  # re-exported: launchers and tests import it from here
 from kvdiag.ports import port_in_use as port_in_use
+
+# Where a launched engine's temp files go (sub-folders of the run's private folder): vLLM leaves ~7
+# ZMQ socket files in VLLM_RPC_BASE_PATH, vllm_dist_* and torch caches in TMPDIR, and its cache root.
+ENGINE_TEMP_DIRS = {"TMPDIR": "tmp", "VLLM_RPC_BASE_PATH": "rpc", "VLLM_CACHE_ROOT": "cache"}
+_UNIX_PATH_MAX = 107   # sizeof(sockaddr_un.sun_path) - 1
 
 
 def private_temp_path(prefix: str) -> Path:
@@ -50,6 +56,10 @@ class Reaper:
 
     def unregister(self, pgid: int) -> None:
         self._send(f"-{pgid}")
+
+    def sweep_shm_since(self, epoch_s: float) -> None:
+        """Shared-memory segments engines create from ``epoch_s`` on are swept if kvdiag dies."""
+        self._send(f"shm {epoch_s:.3f}")
 
     def remove_on_abandon(self, path: Path) -> None:
         """A private temp folder the reaper deletes if kvdiag dies without cleaning up."""
@@ -150,6 +160,9 @@ class ProcessSet:
         self.reaper: Reaper | None = None
         self._old_handlers: dict[int, object] = {}
         self._teardown_hooks: list[Callable[[], None]] = []
+        self._run_dir: Path | None = None
+        self._short_rpc_dir: Path | None = None
+        self._started_epoch = time.time()
 
     def on_teardown(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once the engines are stopped, while the reaper still guards the run (a kill
@@ -157,7 +170,9 @@ class ProcessSet:
         self._teardown_hooks.append(hook)
 
     def __enter__(self) -> ProcessSet:
+        self._started_epoch = time.time()
         self.reaper = Reaper(self.run_id)
+        self.reaper.sweep_shm_since(self._started_epoch)
         for sig in (signal.SIGTERM, signal.SIGHUP):
             try:
                 self._old_handlers[sig] = signal.signal(sig, self._on_signal)
@@ -168,8 +183,38 @@ class ProcessSet:
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
         raise Terminated(f"received {signal.Signals(signum).name}")
 
+    def run_dir(self) -> Path:
+        """This run's private temp folder (created on first use, removed at teardown, by the reaper if
+        kvdiag is killed): engines' TMPDIR, vLLM's ZMQ sockets and cache, kvdiag's staged vLLM plugin."""
+        if self._run_dir is None:
+            path = private_temp_path("kvdiag-run-")
+            self.make_private_dir(path)
+            for sub in ENGINE_TEMP_DIRS.values():
+                (path / sub).mkdir()
+            self._run_dir = path
+        return self._run_dir
+
+    def _rpc_dir(self) -> Path:
+        """VLLM_RPC_BASE_PATH: in the run folder, unless that makes a ZMQ socket path (the folder plus a
+        36-character uuid) longer than a Unix socket address allows; then a short folder in /tmp."""
+        rpc = self.run_dir() / ENGINE_TEMP_DIRS["VLLM_RPC_BASE_PATH"]
+        if len(str(rpc)) + 1 + 36 <= _UNIX_PATH_MAX:
+            return rpc
+        if self._short_rpc_dir is None:
+            short = Path("/tmp") / f"kvdiag-rpc-{uuid.uuid4().hex[:12]}"
+            self.make_private_dir(short)
+            self._short_rpc_dir = short
+        return self._short_rpc_dir
+
     def env_for(self, extra: dict[str, str]) -> dict[str, str]:
+        """An engine's environment: ours, the scenario's additions, the run marker, and its temp files
+        (TMPDIR, VLLM_RPC_BASE_PATH, VLLM_CACHE_ROOT) in the run's private folder unless the scenario
+        sets them."""
         env = dict(os.environ)
+        run_dir = self.run_dir()
+        for key, sub in ENGINE_TEMP_DIRS.items():
+            env[key] = str(run_dir / sub)
+        env["VLLM_RPC_BASE_PATH"] = str(self._rpc_dir())
         env.update(extra)
         env[RUN_ID_ENV] = self.run_id
         env["PYTHONUNBUFFERED"] = "1"
@@ -211,6 +256,11 @@ class ProcessSet:
         clean = False
         try:
             self.stop_all()
+            for folder in (self._run_dir, self._short_rpc_dir):
+                if folder is not None:
+                    shutil.rmtree(folder, ignore_errors=True)
+            if self.engines:
+                sweep_shm(self._started_epoch)  # vLLM's psm_* queues of engines that were killed
             clean = True
             for hook in self._teardown_hooks:
                 try:

@@ -79,6 +79,72 @@ def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> Non
                 pass
 
 
+SHM_DIR = "/dev/shm"
+# multiprocessing.shared_memory segments: vLLM's broadcast queues (psm_<hex>), left behind when their
+# owner is killed. They cannot be redirected to the run's folder, so they are swept instead.
+SHM_PREFIXES = ("psm_",)
+
+
+def _shm_in_use() -> set[str]:
+    """Names under /dev/shm some live process maps or holds open."""
+    used: set[str] = set()
+    marker = SHM_DIR + "/"
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/maps", "rb") as fh:
+                for line in fh:
+                    at = line.find(marker.encode())
+                    if at >= 0:
+                        used.add(line[at + len(marker):].split(b" ")[0].strip().decode(errors="replace"))
+        except OSError:
+            pass
+        try:
+            for fd in os.listdir(f"/proc/{entry}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{entry}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith(marker):
+                    used.add(link[len(marker):])
+        except OSError:
+            pass
+    return used
+
+
+def sweep_shm(since: float, shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove our uid's shared-memory segments (SHM_PREFIXES) created since ``since`` (epoch s) that no
+    live process uses any more: what the run's engines left. Returns the names removed."""
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return []
+    candidates = []
+    for name in names:
+        if not name.startswith(SHM_PREFIXES):
+            continue
+        try:
+            st = os.stat(os.path.join(shm_dir, name))
+        except OSError:
+            continue
+        if st.st_uid == os.getuid() and st.st_ctime >= since - 1.0:
+            candidates.append(name)
+    if not candidates:
+        return []
+    used = _shm_in_use() if shm_dir == SHM_DIR else set()
+    removed = []
+    for name in candidates:
+        if name in used:
+            continue
+        try:
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+        except OSError:
+            pass
+    return removed
+
+
 def run_device_name(run_id: str) -> str:
     """The modelled device a run's simulated engines share when its scenario names none."""
     return f"kvdiag-{run_id}"
@@ -111,9 +177,10 @@ def remove_run_device(run_id: str, bound_s: float) -> bool:
 
 
 def removable_temp_dir(path: str) -> bool:
-    """Only kvdiag's own folders directly in the temp dir are ever removed."""
+    """Only kvdiag's own folders directly in the temp dir (or in /tmp: the short socket folder of a run
+    whose temp dir is too deep for Unix socket paths) are ever removed."""
     p = os.path.realpath(path)
-    return (os.path.dirname(p) == os.path.realpath(tempfile.gettempdir())
+    return (os.path.dirname(p) in (os.path.realpath(tempfile.gettempdir()), os.path.realpath("/tmp"))
             and os.path.basename(p).startswith("kvdiag-") and os.path.isdir(p))
 
 
@@ -127,6 +194,7 @@ def main(argv: list[str]) -> int:
     parent = int(argv[2]) if len(argv) > 2 else os.getppid()
     groups: set[int] = set()
     dirs: set[str] = set()
+    shm_since: float | None = None
     stdin = sys.stdin.buffer
     while True:
         line = stdin.readline()
@@ -137,6 +205,12 @@ def main(argv: list[str]) -> int:
             return 0  # clean shutdown: kvdiag already tore everything down
         if text.startswith("dir "):
             dirs.add(text[4:])
+            continue
+        if text.startswith("shm "):
+            try:
+                shm_since = float(text[4:])
+            except ValueError:
+                pass
             continue
         if len(text) > 1 and text[1:].isdigit():
             if text[0] == "+":
@@ -153,6 +227,8 @@ def main(argv: list[str]) -> int:
         for d in dirs:
             if removable_temp_dir(d):
                 shutil.rmtree(d, ignore_errors=True)
+        if shm_since is not None:
+            sweep_shm(shm_since)
     # An engine forked just before kvdiag died carries the run marker only once it has exec'd, and
     # its group was never registered: one more sweep, after that exec, catches it.
     time.sleep(0.3)

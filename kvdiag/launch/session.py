@@ -11,13 +11,21 @@ from pathlib import Path
 
 import httpx
 
-from kvdiag.errors import UsageError
+from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
+from kvdiag.launch.ports import listening_ports
 from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.watch.logs import MAX_LINE, LogFollower, LogState, feed_line
-from kvdiag.watch.probe import check_health, cpu_ticks, process_tree, scrape_metrics, threads_blocked
+from kvdiag.watch.probe import (
+    check_health,
+    cpu_ticks,
+    probe_completion,
+    process_tree,
+    scrape_metrics,
+    threads_blocked,
+)
 from kvdiag.watch.stall import Observation, StallDetector
 
 Clock = Callable[[], float]
@@ -47,6 +55,7 @@ class EngineWatch:
     stalled_t: float | None = None       # when the detector declared the stall
     quiet_since_t: float | None = None   # last progress before the stall (stall onset)
     ready_re: re.Pattern[str] | None = None
+    wrong_port_since: float | None = None   # says it serves, /health silent on its port, listens elsewhere
 
     def record(self, log_rel: str) -> EngineRecord:
         phase = self.state.phase
@@ -117,7 +126,7 @@ class ScenarioRun:
         elif port_in_use(spec.host, port):
             raise UsageError(f"engine {spec.name!r}: port {port} is already in use",
                              hint="stop what listens there or set port: 0 to pick a free one")
-        plan = plan_engine(spec, port, self.device_name, self.scenario.device.size_gb)
+        plan = plan_engine(spec, port, self.device_name, self.scenario.device.size_gb, run_dir=self.procs.run_dir())
         log_path = self.log_dir / f"{spec.name}.log"
         proc = EngineProcess(spec.name, plan.argv, self.procs.env_for(plan.env), log_path, spec.cwd)
         ready_re = re.compile(spec.ready[4:]) if spec.ready.startswith("log:") else None
@@ -150,6 +159,7 @@ class ScenarioRun:
                 self._event("ready", w.spec.name, f"{w.plan.url} after {now - (w.started_t or now):.1f}s")
                 return
             pids = process_tree(w.proc.pid) if w.proc.pid else []
+            self._check_port(w, now, pids)
             core = w.state.pids.get("engine_core")
             obs = Observation(now=now, new_log_lines=len(new), cpu_ticks=cpu_ticks(pids), healthy=False,
                               all_threads_blocked=threads_blocked(core) if core else None,
@@ -164,7 +174,37 @@ class ScenarioRun:
             elif w.started_t is not None and now - w.started_t > self.scenario.windows.startup_timeout_s:
                 w.outcome = Outcome.TIMEOUT
                 self._event("startup timeout", w.spec.name,
-                            f"not ready after {self.scenario.windows.startup_timeout_s:g}s but still progressing")
+                            f"not ready after {self.scenario.windows.startup_timeout_s:g}s but still progressing; "
+                            f"{_readiness_text(w)}")
+
+    def _check_port(self, w: EngineWatch, now: float, pids: list[int]) -> None:
+        """An engine whose log says it serves while nothing answers on the port kvdiag gave it, and that
+        listens elsewhere, ignored the port: fail at once, naming both (seen twice, a second apart)."""
+        if w.ready_re is not None or w.state.phase is not EnginePhase.SERVING or not pids:
+            w.wrong_port_since = None
+            return
+        other = [p for p in listening_ports(pids) if p != w.plan.port]
+        if not other:
+            w.wrong_port_since = None
+            return
+        if w.wrong_port_since is None:
+            w.wrong_port_since = now
+            return
+        if now - w.wrong_port_since >= 1.0:
+            raise EngineFailed(
+                f"engine {w.spec.name!r} started but listens on port {', '.join(map(str, other))}, not on port "
+                f"{w.plan.port} that kvdiag chose for it: nothing answers GET {w.plan.url}/health",
+                hint="put the {port} placeholder in its command (e.g. --port {port}), or set a fixed port: "
+                     "that the command also uses")
+
+    def _probe_completion(self, w: EngineWatch) -> None:
+        """A real engine that is up must also serve: one short completion, its answer on the timeline."""
+        from kvdiag.launch.vllm import expand
+
+        ok, detail = probe_completion(self._client, w.plan.url, expand(w.spec.model))
+        self._event("completion answered" if ok else "completion failed", w.spec.name, detail)
+        if not ok:
+            w.healthy = False
 
     def run(self) -> RunResult:
         windows = self.scenario.windows
@@ -196,6 +236,8 @@ class ScenarioRun:
                     snap = scrape_metrics(self._client, w.plan.url, round(now - self.t0, 3), w.spec.name)
                     if snap is not None:
                         self.metrics.append(snap)
+                    if w.spec.kind == "vllm" and w.healthy:
+                        self._probe_completion(w)
                 else:
                     self._poll(w, now)
         finally:
@@ -204,3 +246,10 @@ class ScenarioRun:
             if not any(w.spec.name == spec.name for w in self.watches):
                 self._event("not started", spec.name, "an earlier engine did not become ready")
         return RunResult(self.watches, self.timeline, self.metrics, self.t0)
+
+
+def _readiness_text(w: EngineWatch) -> str:
+    if w.ready_re is not None:
+        return f"its log never matched {w.spec.ready[4:]!r}"
+    return (f"nothing answered GET {w.plan.url}/health on port {w.plan.port} (the port kvdiag gave it: does its "
+            "command use {port}?)")

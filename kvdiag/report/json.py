@@ -11,7 +11,8 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.model import Bundle, EnginePhase, EngineRecord, Finding, Report, Verdict
+from kvdiag.analyze.health import engine_health
+from kvdiag.model import Bundle, EngineRecord, Finding, Report, Verdict
 from kvdiag.watch.banner import assess_risk_for
 
 # Keys every engine entry carries (null when unknown); the schema requires them.
@@ -34,15 +35,18 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str,
         banner_risk = {"risky": any(r.risky for r in risks),
                        "pages_per_layer": min(r.pages_per_layer for r in risks),
                        "reasons": reasons}
+    health = engine_health(rec, verdict)
     pids: dict[str, int | None] = {role: rec.pids.get(role) for role in ENGINE_PID_ROLES}
     pids.update({k: v for k, v in rec.pids.items() if k not in pids})
     return {
         "name": rec.name,
         "allocator": rec.allocator,
         "phase": rec.phase.value,
-        # Healthy means serving: a stalled engine is not, even when its /health still answers (vLLM's
-        # /health does not see a decode stall); what /health said is kept apart.
-        "healthy": rec.healthy and rec.phase is not EnginePhase.STALLED,
+        # Healthy means the engine's verdict is healthy (kvdiag.analyze.health): a stalled engine is
+        # not, even when its /health still answers (vLLM's /health does not see a decode stall);
+        # what /health said is kept apart and named in the health line.
+        "healthy": health.healthy,
+        "health": health.line,
         "health_endpoint_ok": rec.healthy,
         "url": rec.url,
         "exit_code": rec.exit_code,

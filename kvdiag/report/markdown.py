@@ -164,9 +164,8 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
 
 
 def _healthy(e: dict[str, object]) -> str:
-    if e.get("healthy"):
-        return "yes"
-    return "no (/health answered)" if e.get("health_endpoint_ok") else "no"
+    """The engine's health line (derived from its verdict and probes by kvdiag.analyze.health)."""
+    return str(e.get("health") or ("yes" if e.get("healthy") else "no"))
 
 
 def _list(value: object) -> list[dict[str, object]]:

@@ -84,8 +84,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
             verdict = e.get("verdict")
             table.add_row(
                 Text(str(e.get("name"))), Text(str(e.get("allocator") or "—")), Text(str(e.get("phase"))),
-                Text("yes", style="green") if e.get("healthy") else
-                Text("no (/health answered)" if e.get("health_endpoint_ok") else "no", style="red"),
+                Text(str(e.get("health") or ("yes" if e.get("healthy") else "no")),
+                     style="green" if e.get("healthy") else "red"),
                 Text(str(verdict), style=_kind_style(str(verdict))) if verdict else Text("—"),
                 Text(str(pids.get("engine_core") or "—")), risk_text)
         console.print(table)

@@ -41,9 +41,41 @@ class SimParams(_Strict):
         return self
 
 
+class PoolParams(_Strict):
+    """The KV pool kvdiag's vLLM plugin builds in a real EngineCore, where kvcached builds its PageAllocator.
+
+    The geometry is the modelled engine's (the seed's engine 2: 28 layers x 11 MB, 2 MB pages), not the
+    served model's: the pool is host memory on the run's modelled device, and vLLM's request blocks are
+    spread over its pages.
+    """
+
+    layers: int = Field(28, ge=1, le=4096)
+    kv_per_layer_mb: float = Field(11, gt=0)
+    page_size_mb: int = Field(2, ge=1)
+    min_reserved_pages: int = Field(5, ge=0)
+    max_reserved_pages: int = Field(10, ge=0)
+    map_latency_us: int = Field(0, ge=0)
+    # How long the null-block alloc waits (GIL held, as Python code between the two calls does) for the
+    # prealloc worker to have pages in flight: the ordering a real GPU engine's CUDA init produces.
+    warmup_wait_ms: float = Field(200.0, ge=0, le=10_000)
+
+    @model_validator(mode="after")
+    def _reserved_order(self) -> PoolParams:
+        if self.min_reserved_pages > self.max_reserved_pages:
+            raise ValueError("min_reserved_pages must not exceed max_reserved_pages")
+        return self
+
+
+class VllmParams(_Strict):
+    """A real `vllm serve` engine (kind: vllm)."""
+
+    args: list[str] = Field(default_factory=list)   # extra `vllm serve` arguments ({port}, {host}, {model} work)
+    pool: PoolParams = Field(default_factory=PoolParams)
+
+
 class EngineSpec(_Strict):
     name: str = Field(min_length=1, max_length=64)
-    kind: Literal["sim", "command"] = "sim"
+    kind: Literal["sim", "command", "vllm"] = "sim"
     model: str = "sim-model"
     port: int = Field(0, ge=0, le=65535)          # 0 = pick a free port
     host: str = "127.0.0.1"
@@ -54,7 +86,11 @@ class EngineSpec(_Strict):
     env: dict[str, str] = Field(default_factory=dict)
     command: list[str] = Field(default_factory=list)
     cwd: str | None = None
+    # kind vllm: the Python environment with vLLM (a venv folder or its python); default $KVDIAG_VLLM_VENV,
+    # else the `vllm` found on PATH. `~` and ${VAR} expand here and in model.
+    python: str | None = None
     sim: SimParams = Field(default_factory=SimParams)
+    vllm: VllmParams = Field(default_factory=VllmParams)
     expect: Literal["healthy", "hang", "any"] = "any"
 
     @field_validator("name")
@@ -89,6 +125,9 @@ class EngineSpec(_Strict):
     def _command_needed(self) -> EngineSpec:
         if self.kind == "command" and not self.command:
             raise ValueError("engines of kind 'command' need a command")
+        if self.kind == "vllm" and self.command:
+            raise ValueError("engines of kind 'vllm' build their command (`vllm serve MODEL --port {port} ...`); "
+                             "put extra arguments in vllm.args, or use kind: command")
         return self
 
 

@@ -10,6 +10,13 @@ Timing: TTFT runs from the moment the request headers are written to the socket 
 between the chunks that completed consecutive token events. Every client first opens its
 keep-alive connection (``GET /health``) so connection setup is not counted as server latency.
 
+A token event is an SSE event that carries a choice with ``text`` (completions) or a content delta
+(chat), its text possibly empty: vLLM sends one per generated token, and a byte-level tokenizer's
+token often decodes to nothing until its UTF-8 character is complete. That is also what `vllm bench
+serve` times (its first token is the first event with a choice). The token count of a finished request
+is the server's ``usage.completion_tokens`` when it sends one (one event can carry several tokens when
+the server coalesces output under load), else the events counted.
+
 Every wait is bounded: connect, write and pool timeouts, and a read timeout that ends a
 request when the server sends no byte for ``read_timeout_s``. :meth:`LoadGenerator.stop`
 cancels in-flight requests (they count as cancelled, not failed).
@@ -71,7 +78,7 @@ class LoadConfig:
     model: str | None = None
     concurrency: int = 32
     max_tokens: int = 256
-    prompt: str = DEFAULT_PROMPT
+    prompt: str | list[int] = DEFAULT_PROMPT   # text, or token ids (completions only): a prompt of exact length
     chat: bool = False
     ignore_eos: bool = True
     include_usage: bool = True
@@ -81,12 +88,15 @@ class LoadConfig:
     retry_delay_s: float = 0.2       # pause after a failed request, so a refusing server is not hammered
     warmup: bool = True              # open every connection (GET /health) before the first timed request
     keep_records: int = 10_000       # most recent per-request records kept for inspection
+    max_requests: int | None = None  # stop sending after this many (None: until stopped)
 
     def __post_init__(self) -> None:
         if self.concurrency < 1:
             raise ValueError("concurrency must be >= 1")
         if self.max_tokens < 1:
             raise ValueError("max_tokens must be >= 1")
+        if self.chat and not isinstance(self.prompt, str):
+            raise ValueError("a chat prompt must be text")
         for name in ("connect_timeout_s", "read_timeout_s", "write_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
@@ -239,6 +249,9 @@ class LoadGenerator:
         self.cancelled = 0
         self.http_errors = 0
         self.tokens = 0
+        # Tokens the server counted (usage.completion_tokens) beyond the token events received: a server
+        # that coalesces several tokens into one SSE event under load sends fewer events than tokens.
+        self.usage_extra_tokens = 0
         self.last_token_t: float | None = None
         # Progress for the watchdog: tokens plus requests the server answered (ok or an error
         # response), so a server that rejects requests fast is never mistaken for a stall.
@@ -327,7 +340,8 @@ class LoadGenerator:
         assert stop is not None
         if self._warm_done is not None and not self._warm_done.is_set():
             await self._warm_up()
-        while not stop.is_set():
+        limit = self.cfg.max_requests
+        while not stop.is_set() and (limit is None or self.sent < limit):
             rec = await self._one_request()
             if rec.status not in (RequestStatus.OK, RequestStatus.CANCELLED) and self.cfg.retry_delay_s > 0:
                 try:
@@ -402,6 +416,8 @@ class LoadGenerator:
         if st in (RequestStatus.OK, RequestStatus.HTTP_ERROR, RequestStatus.ERROR):
             self.progress += 1
             self.last_progress_t = rec.end
+        if rec.usage_tokens is not None and rec.usage_tokens > rec.tokens:
+            self.usage_extra_tokens += rec.usage_tokens - rec.tokens
         if rec.error:
             self.last_error = rec.error
             if self.first_error is None:
@@ -415,7 +431,7 @@ class LoadGenerator:
         return SoakSummary(
             duration_s=max(0.0, end - start), requests_sent=self.sent, requests_ok=self.ok,
             requests_failed=self.failed, requests_timed_out=self.timed_out,
-            requests_cancelled=self.cancelled + self.in_flight, tokens=self.tokens,
+            requests_cancelled=self.cancelled + self.in_flight, tokens=self.tokens + self.usage_extra_tokens,
             ttft=LatencySummary.of(self.ttft), itl=LatencySummary.of(self.itl),
             stalled=stalled, stall_after_s=stall_after_s,
         )

@@ -41,7 +41,7 @@ from kvdiag.model import (
 )
 from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
 from kvdiag.scenario.loader import parse_scenario
-from kvdiag.scenario.models import Scenario
+from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
 from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
 from kvdiag.soak.progress import ProgressView
@@ -52,6 +52,7 @@ from kvdiag.watch.logs import feed_line
 Clock = Callable[[], float]
 COMMAND = "soak"
 DEFAULT_SCENARIO = "soak-hybrid.yaml"
+VLLM_SCENARIO = "soak-vllm.yaml"
 _TICK_S = 0.25
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
@@ -100,17 +101,43 @@ class SoakOptions:
             if self.allocator is not None:
                 raise UsageError("--allocator applies to engines kvdiag launches, not to --url",
                                  hint="restart your server with the allocator you want to test")
-        elif self.model != "sim" and self.scenario is None:
-            raise UsageError(f"--model {self.model!r} needs --url (a running server) or --scenario (how to "
-                             "launch it)", hint="--model sim (the default) launches the simulated engine")
+        elif self.model != "sim" and self.scenario is None and not _local_model_dir(self.model):
+            raise UsageError(f"--model {self.model!r} is not a model folder on this machine; it needs --url (a "
+                             "running server) or --scenario (how to launch it)",
+                             hint="--model sim launches the simulated engine; --model DIR launches `vllm serve DIR`")
 
 
-def load_soak_scenario(path: Path | None) -> tuple[Scenario, str, str]:
-    """The scenario file, or the embedded soak-hybrid default. Returns (scenario, name, text)."""
+def _request_model(spec: EngineSpec) -> str | None:
+    """The model name requests carry: none for the sim, what `vllm serve` was given for a vLLM engine."""
+    if spec.kind == "sim":
+        return None
+    if spec.kind == "vllm":
+        from kvdiag.launch.vllm import expand
+
+        return expand(spec.model)
+    return spec.model
+
+
+def _local_model_dir(model: str) -> bool:
+    """A Hugging Face style model folder here (config.json inside): `kvdiag soak --model DIR` serves it with vLLM."""
+    from kvdiag.launch.vllm import expand
+
+    return (Path(expand(model)) / "config.json").is_file()
+
+
+def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario, str, str]:
+    """The scenario file, or an embedded default: soak-hybrid (simulated) for ``model`` "sim", else
+    soak-vllm serving the model folder ``model`` with real vLLM. Returns (scenario, name, text)."""
     if path is None:
-        text = resources.files("kvdiag.soak").joinpath("builtin", DEFAULT_SCENARIO).read_text("utf-8")
-        name = f"<builtin>/{DEFAULT_SCENARIO}"
-        return parse_scenario(text, name), name, text
+        builtin = DEFAULT_SCENARIO if model == "sim" else VLLM_SCENARIO
+        text = resources.files("kvdiag.soak").joinpath("builtin", builtin).read_text("utf-8")
+        name = f"<builtin>/{builtin}"
+        scen = parse_scenario(text, name)
+        if model != "sim":
+            from kvdiag.launch.vllm import expand
+
+            scen.engines[0].model = str(Path(expand(model)).resolve())
+        return scen, name, text
     from kvdiag.scenario import load_scenario
 
     return load_scenario(path)
@@ -120,7 +147,7 @@ def single_engine(scenario: Scenario, allocator: str | None, stall_window_s: flo
     """A copy of ``scenario`` with only its first engine (soak drives one engine)."""
     first = scenario.engines[0].model_copy(deep=True)
     first.start_after = None
-    if allocator is not None and first.kind == "sim":
+    if allocator is not None and (first.kind == "sim" or (first.kind == "vllm" and first.allocator != "external")):
         first.allocator = allocator  # type: ignore[assignment]
     windows = scenario.windows.model_copy()
     if stall_window_s is not None:
@@ -203,7 +230,7 @@ class SoakRun:
     # -- launched engine ---------------------------------------------------------------------------
     def _run_launched(self) -> RunArtifacts:
         opts = self.opts
-        base, name, text = load_soak_scenario(opts.scenario)
+        base, name, text = load_soak_scenario(opts.scenario, opts.model)
         scen = single_engine(base, opts.allocator, opts.stall_window_s)
         self.scenario = scen
         self.window_s = scen.windows.stall_s
@@ -230,7 +257,7 @@ class SoakRun:
                     if watch is not None and watch.outcome is Outcome.READY:
                         subject = _Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator,
                                            watch=watch, root_pid=watch.proc.pid,
-                                           request_model=None if spec.kind == "sim" else spec.model)
+                                           request_model=_request_model(spec))
                         self._drive(subject)
                     elif watch is not None and watch.outcome is Outcome.STALLED and opts.capture:
                         # The engine never came up: capture its startup hang like `repro` does.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import re
+import time
 
 import httpx
 
@@ -30,6 +31,29 @@ def check_health(client: httpx.Client, base_url: str, timeout_s: float = 1.0) ->
         return client.get(f"{base_url}/health", timeout=timeout_s).status_code == 200
     except (httpx.HTTPError, OSError):
         return False
+
+
+def probe_completion(client: httpx.Client, base_url: str, model: str | None, max_tokens: int = 4,
+                     timeout_s: float = 30.0) -> tuple[bool, str]:
+    """One short non-streaming /v1/completions request; (answered, what came back or why not)."""
+    body: dict[str, object] = {"prompt": "kvdiag completion probe", "max_tokens": max_tokens, "ignore_eos": True}
+    if model:
+        body["model"] = model
+    start = time.monotonic()
+    try:
+        resp = client.post(f"{base_url}/v1/completions", json=body, timeout=timeout_s)
+    except (httpx.HTTPError, OSError) as exc:
+        return False, f"{type(exc).__name__}: {exc}"[:200]
+    took = time.monotonic() - start
+    if resp.status_code != 200:
+        return False, f"HTTP {resp.status_code} after {took:.2f}s: {resp.text[:160]}"
+    try:
+        data = resp.json()
+        tokens = int(data.get("usage", {}).get("completion_tokens", 0))
+        finish = data["choices"][0].get("finish_reason")
+    except (ValueError, KeyError, IndexError, TypeError, AttributeError):
+        return False, f"unexpected answer after {took:.2f}s: {resp.text[:160]}"
+    return tokens > 0, f"{tokens} tokens in {took:.2f}s, finish_reason {finish}"
 
 
 def parse_metrics(text: str, t: float, engine: str | None = None) -> MetricsSnapshot:

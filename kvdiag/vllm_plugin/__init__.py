@@ -1,0 +1,259 @@
+"""kvdiag's kvcached-shaped hook for a real vLLM engine (a ``vllm.general_plugins`` entry point).
+
+vLLM loads general plugins in every one of its processes (API server, EngineCore, Worker, and any
+other `vllm` command). This one is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is ``stock`` or ``fixed``, and
+then acts only in the EngineCore, where kvcached acts (../shared/design/kvcached-facts.md section 3):
+
+1. vLLM's ``BlockPool.__init__`` is where kvcached's ElasticBlockPool builds its KVCacheManager: the
+   hook builds kvdiag's page allocator there (kind from KVDIAG_VLLM_ALLOCATOR, host backend on the
+   run's modelled device, geometry from KVDIAG_VLLM_* and the KVCACHED_* variables), which prints
+   the ``Init C++ PageAllocator`` banner, registers a Python ``should_use_worker_ipc`` callback
+   (kvcached always does; the stock allocator calls it from its prealloc worker), starts the
+   prealloc thread and allocates the null block with ``alloc_page`` on the EngineCore main thread.
+2. Request blocks are served through it: each vLLM block is backed by pages of the pool (vLLM's
+   whole KV cache spread over the pool); a page is allocated when its first block is handed out
+   (``get_new_blocks``, ``touch``) and freed when its last block is released (``free_blocks``).
+
+With the stock allocator and the seed's engine-2 pool (5 pages == min_reserved_pages) step 1 hangs
+for real in the GIL cycle of kvcached issue #371; with the fixed one the engine starts and serves.
+``KVDIAG_VLLM_STALL_AFTER_S=T`` (optional) injects that same start-up path once, T seconds into
+serving, on the EngineCore main thread: a runtime stall whose cause is known.
+
+Only the standard library, vLLM and kvdiag.allocator are imported here (this runs inside the
+engine; none of kvdiag's pipeline stages belong in it).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
+MB = 1024 * 1024
+GB = 1024 * MB
+
+_log = logging.getLogger("vllm.kvdiag_plugin")
+_installed = False
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name, "") or default
+
+
+def _in_engine_core() -> bool:
+    if multiprocessing.current_process().name.startswith("EngineCore"):
+        return True
+    try:
+        with open("/proc/self/cmdline", "rb") as fh:  # not setproctitle: reading it renames the process
+            return fh.read().startswith(b"VLLM::EngineCore")
+    except OSError:
+        return False
+
+
+def register() -> None:
+    """vLLM's plugin entry point: patch the block pool in the EngineCore when enabled."""
+    global _installed
+    kind = os.environ.get(ENABLE_ENV, "").strip().lower()
+    if kind not in ("stock", "fixed") or _installed or not _in_engine_core():
+        return
+    from vllm.v1.core import block_pool
+
+    _patch(block_pool.BlockPool, kind)
+    _installed = True
+    _log.info("kvdiag plugin: %s page allocator will back the KV block pool (engine %s, pid %d)",
+              kind, _env("KVDIAG_VLLM_ENGINE", "?"), os.getpid())
+
+
+def _native() -> Any:
+    """kvdiag._native: importable from the package, else loaded from KVDIAG_NATIVE_PATH."""
+    try:
+        import kvdiag._native as native
+
+        return native
+    except ImportError:
+        path = os.environ.get("KVDIAG_NATIVE_PATH")
+        if not path:
+            raise
+        spec = importlib.util.spec_from_file_location("kvdiag._native", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load kvdiag._native from {path}") from None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kvdiag._native"] = module
+        spec.loader.exec_module(module)
+        return module
+
+
+def _always_false() -> bool:
+    """kvcached's should_use_worker_ipc at TP=1 in the EngineCore: a Python callable, so calling it needs
+    the GIL (the stock allocator calls it from its prealloc worker before each map)."""
+    return False
+
+
+def build_allocator(kind: str, layers: int, mem_size_per_layer: int, ipc_suffix: str = "") -> Any:
+    """kvdiag's allocator of ``kind`` as kvcached's KVCacheManager builds its PageAllocator (prints the banner)."""
+    _native()  # make kvdiag._native importable before kvdiag.allocator asks for it
+    from kvdiag.allocator import kvcached_env_kwargs, make_allocator
+
+    kwargs: dict[str, Any] = {
+        "num_layers": layers, "mem_size_per_layer": mem_size_per_layer, "page_size": 2 * MB,
+        "world_size": 1, "pp_rank": 0, "async_sched": False, "contiguous_layout": True,
+        "enable_prealloc": True, "num_kv_buffers": 2, "group_id": 0,
+        "backend": "host", "device_name": _env("KVDIAG_VLLM_DEVICE", f"kvdiag-vllm-{os.getpgrp()}"),
+        "device_size": int(float(_env("KVDIAG_VLLM_DEVICE_SIZE_GB", "96")) * GB),
+        "map_latency_us": int(_env("KVDIAG_VLLM_MAP_LATENCY_US", "0")),
+        "ipc_name": _env("KVCACHED_IPC_NAME", f"kvcached_vLLM_{os.getpgrp()}") + ipc_suffix,
+        "allow_partial_page": True,  # kvcached floors mem_size_per_layer / page_size (the seed's 11 MB / 2 MB)
+    }
+    kwargs.update(kvcached_env_kwargs(os.environ))
+    sys.stdout.flush()  # the banner comes from C++ on the same stdout: keep the order
+    alloc = make_allocator(kind, **kwargs)
+    sys.stdout.flush()
+    if kind == "stock":
+        alloc.set_should_use_worker_ipc_callback(_always_false)
+    else:
+        alloc.set_use_worker_ipc(False)  # the fix: the answer taken once, no Python call from the worker
+    alloc.start_prealloc_thread()
+    return alloc
+
+
+def take_null_block(alloc: Any) -> int:
+    """kvcached's ``alloc(1)`` for the null block, right after the pool is built, on this thread.
+
+    On a GPU the engine's CUDA work between the two calls lets the prealloc worker take its first batch
+    off the free list before the null block is asked for; on the host backend mapping is instant, so
+    wait (bounded, holding the GIL as Python code between the two calls does) until the worker has
+    pages in flight or reserved. The switch interval is raised for that moment so an OS preemption of
+    this thread cannot hand the GIL to the worker first.
+    """
+    wait_s = float(_env("KVDIAG_VLLM_WARMUP_WAIT_MS", "200")) / 1000.0
+    old = sys.getswitchinterval()
+    if wait_s > 0:
+        sys.setswitchinterval(0.1)
+        deadline = time.perf_counter() + wait_s
+        while time.perf_counter() < deadline:
+            if alloc.get_num_inflight_pages() > 0 or alloc.get_num_reserved_pages() > 0:
+                break
+    try:
+        return int(alloc.alloc_page())
+    finally:
+        sys.setswitchinterval(old)
+
+
+class PoolBacking:
+    """vLLM's blocks spread over the allocator's pages; a page is held while any of its blocks is."""
+
+    def __init__(self, alloc: Any, num_blocks: int) -> None:
+        self.alloc = alloc
+        self.num_blocks = num_blocks
+        self.slots = max(1, int(alloc.get_num_total_pages()) - 1)   # pages left after the null block
+        self.users: dict[int, int] = {}       # logical page -> blocks holding it
+        self.pages: dict[int, int] = {}       # logical page -> allocator page id
+        self.backed: set[int] = set()         # block ids currently holding their pages
+        self.lock = threading.Lock()
+
+    def _logical(self, block_id: int) -> range:
+        n = max(1, self.num_blocks - 1)
+        lo = (block_id - 1) * self.slots // n
+        hi = max(lo + 1, block_id * self.slots // n)
+        return range(lo, min(hi, self.slots))
+
+    def hold(self, block_id: int) -> None:
+        if block_id <= 0 or block_id in self.backed:
+            return
+        with self.lock:
+            self.backed.add(block_id)
+            for lp in self._logical(block_id):
+                n = self.users.get(lp, 0)
+                self.users[lp] = n + 1
+                if n == 0:
+                    self.pages[lp] = int(self.alloc.alloc_page())
+
+    def release(self, block_id: int) -> None:
+        if block_id not in self.backed:
+            return
+        with self.lock:
+            self.backed.discard(block_id)
+            for lp in self._logical(block_id):
+                n = self.users.get(lp, 0) - 1
+                if n <= 0:
+                    self.users.pop(lp, None)
+                    page = self.pages.pop(lp, None)
+                    if page is not None:
+                        self.alloc.free_page(page)
+                else:
+                    self.users[lp] = n
+
+
+def _patch(cls: Any, kind: str) -> None:
+    orig_init = cls.__init__
+    orig_get = cls.get_new_blocks
+    orig_free = cls.free_blocks
+    orig_touch = cls.touch
+    layers = int(_env("KVDIAG_VLLM_LAYERS", "28"))
+    per_layer = int(float(_env("KVDIAG_VLLM_KV_PER_LAYER_MB", "11")) * MB)
+    stall_after = os.environ.get("KVDIAG_VLLM_STALL_AFTER_S")
+    state: dict[str, float | bool] = {"ready_t": 0.0, "stalled": False}
+
+    def __init__(self: Any, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
+        orig_init(self, num_gpu_blocks, *args, **kwargs)
+        _log.info("kvdiag plugin: building the KV pool for %d blocks: %s allocator, %d layers x %.1f MiB, "
+                  "host backend", num_gpu_blocks, kind, layers, per_layer / MB)
+        for h in logging.getLogger("vllm").handlers:
+            h.flush()
+        alloc = build_allocator(kind, layers, per_layer)
+        null_page = take_null_block(alloc)
+        self._kvdiag_backing = PoolBacking(alloc, num_gpu_blocks)
+        _log.info("kvdiag plugin: null block on page %d; %d pages back %d blocks", null_page,
+                  alloc.get_num_total_pages(), num_gpu_blocks)
+        state["ready_t"] = time.monotonic()
+
+    def _maybe_stall() -> None:
+        if stall_after is None or state["stalled"] or not state["ready_t"]:
+            return
+        if time.monotonic() - float(state["ready_t"]) < float(stall_after):
+            return
+        state["stalled"] = True
+        _log.warning("kvdiag plugin: KVDIAG_VLLM_STALL_AFTER_S=%s: growing the pool by a stock engine-2 pool "
+                     "on the EngineCore main thread now", stall_after)
+        extra = build_allocator("stock", 28, 11 * MB, ipc_suffix="_STALL")
+        take_null_block(extra)
+
+    def get_new_blocks(self: Any, num_blocks: int) -> Any:
+        _maybe_stall()
+        blocks = orig_get(self, num_blocks)
+        backing = getattr(self, "_kvdiag_backing", None)
+        if backing is not None:
+            for b in blocks:
+                backing.hold(b.block_id)
+        return blocks
+
+    def touch(self: Any, blocks: Any) -> None:
+        orig_touch(self, blocks)
+        backing = getattr(self, "_kvdiag_backing", None)
+        if backing is not None:
+            for b in blocks:
+                if b.ref_cnt > 0 and not b.is_null:
+                    backing.hold(b.block_id)
+
+    def free_blocks(self: Any, ordered_blocks: Any) -> None:
+        blocks = list(ordered_blocks)
+        orig_free(self, blocks)
+        backing = getattr(self, "_kvdiag_backing", None)
+        if backing is not None:
+            for b in blocks:
+                if b.ref_cnt == 0 and (b.pool is None or b.pool is self):
+                    backing.release(b.block_id)
+
+    cls.__init__ = __init__
+    cls.get_new_blocks = get_new_blocks
+    cls.touch = touch
+    cls.free_blocks = free_blocks
+
+
+__all__ = ["ENABLE_ENV", "PoolBacking", "build_allocator", "register", "take_null_block"]

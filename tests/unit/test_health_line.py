@@ -1,0 +1,59 @@
+"""Issue 17 item 2: the health line is derived from the verdict and the probes, for every verdict kind.
+
+A report once said `healthy: no` beside the verdict `healthy`. Every rendering (report.json, the
+terminal table, report.md, report.html) must agree with the engine's verdict: "yes" exactly when
+its verdict is healthy; what /health said is named, never contradicted.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from kvdiag.analyze.health import engine_health
+from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind
+from kvdiag.report import build_report, render_markdown, render_terminal, write_outputs
+
+
+def _record(probe_ok: bool, phase: EnginePhase) -> EngineRecord:
+    return EngineRecord(name="eng", allocator="stock", phase=phase, url="http://127.0.0.1:1", healthy=probe_ok)
+
+
+@pytest.mark.parametrize("kind", list(VerdictKind))
+@pytest.mark.parametrize("probe_ok", [True, False])
+@pytest.mark.parametrize("phase", [EnginePhase.SERVING, EnginePhase.STALLED, EnginePhase.BANNER])
+def test_health_line_agrees_with_the_verdict(kind: VerdictKind, probe_ok: bool, phase: EnginePhase,
+                                             tmp_path: Path) -> None:
+    rec = _record(probe_ok, phase)
+    verdict = Verdict(kind=kind, summary=f"eng: {kind.value}", engine="eng")
+    health = engine_health(rec, verdict)
+    assert health.healthy is (kind is VerdictKind.HEALTHY)
+    assert health.line.startswith("yes") is health.healthy
+    if not health.healthy:
+        assert kind.value.replace("_", " ") in health.line          # says why
+        assert ("/health still answered" in health.line) is probe_ok  # and what the probe said
+
+    bundle = Bundle(command="repro two-engine", engines=[rec])
+    report = build_report(bundle, verdict, command="repro two-engine", exit_code=0,
+                          verdicts_by_engine={"eng": verdict})
+    entry = report.engines[0]
+    assert entry["healthy"] is health.healthy and entry["health"] == health.line
+    assert entry["health_endpoint_ok"] is probe_ok
+
+    out = io.StringIO()
+    render_terminal(report, Console(file=out, width=250, color_system=None))
+    assert health.line in out.getvalue()
+    assert f"| {health.line} |" in render_markdown(report, bundle)
+    page = write_outputs(tmp_path, bundle, verdict, command="repro two-engine", exit_code=0,
+                         verdicts_by_engine={"eng": verdict})["report.html"].read_text()
+    assert ('<span class="badge ok">yes</span>' in page) is health.healthy
+
+
+def test_without_a_verdict_the_probe_and_phase_decide() -> None:
+    assert engine_health(_record(True, EnginePhase.SERVING), None).healthy
+    stalled = engine_health(_record(True, EnginePhase.STALLED), None)
+    assert not stalled.healthy and stalled.line == "no (/health still answered)"
+    assert not engine_health(_record(False, EnginePhase.SERVING), None).healthy
