@@ -39,7 +39,7 @@ SEVERITY: tuple[VerdictKind, ...] = (
     VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
     VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE,
     VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON, VerdictKind.KERNEL_THREAD, VerdictKind.SLOW_START,
-    VerdictKind.HEALTHY,
+    VerdictKind.NOT_SATURATED, VerdictKind.HEALTHY,
 )
 KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
@@ -796,10 +796,42 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     if e is not None and e.phase in _STARTING and not e.healthy:
         return done(Verdict(kind=VerdictKind.SLOW_START, confidence=Confidence.LOW,
                             summary=f"{name}: still starting (phase {e.phase.value}), no hang evidence"))
-    running = _any_running(procs, machine)
+    conf, reasons = healthy_confidence(e, procs, bundle)
     if procs:
-        detail = "threads are running" if running else "threads are idle in normal waits"
-        return done(Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.MEDIUM if running else Confidence.LOW,
+        detail = "threads are running" if _any_running(procs, machine) else "threads are idle in normal waits"
+        return done(Verdict(kind=VerdictKind.HEALTHY, confidence=conf, confidence_reasons=reasons,
                             summary=f"{name}: no hang evidence ({detail})"))
     state = "serving" if e is not None and (e.healthy or e.phase is EnginePhase.SERVING) else "no hang seen"
-    return done(Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.MEDIUM, summary=f"{name}: {state}"))
+    return done(Verdict(kind=VerdictKind.HEALTHY, confidence=conf, confidence_reasons=reasons,
+                        summary=f"{name}: {state}"))
+
+
+def healthy_confidence(e: EngineRecord | None, procs: list[ProcessEvidence],
+                       bundle: Bundle) -> tuple[Confidence, list[str]]:
+    """How sure a healthy verdict is, from evidence alone, and why.
+
+    Whether a thread happened to be on a CPU when it was sampled is timing noise (an idle
+    engine and a busy one are equally healthy), so it never counts. What counts: the engine
+    answered its probe, tokens kept flowing under load, and captured stacks that show no hang
+    (lowered when a capture tool failed). Two independent witnesses: high; one: medium; none: low.
+    """
+    plus: list[str] = []
+    minus: list[str] = []
+    if e is not None and (e.healthy or e.phase is EnginePhase.SERVING):
+        plus.append("the engine answered its readiness/health probe")
+    soak = bundle.soak
+    if soak is not None and not soak.stalled and soak.tokens > 0 and soak.requests_ok > 0:
+        plus.append(f"tokens kept flowing under load ({soak.tokens} tokens, {soak.requests_ok} requests)")
+    if procs:
+        failed = sorted({t.tool for p in procs for t in p.tools if not t.ok})
+        if failed and not any(t.ok and t.tool != "proc" for p in procs for t in p.tools):
+            minus.append(f"no stack tool succeeded ({', '.join(failed)})")
+        else:
+            plus.append(f"the stacks of {len(procs)} captured process(es) show no hang pattern")
+    else:
+        minus.append("no stacks were captured")
+    if e is None and not procs:
+        minus.append("no engine record and no probe")
+    level = len(plus)
+    conf = Confidence.HIGH if level >= 2 else Confidence.MEDIUM if level == 1 else Confidence.LOW
+    return conf, [f"+ {r}" for r in plus] + [f"- {r}" for r in minus]

@@ -19,7 +19,8 @@ KEY_FRAMES = 8
 _KIND_STYLE = {
     "healthy": "bold green", "slow_start": "bold yellow", "crash": "bold magenta", "oom": "bold magenta",
     "unknown": "bold white", "no_access": "bold yellow", "exited": "bold cyan", "zombie": "bold cyan",
-    "not_python": "bold cyan", "kernel_thread": "bold cyan",
+    "not_python": "bold cyan", "kernel_thread": "bold cyan", "no_evidence": "bold yellow",
+    "not_saturated": "bold yellow",
 }
 
 
@@ -42,6 +43,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
     console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
     console.print(head)
     console.print(Text(v.summary))
+    if v.confidence_reasons:
+        console.print(Text(f"confidence {v.confidence.value}: " + "; ".join(v.confidence_reasons), style="dim"))
     if v.signature:
         console.print(Text(f"signature: {v.signature}", style="bold"))
     if v.known is not None:
@@ -51,6 +54,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         console.print(line)
     if report.interrupted:
         console.print(Text("the run was interrupted: partial report", style="yellow"))
+    if report.stall_to_verdict_s is not None:
+        console.print(Text(f"stall detected → verdict: {report.stall_to_verdict_s:.1f} s", style="dim"))
     if v.cycle:
         cycle = list(v.cycle)
         if cycle[0] != cycle[-1]:
