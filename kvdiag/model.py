@@ -51,6 +51,7 @@ class VerdictKind(str, Enum):
     ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 5)
     NOT_PYTHON = "not_python"          # no Python interpreter in the target (exit 5)
     KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 5)
+    NO_EVIDENCE = "no_evidence"        # alive, but no tool could read a single thread (missing, failed) (exit 3)
     NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
 
     @property
@@ -69,7 +70,7 @@ TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
 # Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
 NO_EVIDENCE_KINDS = frozenset({
     VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
-    VerdictKind.KERNEL_THREAD,
+    VerdictKind.KERNEL_THREAD, VerdictKind.NO_EVIDENCE,
 })
 
 

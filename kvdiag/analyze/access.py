@@ -19,8 +19,8 @@ _PERMISSION_WORDS = ("permission denied", "operation not permitted", "eperm", "e
                      "ptrace: operation not permitted", "not permitted")
 _STACK_TOOLS = ("py-spy", "pystack", "gdb")
 # When every process has an outcome, the group's verdict is the first of these that occurs.
-_ORDER = (VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.KERNEL_THREAD,
-          VerdictKind.NOT_PYTHON)
+_ORDER = (VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE, VerdictKind.EXITED, VerdictKind.ZOMBIE,
+          VerdictKind.KERNEL_THREAD, VerdictKind.NOT_PYTHON)
 
 
 def _gone(proc: ProcessEvidence, findings: list[Finding]) -> bool:
@@ -73,6 +73,10 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
         return VerdictKind.NO_ACCESS
     if a is not None and a.python is False:
         return VerdictKind.NOT_PYTHON
+    if not proc.threads:
+        # Alive, readable, and yet not one thread was read (every tool missing, failing or timing out):
+        # nothing to judge, and certainly not health.
+        return VerdictKind.NO_EVIDENCE
     return None
 
 
@@ -104,6 +108,20 @@ def _no_access(name: str, procs: list[ProcessEvidence], engine: str | None) -> V
                    summary=(f"{name}: no access: kvdiag may not read {_label(first)}{others}: {why}. "
                             f"Fix: {fixes[0]}. Nothing was judged: the stacks a verdict needs could not be "
                             "read (what /proc shows is listed as partial evidence)"))
+
+
+def _no_evidence(name: str, procs: list[ProcessEvidence], engine: str | None) -> Verdict:
+    first = procs[0]
+    why = "; ".join(f"{t.tool}: {t.error}" for t in first.tools if not t.ok and t.error) or "no capture tool ran"
+    findings = [Finding(kind="no_evidence", pid=p.pid, engine=engine,
+                        message=f"pid {p.pid}: no thread could be read: "
+                                + ("; ".join(f"{t.tool}: {t.error}" for t in p.tools if not t.ok and t.error)
+                                   or "no capture tool ran")) for p in procs]
+    others = f" (and {len(procs) - 1} more process{'es' if len(procs) > 2 else ''})" if len(procs) > 1 else ""
+    return Verdict(kind=VerdictKind.NO_EVIDENCE, confidence=Confidence.HIGH, engine=engine, findings=findings,
+                   summary=(f"{name}: no evidence: not one thread of {_label(first)}{others} could be read ({why}). "
+                            "Nothing was judged: install the missing tools or use --tools with the ones that "
+                            "work (kvdiag doctor lists them), then capture again"))
 
 
 def _single(kind: VerdictKind, name: str, proc: ProcessEvidence, engine: str | None) -> Verdict:
@@ -141,6 +159,9 @@ def evidence_outcome(name: str, procs: list[ProcessEvidence], findings: list[Fin
     refused = [p for p in procs if outcomes[p.pid] is VerdictKind.NO_ACCESS]
     if refused:
         return _no_access(name, refused, engine)
+    unread = [p for p in procs if outcomes[p.pid] is VerdictKind.NO_EVIDENCE]
+    if unread:
+        return _no_evidence(name, unread, engine)
     if any(o is None for o in outcomes.values()):
         return None
     for kind in _ORDER:

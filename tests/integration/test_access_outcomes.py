@@ -282,6 +282,26 @@ def test_pid_2_is_a_kernel_thread_and_is_refused(tmp_path: Path) -> None:
     assert [p["pid"] for p in bundle["processes"]] == [2]   # its children were not touched either
 
 
+def test_a_capture_whose_tools_all_fail_is_no_evidence(tmp_path: Path) -> None:
+    """`--tools gdb` where gdb cannot be found: not one thread read, so no verdict (exit 3), not healthy."""
+    target = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(300)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        out = tmp_path / "no-tools"
+        env = {**os.environ, "PATH": str(tmp_path / "empty-path")}   # the venv's bin has no gdb
+        proc = subprocess.run([sys.executable, "-m", "kvdiag", "capture", "--pid", str(target.pid), "--tools", "gdb",
+                               "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        kind, code, report = _outcome(out)
+        assert (kind, code) == ("no_evidence", 3)
+        assert "gdb not installed" in proc.stdout
+        _assert_no_health_or_deadlock(proc, report)
+    finally:
+        target.kill()
+        target.wait(timeout=10)
+
+
 def test_a_launched_engine_without_python_is_not_python(tmp_path: Path) -> None:
     """The same rule for engines kvdiag launches: a captured engine that runs no Python is not healthy."""
     scenario = {
