@@ -50,6 +50,7 @@ def test_health_line_agrees_with_the_verdict(kind: VerdictKind, probe_ok: bool, 
     page = write_outputs(tmp_path, bundle, verdict, command="repro two-engine", exit_code=0,
                          verdicts_by_engine={"eng": verdict})["report.html"].read_text()
     assert ('<span class="badge ok">yes</span>' in page) is health.healthy
+    assert (health.note is not None and health.note in page) or health.note is None
 
 
 def test_without_a_verdict_the_probe_and_phase_decide() -> None:
