@@ -242,6 +242,14 @@ def check_target(pid: int) -> TargetAccess:
         access.ptrace_ok = False
         _explain(pid, err, access.uid, facts, euid, access)
         return access
+    if facts.yama_ptrace_scope == 1 and not facts.cap_sys_ptrace:
+        # kvdiag may read a process it started (its ancestor), but the stack tools are kvdiag's children:
+        # siblings of the target, never its ancestors, so Yama refuses their attach.
+        access.tracers_ok = False
+        access.refused.append(f"kernel.yama.ptrace_scope=1 ({_SCOPE_MEANING[1]}): py-spy, pystack and gdb run as "
+                              f"kvdiag's children, never ancestors of pid {pid}, so they may not attach")
+        access.fixes.append(_sudo_line(pid))
+        access.fixes.append("or allow tracing your own processes until reboot: sudo sysctl kernel.yama.ptrace_scope=0")
     access.python = runs_python(pid)
     return access
 
