@@ -4,10 +4,13 @@ Quick and read-only: nothing here attaches to, signals or pauses the target.
 The decisive test is opening ``/proc/PID/mem`` for reading: the kernel runs the
 same check as for a ptrace attach (owner uid against ours, CAP_SYS_PTRACE, the
 Yama LSM's ``ptrace_scope``), so a refusal here means py-spy, pystack and gdb
-would be refused too. The facts around it (who owns the target, the scope,
-our capabilities, a container, seccomp) explain *why* and pick the fix.
+would be refused too. One refusal it cannot see: under Yama's scope 1 kvdiag
+may read an engine it started (its ancestor) while the tools, kvdiag's
+children, may not attach; the scope says so (``tracers_ok``). The facts around
+it (who owns the target, the scope, our capabilities, a container, seccomp)
+explain *why* and pick the fix.
 
-Public API, also used by ``kvdiag doctor``:
+Public API (small, for ``kvdiag doctor`` and the capture orchestrator):
 
 - :func:`host_ptrace_facts` — the host-wide facts (scope, capability, container, seccomp), which are
   the environment record's (:mod:`kvdiag.environment.ptrace`);
