@@ -246,7 +246,8 @@ class TargetAccess(_Model):
 
     uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
     our_uid: int | None = None
-    ptrace_ok: bool = True           # /proc/PID/mem opened: ptrace-based tools may attach and read
+    ptrace_ok: bool = True           # /proc/PID/mem opened: kvdiag may read the target's memory
+    tracers_ok: bool = True          # py-spy, pystack and gdb (kvdiag's children) may attach too
     refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
     fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
     kernel_thread: bool = False

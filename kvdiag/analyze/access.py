@@ -69,7 +69,7 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
         return VerdictKind.ZOMBIE
     if _gone(proc, findings):
         return VerdictKind.EXITED
-    if (a is not None and not a.ptrace_ok) or _tools_refused(proc):
+    if (a is not None and not (a.ptrace_ok and a.tracers_ok)) or _tools_refused(proc):
         return VerdictKind.NO_ACCESS
     if a is not None and a.python is False:
         return VerdictKind.NOT_PYTHON
@@ -81,8 +81,19 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
 
 
 def judgeable(procs: list[ProcessEvidence], findings: list[Finding]) -> list[ProcessEvidence]:
-    """The processes whose evidence the hang rules may judge."""
-    return [p for p in procs if process_outcome(p, findings) is None]
+    """The processes whose evidence the hang rules may judge.
+
+    A process whose stacks were refused but whose memory kvdiag could read (it started the process;
+    Yama keeps only the tools out) still has real evidence (GIL holder, mutex owners from /proc):
+    a hang found there stands. Health is never claimed for it (:func:`evidence_outcome`).
+    """
+    out = []
+    for p in procs:
+        kind = process_outcome(p, findings)
+        if kind is None or (kind is VerdictKind.NO_ACCESS and p.access is not None and p.access.ptrace_ok
+                            and p.threads):
+            out.append(p)
+    return out
 
 
 def _label(proc: ProcessEvidence) -> str:

@@ -155,6 +155,9 @@ def test_another_users_hang_is_no_access_and_the_permitted_capture_is_unchanged(
         # quick: refused before any stack tool attached (they are recorded as skipped)
         assert all("skipped" in (t["error"] or "") for t in target["tools"] if t["tool"] != "proc")
         assert took < 60, took
+        # the bundle says the same offline: analyze re-judges it as no_access
+        again = run_kvdiag("analyze", str(out), "--json")
+        assert again.returncode == 3 and json.loads(again.stdout)["verdict"]["kind"] == "no_access", again.stdout
         # the same program, captured by a user who may read it (root), is unchanged
         permitted = run_kvdiag("capture", "--pid", str(h.pid), "--out", str(tmp_path / "permitted"))
         assert permitted.returncode == 10, permitted.stdout + permitted.stderr

@@ -75,6 +75,23 @@ def test_a_live_process_with_no_thread_read_is_no_evidence_not_healthy() -> None
     assert any(f.kind == "no_evidence" for f in v.findings)
 
 
+def test_yama_scope_1_keeps_the_tools_out_but_not_kvdiag() -> None:
+    """Ubuntu's default: kvdiag reads the engines it started, its tools may not attach. A hang the /proc
+    evidence shows stands; health is never claimed; the fix is the sysctl or sudo."""
+    a = TargetAccess(python=True, tracers_ok=False, refused=["kernel.yama.ptrace_scope=1 (...): py-spy, pystack "
+                                                             "and gdb run as kvdiag's children"],
+                     fixes=["sudo env ...", "or ... sudo sysctl kernel.yama.ptrace_scope=0"])
+    quiet = ProcessEvidence(pid=42, access=a, state=ThreadState.RUNNING,
+                            threads=[ThreadEvidence(tid=42, state=ThreadState.RUNNING, cpu_ticks_delta=20)])
+    v = analyze(Bundle(processes=[quiet]))
+    assert v.kind is VerdictKind.NO_ACCESS and "ptrace_scope=1" in v.summary
+    assert any("sysctl kernel.yama.ptrace_scope=0" in f.message for f in v.findings if f.kind == "access_fix")
+    from kvdiag.analyze.access import judgeable
+    assert judgeable([quiet], []) == [quiet]   # its /proc evidence is still judged for a hang
+    refused = _proc(access=REFUSED)
+    assert judgeable([refused], []) == []        # memory unreadable: /proc alone never judged
+
+
 def test_a_stalled_engine_that_could_not_be_read_is_no_access_not_unknown() -> None:
     e = EngineRecord(name="eng", phase=EnginePhase.STALLED)
     b = Bundle(engines=[e], processes=[_proc(access=REFUSED, engine="eng")], stall_detected=True)
