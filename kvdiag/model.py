@@ -51,6 +51,7 @@ class VerdictKind(str, Enum):
     ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 5)
     NOT_PYTHON = "not_python"          # no Python interpreter in the target (exit 5)
     KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 5)
+    NO_EVIDENCE = "no_evidence"        # alive, but no tool could read a single thread (missing, failed) (exit 3)
     NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
 
     @property
@@ -69,7 +70,7 @@ TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
 # Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
 NO_EVIDENCE_KINDS = frozenset({
     VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
-    VerdictKind.KERNEL_THREAD,
+    VerdictKind.KERNEL_THREAD, VerdictKind.NO_EVIDENCE,
 })
 
 
@@ -207,7 +208,8 @@ class TargetAccess(_Model):
 
     uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
     our_uid: int | None = None
-    ptrace_ok: bool = True           # /proc/PID/mem opened: ptrace-based tools may attach and read
+    ptrace_ok: bool = True           # /proc/PID/mem opened: kvdiag may read the target's memory
+    tracers_ok: bool = True          # py-spy, pystack and gdb (kvdiag's children) may attach too
     refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
     fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
     kernel_thread: bool = False

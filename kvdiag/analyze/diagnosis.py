@@ -35,10 +35,10 @@ AB_SIDES = ("stock", "fixed")
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access, 5 nothing to judge (a
-    stopped/traced target, or one that exited, is a zombie, runs no Python or is a kernel thread), 6 a soak that
-    never saturated (inconclusive), 0 otherwise."""
-    if verdict.kind is VerdictKind.NO_ACCESS:
+    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access or no evidence read, 5 nothing
+    to judge (a stopped/traced target, or one that exited, is a zombie, runs no Python or is a kernel thread),
+    6 a soak that never saturated (inconclusive), 0 otherwise."""
+    if verdict.kind in (VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE):
         return ExitCode.NO_ACCESS
     if verdict.kind in NO_EVIDENCE_KINDS:
         return ExitCode.NOT_DIAGNOSABLE

@@ -199,7 +199,7 @@ def _skip_reason(access: TargetAccess, backend: CaptureBackend) -> str | None:
         return f"{backend.name} skipped: a kernel thread (capture refused)"
     if access.zombie:
         return f"{backend.name} skipped: the process is a zombie (exited, not reaped)"
-    if not access.ptrace_ok:
+    if not access.ptrace_ok or not access.tracers_ok:
         return f"{backend.name} skipped: access refused ({access.refused[-1] if access.refused else 'ptrace'})"
     if access.python is False:
         return f"{backend.name} skipped: no Python interpreter in the process"

@@ -18,7 +18,9 @@ from kvdiag.model import Report
 KEY_FRAMES = 8
 _KIND_STYLE = {
     "healthy": "bold green", "slow_start": "bold yellow", "crash": "bold magenta", "oom": "bold magenta",
-    "unknown": "bold white", "not_saturated": "bold yellow",
+    "unknown": "bold white", "no_access": "bold yellow", "exited": "bold cyan", "zombie": "bold cyan",
+    "not_python": "bold cyan", "kernel_thread": "bold cyan", "no_evidence": "bold yellow",
+    "not_saturated": "bold yellow",
 }
 
 

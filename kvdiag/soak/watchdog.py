@@ -15,93 +15,18 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 
 import httpx
 
 from kvdiag.model import MetricsSnapshot
 from kvdiag.watch.probe import parse_metrics
+from kvdiag.watch.stall import ServingStall
 
 Clock = Callable[[], float]
 
 
-@dataclass
-class NoProgressWatchdog:
-    """Declares a stall once requests are in flight and no token arrived for ``window_s``.
-
-    Feed it with :meth:`observe` as often as convenient. ``onset`` is the last moment of
-    progress (the last token, or when requests became in flight after an idle spell). With
-    ``max_blind_s``, an observation that comes more than that after the previous one never
-    fires: the caller was not looking, and tokens it has not read yet may wait in its sockets.
-    """
-
-    window_s: float
-    clock: Clock = time.monotonic
-    max_blind_s: float | None = None
-    onset: float | None = None           # last progress point, once stalled
-    fired_at: float | None = None        # when the stall was declared
-    blind_spells: int = 0                # observations skipped for firing after a gap
-    longest_blind_s: float = 0.0         # longest gap between two observations
-    _last_progress: float | None = None
-    _last_tokens: int | None = None
-    _was_busy: bool = False
-    _last_observe: float | None = None
-
-    def __post_init__(self) -> None:
-        if self.window_s <= 0:
-            raise ValueError("window_s must be > 0")
-
-    def observe(self, in_flight: int, tokens: int, last_token_t: float | None = None) -> bool:
-        """One look at the load; True while stalled.
-
-        ``tokens`` is a cumulative progress count (tokens received, plus requests the server
-        answered), ``last_token_t`` the clock time of its last increase when known.
-        """
-        now = self.clock()
-        blind = False
-        if self._last_observe is not None:
-            gap = now - self._last_observe
-            self.longest_blind_s = max(self.longest_blind_s, gap)
-            blind = self.max_blind_s is not None and gap > self.max_blind_s
-        self._last_observe = now
-        if self._last_progress is None:
-            self._last_progress = now
-        if self._last_tokens is None or tokens > self._last_tokens:
-            if self._last_tokens is not None:
-                # The exact time of the newest token, when known, not this poll's time.
-                t = last_token_t if last_token_t is not None and last_token_t <= now else now
-                self._last_progress = max(self._last_progress, t)
-            self._last_tokens = tokens
-        if in_flight <= 0:
-            self._last_progress = now
-            self._was_busy = False
-        elif not self._was_busy:
-            self._was_busy = True
-            self._last_progress = max(self._last_progress, now)
-        if self.fired_at is not None:
-            if self._last_progress > (self.onset or 0.0):
-                self.onset = self.fired_at = None   # progress again: the stall is over
-            else:
-                return True
-        if in_flight > 0 and now - self._last_progress >= self.window_s:
-            if blind:
-                self.blind_spells += 1
-                return False
-            self.onset = self._last_progress
-            self.fired_at = now
-            return True
-        return False
-
-    @property
-    def stalled(self) -> bool:
-        return self.fired_at is not None
-
-    @property
-    def quiet_for(self) -> float:
-        """Seconds since the last progress point."""
-        if self._last_progress is None:
-            return 0.0
-        return max(0.0, self.clock() - self._last_progress)
+# The soak's no-progress watchdog is the one stall detector's serving policy (kvdiag.watch.stall).
+NoProgressWatchdog = ServingStall
 
 
 def flat_generation_span(snaps: Sequence[MetricsSnapshot]) -> float:
