@@ -51,6 +51,8 @@ class VerdictKind(str, Enum):
     ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 5)
     NOT_PYTHON = "not_python"          # no Python interpreter in the target (exit 5)
     KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 5)
+    NO_EVIDENCE = "no_evidence"        # alive, but no tool could read a single thread (missing, failed) (exit 3)
+    NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
 
     @property
     def is_hang(self) -> bool:
@@ -68,7 +70,7 @@ TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
 # Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
 NO_EVIDENCE_KINDS = frozenset({
     VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
-    VerdictKind.KERNEL_THREAD,
+    VerdictKind.KERNEL_THREAD, VerdictKind.NO_EVIDENCE,
 })
 
 
@@ -205,7 +207,8 @@ class TargetAccess(_Model):
 
     uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
     our_uid: int | None = None
-    ptrace_ok: bool = True           # /proc/PID/mem opened: ptrace-based tools may attach and read
+    ptrace_ok: bool = True           # /proc/PID/mem opened: kvdiag may read the target's memory
+    tracers_ok: bool = True          # py-spy, pystack and gdb (kvdiag's children) may attach too
     refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
     fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
     kernel_thread: bool = False
@@ -319,6 +322,31 @@ class SoakStats(_Model):
     # How the load phase ended, as the soak judgement (analyze) reads it.
     server_unreachable: bool = False  # an external server stopped answering during the load
     all_requests_failed: bool = False  # not one request succeeded: the soak tested nothing
+    # The load phase: duration_s is the time actually loaded; then requests in flight got up to
+    # drain_grace_s to finish (drain_s it took; drain_cut still in flight at its end, cancelled).
+    requested_duration_s: float | None = None
+    drain_s: float | None = None
+    drain_grace_s: float | None = None
+    drain_in_flight: int | None = None
+    drain_cut: int | None = None
+    # /metrics scrapes (own thread and timer): count, failures, longest time between two snapshots.
+    metrics_period_s: float | None = None
+    metrics_scrapes: int | None = None
+    metrics_failures: int | None = None
+    metrics_longest_gap_s: float | None = None
+    # Saturation: did the KV pool get near full, and if not, which side held the load back.
+    saturated: bool | None = None            # None: no KV usage gauge to judge from
+    kv_usage_peak: float | None = None
+    streams_requested: int | None = None
+    streams_in_flight_mean: float | None = None   # client side
+    server_running_peak: float | None = None
+    server_running_mean: float | None = None
+    server_waiting_peak: float | None = None
+    client_cpu: float | None = None          # kvdiag's load loop, share of one core
+    server_cpu: float | None = None          # the server's processes, cores
+    machine_cpu_busy: float | None = None    # all CPUs, 0..1
+    bottleneck: str | None = None            # "client", "server", "load" (only when not saturated)
+    saturation_note: str | None = None
 
 
 class Finding(_Model):
@@ -515,6 +543,7 @@ class Bundle(_Model):
     diagnosis: Diagnosis | None = None
     environment: EnvironmentRecord | None = None   # the machine it ran on (kvdiag.environment)
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
+    stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds (capture, analysis)
 
 
 class EvidenceItem(_Model):
@@ -592,6 +621,7 @@ class Report(_Model):
     interrupted: bool = False        # the run was cut short; the report holds what it got
     environment: EnvironmentRecord | None = None
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
+    stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds
 
 
 Bundle.model_rebuild()

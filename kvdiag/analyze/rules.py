@@ -37,8 +37,9 @@ from kvdiag.watch.banner import assess_risk_for
 SEVERITY: tuple[VerdictKind, ...] = (
     VerdictKind.GIL_CYCLE, VerdictKind.GIL_HELD_BLOCKED, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
     VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
-    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.NO_ACCESS, VerdictKind.EXITED,
-    VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON, VerdictKind.KERNEL_THREAD, VerdictKind.SLOW_START, VerdictKind.HEALTHY,
+    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE,
+    VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON, VerdictKind.KERNEL_THREAD, VerdictKind.SLOW_START,
+    VerdictKind.NOT_SATURATED, VerdictKind.HEALTHY,
 )
 KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)

@@ -41,6 +41,8 @@ KIND_CLASS = {
     "healthy": "ok", "slow_start": "warn", "crash": "fail", "oom": "fail", "unknown": "unk",
     "gil_cycle": "bad", "lock_order_inversion": "bad", "lost_wakeup": "bad", "blocked_ipc_read": "bad",
     "decode_stall": "bad", "gil_held_blocked": "bad", "stopped": "warn", "traced": "warn",
+    "no_access": "warn", "exited": "unk", "zombie": "unk", "not_python": "unk", "kernel_thread": "unk",
+    "no_evidence": "warn", "not_saturated": "warn",
 }
 
 

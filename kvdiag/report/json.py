@@ -105,6 +105,7 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         interrupted=bundle.interrupted,
         environment=bundle.environment,
         redaction=bundle.redaction.model_copy(deep=True),
+        stall_to_verdict_s=bundle.stall_to_verdict_s,
     )
     return report
 

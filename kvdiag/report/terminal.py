@@ -18,7 +18,9 @@ from kvdiag.model import Report
 KEY_FRAMES = 8
 _KIND_STYLE = {
     "healthy": "bold green", "slow_start": "bold yellow", "crash": "bold magenta", "oom": "bold magenta",
-    "unknown": "bold white",
+    "unknown": "bold white", "no_access": "bold yellow", "exited": "bold cyan", "zombie": "bold cyan",
+    "not_python": "bold cyan", "kernel_thread": "bold cyan", "no_evidence": "bold yellow",
+    "not_saturated": "bold yellow",
 }
 
 
@@ -52,6 +54,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         console.print(line)
     if report.interrupted:
         console.print(Text("the run was interrupted: partial report", style="yellow"))
+    if report.stall_to_verdict_s is not None:
+        console.print(Text(f"stall detected → verdict: {report.stall_to_verdict_s:.1f} s", style="dim"))
     if v.cycle:
         cycle = list(v.cycle)
         if cycle[0] != cycle[-1]:

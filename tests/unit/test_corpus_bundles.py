@@ -98,3 +98,18 @@ def test_traced_target_names_its_tracer() -> None:
     verdict = analyze(bundle)
     tracer = bundle.processes[0].tracer_pid
     assert verdict.kind is VerdictKind.TRACED and tracer is not None and f"pid {tracer}" in verdict.summary
+
+
+@pytest.mark.parametrize("name", ["gil_cycle_pybind11", "gil_cycle_nanobind", "gil_cycle_pybind11_stripped"])
+def test_summary_names_the_first_project_frames_not_stl_or_binding_glue(name: str) -> None:
+    summary = analyze(_only(name)).summary
+    assert "in PagePool::alloc_page" in summary and "in PagePool::map_pages ← PagePool::prealloc_worker" in summary
+    assert "std::" not in summary and "pybind11::" not in summary and "nanobind::" not in summary
+
+
+def test_blocked_read_names_the_peer_process() -> None:
+    bundle = _only("ipc_read_tcp")
+    verdict = analyze(bundle)
+    peer = next(f for p in bundle.processes for t in p.threads for f in t.blocked_fds if f.kind == "socket")
+    assert peer.peer_pids and f"peer: pid {peer.peer_pids[0]}" in verdict.summary
+    assert any(p.pid == peer.peer_pids[0] for p in bundle.processes)   # the silent server, in the same tree
