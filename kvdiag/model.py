@@ -196,6 +196,7 @@ class FdInfo(_Model):
     inode: int | None = None
     proto: str | None = None         # "unix", "tcp", "tcp6", "udp" for sockets
     listening: bool = False          # a listening socket: waits for new clients, not for a peer
+    accepted: bool = False           # the server end of an accepted connection (waits for the next request)
     peer_inode: int | None = None
     peer_pids: list[int] = Field(default_factory=list)   # other processes holding the other end
     peer_comm: str | None = None

@@ -463,6 +463,15 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
     return rule_python_lock_inversion(proc, views, engine)
 
 
+def _awaits_orders(t: ThreadView, proc: ProcessEvidence) -> bool:
+    """The read waits for the next request or command, not for a reply: every connection it waits on
+    is the server end of an accepted connection, or leads to the process's parent (a worker waiting
+    for its next task)."""
+    conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
+    return bool(conns) and all(f.accepted or (proc.ppid is not None and f.peer_pids == [proc.ppid])
+                               for f in conns)
+
+
 def _loop_parked(t: ThreadView, pid: int) -> list[FdInfo] | None:
     """An event loop waiting with no timeout on connections only (no listening socket, no timer):
     the connected sockets/pipes it waits on, each with a peer, else None."""
@@ -480,8 +489,9 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     if proc.progress is not None and proc.progress.advanced:
         return None   # it wrote its log or did I/O during the window: something still moves
     readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read
-               and not t.woke]
-    loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and (fds := _loop_parked(t, proc.pid))]
+               and not t.woke and not _awaits_orders(t, proc)]
+    loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and not _awaits_orders(t, proc)
+             and (fds := _loop_parked(t, proc.pid))]
     if not readers and loops and not _possible_signallers(views, [t for t, _ in loops]):
         t, fds = loops[0]
         what = "asyncio event loop" if t.asyncio_loop else "event loop"
