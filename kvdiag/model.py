@@ -15,10 +15,13 @@ Conventions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvdiag.errors import ExitCode
 
 SCHEMA_VERSION = "1"
 
@@ -55,23 +58,59 @@ class VerdictKind(str, Enum):
     NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
 
     @property
+    def spec(self) -> KindSpec:
+        """Everything about this kind in one place: outcome, exit code, rank and display class."""
+        return KIND_SPECS[self]
+
+    @property
     def is_hang(self) -> bool:
-        return self in _HANG_KINDS
+        return self.spec.outcome == "hang"
+
+    @property
+    def exit_code(self) -> int:
+        return self.spec.exit_code
 
 
-_HANG_KINDS = frozenset({
-    VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
-    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN, VerdictKind.GIL_HELD_BLOCKED,
-})
+@dataclass(frozen=True)
+class KindSpec:
+    """One verdict kind's definition: adding a kind is one line in :data:`KIND_SPECS`."""
+
+    outcome: Literal["healthy", "hang", "engine_failed", "target_state", "no_evidence", "inconclusive"]
+    exit_code: int
+    rank: int          # severity: lower is worse; the overall verdict is the worst engine's
+    display: Literal["ok", "warn", "bad", "fail", "unk"]   # report colour class (HTML and terminal)
+
+
+_K = VerdictKind
+KIND_SPECS: dict[VerdictKind, KindSpec] = {
+    _K.GIL_CYCLE: KindSpec("hang", ExitCode.DEADLOCK, 0, "bad"),
+    _K.GIL_HELD_BLOCKED: KindSpec("hang", ExitCode.DEADLOCK, 1, "bad"),
+    _K.LOCK_ORDER_INVERSION: KindSpec("hang", ExitCode.DEADLOCK, 2, "bad"),
+    _K.LOST_WAKEUP: KindSpec("hang", ExitCode.DEADLOCK, 3, "bad"),
+    _K.BLOCKED_IPC_READ: KindSpec("hang", ExitCode.DEADLOCK, 4, "bad"),
+    _K.DECODE_STALL: KindSpec("hang", ExitCode.DEADLOCK, 5, "bad"),
+    _K.OOM: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 6, "fail"),
+    _K.CRASH: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 7, "fail"),
+    _K.UNKNOWN: KindSpec("hang", ExitCode.DEADLOCK, 8, "unk"),
+    _K.STOPPED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 9, "warn"),
+    _K.TRACED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 10, "warn"),
+    _K.NO_ACCESS: KindSpec("no_evidence", ExitCode.NO_ACCESS, 11, "warn"),
+    _K.NO_EVIDENCE: KindSpec("no_evidence", ExitCode.NO_ACCESS, 12, "warn"),
+    _K.EXITED: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 13, "unk"),
+    _K.ZOMBIE: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 14, "unk"),
+    _K.NOT_PYTHON: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 15, "unk"),
+    _K.KERNEL_THREAD: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 16, "unk"),
+    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 17, "warn"),
+    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 18, "warn"),
+    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 19, "ok"),
+}
+
+
+_HANG_KINDS = frozenset(k for k, spec in KIND_SPECS.items() if spec.outcome == "hang")
 # Outcomes about the target's state rather than its health: their own exit code, never 10.
-TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
-
-
+TARGET_STATE_KINDS = frozenset(k for k, spec in KIND_SPECS.items() if spec.outcome == "target_state")
 # Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
-NO_EVIDENCE_KINDS = frozenset({
-    VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
-    VerdictKind.KERNEL_THREAD, VerdictKind.NO_EVIDENCE,
-})
+NO_EVIDENCE_KINDS = frozenset(k for k, spec in KIND_SPECS.items() if spec.outcome == "no_evidence")
 
 
 class Confidence(str, Enum):

@@ -19,8 +19,6 @@ from kvdiag.analyze.health import engine_health
 from kvdiag.analyze.soak import saturation_verdict
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
-    NO_EVIDENCE_KINDS,
-    TARGET_STATE_KINDS,
     ABComparison,
     ABSide,
     Bundle,
@@ -35,20 +33,10 @@ AB_SIDES = ("stock", "fixed")
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access or no evidence read, 5 nothing
-    to judge (a stopped/traced target, or one that exited, is a zombie, runs no Python or is a kernel thread),
-    6 a soak that never saturated (inconclusive), 0 otherwise."""
-    if verdict.kind in (VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE):
-        return ExitCode.NO_ACCESS
-    if verdict.kind in NO_EVIDENCE_KINDS:
-        return ExitCode.NOT_DIAGNOSABLE
-    if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
-        return ExitCode.ENGINE_FAILED
-    if verdict.kind in TARGET_STATE_KINDS:
-        return ExitCode.TARGET_STOPPED
-    if verdict.kind is VerdictKind.NOT_SATURATED:
-        return ExitCode.NOT_SATURATED
-    return ExitCode.DEADLOCK if verdict.kind.is_hang else ExitCode.OK
+    """The contract's exit code, as the verdict kind defines it (``KIND_SPECS`` in kvdiag.model): 10 hang,
+    4 crash or OOM, 3 no access or no evidence read, 5 nothing to judge (stopped/traced, exited, zombie,
+    not Python, kernel thread), 6 a soak that never saturated, 0 otherwise."""
+    return verdict.kind.exit_code
 
 
 def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:

@@ -34,13 +34,8 @@ from kvdiag.model import (
 from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
-SEVERITY: tuple[VerdictKind, ...] = (
-    VerdictKind.GIL_CYCLE, VerdictKind.GIL_HELD_BLOCKED, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
-    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
-    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE,
-    VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON, VerdictKind.KERNEL_THREAD, VerdictKind.SLOW_START,
-    VerdictKind.NOT_SATURATED, VerdictKind.HEALTHY,
-)
+# Worst first; each kind's rank is part of its one definition (KIND_SPECS in kvdiag.model).
+SEVERITY: tuple[VerdictKind, ...] = tuple(sorted(VerdictKind, key=lambda k: k.spec.rank))
 KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
 _OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|\bOOM\b|oom[-_ ]kill|"

@@ -47,6 +47,7 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str,
         # what /health said is kept apart and named in the health line.
         "healthy": health.healthy,
         "health": health.line,
+        "health_note": health.note,
         "health_endpoint_ok": rec.healthy,
         "url": rec.url,
         "exit_code": rec.exit_code,

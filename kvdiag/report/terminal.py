@@ -13,15 +13,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvdiag.model import Report
+from kvdiag.model import Report, VerdictKind
 
 KEY_FRAMES = 8
-_KIND_STYLE = {
-    "healthy": "bold green", "slow_start": "bold yellow", "crash": "bold magenta", "oom": "bold magenta",
-    "unknown": "bold white", "no_access": "bold yellow", "exited": "bold cyan", "zombie": "bold cyan",
-    "not_python": "bold cyan", "kernel_thread": "bold cyan", "no_evidence": "bold yellow",
-    "not_saturated": "bold yellow",
-}
+_DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
+                  "unk": "bold cyan"}
+# One definition per kind (KIND_SPECS in kvdiag.model): its display class picks the style.
+_KIND_STYLE = {k.value: _DISPLAY_STYLE[k.spec.display] for k in VerdictKind}
 
 
 def _kind_style(kind: str) -> str:

@@ -161,6 +161,14 @@ def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
     if peak is None:
         return Saturation(None, None, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, None,
                           f"saturation unknown: the server reports no KV cache usage gauge; {streams}")
+    gen = [s.generation_tokens for s in snaps if s.generation_tokens is not None]
+    generated = gen[-1] - gen[0] if len(gen) >= 2 else 0.0
+    if peak <= 0 and not run_peak and generated > 0:
+        # Tokens were generated with no request ever running and an empty pool: the gauges do not
+        # follow the load (a stats path that is off or broken), so they cannot say it did not saturate.
+        return Saturation(None, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, None,
+                          f"saturation unknown: /metrics counted {generated:.0f} generated tokens but its running "
+                          f"and KV cache usage gauges stayed at 0 (stale gauges); {streams}")
     if peak >= kv_threshold:
         return Saturation(True, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, None,
                           f"saturated: KV cache peaked at {_pct(peak)}; {streams}")

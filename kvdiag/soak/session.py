@@ -412,6 +412,8 @@ class SoakRun:
                 tick = _TICK_S
                 if drain_until is None and lg.load_deadline is not None:
                     tick = max(0.0, min(tick, lg.load_deadline - now))
+                elif drain_until is not None:
+                    tick = max(0.0, min(tick, drain_until - now))
                 try:
                     await asyncio.wait_for(wake.wait(), timeout=tick)
                 except asyncio.TimeoutError:

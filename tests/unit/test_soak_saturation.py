@@ -66,6 +66,17 @@ def test_a_load_too_small_for_the_pool() -> None:
     assert sat.bottleneck == "load" and "raise --concurrency or --max-tokens" in sat.note
 
 
+def test_gauges_that_never_move_cannot_be_judged() -> None:
+    """Seen on a kvdiag-launched vLLM CPU engine: the token counter climbs, running and KV usage stay 0."""
+    snaps = [MetricsSnapshot(t=float(i), kv_cache_usage=0.0, running=0.0, waiting=0.0, generation_tokens=i * 700.0)
+             for i in range(9)]
+    sat = judge(snaps, _sampler(8, 7.7))
+    assert sat.saturated is None and sat.bottleneck is None
+    assert "stale gauges" in sat.note and "5600 generated tokens" in sat.note
+    idle = [MetricsSnapshot(t=float(i), kv_cache_usage=0.0, running=0.0, generation_tokens=10.0) for i in range(3)]
+    assert judge(idle, _sampler(8, 8.0)).saturated is False     # nothing generated: a real empty pool
+
+
 def test_no_kv_gauge_cannot_be_judged() -> None:
     snaps = [MetricsSnapshot(t=0.0, running=3.0)]
     sat = judge(snaps, _sampler(8, 8.0))
