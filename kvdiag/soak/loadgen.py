@@ -128,8 +128,9 @@ class LoadConfig:
 class RequestRecord:
     """One request as the client saw it. Times come from the generator's clock."""
 
-    start: float
+    start: float                          # when the request was written to the socket (TTFT starts here)
     status: RequestStatus = RequestStatus.CANCELLED
+    issued: float | None = None           # when the client began the request (before the write)
     end: float | None = None
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -385,7 +386,8 @@ class LoadGenerator:
     async def _one_request(self) -> RequestRecord:
         client = self._client
         assert client is not None
-        rec = RequestRecord(start=self.clock())
+        now = self.clock()
+        rec = RequestRecord(start=now, issued=now)
         self.sent += 1
         self.in_flight += 1
         reader = StreamReader(rec, self._token)
@@ -425,7 +427,8 @@ class LoadGenerator:
 
     async def _one_raw_request(self, conn: RawConnection) -> RequestRecord:
         """One streaming request on this client's own connection (kvdiag.soak.rawhttp)."""
-        rec = RequestRecord(start=self.clock())
+        now = self.clock()
+        rec = RequestRecord(start=now, issued=now)
         self.sent += 1
         self.in_flight += 1
         reader = StreamReader(rec, self._token)
