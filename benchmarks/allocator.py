@@ -31,8 +31,10 @@ each round gives one fixed/stock ratio, and the row reports the median ratio and
   stock_hangs / fixed_hangs  tests/fixtures/alloc_engine2.py (the seed's engine 2, prealloc on)
                    run 20 times each; a run "hangs" if alloc_page has not returned 3 s after the
                    fixture's READY line (a healthy start takes ~0.2 s); hung runs are killed.
-The slow-path rows also print the allocators' own counts per 1,000 pages or ops (map calls,
-pages per map, worker wake-ups, combined maps), which show why one is faster than the other.
+The cpu/op column is stock's CPU seconds per pair/op/page over fixed's (the whole process, all
+threads, median over the rounds): what each allocator costs, whatever share of these shared CPUs
+the scheduler gave the run. The slow-path rows also print the allocators' own counts per 1,000
+pages or ops (map calls, pages per map, worker wake-ups, combined maps).
 Ends with: RESULT single_ratio=... contended_ratio=... stalls=... native_pairs_ratio=...
 native_random_ratio=... burst_ratio=... stock_hangs=N/20 fixed_hangs=N/20 build=...
 """
@@ -41,6 +43,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import resource
 import signal
 import statistics
 import subprocess
@@ -78,18 +81,26 @@ def _make(native: Any, kind: str, **kw: Any) -> Any:
 Sample = tuple[float, dict[str, int]]  # (rate per second, the allocator's counters)
 
 
-def single_thread(native: Any, kind: str, pairs: int) -> Sample:
+def single_thread(native: Any, kind: str, seconds: float) -> Sample:
     """alloc_page + free_page pairs per second from one Python thread (prealloc on, reserve warm)."""
     a = _make(native, kind)
     a.start_prealloc_thread()
     a.wait_prealloc_idle(10.0)
     alloc, free = a.alloc_page, a.free_page
+    pairs = 0
     t0 = time.perf_counter()
-    for _ in range(pairs):
-        free(alloc())
+    stop = t0 + seconds
+    # Time-based like the other rows: long enough to span many scheduler slices on a shared
+    # machine; the clock is read once per 1,000 pairs.
+    while time.perf_counter() < stop:
+        for _ in range(1000):
+            free(alloc())
+        pairs += 1000
     dt = time.perf_counter() - t0
     a.stop_prealloc_thread()
-    return pairs / dt, a.counters()
+    c = a.counters()
+    c["units"] = pairs
+    return pairs / dt, c
 
 
 def native_contended(native: Any, kind: str, ops: int, mode: str = "alloc_free") -> Sample:
@@ -98,7 +109,9 @@ def native_contended(native: Any, kind: str, ops: int, mode: str = "alloc_free")
                       page_size=PAGE, min_reserved_pages=5, max_reserved_pages=10, device_name=_dev(kind))
     if r["errors"] or r["double_allocs"]:
         raise SystemExit(f"{kind} stress failed: {r}")
-    return float(r["ops"]) / (r["elapsed_ns"] / 1e9), r["counters"]
+    c = r["counters"]
+    c["units"] = r["ops"]
+    return float(r["ops"]) / (r["elapsed_ns"] / 1e9), c
 
 
 def python_contended(native: Any, kind: str, seconds: float, burst: int = 1, latency_us: int = 0) -> Sample:
@@ -149,16 +162,22 @@ class Row:
         self.stock: list[float] = []
         self.fixed: list[float] = []
         self.ratios: list[float] = []
+        self.cpu_ratios: list[float] = []  # stock / fixed CPU seconds per unit
         self.counters: dict[str, list[dict[str, int]]] = {"stock": [], "fixed": []}
 
     def run(self, fn: Callable[[str], Sample], n: int) -> None:
         for i in range(n):
             got: dict[str, Sample] = {}
+            cpu: dict[str, float] = {}
             for kind in (("stock", "fixed") if i % 2 == 0 else ("fixed", "stock")):
+                c0 = _cpu_s()
                 got[kind] = fn(kind)
+                cpu[kind] = (_cpu_s() - c0) / max(1, got[kind][1]["units"])
             self.stock.append(got["stock"][0])
             self.fixed.append(got["fixed"][0])
             self.ratios.append(got["fixed"][0] / got["stock"][0])
+            if cpu["fixed"] > 0:
+                self.cpu_ratios.append(cpu["stock"] / cpu["fixed"])
             self.counters["stock"].append(got["stock"][1])
             self.counters["fixed"].append(got["fixed"][1])
 
@@ -168,23 +187,30 @@ class Row:
 
     def line(self) -> str:
         spread = f"{min(self.ratios):.2f}..{max(self.ratios):.2f}"
+        cpu = f"{statistics.median(self.cpu_ratios):.2f}x" if self.cpu_ratios else "-"
         return (f"{self.name:<44}{statistics.median(self.stock):>12,.0f}/s{statistics.median(self.fixed):>12,.0f}/s"
-                f"{self.ratio:>12.2f}x  {spread:<11} n={len(self.ratios)}")
+                f"{self.ratio:>12.2f}x  {spread:<11}{cpu:>7}")
 
-    def counts(self, units: int | None) -> str:
+    def counts(self) -> str:
         """The allocators' own counts per 1,000 units (pages or ops), summed over the rounds."""
         out = []
         for kind in ("stock", "fixed"):
             cs = self.counters[kind]
             total = {k: sum(int(c.get(k, 0)) for c in cs) for k in
                      ("map_calls", "pages_mapped", "unmap_calls", "worker_wakeups", "combined_maps", "units")}
-            n = total["units"] if units is None else units * len(cs)
+            n = total["units"]
             per = 1000.0 / max(1, n)
             batch = total["pages_mapped"] / max(1, total["map_calls"])
             out.append(f"{kind}: {total['map_calls'] * per:.1f} maps ({batch:.1f} pages each), "
                        f"{total['unmap_calls'] * per:.1f} unmaps, {total['worker_wakeups'] * per:.1f} worker wake-ups, "
                        f"{total['combined_maps'] * per:.1f} combined maps")
         return "    per 1,000: " + "; ".join(out)
+
+
+def _cpu_s() -> float:
+    """CPU seconds used by this process so far, all threads (user + system)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
 
 
 def install_info(native: Any) -> tuple[str, str]:
@@ -268,29 +294,26 @@ def main() -> int:
     say(f"kvdiag allocator benchmark  (cpus={os.cpu_count()}, python {sys.version.split()[0]})")
     say(f"install: {where}")
     say(f"build (stock and fixed alike): {build}")
+    say(f"load average at start: {os.getloadavg()[0]:.1f} (other processes share these {os.cpu_count()} CPUs)")
     say("")
-    say(f"{'measure':<44}{'stock':>14}{'fixed':>14}{'fixed/stock':>13}  {'spread':<11}")
+    say(f"{'measure':<44}{'stock':>14}{'fixed':>14}{'fixed/stock':>13}  {'spread':<11}{'cpu/op':>7}")
 
-    pairs = 50_000 if q else 300_000
     secs = 0.4 if q else 1.0
-    ops = 300_000 if q else 1_500_000
-    rows = [
-        (Row("single_ratio", "1 Python thread, alloc+free pairs"),
-         lambda k: single_thread(native, k, pairs), None),
-        (Row("contended_ratio", "8 Python threads, alloc+free pairs"),
-         lambda k: python_contended(native, k, secs), None),
-        (Row("native_pairs_ratio", "8 native threads, alloc+free pairs"),
-         lambda k: native_contended(native, k, ops), ops),
+    ops = 600_000 if q else 3_000_000
+    rows: list[tuple[Row, Callable[[str], Sample]]] = [
+        (Row("single_ratio", "1 Python thread, alloc+free pairs"), lambda k: single_thread(native, k, secs)),
+        (Row("contended_ratio", "8 Python threads, alloc+free pairs"), lambda k: python_contended(native, k, secs)),
+        (Row("native_pairs_ratio", "8 native threads, alloc+free pairs"), lambda k: native_contended(native, k, ops)),
         (Row("native_random_ratio", "8 native threads, randomized ops"),
-         lambda k: native_contended(native, k, ops // 2, mode="random"), ops // 2),
+         lambda k: native_contended(native, k, ops // 2, mode="random")),
         (Row("burst_ratio", "8 Py threads, bursts of 16, 100us maps"),
-         lambda k: python_contended(native, k, secs, burst=16, latency_us=100), None),
+         lambda k: python_contended(native, k, secs, burst=16, latency_us=100)),
     ]
-    for row, fn, units in rows:
+    for row, fn in rows:
         row.run(fn, n_rounds)
         say(row.line())
         if row.key in ("native_random_ratio", "burst_ratio"):
-            say(row.counts(units))
+            say(row.counts())
 
     total = 1_000_000 if q else 10_000_000
     t0 = time.monotonic()
@@ -314,9 +337,8 @@ def main() -> int:
     say(f"engine-2 repro, prealloc on, {runs} runs each: stock hung {stock_hangs}/{runs}; fixed hung "
         f"{fixed_hangs}/{runs}" + (f", started in median {statistics.median(fixed_times):.3f} s "
                                    f"(max {max(fixed_times):.3f} s) after READY" if fixed_times else ""))
-    say(f"total {time.monotonic() - t_start:.0f} s")
-    ratios = " ".join(f"{row.key}={row.ratio:.2f}" for row, _, _ in rows if row.key not in ("single_ratio",
-                                                                                            "contended_ratio"))
+    say(f"total {time.monotonic() - t_start:.0f} s, load average at the end: {os.getloadavg()[0]:.1f}")
+    ratios = " ".join(f"{row.key}={row.ratio:.2f}" for row, _ in rows[2:])
     say(f"RESULT single_ratio={rows[0][0].ratio:.2f} contended_ratio={rows[1][0].ratio:.2f} stalls={stalls} "
         f"{ratios} stock_hangs={stock_hangs}/{runs} fixed_hangs={fixed_hangs}/{runs} build={build_type}")
     if args.out is not None:

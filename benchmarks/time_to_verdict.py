@@ -9,6 +9,8 @@ allocator, window 5 s) M times. For each run, from the report it wrote:
   written  = verdict + the report-writing time (newest report.* mtime - bundle/bundle.json mtime,
              both written by that final step), i.e. when report.json is on disk
   after_window = (written - onset) - stall window
+  detect→verdict = report.json's stall_to_verdict_s (what the run itself printed: stall
+             detected → verdict), else the timeline's "stall detected" → "verdict"
 
 The window itself is the user's setting (no progress for that long is the definition of a stall);
 what is left after it is kvdiag's own cost: noticing (poll period), capturing (py-spy, pystack,
@@ -53,9 +55,13 @@ def one_run(argv: list[str], out: Path, timeout_s: float) -> dict[str, Any]:
     window = float(report.get("stall_window_s") or 5.0)
     reports = [out / n for n in ("report.json", "report.html", "report.md") if (out / n).exists()]
     write_s = max(p.stat().st_mtime for p in reports) - (out / "bundle" / "bundle.json").stat().st_mtime
+    to_verdict = report.get("stall_to_verdict_s")
+    if to_verdict is None and detected is not None and verdict is not None:
+        to_verdict = verdict - detected
     row: dict[str, Any] = {"rc": proc.returncode, "kind": report["verdict"]["kind"], "window": window,
                            "wall": wall, "onset": onset, "detected": detected, "captured": captured,
-                           "verdict": verdict, "write_s": max(0.0, write_s)}
+                           "verdict": verdict, "write_s": max(0.0, write_s), "to_verdict": to_verdict,
+                           "reported": report.get("stall_to_verdict_s") is not None}
     if onset is not None and verdict is not None:
         row["written"] = verdict + row["write_s"]
         row["after_window"] = row["written"] - onset - window
@@ -79,11 +85,13 @@ def main() -> int:
             rows.append((label, one_run(argv, Path(tmp) / f"run{i}", timeout_s=240)))
     print("time to verdict (seconds on kvdiag's run clock; window = the scenario's stall window)")
     print(f"{'run':<8} {'rc':>3} {'verdict':<13} {'onset':>7} {'detect':>7} {'capture':>7} {'verdict':>7} "
-          f"{'write':>6} {'written':>7} {'after window':>12} {'wall':>6}")
+          f"{'write':>6} {'written':>7} {'after window':>12} {'det→verd':>8} {'wall':>6}")
     for label, r in rows:
+        mark = "" if r["reported"] else "*"
         print(f"{label:<8} {r['rc']:>3} {r['kind']:<13} {_fmt(r['onset'])} {_fmt(r['detected'])} "
               f"{_fmt(r['captured'])} {_fmt(r['verdict'])} {r['write_s']:6.2f} {_fmt(r.get('written'))} "
-              f"{_fmt(r.get('after_window')):>12} {r['wall']:6.1f}")
+              f"{_fmt(r.get('after_window')):>12} {_fmt(r['to_verdict']):>7}{mark or ' '} {r['wall']:6.1f}")
+    print("det→verd: stall detected → verdict, from report.json's stall_to_verdict_s (* from the timeline)")
     repro = [r["after_window"] for label, r in rows if label == "repro" and "after_window" in r]
     soak = [r["after_window"] for label, r in rows if label == "soak" and "after_window" in r]
     bad = [r for _, r in rows if r["rc"] != 10 or "after_window" not in r]
@@ -96,6 +104,9 @@ def main() -> int:
             f"seconds_after_window_max={max(repro):.2f} runs={len(repro)}")
     if soak:
         line += f" soak_seconds_after_window={statistics.median(soak):.2f}"
+    soak_dv = [r["to_verdict"] for label, r in rows if label == "soak" and r["to_verdict"] is not None]
+    if soak_dv:
+        line += f" soak_detect_to_verdict={statistics.median(soak_dv):.2f}"
     print(f"median over {len(repro)} repro runs: {statistics.median(repro):.2f} s after the window "
           f"(max {max(repro):.2f}); target <= 5")
     print(line)

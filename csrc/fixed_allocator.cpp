@@ -1,8 +1,9 @@
 // kvdiag native allocators: the FIXED page allocator.
 //
 // Contract of this file (pure C++; bindings in bindings.cpp):
-//   Locks:   mu_ (page lists, counts, combined-map queue, worker state) is held only for O(1) work
-//            per page; it is released before every map/unmap/mem_get_info/device probe/sleep/
+//   Locks:   mu_ (page lists, counts, combined-map queue, worker state; an adaptive mutex, see
+//            make_adaptive) is held only for O(1) work per page (free_pages: O(n) for n pages);
+//            it is released before every map/unmap/mem_get_info/device probe/sleep/
 //            Python callback, and callers wake the worker (worker_cv_) after releasing it.
 //            ctl_mu_ serialises start/stop (order ctl_mu_ -> mu_).
 //   GIL:     the bindings release it around every call that may block; the fast paths
@@ -32,9 +33,11 @@
 // page queued so far in one backend call; the others wait for that call's outcome. A map then
 // costs one device-lock round per batch of callers instead of one per caller, which is what the
 // stock allocator gets by accident from serialising every caller on the GIL. The fast paths do
-// O(1) work under mu_ with no allocation and no clock read, and never wake a worker that is
-// already awake.
+// O(1) work under mu_ with no allocation and no clock read, never wake a worker that is already
+// awake, and contend on an adaptive mutex that spins briefly instead of sleeping in the kernel.
 #include "fixed_allocator.hpp"
+
+#include <pthread.h>
 
 #include <algorithm>
 #include <iostream>
@@ -52,6 +55,25 @@ namespace {
                            std::to_string(timeout_ms) + " (" + r.message + ")");
   throw std::runtime_error(std::string(what) + ": Failed to map pages to KV tensors (" +
                            map_status_name(r.status) + "): " + r.message);
+}
+
+// mu_ is held for O(1) work, so a thread that finds it taken should spin a little before it
+// sleeps. A plain (std::mutex) pthread mutex sleeps in the kernel at once, and once it has been
+// contended every unlock makes a futex syscall, which then dominates the cost of an op. glibc's
+// adaptive mutex spins (reading the lock word, not stealing its cache line) for a self-tuning
+// number of rounds before it sleeps. The mutex is unlocked and unused when this runs.
+void make_adaptive(std::mutex& mu) {
+#if defined(__GLIBC__) && defined(PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP)
+  pthread_mutexattr_t attr;
+  if (pthread_mutexattr_init(&attr) != 0) return;
+  if (pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP) == 0) {
+    pthread_mutex_destroy(mu.native_handle());
+    pthread_mutex_init(mu.native_handle(), &attr);
+  }
+  pthread_mutexattr_destroy(&attr);
+#else
+  (void)mu;
+#endif
 }
 
 }  // namespace
@@ -77,6 +99,7 @@ PageAllocator::PageAllocator(const AllocatorConfig& cfg)
       reserved_(static_cast<size_t>(max_pages_)),
       free_(static_cast<size_t>(max_pages_)),
       reclaimed_(static_cast<size_t>(max_pages_)) {
+  make_adaptive(mu_);
   min_reserved_pages_ = std::min(max_pages_, cfg_.min_reserved_pages);
   max_reserved_pages_ = std::min(max_pages_, cfg_.max_reserved_pages);
   enable_page_prealloc_ = cfg_.enable_prealloc;
@@ -198,8 +221,7 @@ page_id_t PageAllocator::try_alloc_fast() {
 }
 
 __attribute__((noinline)) page_id_t PageAllocator::alloc_page() {
-  Lock lk;
-  lock_hot(lk);
+  Lock lk(mu_);
   if (!reserved_.empty()) {
     bool notify = false;
     const page_id_t page_id = take_reserved_locked(&notify);
@@ -385,8 +407,7 @@ bool PageAllocator::try_free_fast(page_id_t page_id) {
 void PageAllocator::free_page(page_id_t page_id) {
   bool had_waiters;
   {
-    Lock lk;
-    lock_hot(lk);
+    Lock lk(mu_);
     check_allocated_locked(page_id);
     in_use_[static_cast<size_t>(page_id)] = 0;
     num_free_.store(num_free_.load(std::memory_order_relaxed) + 1, std::memory_order_relaxed);
@@ -409,10 +430,17 @@ void PageAllocator::free_pages(const std::vector<page_id_t>& page_ids) {
   bool had_waiters;
   {
     std::lock_guard<std::mutex> lk(mu_);
+    // O(n) validation: mark each page as seen (2) while checking, restore the marks on error.
     for (size_t i = 0; i < page_ids.size(); ++i) {
-      check_allocated_locked(page_ids[i]);
-      for (size_t j = 0; j < i; ++j)
-        if (page_ids[j] == page_ids[i]) throw InvalidArgument("page_ids", "duplicate page " + std::to_string(page_ids[i]));
+      const page_id_t id = page_ids[i];
+      const bool bad_range = id < 0 || id >= max_pages_;
+      if (bad_range || in_use_[static_cast<size_t>(id)] != 1) {
+        for (size_t j = 0; j < i; ++j) in_use_[static_cast<size_t>(page_ids[j])] = 1;
+        if (!bad_range && in_use_[static_cast<size_t>(id)] == 1)
+          throw InvalidArgument("page_ids", "duplicate page " + std::to_string(id));
+        check_allocated_locked(id);  // throws: out of range or not allocated
+      }
+      in_use_[static_cast<size_t>(id)] = 2;
     }
     num_free_.store(num_free_.load(std::memory_order_relaxed) + static_cast<int64_t>(page_ids.size()),
                     std::memory_order_relaxed);

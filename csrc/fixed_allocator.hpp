@@ -6,7 +6,8 @@
 //            an unmap, mem_get_info, a device-lock probe or wait, a sleep, or a Python callback;
 //            callers wake the worker after releasing it. ctl_mu_ serialises start/stop of the
 //            worker. The backend's device VMM lock is taken inside map/unmap with mu_ released.
-//            Lock order: ctl_mu_ -> mu_ (the device lock is never taken with mu_ held).
+//            Lock order: ctl_mu_ -> mu_ (the device lock is never taken with mu_ held). mu_ is a
+//            glibc adaptive mutex (a short spin before sleeping: its critical sections are tiny).
 //   GIL:     the bindings release the GIL around every call that can block (alloc_page slow path,
 //            free with unmap, resize, trim, start/stop, trigger, wait_prealloc_idle,
 //            get_avail_physical_pages). Fast paths run with the GIL held but only try_lock mu_
@@ -16,7 +17,7 @@
 //            calls its callable once on the caller's thread. The only Python the allocator ever
 //            runs is a broadcast map/unmap callback the user installed for worker IPC, called
 //            with no allocator lock held from the mapping thread (worker or caller); the bridge
-//            takes the GIL itself, and no caller waits for it beyond map_timeout_ms.
+//            takes the GIL itself, and no other thread waits for it beyond map_timeout_ms.
 //   Waits:   alloc_page waits on pages_cv_ (pages in flight) and sync_cv_ (its page in a combined
 //            map) in slices of wait_timeout_ms, for at most map_timeout_ms in total, then raises
 //            AllocatorTimeout. Backend maps/unmaps are bounded by map_timeout_ms (device lock +
@@ -89,14 +90,12 @@ class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
   struct SyncMap;  // one caller's page waiting in a combined synchronous map
   using Lock = std::unique_lock<std::mutex>;
 
-  // mu_ is held for O(1) work only, so a thread that finds it taken retries try_lock for a
-  // bounded spin (kSpinTries pauses, about a microsecond) before it sleeps in lock() or, on the
-  // GIL-holding fast paths, gives up and takes the GIL-releasing slow path.
+  // The GIL-holding fast paths retry try_lock for a bounded spin (kSpinTries pauses, about a
+  // microsecond: mu_ is held for O(1) work) before they give up and take the GIL-releasing slow
+  // path, which costs far more. Native callers just lock(): with threads on several cores a
+  // try_lock spin steals mu_'s cache line from the holder and slows every handoff.
   static constexpr int kSpinTries = 32;
   bool spin_try_lock(Lock& lk);
-  void lock_hot(Lock& lk) {
-    if (!spin_try_lock(lk)) lk = Lock(mu_);
-  }
 
   void prealloc_worker(uint64_t gen);
   MapOutcome map_pages(const std::vector<page_id_t>& page_ids, Clock::time_point deadline);

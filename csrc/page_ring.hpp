@@ -9,6 +9,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <stdexcept>
 #include <vector>
 
@@ -19,34 +20,36 @@ namespace kvdiag {
 // A fixed-capacity double-ended queue of page ids (a circular buffer).
 class PageRing {
  public:
-  explicit PageRing(size_t capacity) : buf_(capacity > 0 ? capacity : 1) {}
+  explicit PageRing(size_t capacity) : buf_(capacity > 0 ? capacity : 1) {
+    if (buf_.size() > UINT32_MAX) throw std::length_error("PageRing: more than 2^32 pages");
+  }
 
   size_t size() const { return size_; }
   bool empty() const { return size_ == 0; }
   page_id_t front() const { return buf_[head_]; }
-  page_id_t back() const { return buf_[wrap(head_ + size_ - 1)]; }
-  page_id_t operator[](size_t i) const { return buf_[wrap(head_ + i)]; }
+  page_id_t back() const { return buf_[wrap(size_t{head_} + size_ - 1)]; }
+  page_id_t operator[](size_t i) const { return buf_[wrap(size_t{head_} + i)]; }
 
   void push_back(page_id_t id) {
     grow_check();
-    buf_[wrap(head_ + size_)] = id;
+    buf_[wrap(size_t{head_} + size_)] = id;
     ++size_;
   }
   void push_front(page_id_t id) {
     grow_check();
-    head_ = head_ == 0 ? buf_.size() - 1 : head_ - 1;
+    head_ = static_cast<uint32_t>(head_ == 0 ? buf_.size() - 1 : head_ - 1);
     buf_[head_] = id;
     ++size_;
   }
   page_id_t pop_front() {
     const page_id_t id = buf_[head_];
-    head_ = wrap(head_ + 1);
+    head_ = static_cast<uint32_t>(wrap(size_t{head_} + 1));
     --size_;
     return id;
   }
   page_id_t pop_back() {
     --size_;
-    return buf_[wrap(head_ + size_)];
+    return buf_[wrap(size_t{head_} + size_)];
   }
   void clear() { head_ = size_ = 0; }
 
@@ -55,12 +58,14 @@ class PageRing {
   // Every page id is in at most one list, so a ring sized to the pool never fills; a full ring
   // is a bookkeeping bug, reported rather than silently overwriting a page id.
   void grow_check() const {
-    if (size_ == buf_.size()) throw std::logic_error("PageRing overflow: a page id is in two lists");
+    if (size_t{size_} == buf_.size()) throw std::logic_error("PageRing overflow: a page id is in two lists");
   }
 
+  // head_ and size_ first and 32-bit: they are what push/pop write, and the fixed allocator keeps
+  // them on the same cache line as its mutex (buf_'s pointer is only read).
+  uint32_t head_ = 0;
+  uint32_t size_ = 0;
   std::vector<page_id_t> buf_;
-  size_t head_ = 0;
-  size_t size_ = 0;
 };
 
 }  // namespace kvdiag

@@ -3,6 +3,7 @@
 // Contract of this file (pure C++, no Python):
 //   Locks:   the allocators' own; ownership of pages is tracked in an array of atomics (a page
 //            handed out twice is counted in double_allocs). first_error is guarded by err_mu.
+//            Op tallies are per thread, summed into the shared totals when the thread ends.
 //   GIL:     never touched.
 //   Waits:   per-op latency is measured; > stall_ms is a stall. Joins at the end are bounded by the
 //            op budget because every allocator call used here is bounded (fixed) or cannot wait
@@ -62,20 +63,24 @@ void run_thread(AnyAllocator& a, Shared& sh, const StressOptions& o, int64_t my_
   std::vector<page_id_t> held;
   held.reserve(static_cast<size_t>(o.hold_max) + 1);
   const int64_t stall_ns = o.stall_ms * 1000000;
+  const bool pairs = o.mode == "alloc_free";
   int64_t local_max = 0;
+  // Per-thread tallies, added to the shared totals once at the end: shared atomic counters
+  // would bounce one cache line between cores on every op and dominate what is measured.
+  int64_t allocs = 0, frees = 0, oop = 0, stalls = 0;
   auto take = [&](page_id_t id) {
     if (sh.owned[static_cast<size_t>(id)].exchange(1) != 0) sh.double_allocs++;
     held.push_back(id);
-    sh.allocs++;
+    allocs++;
   };
   auto give = [&](page_id_t id) {
     sh.owned[static_cast<size_t>(id)].store(0);
-    sh.frees++;
+    frees++;
   };
   for (int64_t i = 0; i < my_ops; ++i) {
     const auto t0 = Clock::now();
     try {
-      if (o.mode == "alloc_free") {
+      if (pairs) {
         page_id_t id = a.alloc();
         take(id);
         held.pop_back();
@@ -113,7 +118,7 @@ void run_thread(AnyAllocator& a, Shared& sh, const StressOptions& o, int64_t my_
       sh.error(std::string("AllocatorTimeout: ") + e.what());
     } catch (const std::runtime_error& e) {
       if (std::string(e.what()).rfind("No free pages left", 0) == 0)
-        sh.oop++;
+        oop++;
       else
         sh.error(e.what());
     } catch (const std::exception& e) {
@@ -121,7 +126,7 @@ void run_thread(AnyAllocator& a, Shared& sh, const StressOptions& o, int64_t my_
     }
     const int64_t ns = ns_between(t0, Clock::now());
     local_max = std::max(local_max, ns);
-    if (ns > stall_ns) sh.stalls++;
+    if (ns > stall_ns) stalls++;
   }
   if (!held.empty()) {
     for (page_id_t id : held) give(id);
@@ -132,6 +137,10 @@ void run_thread(AnyAllocator& a, Shared& sh, const StressOptions& o, int64_t my_
     }
   }
   sh.ops += my_ops;
+  sh.allocs += allocs;
+  sh.frees += frees;
+  sh.oop += oop;
+  sh.stalls += stalls;
   int64_t prev = sh.max_op_ns.load();
   while (local_max > prev && !sh.max_op_ns.compare_exchange_weak(prev, local_max)) {
   }

@@ -12,6 +12,7 @@ class ExitCode:
     ENGINE_FAILED = 4
     TARGET_STOPPED = 5      # the target was stopped or traced by someone else: nothing to judge
     NOT_DIAGNOSABLE = 5     # the target exited, is a zombie, runs no Python or is a kernel thread
+    NOT_SATURATED = 6   # soak: no hang, but the KV pool never got near full: inconclusive
     DEADLOCK = 10
     INTERRUPTED = 130
 

@@ -15,10 +15,13 @@ Conventions:
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from kvdiag.errors import ExitCode
 
 SCHEMA_VERSION = "1"
 
@@ -51,25 +54,63 @@ class VerdictKind(str, Enum):
     ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 5)
     NOT_PYTHON = "not_python"          # no Python interpreter in the target (exit 5)
     KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 5)
+    NO_EVIDENCE = "no_evidence"        # alive, but no tool could read a single thread (missing, failed) (exit 3)
+    NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
+
+    @property
+    def spec(self) -> KindSpec:
+        """Everything about this kind in one place: outcome, exit code, rank and display class."""
+        return KIND_SPECS[self]
 
     @property
     def is_hang(self) -> bool:
-        return self in _HANG_KINDS
+        return self.spec.outcome == "hang"
+
+    @property
+    def exit_code(self) -> int:
+        return self.spec.exit_code
 
 
-_HANG_KINDS = frozenset({
-    VerdictKind.GIL_CYCLE, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
-    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.UNKNOWN, VerdictKind.GIL_HELD_BLOCKED,
-})
+@dataclass(frozen=True)
+class KindSpec:
+    """One verdict kind's definition: adding a kind is one line in :data:`KIND_SPECS`."""
+
+    outcome: Literal["healthy", "hang", "engine_failed", "target_state", "no_evidence", "inconclusive"]
+    exit_code: int
+    rank: int          # severity: lower is worse; the overall verdict is the worst engine's
+    display: Literal["ok", "warn", "bad", "fail", "unk"]   # report colour class (HTML and terminal)
+
+
+_K = VerdictKind
+KIND_SPECS: dict[VerdictKind, KindSpec] = {
+    _K.GIL_CYCLE: KindSpec("hang", ExitCode.DEADLOCK, 0, "bad"),
+    _K.GIL_HELD_BLOCKED: KindSpec("hang", ExitCode.DEADLOCK, 1, "bad"),
+    _K.LOCK_ORDER_INVERSION: KindSpec("hang", ExitCode.DEADLOCK, 2, "bad"),
+    _K.LOST_WAKEUP: KindSpec("hang", ExitCode.DEADLOCK, 3, "bad"),
+    _K.BLOCKED_IPC_READ: KindSpec("hang", ExitCode.DEADLOCK, 4, "bad"),
+    _K.DECODE_STALL: KindSpec("hang", ExitCode.DEADLOCK, 5, "bad"),
+    _K.OOM: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 6, "fail"),
+    _K.CRASH: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 7, "fail"),
+    _K.UNKNOWN: KindSpec("hang", ExitCode.DEADLOCK, 8, "unk"),
+    _K.STOPPED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 9, "warn"),
+    _K.TRACED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 10, "warn"),
+    _K.NO_ACCESS: KindSpec("no_evidence", ExitCode.NO_ACCESS, 11, "warn"),
+    _K.NO_EVIDENCE: KindSpec("no_evidence", ExitCode.NO_ACCESS, 12, "warn"),
+    _K.EXITED: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 13, "unk"),
+    _K.ZOMBIE: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 14, "unk"),
+    _K.NOT_PYTHON: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 15, "unk"),
+    _K.KERNEL_THREAD: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 16, "unk"),
+    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 17, "warn"),
+    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 18, "warn"),
+    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 19, "ok"),
+}
+
+
+_HANG_KINDS = frozenset(k for k, spec in KIND_SPECS.items() if spec.outcome == "hang")
 # Outcomes about the target's state rather than its health: their own exit code, never 10.
-TARGET_STATE_KINDS = frozenset({VerdictKind.STOPPED, VerdictKind.TRACED})
-
-
+TARGET_STATE_KINDS = frozenset(k for k, spec in KIND_SPECS.items() if spec.outcome == "target_state")
 # Outcomes that say the evidence a verdict needs could not be had; never healthy, never a hang.
-NO_EVIDENCE_KINDS = frozenset({
-    VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
-    VerdictKind.KERNEL_THREAD,
-})
+NO_EVIDENCE_KINDS = frozenset(k for k, spec in KIND_SPECS.items() if spec.outcome == "no_evidence")
 
 
 class Confidence(str, Enum):
@@ -155,6 +196,7 @@ class FdInfo(_Model):
     inode: int | None = None
     proto: str | None = None         # "unix", "tcp", "tcp6", "udp" for sockets
     listening: bool = False          # a listening socket: waits for new clients, not for a peer
+    accepted: bool = False           # the server end of an accepted connection (waits for the next request)
     peer_inode: int | None = None
     peer_pids: list[int] = Field(default_factory=list)   # other processes holding the other end
     peer_comm: str | None = None
@@ -205,7 +247,8 @@ class TargetAccess(_Model):
 
     uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
     our_uid: int | None = None
-    ptrace_ok: bool = True           # /proc/PID/mem opened: ptrace-based tools may attach and read
+    ptrace_ok: bool = True           # /proc/PID/mem opened: kvdiag may read the target's memory
+    tracers_ok: bool = True          # py-spy, pystack and gdb (kvdiag's children) may attach too
     refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
     fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
     kernel_thread: bool = False
@@ -239,6 +282,7 @@ class ProcessEvidence(_Model):
     tracer_pid: int | None = None    # TracerPid when another debugger holds the process
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
+    signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
 
 
 class BannerInfo(_Model):
@@ -318,6 +362,31 @@ class SoakStats(_Model):
     # How the load phase ended, as the soak judgement (analyze) reads it.
     server_unreachable: bool = False  # an external server stopped answering during the load
     all_requests_failed: bool = False  # not one request succeeded: the soak tested nothing
+    # The load phase: duration_s is the time actually loaded; then requests in flight got up to
+    # drain_grace_s to finish (drain_s it took; drain_cut still in flight at its end, cancelled).
+    requested_duration_s: float | None = None
+    drain_s: float | None = None
+    drain_grace_s: float | None = None
+    drain_in_flight: int | None = None
+    drain_cut: int | None = None
+    # /metrics scrapes (own thread and timer): count, failures, longest time between two snapshots.
+    metrics_period_s: float | None = None
+    metrics_scrapes: int | None = None
+    metrics_failures: int | None = None
+    metrics_longest_gap_s: float | None = None
+    # Saturation: did the KV pool get near full, and if not, which side held the load back.
+    saturated: bool | None = None            # None: no KV usage gauge to judge from
+    kv_usage_peak: float | None = None
+    streams_requested: int | None = None
+    streams_in_flight_mean: float | None = None   # client side
+    server_running_peak: float | None = None
+    server_running_mean: float | None = None
+    server_waiting_peak: float | None = None
+    client_cpu: float | None = None          # kvdiag's load loop, share of one core
+    server_cpu: float | None = None          # the server's processes, cores
+    machine_cpu_busy: float | None = None    # all CPUs, 0..1
+    bottleneck: str | None = None            # "client", "server", "load" (only when not saturated)
+    saturation_note: str | None = None
 
 
 class Finding(_Model):
@@ -514,6 +583,7 @@ class Bundle(_Model):
     diagnosis: Diagnosis | None = None
     environment: EnvironmentRecord | None = None   # the machine it ran on (kvdiag.environment)
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
+    stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds (capture, analysis)
 
 
 class EvidenceItem(_Model):
@@ -536,6 +606,9 @@ class Verdict(_Model):
     # known upstream defect it matches.
     signature: str | None = None
     known: KnownDefect | None = None
+    # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
+    # evidence only, never timing noise (issue 17 item 6).
+    confidence_reasons: list[str] = Field(default_factory=list)
 
 
 class ABSide(_Model):
@@ -588,6 +661,7 @@ class Report(_Model):
     interrupted: bool = False        # the run was cut short; the report holds what it got
     environment: EnvironmentRecord | None = None
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
+    stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds
 
 
 Bundle.model_rebuild()

@@ -310,7 +310,7 @@ def redact_shapes(s: str, tally: Tally | None = None) -> str:
     """Only the shape rules (token formats, Bearer, URL credentials).
 
     Safe on already-rendered markup such as HTML, where the named rules could
-    not see through entity-escaped quotes; used there as a last line of defence.
+    not see through entity-escaped quotes.
     """
     p = _Pass(tally)
     out = _URL_CREDS.sub(p.url, s) if "://" in s else s

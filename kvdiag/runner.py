@@ -125,6 +125,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     event added to the timeline. Renderers read only the diagnosis stored in the bundle.
     """
     from kvdiag.analyze import diagnose
+    from kvdiag.analyze.soak import stall_to_verdict_s
     from kvdiag.bundle import write_bundle
     from kvdiag.redact import redact_bundle
     from kvdiag.report import render_run
@@ -132,6 +133,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
     diag = diagnose(red, runs)
     if verdict_t is not None:
+        red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)   # issue 17 item 7
         red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
     red.diagnosis = diag
     red = write_bundle(red, out_dir / "bundle")
@@ -248,6 +250,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
             except (Interrupted, KeyboardInterrupt) as exc:
                 interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
                 result = RunResult(run.watches, run.timeline, run.metrics, run.t0)
+                bundle.findings.extend(getattr(exc, "capture_findings", []))   # a target capture had to resume
             _fill_bundle(bundle, result)
             launched.copy_logs()
             if interrupted is None:

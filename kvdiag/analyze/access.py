@@ -19,8 +19,8 @@ _PERMISSION_WORDS = ("permission denied", "operation not permitted", "eperm", "e
                      "ptrace: operation not permitted", "not permitted")
 _STACK_TOOLS = ("py-spy", "pystack", "gdb")
 # When every process has an outcome, the group's verdict is the first of these that occurs.
-_ORDER = (VerdictKind.NO_ACCESS, VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.KERNEL_THREAD,
-          VerdictKind.NOT_PYTHON)
+_ORDER = (VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE, VerdictKind.EXITED, VerdictKind.ZOMBIE,
+          VerdictKind.KERNEL_THREAD, VerdictKind.NOT_PYTHON)
 
 
 def _gone(proc: ProcessEvidence, findings: list[Finding]) -> bool:
@@ -69,16 +69,31 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
         return VerdictKind.ZOMBIE
     if _gone(proc, findings):
         return VerdictKind.EXITED
-    if (a is not None and not a.ptrace_ok) or _tools_refused(proc):
+    if (a is not None and not (a.ptrace_ok and a.tracers_ok)) or _tools_refused(proc):
         return VerdictKind.NO_ACCESS
     if a is not None and a.python is False:
         return VerdictKind.NOT_PYTHON
+    if not proc.threads:
+        # Alive, readable, and yet not one thread was read (every tool missing, failing or timing out):
+        # nothing to judge, and certainly not health.
+        return VerdictKind.NO_EVIDENCE
     return None
 
 
 def judgeable(procs: list[ProcessEvidence], findings: list[Finding]) -> list[ProcessEvidence]:
-    """The processes whose evidence the hang rules may judge."""
-    return [p for p in procs if process_outcome(p, findings) is None]
+    """The processes whose evidence the hang rules may judge.
+
+    A process whose stacks were refused but whose memory kvdiag could read (it started the process;
+    Yama keeps only the tools out) still has real evidence (GIL holder, mutex owners from /proc):
+    a hang found there stands. Health is never claimed for it (:func:`evidence_outcome`).
+    """
+    out = []
+    for p in procs:
+        kind = process_outcome(p, findings)
+        if kind is None or (kind is VerdictKind.NO_ACCESS and p.access is not None and p.access.ptrace_ok
+                            and p.threads):
+            out.append(p)
+    return out
 
 
 def _label(proc: ProcessEvidence) -> str:
@@ -104,6 +119,20 @@ def _no_access(name: str, procs: list[ProcessEvidence], engine: str | None) -> V
                    summary=(f"{name}: no access: kvdiag may not read {_label(first)}{others}: {why}. "
                             f"Fix: {fixes[0]}. Nothing was judged: the stacks a verdict needs could not be "
                             "read (what /proc shows is listed as partial evidence)"))
+
+
+def _no_evidence(name: str, procs: list[ProcessEvidence], engine: str | None) -> Verdict:
+    first = procs[0]
+    why = "; ".join(f"{t.tool}: {t.error}" for t in first.tools if not t.ok and t.error) or "no capture tool ran"
+    findings = [Finding(kind="no_evidence", pid=p.pid, engine=engine,
+                        message=f"pid {p.pid}: no thread could be read: "
+                                + ("; ".join(f"{t.tool}: {t.error}" for t in p.tools if not t.ok and t.error)
+                                   or "no capture tool ran")) for p in procs]
+    others = f" (and {len(procs) - 1} more process{'es' if len(procs) > 2 else ''})" if len(procs) > 1 else ""
+    return Verdict(kind=VerdictKind.NO_EVIDENCE, confidence=Confidence.HIGH, engine=engine, findings=findings,
+                   summary=(f"{name}: no evidence: not one thread of {_label(first)}{others} could be read ({why}). "
+                            "Nothing was judged: install the missing tools or use --tools with the ones that "
+                            "work (kvdiag doctor lists them), then capture again"))
 
 
 def _single(kind: VerdictKind, name: str, proc: ProcessEvidence, engine: str | None) -> Verdict:
@@ -141,6 +170,9 @@ def evidence_outcome(name: str, procs: list[ProcessEvidence], findings: list[Fin
     refused = [p for p in procs if outcomes[p.pid] is VerdictKind.NO_ACCESS]
     if refused:
         return _no_access(name, refused, engine)
+    unread = [p for p in procs if outcomes[p.pid] is VerdictKind.NO_EVIDENCE]
+    if unread:
+        return _no_evidence(name, unread, engine)
     if any(o is None for o in outcomes.values()):
         return None
     for kind in _ORDER:

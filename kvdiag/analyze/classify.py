@@ -70,6 +70,7 @@ class ThreadView:
     wait_forever: bool = False         # poll/epoll/select with no timeout
     blocked_fds: list[FdInfo] = field(default_factory=list)
     asyncio_loop: bool = False         # the thread runs an asyncio event loop (its frames say so)
+    shared_futex: bool = False         # a futex wait without FUTEX_PRIVATE_FLAG: another process may wake it
 
     @property
     def label(self) -> str:
@@ -139,6 +140,9 @@ def _idle_by_design(th: ThreadEvidence, frames_all: list[Frame]) -> bool:
             return True
         text = f"{f.name} {f.file or ''}"
         if any(s in text for s in v.IDLE_FRAME_SUBSTR):
+            return True
+        if f.kind == "python" and f.file and (tuple(f.file.rsplit("/", 2)[-2:]), f.name.rsplit(".", 1)[-1]) in \
+                v.IDLE_PY_FRAMES:
             return True
     return False
 
@@ -241,6 +245,10 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         view.wait_forever = th.wait_timeout_ms < 0
         view.timed = view.timed or th.wait_timeout_ms >= 0
     view.blocked_fds = list(th.blocked_fds)
+    op = _futex_op(th.syscall) if nr is not None and nr in sysnames["futex"] else None
+    # multiprocessing's Lock/Semaphore/Event/Condition live in shared memory: another process posts them.
+    view.shared_futex = (op is not None and not op & _FUTEX_PRIVATE_FLAG) or any(
+        f.kind == "python" and (f.file or "").endswith("multiprocessing/synchronize.py") for f in frames_all[:40])
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:
@@ -266,6 +274,17 @@ def _is_timed(th: ThreadEvidence, segments: list[list[Frame]], kind: WaitKind | 
     if kind in (WaitKind.GIL_WAIT, WaitKind.EVENT_WAIT, WaitKind.SLEEP):
         return False
     return any(m in f.name for seg in segments for f in seg[:8] for m in _TIMED_MARKERS)
+
+
+_FUTEX_PRIVATE_FLAG = 128
+
+
+def _futex_op(raw: str | None) -> int | None:
+    parts = (raw or "").split()
+    try:
+        return int(parts[2], 16) if len(parts) > 2 else None
+    except ValueError:
+        return None
 
 
 def _futex_cmd(raw: str | None) -> int | None:

@@ -3,7 +3,8 @@
 Three layers, each read only from the bundle (no I/O, no clock):
 - the per-engine verdicts and the overall verdict (:func:`kvdiag.analyze.analyze_by_engine`);
 - the run-level judgement: an interrupted run, and what a soak's load phase said (a server
-  that stopped answering, a load where every request failed);
+  that stopped answering, a load where every request failed, a load that never saturated the
+  KV pool: :mod:`kvdiag.analyze.soak`);
 - for ``kvdiag ab``, the comparison of the two nested runs (their bundles are passed in).
 
 The run stores the result in ``bundle.diagnosis``; ``kvdiag report`` renders that, and
@@ -15,10 +16,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.analyze.health import engine_health
+from kvdiag.analyze.soak import saturation_verdict
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
-    NO_EVIDENCE_KINDS,
-    TARGET_STATE_KINDS,
     ABComparison,
     ABSide,
     Bundle,
@@ -33,17 +33,10 @@ AB_SIDES = ("stock", "fixed")
 
 
 def exit_code_for(verdict: Verdict) -> int:
-    """The contract's exit code: 10 hang/deadlock, 4 crash or OOM, 3 no access, 5 nothing to judge (a
-    stopped/traced target, or one that exited, is a zombie, runs no Python or is a kernel thread), 0 otherwise."""
-    if verdict.kind is VerdictKind.NO_ACCESS:
-        return ExitCode.NO_ACCESS
-    if verdict.kind in NO_EVIDENCE_KINDS:
-        return ExitCode.NOT_DIAGNOSABLE
-    if verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM):
-        return ExitCode.ENGINE_FAILED
-    if verdict.kind in TARGET_STATE_KINDS:
-        return ExitCode.TARGET_STOPPED
-    return ExitCode.DEADLOCK if verdict.kind.is_hang else ExitCode.OK
+    """The contract's exit code, as the verdict kind defines it (``KIND_SPECS`` in kvdiag.model): 10 hang,
+    4 crash or OOM, 3 no access or no evidence read, 5 nothing to judge (stopped/traced, exited, zombie,
+    not Python, kernel thread), 6 a soak that never saturated, 0 otherwise."""
+    return verdict.kind.exit_code
 
 
 def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:
@@ -74,6 +67,10 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
         elif soak.all_requests_failed:
             code = ExitCode.FAILED
             notes.append("every request failed: the soak tested nothing (exit 1)")
+        elif soak.saturated is False and not soak.stalled:
+            verdict = saturation_verdict(verdict, soak)
+            code = exit_code_for(verdict)
+            notes.append("no stall, but the KV cache never got near full: inconclusive (exit 6)")
     return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes)
 
 

@@ -15,7 +15,8 @@ from kvdiag.model import EnginePhase, EngineRecord, Verdict, VerdictKind
 @dataclass(frozen=True)
 class EngineHealth:
     healthy: bool
-    line: str        # "yes", "no (gil_cycle; /health still answered)", ...
+    line: str        # "yes", "no (gil cycle; /health still answered)", ...
+    note: str | None = None   # what the probe said when it matters: "/health still answered", ...
 
 
 def engine_health(rec: EngineRecord, verdict: Verdict | None) -> EngineHealth:
@@ -26,12 +27,15 @@ def engine_health(rec: EngineRecord, verdict: Verdict | None) -> EngineHealth:
         ok = answered and rec.phase not in (EnginePhase.STALLED, EnginePhase.EXITED)
         if ok:
             return EngineHealth(True, "yes")
-        return EngineHealth(False, "no (/health still answered)" if answered else "no")
+        if answered:
+            return EngineHealth(False, "no (/health still answered)", "/health still answered")
+        return EngineHealth(False, "no")
     if verdict.kind is VerdictKind.HEALTHY:
         if probed and not answered:
-            return EngineHealth(True, "yes (no hang evidence; /health did not answer at the end)")
+            return EngineHealth(True, "yes (no hang evidence; /health did not answer at the end)",
+                                "/health did not answer at the end")
         return EngineHealth(True, "yes")
     why = verdict.kind.value.replace("_", " ")
     if answered:
-        return EngineHealth(False, f"no ({why}; /health still answered)")
+        return EngineHealth(False, f"no ({why}; /health still answered)", "/health still answered")
     return EngineHealth(False, f"no ({why})")

@@ -34,12 +34,8 @@ from kvdiag.model import (
 from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
-SEVERITY: tuple[VerdictKind, ...] = (
-    VerdictKind.GIL_CYCLE, VerdictKind.GIL_HELD_BLOCKED, VerdictKind.LOCK_ORDER_INVERSION, VerdictKind.LOST_WAKEUP,
-    VerdictKind.BLOCKED_IPC_READ, VerdictKind.DECODE_STALL, VerdictKind.OOM, VerdictKind.CRASH,
-    VerdictKind.UNKNOWN, VerdictKind.STOPPED, VerdictKind.TRACED, VerdictKind.NO_ACCESS, VerdictKind.EXITED,
-    VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON, VerdictKind.KERNEL_THREAD, VerdictKind.SLOW_START, VerdictKind.HEALTHY,
-)
+# Worst first; each kind's rank is part of its one definition (KIND_SPECS in kvdiag.model).
+SEVERITY: tuple[VerdictKind, ...] = tuple(sorted(VerdictKind, key=lambda k: k.spec.rank))
 KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
 _OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|\bOOM\b|oom[-_ ]kill|"
@@ -200,6 +196,8 @@ def peer_phrase(info: FdInfo) -> str:
     if info.peer_pids:
         more = f" (+{len(info.peer_pids) - 1})" if len(info.peer_pids) > 1 else ""
         what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
+    elif info.kind == "socket" and info.proto in ("tcp", "tcp6", "udp"):
+        what += " (peer: no process on this host; a remote peer)"
     elif info.kind in ("socket", "pipe"):
         what += " (no process holds the other end)"
     return what
@@ -218,16 +216,16 @@ def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: st
     findings = [Finding(kind="mechanism", pid=proc.pid, engine=engine, message=inner.kind.value)] if inner else []
     evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine)
                                                          for t in views[:2]]
-    if stopped:
+    if stopped and proc.tracer_pid is None:
         return Verdict(kind=VerdictKind.STOPPED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                        findings=findings, cycle=inner.cycle if inner else [],
                        summary=(f"{_where(proc)} is stopped (SIGSTOP, job control or a debugger): none of its "
                                 f"threads can run until it gets SIGCONT; capture left it stopped{also}"))
     return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                    findings=findings, cycle=inner.cycle if inner else [],
-                   summary=(f"{_where(proc)} is traced by pid {proc.tracer_pid} (another debugger or strace): "
-                            f"kvdiag's ptrace tools cannot attach and the tracer may be holding it; left as found"
-                            f"{also}"))
+                   summary=(f"{_where(proc)} is traced by pid {proc.tracer_pid} (another debugger or strace)"
+                            f"{' and stopped by it' if stopped else ''}: kvdiag's ptrace tools cannot attach and "
+                            f"the tracer may be holding it; left as found{also}"))
 
 
 def _gil_waiters(views: list[ThreadView], holder: ThreadView) -> list[ThreadView]:
@@ -368,13 +366,36 @@ def _user_lock_frame(t: ThreadView) -> int | None:
     return None
 
 
-def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView]) -> list[ThreadView]:
-    """Threads that could still act: running, woken during the window, or in a wait that ends by itself
-    (timed waits, sleeps, waits for the outside world)."""
+# Signals whose handlers are crash reporters or the interpreter's default (SIGINT), not a wake-up path.
+_NOT_A_WAKEUP = frozenset({2, 4, 5, 6, 7, 8, 11, 31, 32, 33})   # 32, 33: glibc-internal (cancel, setxid)
+
+
+def wake_signals(proc: ProcessEvidence | None) -> list[int]:
+    """Signals the process catches that a service uses to be told something (SIGTERM, SIGHUP, SIGUSR1...)."""
+    if proc is None or not proc.signals_caught:
+        return []
+    return [n for n in proc.signals_caught if n not in _NOT_A_WAKEUP]
+
+
+def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView],
+                         proc: ProcessEvidence | None = None) -> list[ThreadView]:
+    """Threads that could still act: running, woken during the window, in a wait that ends by itself
+    (timed waits, sleeps, waits for the outside world), on a futex another process can wake, or the
+    main thread of a process with a signal handler installed (Python runs handlers there, and a
+    handler that sets an Event or notifies is how daemons wait for SIGTERM)."""
     skip = {t.tid for t in exclude}
-    return [t for t in views if t.tid not in skip and not t.idle_by_design and (
-        t.running or t.woke or (t.timed and t.kind is not WaitKind.GIL_WAIT)
-        or t.kind in (WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP, WaitKind.UNKNOWN))]
+    handler = bool(wake_signals(proc))
+    # An idle-by-design thread (a pool's result handler, an I/O thread) counts only when it can move.
+    moving = (WaitKind.EVENT_WAIT, WaitKind.IO_READ, WaitKind.SLEEP)
+    out = [t for t in views if t.tid not in skip and (
+        t.running or t.woke or (t.timed and t.kind is not WaitKind.GIL_WAIT) or t.shared_futex
+        or t.kind in moving or (t.kind is WaitKind.UNKNOWN and not t.idle_by_design))]
+    # Without /proc the handlers are unknown: a main thread waiting on an Event/Condition (not a join)
+    # may be waiting for one.
+    unknown = proc is None or proc.signals_caught is None
+    out += [t for t in views if t.is_main and t not in out and t.kind in (WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT)
+            and any(f.kind == "python" for f in t.frames) and (handler or (unknown and t.py_wait == "py_cond"))]
+    return out
 
 
 def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
@@ -382,11 +403,12 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     """Python locks record no owner: when two or more threads block, untimed, acquiring different locks
     from their own code and no thread can still act, each must hold what another wants (inferred)."""
     waiters = [t for t in views if t.kind in (WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT) and not t.timed
-               and not t.running and not t.woke and not t.idle_by_design and _user_lock_frame(t) is not None]
+               and not t.running and not t.woke and not t.idle_by_design and not t.shared_futex
+               and _user_lock_frame(t) is not None]
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
     if len(waiters) < 2 or (addrs and len(addrs) < 2):
         return None
-    if _possible_signallers(views, waiters) or any(t.kind is WaitKind.GIL_WAIT for t in views):
+    if _possible_signallers(views, waiters, proc) or any(t.kind is WaitKind.GIL_WAIT for t in views):
         return None
     lines = []
     for t in waiters:
@@ -454,6 +476,15 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
     return rule_python_lock_inversion(proc, views, engine)
 
 
+def _awaits_orders(t: ThreadView, proc: ProcessEvidence) -> bool:
+    """The read waits for the next request or command, not for a reply: every connection it waits on
+    is the server end of an accepted connection, or leads to the process's parent (a worker waiting
+    for its next task)."""
+    conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
+    return bool(conns) and all(f.accepted or (proc.ppid is not None and f.peer_pids == [proc.ppid])
+                               for f in conns)
+
+
 def _loop_parked(t: ThreadView, pid: int) -> list[FdInfo] | None:
     """An event loop waiting with no timeout on connections only (no listening socket, no timer):
     the connected sockets/pipes it waits on, each with a peer, else None."""
@@ -471,8 +502,9 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     if proc.progress is not None and proc.progress.advanced:
         return None   # it wrote its log or did I/O during the window: something still moves
     readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read
-               and not t.woke]
-    loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and (fds := _loop_parked(t, proc.pid))]
+               and not t.woke and not _awaits_orders(t, proc)]
+    loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and not _awaits_orders(t, proc)
+             and (fds := _loop_parked(t, proc.pid))]
     if not readers and loops and not _possible_signallers(views, [t for t, _ in loops]):
         t, fds = loops[0]
         what = "asyncio event loop" if t.asyncio_loop else "event loop"
@@ -511,13 +543,13 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
     if proc.progress is not None and proc.progress.advanced:
         return None   # it wrote its log or did I/O during the window
     live = [t for t in views if not t.idle_by_design]
-    waiters = [t for t in live if not t.running and not t.timed and not t.woke and (
+    waiters = [t for t in live if not t.running and not t.timed and not t.woke and not t.shared_futex and (
         t.kind is WaitKind.COND_WAIT or t.kind is WaitKind.FUTEX_WAIT
         or (t.kind is WaitKind.PY_LOCK_WAIT and t.py_wait == "py_cond"))]
     if not waiters:
         return None
     # A thread in a timed wait, or one that woke during the window, may still signal.
-    if _possible_signallers(live, waiters):
+    if _possible_signallers(views, [w for w in waiters if not w.is_main], proc):
         return None
     waiters.sort(key=lambda t: (t.is_main, t.tid))   # the main thread is usually the one joining
     native = [t for t in waiters if t.kind is WaitKind.COND_WAIT]
@@ -539,8 +571,10 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
 
 
 def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
-    if proc.progress is not None and proc.progress.advanced:
-        return None
+    if proc.progress is not None and (proc.progress.advanced or len(set(proc.progress.gil_holders)) > 1):
+        return None   # it did I/O, or the GIL changed hands during the window
+    if any(t.woke for t in views):
+        return None   # a thread that woke may be the holder we could not name
     waiters = [t for t in views if t.kind is WaitKind.GIL_WAIT]
     if waiters and not any(t.running for t in views):
         holder = _pick_holder(views)
@@ -555,8 +589,39 @@ def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: s
     return None
 
 
+_INTERNAL_WAITS = (WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT)
+
+
+def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    """No rule named the shape, but every thread waits, untimed and unwoken, on something only another
+    waiting thread of this process could release (a lock it holds itself, a join of a blocked thread,
+    a Python lock with no owner field): hung, kind unknown."""
+    if proc.progress is not None and proc.progress.advanced:
+        return None
+    live = [t for t in views if not t.idle_by_design]
+    if not live or not all(t.kind in _INTERNAL_WAITS and not t.timed and not t.woke and not t.running
+                           and not t.shared_futex for t in live):
+        return None
+    if _possible_signallers(views, [], proc):
+        return None
+    if not any(t.has_frames or t.wait_addr for t in live):
+        return None      # the kernel's view alone cannot tell a lock from an idle futex
+    live.sort(key=lambda t: (t.is_main, _user_lock_frame(t) is None, t.tid))   # the application's own wait first
+    self_held = [t for t in live if t.kind is WaitKind.MUTEX_WAIT and t.wait_addr and t.owner_tid is None
+                 and len(live) == 1]
+    what = (f"{live[0].label} waits for a lock that only it could release" if len(live) == 1 else
+            f"all {len(live)} threads wait, with no timeout, on locks, condition variables or joins that only "
+            f"another of them could release")
+    evidence = [_item(t, f"{_WAIT_WORDS.get(t.kind, 'blocked')} (no timeout, no wakeup)", engine) for t in live[:4]]
+    return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.MEDIUM if not self_held else Confidence.LOW,
+                   engine=engine, evidence=evidence,
+                   summary=(f"pid {proc.pid} cannot make progress: {what}{where(live[0])}; no thread runs, woke, "
+                            f"waits with a timeout or for the outside world, and no signal handler could end "
+                            f"a wait"))
+
+
 PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown)
+                 rule_stuck_unknown, rule_nothing_can_move)
 
 
 def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> Verdict | None:
@@ -749,10 +814,42 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     if e is not None and e.phase in _STARTING and not e.healthy:
         return done(Verdict(kind=VerdictKind.SLOW_START, confidence=Confidence.LOW,
                             summary=f"{name}: still starting (phase {e.phase.value}), no hang evidence"))
-    running = _any_running(procs, machine)
+    conf, reasons = healthy_confidence(e, procs, bundle)
     if procs:
-        detail = "threads are running" if running else "threads are idle in normal waits"
-        return done(Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.MEDIUM if running else Confidence.LOW,
+        detail = "threads are running" if _any_running(procs, machine) else "threads are idle in normal waits"
+        return done(Verdict(kind=VerdictKind.HEALTHY, confidence=conf, confidence_reasons=reasons,
                             summary=f"{name}: no hang evidence ({detail})"))
     state = "serving" if e is not None and (e.healthy or e.phase is EnginePhase.SERVING) else "no hang seen"
-    return done(Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.MEDIUM, summary=f"{name}: {state}"))
+    return done(Verdict(kind=VerdictKind.HEALTHY, confidence=conf, confidence_reasons=reasons,
+                        summary=f"{name}: {state}"))
+
+
+def healthy_confidence(e: EngineRecord | None, procs: list[ProcessEvidence],
+                       bundle: Bundle) -> tuple[Confidence, list[str]]:
+    """How sure a healthy verdict is, from evidence alone, and why.
+
+    Whether a thread happened to be on a CPU when it was sampled is timing noise (an idle
+    engine and a busy one are equally healthy), so it never counts. What counts: the engine
+    answered its probe, tokens kept flowing under load, and captured stacks that show no hang
+    (lowered when a capture tool failed). Two independent witnesses: high; one: medium; none: low.
+    """
+    plus: list[str] = []
+    minus: list[str] = []
+    if e is not None and (e.healthy or e.phase is EnginePhase.SERVING):
+        plus.append("the engine answered its readiness/health probe")
+    soak = bundle.soak
+    if soak is not None and not soak.stalled and soak.tokens > 0 and soak.requests_ok > 0:
+        plus.append(f"tokens kept flowing under load ({soak.tokens} tokens, {soak.requests_ok} requests)")
+    if procs:
+        failed = sorted({t.tool for p in procs for t in p.tools if not t.ok})
+        if failed and not any(t.ok and t.tool != "proc" for p in procs for t in p.tools):
+            minus.append(f"no stack tool succeeded ({', '.join(failed)})")
+        else:
+            plus.append(f"the stacks of {len(procs)} captured process(es) show no hang pattern")
+    else:
+        minus.append("no stacks were captured")
+    if e is None and not procs:
+        minus.append("no engine record and no probe")
+    level = len(plus)
+    conf = Confidence.HIGH if level >= 2 else Confidence.MEDIUM if level == 1 else Confidence.LOW
+    return conf, [f"+ {r}" for r in plus] + [f"- {r}" for r in minus]

@@ -7,6 +7,8 @@ from kvdiag.model import Verdict
 
 def format_verdict(verdict: Verdict, by_engine: dict[str, Verdict] | None = None, max_frames: int = 12) -> str:
     lines = [f"verdict: {verdict.kind.value} (confidence {verdict.confidence.value})", f"  {verdict.summary}"]
+    if verdict.confidence_reasons:
+        lines.append(f"  confidence {verdict.confidence.value}: " + "; ".join(verdict.confidence_reasons))
     if verdict.signature:
         lines.append(f"  signature: {verdict.signature}")
     if verdict.known is not None:

@@ -127,6 +127,8 @@ IDLE_FRAME_NAMES = frozenset({"blas_thread_server", "gomp_thread_start", "gomp_t
                               "Queue._feed", "_python_exit", "cuEventSynchronize_monitor"})
 IDLE_FRAME_SUBSTR = ("__kmp_", "blas_thread", "gloo::", "zmq::", "tqdm/_monitor", "monitor_death_pipe",
                      "start_worker_monitor", "resource_tracker")
+# (last two path components, function) of Python frames that are a worker's wait for its next task.
+IDLE_PY_FRAMES = frozenset({(("multiprocessing", "pool.py"), "worker")})
 IDLE_PROCESS_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
                         "multiprocessing.semaphore_tracker")
 
@@ -209,6 +211,17 @@ _BINDING_GLUE = ("nanobind::detail::", "nanobind::gil_scoped", "nanobind::cpp_fu
                  "std::__invoke", "std::thread::_State", "std::thread::_Invoker", "execute_native_thread_routine")
 
 
+# The C++ standard library: never "the project's" frame, whatever library it was inlined into.
+_STL = ("std::", "__gnu_cxx::", "__cxxabiv1::", "__cxx11::")
+
+
+def _qualified(name: str) -> str:
+    """``std::__invoke_impl`` from ``bool std::__invoke_impl<bool, ...>(...)``: the name without its
+    return type, template arguments and parameters."""
+    bare = _drop_brackets(_drop_brackets(name, "<", ">", ""), "(", ")", "")
+    return bare.split()[-1] if bare.split() else bare
+
+
 def is_binding_glue(frame: Frame) -> bool:
     """pybind11/nanobind/std::function plumbing between Python and the application's C++."""
     return frame.kind == "native" and frame.name.startswith(_BINDING_GLUE)
@@ -218,7 +231,7 @@ def is_system_frame(frame: Frame) -> bool:
     """libc, the interpreter, binding glue, wait primitives and unnamed frames: not the application's code."""
     if frame.kind == "python":
         return False
-    if frame.name.startswith(_BINDING_GLUE):
+    if frame.name.startswith(_BINDING_GLUE) or _qualified(frame.name).startswith(_STL):
         return True
     if frame.name in ("???", "??", "") or frame.name.startswith("0x"):
         return True

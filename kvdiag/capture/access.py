@@ -4,10 +4,13 @@ Quick and read-only: nothing here attaches to, signals or pauses the target.
 The decisive test is opening ``/proc/PID/mem`` for reading: the kernel runs the
 same check as for a ptrace attach (owner uid against ours, CAP_SYS_PTRACE, the
 Yama LSM's ``ptrace_scope``), so a refusal here means py-spy, pystack and gdb
-would be refused too. The facts around it (who owns the target, the scope,
-our capabilities, a container, seccomp) explain *why* and pick the fix.
+would be refused too. One refusal it cannot see: under Yama's scope 1 kvdiag
+may read an engine it started (its ancestor) while the tools, kvdiag's
+children, may not attach; the scope says so (``tracers_ok``). The facts around
+it (who owns the target, the scope, our capabilities, a container, seccomp)
+explain *why* and pick the fix.
 
-Public API, also used by ``kvdiag doctor``:
+Public API (small, for ``kvdiag doctor`` and the capture orchestrator):
 
 - :func:`host_ptrace_facts` — the host-wide facts (scope, capability, container, seccomp), which are
   the environment record's (:mod:`kvdiag.environment.ptrace`);
@@ -242,6 +245,14 @@ def check_target(pid: int) -> TargetAccess:
         access.ptrace_ok = False
         _explain(pid, err, access.uid, facts, euid, access)
         return access
+    if facts.yama_ptrace_scope == 1 and not facts.cap_sys_ptrace:
+        # kvdiag may read a process it started (its ancestor), but the stack tools are kvdiag's children:
+        # siblings of the target, never its ancestors, so Yama refuses their attach.
+        access.tracers_ok = False
+        access.refused.append(f"kernel.yama.ptrace_scope=1 ({_SCOPE_MEANING[1]}): py-spy, pystack and gdb run as "
+                              f"kvdiag's children, never ancestors of pid {pid}, so they may not attach")
+        access.fixes.append(_sudo_line(pid))
+        access.fixes.append("or allow tracing your own processes until reboot: sudo sysctl kernel.yama.ptrace_scope=0")
     access.python = runs_python(pid)
     return access
 

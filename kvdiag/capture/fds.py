@@ -240,6 +240,8 @@ class FdResolver:
         if info.inode in self._table.unix:
             listening, path = self._table.unix[info.inode]
             info.proto, info.listening, info.address = "unix", listening, path or None
+            # /proc/net/unix shows the listener's path on accepted sockets, none on the client end
+            info.accepted = not listening and bool(path)
             info.peer_inode = self._table.unix_peer.get(info.inode)
             return
         if info.inode in self._table.tcp:
@@ -250,4 +252,8 @@ class FdResolver:
                 peer = next((ino for ino, (p, loc, rem, _) in self._table.tcp.items()
                              if p == proto and loc == remote and rem == local), None)
                 info.peer_inode = peer
+                ip, _, port = local.rpartition(":")
+                info.accepted = any(st2 == _TCP_LISTEN and p2 == proto and loc2.rpartition(":")[2] == port and
+                                    loc2.rpartition(":")[0] in (ip, "0.0.0.0", "::")
+                                    for p2, loc2, _r, st2 in self._table.tcp.values())
 

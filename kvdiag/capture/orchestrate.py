@@ -15,8 +15,13 @@ process group and is killed at the deadline; a backend thread that is still
 stuck then is abandoned (daemon) and reported.
 
 Read-only guarantee: the state, tracer and task list of every target are
-read before and after; a target left traced or stopped is a bug we report
-(and a stopped one is resumed with SIGCONT, as it was running before).
+read before and after; a target left traced or stopped is a bug we report.
+Never left stopped: a ptrace tool killed mid-attach (its SIGSTOP not yet
+consumed) leaves the target stopped once the kernel detaches it. After every
+ptrace tool, after the whole capture and when a capture is interrupted, each
+target whose process or threads are stopped now but were not when found is
+resumed with SIGCONT and the report says so (``capture_left_stopped``); a
+target that was already stopped when found is left as found.
 
 Bound: :func:`capture_processes` returns within ``timeout_s + CAPTURE_SLACK_S``; as every process
 has its own chain and the chains run at once, the time does not grow with the number of processes
@@ -40,6 +45,7 @@ from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, list_tids, read_status
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend, gdb_all_symbols, pyspy_nonblocking
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
+from kvdiag.proc import read_stat
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
 DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
@@ -79,6 +85,11 @@ class _Before:
     state: str = ""
     tracer: int = 0
     tids: list[int] = field(default_factory=list)
+    stopped_tids: frozenset[int] = frozenset()    # threads in T/t (stopped or tracing stop)
+
+    @property
+    def any_stopped(self) -> bool:
+        return _stopped(self.state) or bool(self.stopped_tids)
 
 
 def _observe(pid: int) -> _Before:
@@ -86,25 +97,82 @@ def _observe(pid: int) -> _Before:
     if not st:
         return _Before(exists=False)
     tracer = st.get("TracerPid", "0")
-    return _Before(True, st.get("State", "?")[:1], int(tracer) if tracer.isdigit() else 0, list_tids(pid))
+    tids = list_tids(pid)
+    stopped = frozenset(tid for tid in tids
+                        if (ts := read_stat(pid, tid)) is not None and _stopped(ts.state))
+    return _Before(True, st.get("State", "?")[:1], int(tracer) if tracer.isdigit() else 0, tids, stopped)
 
 
 def _stopped(code: str) -> bool:
     return code in ("T", "t")
 
 
-def verify_untouched(pid: int, before: _Before, settle_s: float = 1.0) -> list[Finding]:
-    """Findings when capture left ``pid`` traced, stopped or short of threads; resumes a stop we caused."""
+def resume_if_left_stopped(pid: int, before: _Before, settle_s: float = 1.0,
+                           watch_s: float = 0.0) -> Finding | None:
+    """SIGCONT ``pid`` when capture left it (or one of its threads) stopped; None when it is fine.
+
+    Only a process that was running when found is resumed: one that was already stopped (a
+    user's SIGSTOP, job control) is left as found. A tracer still attached is given ``settle_s``
+    to go (a tool killed mid-attach is detached as the kernel reaps it); one that stays is
+    reported by :func:`verify_untouched`, never fought over. ``watch_s``: after a tool was killed,
+    how long to keep looking for the stop to appear (the detached target runs briefly before the
+    SIGSTOP the tool's attach sent takes effect).
+    """
+    if not before.exists or before.any_stopped:
+        return None
+    # One check-and-resume at a time: a chain thread and an interrupted capture may both look.
+    with _RESUME_LOCK:
+        return _resume_if_left_stopped(pid, settle_s, watch_s)
+
+
+_RESUME_LOCK = threading.Lock()
+
+
+def _resume_if_left_stopped(pid: int, settle_s: float, watch_s: float) -> Finding | None:
+    start = time.monotonic()
+    after = _observe(pid)
+    while after.exists and time.monotonic() - start < max(settle_s, watch_s):
+        if after.any_stopped and not after.tracer:
+            break
+        if not after.any_stopped and time.monotonic() - start >= watch_s:
+            break
+        time.sleep(0.02)
+        after = _observe(pid)
+    if not after.exists or not after.any_stopped or after.tracer:
+        return None
+    what = (f"process {pid}" if _stopped(after.state) else
+            f"{len(after.stopped_tids)} thread(s) of process {pid}")
+    try:
+        os.kill(pid, signal.SIGCONT)
+    except OSError as exc:
+        return Finding(kind="capture_left_stopped", pid=pid,
+                       message=f"{what} stopped after capture (a debugger killed mid-attach); "
+                               f"could not resume it: {exc}")
+    # Bounded check that it runs again (SIGCONT resumes every thread of a stopped process).
+    end = time.monotonic() + settle_s
+    again = _observe(pid)
+    while again.exists and again.any_stopped and time.monotonic() < end:
+        time.sleep(0.02)
+        again = _observe(pid)
+    how = "kvdiag resumed it with SIGCONT" if not (again.exists and again.any_stopped) else \
+        "kvdiag sent SIGCONT but it is still stopped"
+    return Finding(kind="capture_left_stopped", pid=pid,
+                   message=f"{what} was left stopped after capture (a debugger killed mid-attach); {how}")
+
+
+def verify_untouched(pid: int, before: _Before, settle_s: float = 1.0,
+                     resumed: Finding | None = None) -> list[Finding]:
+    """Findings when capture left ``pid`` traced, stopped or short of threads; resumes a stop we caused.
+
+    ``resumed``: a stop already undone during this capture (after one of its tools), reported once.
+    """
     findings: list[Finding] = []
     if not before.exists:
         return findings
     deadline = time.monotonic() + settle_s
     after = _observe(pid)
     # A tool killed mid-attach detaches as the kernel reaps it; give that a moment.
-    while after.exists and ((after.tracer and not before.tracer) or (_stopped(after.state) and not
-                                                                      _stopped(before.state))):
-        if time.monotonic() >= deadline:
-            break
+    while after.exists and after.tracer and not before.tracer and time.monotonic() < deadline:
         time.sleep(0.02)
         after = _observe(pid)
     if not after.exists or (after.state in ("Z", "X") and before.state not in ("Z", "X")):
@@ -114,14 +182,9 @@ def verify_untouched(pid: int, before: _Before, settle_s: float = 1.0) -> list[F
     if after.tracer and not before.tracer:
         findings.append(Finding(kind="capture_left_traced", pid=pid,
                                 message=f"process {pid} is still ptrace-attached by pid {after.tracer} after capture"))
-    if _stopped(after.state) and not _stopped(before.state) and not after.tracer:
-        try:
-            os.kill(pid, signal.SIGCONT)
-            how = "resumed it with SIGCONT"
-        except OSError as exc:
-            how = f"could not resume it: {exc}"
-        findings.append(Finding(kind="capture_left_stopped", pid=pid,
-                                message=f"process {pid} was left stopped after capture; {how}"))
+    left = resume_if_left_stopped(pid, before, settle_s=max(0.0, deadline - time.monotonic()))
+    if left is not None or resumed is not None:
+        findings.append(left or resumed)  # type: ignore[arg-type]
     gone = sorted(set(before.tids) - set(after.tids))
     if gone:
         findings.append(Finding(kind="threads_exited", pid=pid,
@@ -138,7 +201,7 @@ def _skip_reason(access: TargetAccess, backend: CaptureBackend) -> str | None:
         return f"{backend.name} skipped: a kernel thread (capture refused)"
     if access.zombie:
         return f"{backend.name} skipped: the process is a zombie (exited, not reaped)"
-    if not access.ptrace_ok:
+    if not access.ptrace_ok or not access.tracers_ok:
         return f"{backend.name} skipped: access refused ({access.refused[-1] if access.refused else 'ptrace'})"
     if access.python is False:
         return f"{backend.name} skipped: no Python interpreter in the process"
@@ -168,6 +231,8 @@ class _ProcessJob:
         self.deadline = deadline
         self.results: dict[str, BackendResult] = {}
         self.started: dict[str, float] = {}
+        self.before: _Before | None = None      # the target as found (set by capture_processes)
+        self.resumed: Finding | None = None     # a stop a tool left, undone before the next tool
         self._lock = threading.Lock()
         self._proc_done = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -219,6 +284,13 @@ class _ProcessJob:
                     self.results[b.name] = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=spent))
                 continue
             self._run_one(b, budget)
+            if self.before is not None and self.resumed is None:
+                # A tool killed mid-attach leaves the target stopped: resume it now, not after the chain.
+                with self._lock:
+                    res = self.results.get(b.name)
+                killed = res is None or not res.tool.ok
+                self.resumed = resume_if_left_stopped(self.pid, self.before, settle_s=1.0,
+                                                      watch_s=0.5 if killed else 0.0)
 
     def usable_backends(self) -> tuple[list[CaptureBackend], list[CaptureBackend]]:
         ready = [b for b in self.backends if b.name not in self.unavailable]
@@ -355,6 +427,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                               deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
                               after=focus_gate if minor and parallel else None,
                               after_proc=focus_proc_gate if minor and parallel else None)
+            job.before = befores[pid]
             if not minor:
                 focus_events.append(job.first_done)
                 focus_proc_events.append(job._proc_done)
@@ -366,9 +439,16 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
         if parallel:
             for job in jobs:
                 job.join(deadline + CAPTURE_SLACK_S - 1.0)
-    except BaseException:
-        # Ctrl-C / SIGTERM mid-capture: no debugger may stay attached to the target after we are gone.
+    except BaseException as exc:
+        # Ctrl-C / SIGTERM mid-capture: no debugger may stay attached to the target after we are gone,
+        # and none may stay stopped by one we killed. The exception carries what was resumed.
         kill_active_tools()
+        resumed = [f for pid, b in befores.items()
+                   if (f := resume_if_left_stopped(pid, b, settle_s=1.0, watch_s=0.5)) is not None]
+        seen = {f.pid for f in resumed}
+        resumed += [job.resumed for job in jobs if job.resumed is not None and job.resumed.pid not in seen]
+        if resumed:
+            exc.capture_findings = resumed  # type: ignore[attr-defined]
         raise
 
     evidence: list[ProcessEvidence] = []
@@ -396,7 +476,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             if not run.ok and run.error:
                 kind = "tool_timeout" if "timed out" in run.error else "tool_failed"
                 findings.append(Finding(kind=kind, pid=job.pid, message=f"pid {job.pid}: {run.error}"))
-        findings.extend(verify_untouched(job.pid, befores[job.pid]))
+        findings.extend(verify_untouched(job.pid, befores[job.pid], resumed=job.resumed))
         evidence.append(ev)
     order = {pid: i for i, pid in enumerate(caller_order)}
     evidence.sort(key=lambda e: order.get(e.pid, len(order)))

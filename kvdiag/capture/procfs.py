@@ -431,6 +431,12 @@ class ProcBackend:
             proc.exe = None
         ppid = status.get("PPid")
         proc.ppid = int(ppid) if ppid and ppid.isdigit() else None
+        caught = status.get("SigCgt", "")
+        try:
+            mask = int(caught, 16)
+            proc.signals_caught = [n for n in range(1, 65) if mask >> (n - 1) & 1]
+        except ValueError:
+            proc.signals_caught = None
         stat = _read(f"/proc/{pid}/stat")
         if stat:
             f = _stat_fields(stat)

@@ -9,6 +9,7 @@ import typer
 
 from kvdiag.cli.common import console, print_summary
 from kvdiag.defaults import STALL_WINDOW_S
+from kvdiag.model import SoakStats
 
 
 class AllocatorChoice(str, Enum):
@@ -25,7 +26,10 @@ def soak(
                                    "(e.g. http://127.0.0.1:8000) instead of launching one."),
     scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML whose first engine is "
                                          "launched (default: embedded soak-hybrid, the seed's reproduction B)."),
-    duration: float = typer.Option(60.0, "--duration", "-d", help="Seconds of load when nothing stalls."),
+    duration: float = typer.Option(60.0, "--duration", "-d", help="Seconds of load when nothing stalls; then no "
+                                   "new request is sent."),
+    drain_grace: float = typer.Option(5.0, "--drain-grace", help="After --duration, requests in flight get up to "
+                                      "this many seconds to finish; the rest are cancelled."),
     concurrency: int = typer.Option(32, "--concurrency", "-c", help="Concurrent streaming requests."),
     max_tokens: int = typer.Option(256, "--max-tokens", help="max_tokens of each request (sent with ignore_eos)."),
     allocator: AllocatorChoice | None = typer.Option(None, "--allocator", help="Allocator of the launched "
@@ -39,13 +43,15 @@ def soak(
     capture: bool = typer.Option(True, "--capture/--no-capture", help="Capture the engine's stacks on a stall."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/soak-<timestamp>)."),
 ) -> int:
-    """Saturate one engine with streaming requests; exit 0 if tokens keep flowing, 10 if decode stalls."""
+    """Saturate one engine with streaming requests; exit 0 if tokens keep flowing with the KV cache near full,
+    10 if decode stalls, 6 if nothing stalled but the KV cache never got near full (inconclusive)."""
     from kvdiag.runner import prepare_out_dir
     from kvdiag.soak.session import SoakOptions, SoakRun
 
     opts = SoakOptions(model=model, url=url, scenario=scenario, duration_s=duration, concurrency=concurrency,
                        max_tokens=max_tokens, allocator=allocator.value if allocator else None,
-                       stall_window_s=stall_window, chat=chat, read_timeout_s=read_timeout, capture=capture)
+                       stall_window_s=stall_window, chat=chat, read_timeout_s=read_timeout, capture=capture,
+                       drain_grace_s=drain_grace)
     opts.validate()  # usage errors before any folder is created
     if scenario is not None and url is None:
         from kvdiag.scenario import load_scenario
@@ -58,15 +64,39 @@ def soak(
     con.print(f"kvdiag soak: {subject}, {concurrency} streams, output {out_dir}", highlight=False)
     arts = SoakRun(opts, out_dir, con).run()
     if arts.bundle.soak is not None:
-        s = arts.bundle.soak
-        rate = s.tokens / s.duration_s if s.duration_s else 0.0
-        def ms(v: float | None) -> str:
-            return "-" if v is None else f"{v * 1000:.1f} ms"
-        con.print(f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out; "
-                  f"{s.tokens} tokens in {s.duration_s:.1f}s ({rate:.0f} tok/s); TTFT p50 {ms(s.ttft_p50_s)} "
-                  f"p99 {ms(s.ttft_p99_s)}; ITL p50 {ms(s.itl_p50_s)} p99 {ms(s.itl_p99_s)}", highlight=False)
+        for line in soak_lines(arts.bundle.soak, arts.bundle.stall_to_verdict_s):
+            con.print(line, highlight=False, markup=False)
     print_summary(arts, con)
     return arts.exit_code
+
+
+def soak_lines(s: SoakStats, stall_to_verdict_s: float | None = None) -> list[str]:
+    """The soak's summary lines: load, time loaded and drain, scrapes, saturation, stall → verdict."""
+    active = s.duration_s + (s.drain_s or 0.0)
+    rate = s.tokens / active if active else 0.0
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f} ms"
+
+    out = [f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out; "
+           f"{s.tokens} tokens ({rate:.0f} tok/s); TTFT p50 {ms(s.ttft_p50_s)} p99 {ms(s.ttft_p99_s)}; "
+           f"ITL p50 {ms(s.itl_p50_s)} p99 {ms(s.itl_p99_s)}"]
+    asked = f" of {s.requested_duration_s:g} s requested" if s.requested_duration_s is not None else ""
+    line = f"time loaded: {s.duration_s:.1f} s{asked}"
+    if s.drain_s is not None:
+        done = (s.drain_in_flight or 0) - (s.drain_cut or 0)
+        line += (f"; drain {s.drain_s:.1f} s (grace {s.drain_grace_s or 0:g} s): {done} of {s.drain_in_flight or 0} "
+                 f"in-flight request(s) finished, {s.drain_cut or 0} cancelled")
+    out.append(line)
+    if s.metrics_scrapes is not None:
+        gap = "-" if s.metrics_longest_gap_s is None else f"{s.metrics_longest_gap_s:.1f} s"
+        out.append(f"metrics: {s.metrics_scrapes} scrapes every {s.metrics_period_s or 0:g} s, "
+                   f"{s.metrics_failures or 0} failed, longest gap {gap}")
+    if s.saturation_note:
+        out.append(f"saturation: {s.saturation_note}")
+    if stall_to_verdict_s is not None:
+        out.append(f"stall detected → verdict: {stall_to_verdict_s:.1f} s")
+    return out
 
 
 def register(app: typer.Typer) -> None:

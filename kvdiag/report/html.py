@@ -25,7 +25,7 @@ from urllib.parse import quote
 import jinja2
 from markupsafe import Markup
 
-from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence
+from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence, VerdictKind
 from kvdiag.redact import redact_text
 from kvdiag.report.json import report_dict
 
@@ -37,11 +37,7 @@ MAX_CYCLE_NODES = 10
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
-KIND_CLASS = {
-    "healthy": "ok", "slow_start": "warn", "crash": "fail", "oom": "fail", "unknown": "unk",
-    "gil_cycle": "bad", "lock_order_inversion": "bad", "lost_wakeup": "bad", "blocked_ipc_read": "bad",
-    "decode_stall": "bad", "gil_held_blocked": "bad", "stopped": "warn", "traced": "warn",
-}
+KIND_CLASS = {k.value: k.spec.display for k in VerdictKind}   # one definition per kind (kvdiag.model)
 
 
 # ---------------------------------------------------------------- escaping helpers

@@ -47,6 +47,7 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str,
         # what /health said is kept apart and named in the health line.
         "healthy": health.healthy,
         "health": health.line,
+        "health_note": health.note,
         "health_endpoint_ok": rec.healthy,
         "url": rec.url,
         "exit_code": rec.exit_code,
@@ -105,6 +106,7 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         interrupted=bundle.interrupted,
         environment=bundle.environment,
         redaction=bundle.redaction.model_copy(deep=True),
+        stall_to_verdict_s=bundle.stall_to_verdict_s,
     )
     return report
 

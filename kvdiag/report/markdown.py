@@ -149,6 +149,8 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     env_lines += [f"{k}: {val}" for k, val in report.host.items()]
     if report.stall_window_s is not None:
         env_lines.append(f"stall window: {report.stall_window_s:g} s")
+    if report.stall_to_verdict_s is not None:
+        env_lines.append(f"stall detected → verdict: {report.stall_to_verdict_s:.1f} s")
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
     if report.environment is not None:

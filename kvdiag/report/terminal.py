@@ -13,13 +13,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvdiag.model import Report
+from kvdiag.model import Report, VerdictKind
 
 KEY_FRAMES = 8
-_KIND_STYLE = {
-    "healthy": "bold green", "slow_start": "bold yellow", "crash": "bold magenta", "oom": "bold magenta",
-    "unknown": "bold white",
-}
+_DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
+                  "unk": "bold cyan"}
+# One definition per kind (KIND_SPECS in kvdiag.model): its display class picks the style.
+_KIND_STYLE = {k.value: _DISPLAY_STYLE[k.spec.display] for k in VerdictKind}
 
 
 def _kind_style(kind: str) -> str:
@@ -41,6 +41,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
     console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
     console.print(head)
     console.print(Text(v.summary))
+    if v.confidence_reasons:
+        console.print(Text(f"confidence {v.confidence.value}: " + "; ".join(v.confidence_reasons), style="dim"))
     if v.signature:
         console.print(Text(f"signature: {v.signature}", style="bold"))
     if v.known is not None:
@@ -50,6 +52,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         console.print(line)
     if report.interrupted:
         console.print(Text("the run was interrupted: partial report", style="yellow"))
+    if report.stall_to_verdict_s is not None:
+        console.print(Text(f"stall detected → verdict: {report.stall_to_verdict_s:.1f} s", style="dim"))
     if v.cycle:
         cycle = list(v.cycle)
         if cycle[0] != cycle[-1]:

@@ -23,6 +23,12 @@ the server coalesces output under load), else the events counted.
 Every wait is bounded: connect, write and pool timeouts, and a read timeout that ends a
 request when the server sends no byte for ``read_timeout_s``. :meth:`LoadGenerator.stop`
 cancels in-flight requests (they count as cancelled, not failed).
+
+Ending the load: :meth:`LoadGenerator.end_load` marks the end of the loaded time (the stated
+duration is over, or a stall was declared); with ``drain=True`` no client sends another request,
+the ones in flight may finish (the caller bounds that wait, see :meth:`drained`), and
+:meth:`stop` cancels whatever is left. The summary's ``duration_s`` is the loaded time only;
+the drain is reported apart (``drain_s``, requests completed and cut by it).
 """
 
 from __future__ import annotations
@@ -242,11 +248,19 @@ class LoadGenerator:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
+        self._drain_event: asyncio.Event | None = None
         self._warm_left = 0
         self._warm_done: asyncio.Event | None = None
         self._body = b""
         self._request = b""
         self.started_at: float | None = None
+        self.duration_s: float | None = None
+        self.load_deadline: float | None = None    # started_at + duration_s once warmed up
+        self.load_ended_at: float | None = None    # end of the loaded time (duration over, stall, stop)
+        self.drain_started_at: float | None = None  # no new request after this
+        self.drain_in_flight = 0                   # requests in flight when the drain began
+        self.drain_cut = 0                         # of those, still in flight when stop() cancelled them
+        self.drain_ended_at: float | None = None   # the last one finished, or stop() cancelled the rest
         self.stopped_at: float | None = None
         # live counters (read by the watchdog and the progress view)
         self.in_flight = 0
@@ -272,8 +286,12 @@ class LoadGenerator:
         self.records: deque[RequestRecord] = deque(maxlen=max(1, cfg.keep_records))
 
     # -- lifecycle ---------------------------------------------------------------------------------
-    def start(self) -> None:
-        """Start the clients on the running event loop."""
+    def start(self, duration_s: float | None = None) -> None:
+        """Start the clients on the running event loop.
+
+        With ``duration_s`` the load ends by itself that long after the warm-up: from then on no
+        client sends a new request (a drain begins, see :meth:`end_load`), however late the
+        caller's own loop notices."""
         if self._tasks:
             raise RuntimeError("load generator already started")
         cfg = self.cfg
@@ -290,13 +308,47 @@ class LoadGenerator:
         self._request = RawConnection(cfg.base_url, cfg.connect_timeout_s).request_bytes(
             "POST", cfg.endpoint, self._body)
         self._stop_event = asyncio.Event()
+        self._drain_event = asyncio.Event()
         self._warm_done = asyncio.Event()
         self._warm_left = cfg.concurrency
+        self.duration_s = duration_s
+        self.started_at = self.clock()
         if not cfg.warmup:
             self._warm_done.set()
-        self.started_at = self.clock()
+            self._set_deadline()
         self._tasks = [asyncio.create_task(self._client_loop(), name=f"kvdiag-soak-client-{i}")
                        for i in range(cfg.concurrency)]
+
+    def _set_deadline(self) -> None:
+        if self.duration_s is not None and self.started_at is not None:
+            self.load_deadline = self.started_at + self.duration_s
+
+    def past_deadline(self) -> bool:
+        """True once the stated duration is over (it then ends the load, with a drain)."""
+        if self.load_deadline is None or self.clock() < self.load_deadline:
+            return False
+        self.end_load(drain=True, at=self.load_deadline)
+        return True
+
+    def end_load(self, drain: bool = False, at: float | None = None) -> None:
+        """The loaded time ends now (or at ``at``); with ``drain`` no client sends another request.
+
+        Requests in flight keep going: the caller waits for :meth:`drained` within its grace (or
+        keeps them in flight for a capture), then calls :meth:`stop`."""
+        now = self.clock()
+        if self.load_ended_at is None:
+            self.load_ended_at = now if at is None else at
+        if drain and self.drain_started_at is None:
+            self.drain_started_at = now if at is None else min(at, now)
+            self.drain_in_flight = self.in_flight
+            if self.in_flight <= 0:
+                self.drain_ended_at = self.drain_started_at
+            if self._drain_event is not None:
+                self._drain_event.set()
+
+    def drained(self) -> bool:
+        """True once a drain has begun and no request is in flight any more."""
+        return self.drain_started_at is not None and self.in_flight <= 0
 
     async def stop(self, timeout_s: float = 10.0) -> None:
         """Stop sending, cancel in-flight requests and close the connections (bounded)."""
@@ -305,6 +357,12 @@ class LoadGenerator:
         self._stopping = True
         if self.stopped_at is None:
             self.stopped_at = self.clock()
+        self.end_load()
+        if self.drain_started_at is not None and self.drain_ended_at is None:
+            self.drain_ended_at = self.stopped_at
+            self.drain_cut = self.in_flight
+        if self._drain_event is not None:
+            self._drain_event.set()
         if self._stop_event is not None:
             self._stop_event.set()
         for t in self._tasks:
@@ -319,14 +377,25 @@ class LoadGenerator:
             except (asyncio.TimeoutError, httpx.HTTPError, OSError):
                 pass
 
-    async def run_for(self, duration_s: float) -> SoakSummary:
-        """Start, run for ``duration_s`` seconds, stop; returns the summary."""
-        self.start()
+    async def run_for(self, duration_s: float, drain_grace_s: float = 0.0) -> SoakSummary:
+        """Start, load for ``duration_s`` seconds (from the end of the warm-up), let requests in
+        flight finish for up to ``drain_grace_s``, stop; returns the summary."""
+        self.start(duration_s)
         try:
-            await asyncio.sleep(duration_s)
+            while not self.past_deadline():
+                left = self.load_deadline - self.clock() if self.load_deadline is not None else 0.25
+                await asyncio.sleep(min(max(left, 0.0), 0.25))
+            until = (self.drain_started_at or self.clock()) + drain_grace_s
+            while not self.drained() and self.clock() < until:
+                await asyncio.sleep(min(0.05, max(0.0, until - self.clock())))
         finally:
             await self.stop()
         return self.summary()
+
+    @property
+    def warmed_up(self) -> bool:
+        """True once every client opened its connection: :attr:`started_at` is the load's start."""
+        return self._warm_done is not None and self._warm_done.is_set()
 
     @property
     def stopping(self) -> bool:
@@ -355,6 +424,7 @@ class LoadGenerator:
         self._warm_left -= 1
         if self._warm_left <= 0:
             self.started_at = self.clock()
+            self._set_deadline()
             done.set()
         await done.wait()
 
@@ -368,8 +438,12 @@ class LoadGenerator:
             self._deadlines.connections.append(conn)
         if self._warm_done is not None and not self._warm_done.is_set():
             await self._warm_up(conn)
+        drain = self._drain_event
+        assert drain is not None
         limit = self.cfg.max_requests
-        while not stop.is_set() and (limit is None or self.sent < limit):
+        while not stop.is_set() and not drain.is_set() and (limit is None or self.sent < limit):
+            if self.past_deadline():
+                break
             rec = await (self._one_raw_request(conn) if conn is not None else self._one_request())
             if rec.status not in (RequestStatus.OK, RequestStatus.CANCELLED) and self.cfg.retry_delay_s > 0:
                 try:
@@ -477,6 +551,8 @@ class LoadGenerator:
     def _finish(self, rec: RequestRecord) -> None:
         rec.end = self.clock()
         self.in_flight -= 1
+        if self.in_flight <= 0 and self.drain_started_at is not None and self.drain_ended_at is None:
+            self.drain_ended_at = rec.end
         if rec.ttft_s is not None:
             self.ttft.add(rec.ttft_s)
         self.itl.extend(rec.itl_s)
@@ -504,14 +580,22 @@ class LoadGenerator:
 
     # -- results -----------------------------------------------------------------------------------
     def summary(self, stalled: bool = False, stall_after_s: float | None = None) -> SoakSummary:
-        start = self.started_at if self.started_at is not None else self.clock()
-        end = self.stopped_at if self.stopped_at is not None else self.clock()
+        now = self.clock()
+        start = self.started_at if self.started_at is not None else now
+        end = self.load_ended_at if self.load_ended_at is not None else (
+            self.stopped_at if self.stopped_at is not None else now)
+        drain_s: float | None = None
+        if self.drain_started_at is not None:
+            drain_end = self.drain_ended_at if self.drain_ended_at is not None else now
+            drain_s = max(0.0, drain_end - self.drain_started_at)
         return SoakSummary(
             duration_s=max(0.0, end - start), requests_sent=self.sent, requests_ok=self.ok,
             requests_failed=self.failed, requests_timed_out=self.timed_out,
             requests_cancelled=self.cancelled + self.in_flight, tokens=self.tokens + self.usage_extra_tokens,
             ttft=LatencySummary.of(self.ttft), itl=LatencySummary.of(self.itl),
             stalled=stalled, stall_after_s=stall_after_s,
+            drain_s=drain_s, drain_in_flight=self.drain_in_flight if drain_s is not None else None,
+            drain_cut=self.drain_cut if drain_s is not None else None,
         )
 
 

@@ -1,84 +1,41 @@
-"""Which local process listens on a TCP port: /proc/net/tcp{,6} inode → /proc/<pid>/fd socket links.
+"""Which local process listens on a TCP port (psutil), and whether a URL's host is this machine.
 
 Used by ``kvdiag soak --url`` to find the API server of an already running engine, so a stall
-can be captured. Read-only; processes we may not inspect are skipped.
+can be captured. Read-only; sockets of processes we may not inspect come without a pid and are
+skipped.
 """
 
 from __future__ import annotations
 
 import ipaddress
-import os
 import socket
 from urllib.parse import urlsplit
 
-_LISTEN = "0A"
+import psutil
 
 
-def listening_inodes(port: int, proc_root: str = "/proc") -> set[int]:
-    """Socket inodes of TCP sockets in LISTEN state on ``port`` (any address, IPv4 and IPv6)."""
-    inodes: set[int] = set()
-    for name in ("tcp", "tcp6"):
-        try:
-            with open(f"{proc_root}/net/{name}") as fh:
-                lines = fh.read().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            parts = line.split()
-            if len(parts) < 10 or parts[3] != _LISTEN:
-                continue
-            _, _, port_hex = parts[1].rpartition(":")
-            try:
-                if int(port_hex, 16) == port:
-                    inodes.add(int(parts[9]))
-            except ValueError:
-                continue
-    inodes.discard(0)
-    return inodes
-
-
-def pids_owning_inodes(inodes: set[int], proc_root: str = "/proc") -> list[int]:
-    """Pids that hold a descriptor on one of the socket ``inodes`` (sorted)."""
-    if not inodes:
+def listening_pids(port: int) -> list[int]:
+    """Pids with a listening TCP socket on ``port`` (any address, IPv4 and IPv6; a forked server may
+    list several)."""
+    try:
+        conns = psutil.net_connections(kind="tcp")
+    except (psutil.Error, OSError):
         return []
-    wanted = {f"socket:[{i}]" for i in inodes}
-    found: list[int] = []
-    for entry in os.listdir(proc_root):
-        if not entry.isdigit():
-            continue
-        fd_dir = f"{proc_root}/{entry}/fd"
-        try:
-            fds = os.listdir(fd_dir)
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                if os.readlink(f"{fd_dir}/{fd}") in wanted:
-                    found.append(int(entry))
-                    break
-            except OSError:
-                continue
-    return sorted(found)
+    return sorted({c.pid for c in conns
+                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid})
 
 
-def listening_pids(port: int, proc_root: str = "/proc") -> list[int]:
-    """Pids with a listening socket on ``port`` (a forked server may list several)."""
-    return pids_owning_inodes(listening_inodes(port, proc_root), proc_root)
-
-
-def server_pid(pids: list[int], proc_root: str = "/proc") -> int | None:
+def server_pid(pids: list[int]) -> int | None:
     """Of several holders of one listening socket, the topmost (the one whose parent is not a holder)."""
     if not pids:
         return None
     holders = set(pids)
     for pid in pids:
         try:
-            with open(f"{proc_root}/{pid}/stat", "rb") as fh:
-                ppid = int(fh.read().rsplit(b")", 1)[-1].split()[1])
-        except (OSError, ValueError, IndexError):
+            if psutil.Process(pid).ppid() not in holders:
+                return pid
+        except psutil.Error:
             continue
-        if ppid not in holders:
-            return pid
     return pids[0]
 
 
@@ -111,18 +68,10 @@ def is_local_host(host: str) -> bool:
 def _local_addresses() -> set[str]:
     out: set[str] = set()
     try:
-        with open("/proc/net/fib_trie") as fh:
-            lines = fh.read().splitlines()
-        for i, line in enumerate(lines):
-            if "/32 host LOCAL" in line and i > 0:
-                out.add(lines[i - 1].split()[-1])
-    except OSError:
-        pass
-    try:
-        with open("/proc/net/if_inet6") as fh:
-            for line in fh:
-                raw = line.split()[0]
-                out.add(str(ipaddress.ip_address(int(raw, 16))))
-    except (OSError, ValueError, IndexError):
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                if a.family in (socket.AF_INET, socket.AF_INET6):
+                    out.add(a.address.split("%", 1)[0])   # drop an IPv6 zone ("fe80::1%eth0")
+    except (psutil.Error, OSError):
         pass
     return out

@@ -37,6 +37,7 @@ from kvdiag.model import (
     MetricsSnapshot,
     ProcessEvidence,
     ProcessRole,
+    SoakStats,
     TimelineEvent,
 )
 from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
@@ -45,6 +46,7 @@ from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
 from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
 from kvdiag.soak.progress import ProgressView
+from kvdiag.soak.saturation import Saturation, SaturationSampler, judge
 from kvdiag.soak.stats import SoakSummary
 from kvdiag.soak.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
 from kvdiag.watch.logs import feed_line
@@ -74,6 +76,7 @@ class SoakOptions:
     capture: bool = True
     metrics_period_s: float = 1.0
     tools: list[str] | None = None           # None: the scenario's capture.tools
+    drain_grace_s: float = 5.0               # after --duration: requests in flight get this long to finish
 
     def validate(self) -> None:
         if self.duration_s <= 0:
@@ -82,6 +85,8 @@ class SoakOptions:
             raise UsageError("--concurrency must be within 1..4096")
         if self.max_tokens < 1:
             raise UsageError("--max-tokens must be >= 1")
+        if not 0 <= self.drain_grace_s <= 600:
+            raise UsageError("--drain-grace must be within 0..600 seconds")
         if self.stall_window_s is not None and self.stall_window_s <= 0:
             raise UsageError("--stall-window must be > 0")
         if self.read_timeout_s <= 0:
@@ -178,6 +183,8 @@ class _DriveResult:
     all_failing: bool = False
     summary: SoakSummary | None = None
     healthy_after: bool | None = None
+    saturation: Saturation | None = None
+    scrapes: tuple[int, int, float | None] | None = None   # (scrapes, failures, longest gap s)
 
 
 class SoakRun:
@@ -384,24 +391,31 @@ class SoakRun:
                          max_tokens=opts.max_tokens, chat=opts.chat, read_timeout_s=opts.read_timeout_s)
         lg = LoadGenerator(cfg, clock=self.clock)
         self.loadgen = lg
-        poller = MetricsPoller(s.url, s.name, self.t0, clock=self.clock)
-        watchdog = NoProgressWatchdog(self.window_s, clock=self.clock)
+        poller = MetricsPoller(s.url, s.name, self.t0, clock=self.clock, period_s=opts.metrics_period_s)
+        # A tick that comes late (this loop starved of CPU) is a gap in looking, not a stall.
+        watchdog = NoProgressWatchdog(self.window_s, clock=self.clock, max_blind_s=4 * _TICK_S)
         view = ProgressView(self.console)
-        stop_poll = asyncio.Event()
+        sampler = SaturationSampler(opts.concurrency, _server_pids(s), clock=self.clock)
         r = self.result
-        lg.start()
+        lg.start(opts.duration_s)   # no new request after the duration, however late this loop looks
         self.load_started_t = lg.started_at
         self.event("soak load started", f"{opts.concurrency} streams x {opts.max_tokens} tokens to {s.url}"
                    f"{cfg.endpoint}, {opts.duration_s:g}s, stall window {self.window_s:g}s", engine=s.name)
-        poll_task = asyncio.create_task(poller.run(opts.metrics_period_s, stop_poll))
-        deadline = self.clock() + opts.duration_s
+        poller.start()   # own thread and timer: scrapes never wait behind the load's event loop
+        drain_until: float | None = None
         health = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(2.0))
         health_failures = 0
         view.start()
         try:
             while True:
+                now = self.clock()
+                tick = _TICK_S
+                if drain_until is None and lg.load_deadline is not None:
+                    tick = max(0.0, min(tick, lg.load_deadline - now))
+                elif drain_until is not None:
+                    tick = max(0.0, min(tick, drain_until - now))
                 try:
-                    await asyncio.wait_for(wake.wait(), timeout=_TICK_S)
+                    await asyncio.wait_for(wake.wait(), timeout=tick)
                 except asyncio.TimeoutError:
                     pass
                 if self.interrupted is not None:
@@ -424,11 +438,29 @@ class SoakRun:
                         r.unreachable = True
                         break
                 view.update(now - self.t0, lg, poller.latest, watchdog.quiet_for)
-                if now >= deadline:
+                if drain_until is None:
+                    if lg.warmed_up:
+                        if not sampler.started:
+                            sampler.start()
+                        sampler.tick(lg.in_flight)
+                    if lg.past_deadline():
+                        # The stated duration is over: no new request; those in flight may finish.
+                        sampler.stop()
+                        start = lg.drain_started_at if lg.drain_started_at is not None else now
+                        drain_until = start + opts.drain_grace_s
+                        self.event("soak duration reached", f"{lg.drain_in_flight} request(s) in flight, up to "
+                                   f"{opts.drain_grace_s:g}s to finish", engine=s.name, at=lg.load_deadline,
+                                   echo=False)
+                if drain_until is not None and (lg.drained() or now >= drain_until):
+                    if not lg.drained():
+                        await lg.stop()   # the grace is over: cancel the rest now (bounded)
                     break
             view.stop()
-            stop_poll.set()
-            await _bounded(poll_task, 5.0)
+            lg.end_load(at=r.fired_t if r.stalled else None)   # a stall, exit, error: loaded until now
+            sampler.stop()
+            await asyncio.to_thread(poller.stop)
+            r.scrapes = (poller.scrapes, poller.failures, poller.longest_gap_s)
+            r.saturation = judge(self._load_snapshots(poller.snapshots, lg), sampler)
             if r.stalled and self.interrupted is None:
                 assert r.onset_t is not None
                 self.event("stall detected", f"{lg.in_flight} requests in flight, no token for {self.window_s:g}s; "
@@ -445,14 +477,12 @@ class SoakRun:
             elif r.unreachable:
                 self.event("server stopped answering", poller.last_error, engine=s.name)
             else:
+                await lg.stop()   # cut what the drain left, before the probes below
                 r.healthy_after = await _healthy(health, s.url)
                 if self.interrupted is None:
-                    await poller.poll()  # the gauges at the end, with the load still on
+                    await poller.poll_async()  # the gauges at the end
         finally:
             view.stop()
-            stop_poll.set()
-            if not poll_task.done():
-                poll_task.cancel()
             await lg.stop()
             await poller.aclose()
             await health.aclose()
@@ -465,11 +495,21 @@ class SoakRun:
         stall_after = (r.onset_t - lg.started_at) if r.stalled and r.onset_t is not None and lg.started_at else None
         r.summary = lg.summary(stalled=r.stalled, stall_after_s=stall_after)
         if not r.stalled:
-            self.event("soak load stopped", f"{r.summary.tokens} tokens, {r.summary.requests_ok} requests ok",
-                       engine=s.name)
+            sm = r.summary
+            drain = ("" if sm.drain_s is None else
+                     f"; drain {sm.drain_s:.1f}s: {(sm.drain_in_flight or 0) - (sm.drain_cut or 0)} of "
+                     f"{sm.drain_in_flight} in-flight request(s) finished, {sm.drain_cut} cancelled")
+            self.event("soak load stopped", f"loaded {sm.duration_s:.1f}s of {opts.duration_s:g}s{drain}; "
+                       f"{sm.tokens} tokens, {sm.requests_ok} requests ok", engine=s.name,
+                       at=lg.drain_ended_at or lg.load_ended_at)
         if lg.failed or lg.timed_out:
             self.findings.append(Finding(kind="requests_failed", engine=s.name, message=(
                 f"{lg.failed} request(s) failed and {lg.timed_out} timed out; first error: {lg.first_error}")))
+
+    def _load_snapshots(self, snaps: list[MetricsSnapshot], lg: LoadGenerator) -> list[MetricsSnapshot]:
+        """The snapshots taken while the load (and its drain) ran."""
+        lo = (lg.started_at if lg.started_at is not None else self.t0) - self.t0
+        return [m for m in snaps if m.t >= lo]
 
     async def _confirm_metrics(self, poller: MetricsPoller) -> None:
         """Scrape until the server's own token counter has been flat for the window (bounded).
@@ -478,7 +518,7 @@ class SoakRun:
         poll period later, so a few more scrapes let /metrics show the whole window."""
         budget = self.clock() + min(self.window_s, 3.0) + 1.0
         while self.clock() < budget and self.interrupted is None:
-            snap = await poller.poll()
+            snap = await poller.poll_async()
             if snap is None and poller.failures >= 3:
                 self.findings.append(Finding(kind="metrics_unavailable", message=(
                     f"/metrics did not answer during the stall: {poller.last_error}")))
@@ -510,8 +550,12 @@ class SoakRun:
         log_pids = dict(s.watch.state.pids) if s.watch is not None else dict(s.log_pids)
         self.event("capturing", f"{s.name} (pid {s.root_pid} and its engine processes) with "
                    f"{', '.join(self.tools)}", engine=s.name)
-        evidence, findings = capture_engine(s.name, s.root_pid, self.bundle_dir, timeout_s=self.tool_timeout_s,
-                                            backends=self.tools, log_pids=log_pids)
+        try:
+            evidence, findings = capture_engine(s.name, s.root_pid, self.bundle_dir, timeout_s=self.tool_timeout_s,
+                                                backends=self.tools, log_pids=log_pids)
+        except BaseException as exc:   # interrupted mid-capture: the partial report says what was resumed
+            self.findings.extend(getattr(exc, "capture_findings", []))
+            raise
         self.processes.extend(evidence)
         self.findings.extend(findings)
         self.event("capture finished", f"{len(evidence)} process(es)", engine=s.name)
@@ -524,10 +568,37 @@ class SoakRun:
         b.processes = list(self.processes)
         b.findings = list(self.findings)
         if self.result.summary is not None:
-            b.soak = self.result.summary.to_soak_stats()
+            b.soak = self._soak_stats(self.result.summary)
             b.soak.server_unreachable = self.result.unreachable
             b.soak.all_requests_failed = self.result.all_failing
         b.timeline = sorted(self.timeline, key=lambda e: e.t)
+
+    def _soak_stats(self, summary: SoakSummary) -> SoakStats:
+        """The bundle's SoakStats: the client's summary plus the load phase, scrapes and saturation."""
+        st = summary.to_soak_stats()
+        r, opts = self.result, self.opts
+        st.requested_duration_s = opts.duration_s
+        st.drain_grace_s = opts.drain_grace_s
+        st.metrics_period_s = opts.metrics_period_s
+        if r.scrapes is not None:
+            st.metrics_scrapes, st.metrics_failures, gap = r.scrapes
+            st.metrics_longest_gap_s = None if gap is None else round(gap, 3)
+        sat = r.saturation
+        if sat is not None:
+            def r3(v: float | None) -> float | None:
+                return None if v is None else round(v, 3)
+
+            st.saturated = sat.saturated
+            st.kv_usage_peak = r3(sat.kv_usage_peak)
+            st.streams_requested = sat.requested
+            st.streams_in_flight_mean = r3(sat.in_flight_mean)
+            st.server_running_peak, st.server_running_mean = sat.running_peak, r3(sat.running_mean)
+            st.server_waiting_peak = sat.waiting_peak
+            st.client_cpu, st.server_cpu = r3(sat.client_cpu), r3(sat.server_cpu)
+            st.machine_cpu_busy = r3(sat.machine_busy)
+            st.bottleneck = sat.bottleneck
+            st.saturation_note = sat.note
+        return st
 
     def _verdict_and_report(self) -> RunArtifacts:
         """The run's tail: the soak's facts go into the bundle, analyze judges them (kvdiag.analyze)."""
@@ -594,6 +665,15 @@ def _served_model(url: str) -> str | None:
         return str(first) if first else None
     except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError, TypeError):
         return None
+
+
+def _server_pids(s: _Subject) -> list[int]:
+    """The server's processes whose CPU time the saturation judgement reads (API server and children)."""
+    if s.root_pid is None:
+        return []
+    from kvdiag.proc import process_tree
+
+    return process_tree(s.root_pid) or [s.root_pid]
 
 
 def run_soak(opts: SoakOptions, out_dir: Path, console: Console) -> RunArtifacts:

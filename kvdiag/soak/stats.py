@@ -99,14 +99,22 @@ class SoakSummary:
     itl: LatencySummary
     stalled: bool = False
     stall_after_s: float | None = None
+    drain_s: float | None = None          # after the loaded time: requests in flight finishing
+    drain_in_flight: int | None = None    # in flight when the drain began
+    drain_cut: int | None = None          # still in flight when it ended (cancelled)
+
+    @property
+    def active_s(self) -> float:
+        """Loaded time plus the drain: the span over which the counted tokens arrived."""
+        return self.duration_s + (self.drain_s or 0.0)
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.duration_s if self.duration_s > 0 else 0.0
+        return self.tokens / self.active_s if self.active_s > 0 else 0.0
 
     @property
     def requests_per_s(self) -> float:
-        return self.requests_ok / self.duration_s if self.duration_s > 0 else 0.0
+        return self.requests_ok / self.active_s if self.active_s > 0 else 0.0
 
     def to_soak_stats(self) -> SoakStats:
         """The bundle's SoakStats (cancelled requests = sent - ok - failed - timed out)."""
@@ -117,6 +125,7 @@ class SoakSummary:
             ttft_p50_s=_r(self.ttft.p50_s), ttft_p99_s=_r(self.ttft.p99_s),
             itl_p50_s=_r(self.itl.p50_s), itl_p99_s=_r(self.itl.p99_s),
             stalled=self.stalled, stall_after_s=_r(self.stall_after_s, 3),
+            drain_s=_r(self.drain_s, 3), drain_in_flight=self.drain_in_flight, drain_cut=self.drain_cut,
         )
 
     def table_rows(self) -> list[tuple[str, str]]:
@@ -124,8 +133,12 @@ class SoakSummary:
         def ms(v: float | None) -> str:
             return "-" if v is None else f"{v * 1000:.2f} ms"
 
+        drain = ("-" if self.drain_s is None else
+                 f"{self.drain_s:.1f} s ({(self.drain_in_flight or 0) - (self.drain_cut or 0)} of "
+                 f"{self.drain_in_flight or 0} in flight finished, {self.drain_cut or 0} cancelled)")
         return [
-            ("duration", f"{self.duration_s:.1f} s"),
+            ("duration (loaded)", f"{self.duration_s:.1f} s"),
+            ("drain", drain),
             ("requests ok / failed / timed out / cancelled",
              f"{self.requests_ok} / {self.requests_failed} / {self.requests_timed_out} / {self.requests_cancelled}"),
             ("tokens", f"{self.tokens} ({self.tokens_per_s:.1f} tok/s)"),

@@ -1,88 +1,32 @@
 """No-progress watchdog and /metrics poller for a soak.
 
 The watchdog is pure logic over an injected clock: requests in flight but no token
-received for ``window_s`` is a stall; nothing in flight is idle, never a stall. The
-poller scrapes ``/metrics`` once a period into :class:`MetricsSnapshot` (KV usage,
-running, waiting, preemptions, generated tokens) with a bounded timeout.
+received for ``window_s`` is a stall; nothing in flight is idle, never a stall. A gap in
+the watchdog's own observations (its caller's loop was starved of CPU) is not evidence:
+the first look after such a gap never declares a stall, so tokens that arrived meanwhile are
+read first. The poller scrapes ``/metrics`` every period on its own thread into
+:class:`MetricsSnapshot` (KV usage, running, waiting, preemptions, generated tokens) with a
+bounded timeout; a missed or late scrape is a gap in data, never read as a stall.
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 
 import httpx
 
 from kvdiag.model import MetricsSnapshot
 from kvdiag.watch.probe import parse_metrics
+from kvdiag.watch.stall import ServingStall
 
 Clock = Callable[[], float]
 
 
-@dataclass
-class NoProgressWatchdog:
-    """Declares a stall once requests are in flight and no token arrived for ``window_s``.
-
-    Feed it with :meth:`observe` as often as convenient. ``onset`` is the last moment of
-    progress (the last token, or when requests became in flight after an idle spell).
-    """
-
-    window_s: float
-    clock: Clock = time.monotonic
-    onset: float | None = None           # last progress point, once stalled
-    fired_at: float | None = None        # when the stall was declared
-    _last_progress: float | None = None
-    _last_tokens: int | None = None
-    _was_busy: bool = False
-
-    def __post_init__(self) -> None:
-        if self.window_s <= 0:
-            raise ValueError("window_s must be > 0")
-
-    def observe(self, in_flight: int, tokens: int, last_token_t: float | None = None) -> bool:
-        """One look at the load; True while stalled.
-
-        ``tokens`` is a cumulative progress count (tokens received, plus requests the server
-        answered), ``last_token_t`` the clock time of its last increase when known.
-        """
-        now = self.clock()
-        if self._last_progress is None:
-            self._last_progress = now
-        if self._last_tokens is None or tokens > self._last_tokens:
-            if self._last_tokens is not None:
-                # The exact time of the newest token, when known, not this poll's time.
-                t = last_token_t if last_token_t is not None and last_token_t <= now else now
-                self._last_progress = max(self._last_progress, t)
-            self._last_tokens = tokens
-        if in_flight <= 0:
-            self._last_progress = now
-            self._was_busy = False
-        elif not self._was_busy:
-            self._was_busy = True
-            self._last_progress = max(self._last_progress, now)
-        if self.fired_at is not None:
-            if self._last_progress > (self.onset or 0.0):
-                self.onset = self.fired_at = None   # progress again: the stall is over
-            else:
-                return True
-        if in_flight > 0 and now - self._last_progress >= self.window_s:
-            self.onset = self._last_progress
-            self.fired_at = now
-            return True
-        return False
-
-    @property
-    def stalled(self) -> bool:
-        return self.fired_at is not None
-
-    @property
-    def quiet_for(self) -> float:
-        """Seconds since the last progress point."""
-        if self._last_progress is None:
-            return 0.0
-        return max(0.0, self.clock() - self._last_progress)
+# The soak's no-progress watchdog is the one stall detector's serving policy (kvdiag.watch.stall).
+NoProgressWatchdog = ServingStall
 
 
 def flat_generation_span(snaps: Sequence[MetricsSnapshot]) -> float:
@@ -103,62 +47,144 @@ def flat_generation_span(snaps: Sequence[MetricsSnapshot]) -> float:
     return last.t - usable[i].t
 
 
-@dataclass
 class MetricsPoller:
-    """Scrapes ``{base_url}/metrics`` into snapshots; times are seconds since ``t0`` on ``clock``."""
+    """Scrapes ``{base_url}/metrics`` into snapshots on its own thread and timer.
 
-    base_url: str
-    engine: str | None
-    t0: float
-    clock: Clock = time.monotonic
-    timeout_s: float = 2.0
-    snapshots: list[MetricsSnapshot] = field(default_factory=list)
-    failures: int = 0
-    last_error: str | None = None
-    max_snapshots: int = 100_000
-    _client: httpx.AsyncClient | None = None
+    The load generator's event loop can be busy for long stretches (dozens of streams parsed on
+    a small box); scrapes queued behind it would come late and make the server look quiet. The
+    poller therefore runs in a thread of its own with a synchronous client: a scrape starts every
+    ``period_s`` (right away when the previous one overran) whatever the load loop is doing.
 
-    async def poll(self) -> MetricsSnapshot | None:
-        """One bounded scrape; the snapshot is also appended to :attr:`snapshots`."""
-        if self._client is None:
-            self._client = httpx.AsyncClient(trust_env=False, timeout=httpx.Timeout(self.timeout_s))
-        t = round(self.clock() - self.t0, 3)
-        try:
-            resp = await self._client.get(f"{self.base_url}/metrics")
-        except (httpx.HTTPError, OSError) as exc:
-            self.failures += 1
-            self.last_error = f"{type(exc).__name__}: {exc}"[:200]
-            return None
-        if resp.status_code != 200:
-            self.failures += 1
-            self.last_error = f"HTTP {resp.status_code}"
-            return None
-        snap = parse_metrics(resp.text, t, self.engine)
-        if len(self.snapshots) >= self.max_snapshots:
-            # A very long soak: thin the older half to every other snapshot so memory stays bounded.
-            del self.snapshots[: len(self.snapshots) // 2 : 2]
-        self.snapshots.append(snap)
-        return snap
+    A snapshot's ``t`` (seconds since ``t0`` on ``clock``) is when its response arrived, i.e. when
+    the values were read. :attr:`scrapes` counts attempts, :attr:`failures` the ones that got no
+    snapshot, :attr:`longest_gap_s` the longest time between successive snapshots (from
+    :meth:`start`): a gap is missing data, never evidence of a stall by itself.
+    """
+
+    def __init__(self, base_url: str, engine: str | None, t0: float, clock: Clock = time.monotonic,
+                 timeout_s: float = 2.0, period_s: float = 1.0, max_snapshots: int = 100_000) -> None:
+        if period_s <= 0:
+            raise ValueError("period_s must be > 0")
+        self.base_url = base_url
+        self.engine = engine
+        self.t0 = t0
+        self.clock = clock
+        self.timeout_s = timeout_s
+        self.period_s = period_s
+        self.max_snapshots = max_snapshots
+        self.failures = 0
+        self.scrapes = 0
+        self.last_error: str | None = None
+        self.longest_gap_s: float | None = None
+        self._snapshots: list[MetricsSnapshot] = []
+        self._lock = threading.Lock()           # snapshots and counters
+        self._scrape_lock = threading.Lock()    # one scrape at a time (timer thread or poll())
+        self._client: httpx.Client | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last_ok: float | None = None      # clock time of the newest snapshot (or of start)
+
+    # -- scraping ----------------------------------------------------------------------------------
+    def poll(self) -> MetricsSnapshot | None:
+        """One bounded scrape (blocking, any thread); the snapshot is also kept in :attr:`snapshots`."""
+        with self._scrape_lock:
+            if self._client is None:
+                self._client = httpx.Client(trust_env=False, timeout=httpx.Timeout(self.timeout_s))
+            with self._lock:
+                self.scrapes += 1
+            try:
+                resp = self._client.get(f"{self.base_url}/metrics")
+                error = None if resp.status_code == 200 else f"HTTP {resp.status_code}"
+            except (httpx.HTTPError, OSError) as exc:
+                error = f"{type(exc).__name__}: {exc}"[:200]
+            now = self.clock()
+            if error is not None:
+                with self._lock:
+                    self.failures += 1
+                    self.last_error = error
+                return None
+            snap = parse_metrics(resp.text, round(now - self.t0, 3), self.engine)
+            with self._lock:
+                if self._last_ok is not None:
+                    gap = now - self._last_ok
+                    if self.longest_gap_s is None or gap > self.longest_gap_s:
+                        self.longest_gap_s = gap
+                self._last_ok = now
+                if len(self._snapshots) >= self.max_snapshots:
+                    # A very long soak: thin the older half to every other snapshot (bounded memory).
+                    del self._snapshots[: len(self._snapshots) // 2 : 2]
+                self._snapshots.append(snap)
+            return snap
+
+    async def poll_async(self) -> MetricsSnapshot | None:
+        """:meth:`poll` from an event loop, without blocking it."""
+        return await asyncio.to_thread(self.poll)
+
+    @property
+    def snapshots(self) -> list[MetricsSnapshot]:
+        """A copy of the snapshots so far, oldest first."""
+        with self._lock:
+            return list(self._snapshots)
 
     @property
     def latest(self) -> MetricsSnapshot | None:
-        return self.snapshots[-1] if self.snapshots else None
+        with self._lock:
+            return self._snapshots[-1] if self._snapshots else None
 
-    async def run(self, period_s: float, stop: asyncio.Event) -> None:
-        """Poll every ``period_s`` until ``stop`` is set."""
-        while not stop.is_set():
-            started = self.clock()
-            await self.poll()
-            delay = max(0.0, period_s - (self.clock() - started))
+    def gap_now(self) -> float | None:
+        """Seconds since the newest snapshot (or since :meth:`start`); None before either."""
+        with self._lock:
+            return None if self._last_ok is None else max(0.0, self.clock() - self._last_ok)
+
+    # -- the timer thread --------------------------------------------------------------------------
+    def start(self) -> None:
+        """Scrape every ``period_s`` on a daemon thread until :meth:`stop`."""
+        if self._thread is not None:
+            raise RuntimeError("poller already started")
+        with self._lock:
+            if self._last_ok is None:
+                self._last_ok = self.clock()
+        self._thread = threading.Thread(target=self._run, name="kvdiag-metrics-poller", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        next_t = time.monotonic()
+        while not self._stop.is_set():
             try:
-                await asyncio.wait_for(stop.wait(), timeout=delay)
-            except asyncio.TimeoutError:
-                pass
+                self.poll()
+            except Exception as exc:  # noqa: BLE001 - a parser bug must not end the scrapes
+                with self._lock:
+                    self.failures += 1
+                    self.last_error = f"{type(exc).__name__}: {exc}"[:200]
+            next_t += self.period_s
+            now = time.monotonic()
+            if next_t < now:            # overran: start the next scrape now, no burst to catch up
+                next_t = now
+            self._stop.wait(next_t - now)
+
+    def stop(self, timeout_s: float | None = None) -> None:
+        """Stop the timer thread (bounded: a scrape in progress ends within its timeout) and
+        close the client. The longest gap then also counts the time since the last snapshot."""
+        self._stop.set()
+        t = self._thread
+        if t is not None:
+            t.join(timeout=self.timeout_s + 1.0 if timeout_s is None else timeout_s)
+        with self._lock:
+            if self._thread is not None and self._last_ok is not None:
+                gap = self.clock() - self._last_ok
+                if self.longest_gap_s is None or gap > self.longest_gap_s:
+                    self.longest_gap_s = gap
+        if t is None or not t.is_alive():
+            self.close()
+
+    def close(self) -> None:
+        if self._scrape_lock.acquire(timeout=self.timeout_s + 1.0):
+            try:
+                if self._client is not None:
+                    self._client.close()
+                    self._client = None
+            finally:
+                self._scrape_lock.release()
 
     async def aclose(self) -> None:
-        if self._client is not None:
-            try:
-                await asyncio.wait_for(self._client.aclose(), timeout=self.timeout_s)
-            except (asyncio.TimeoutError, httpx.HTTPError, OSError):
-                pass
-            self._client = None
+        await asyncio.to_thread(self.stop)

@@ -4,17 +4,16 @@ from __future__ import annotations
 
 import math
 import os
-import re
 import time
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiag.model import MetricsSnapshot
 from kvdiag.proc import FUTEX_WCHANS, process_tree, read_stat
 
 __all__ = ["process_tree"]
 
-_METRIC_LINE = re.compile(r"^(?P<name>[a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(?P<labels>[^}]*)\})?\s+(?P<value>\S+)")
 _WANTED = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
     "vllm:gpu_cache_usage_perc": "kv_cache_usage",
@@ -57,25 +56,30 @@ def probe_completion(client: httpx.Client, base_url: str, model: str | None, max
 
 
 def parse_metrics(text: str, t: float, engine: str | None = None) -> MetricsSnapshot:
-    """Sum the vLLM gauges/counters we watch over all label sets."""
+    """Sum the vLLM gauges/counters we watch over all label sets (prometheus_client's parser)."""
     values: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _METRIC_LINE.match(line)
-        if not m:
-            continue
-        key = _WANTED.get(m.group("name"))
-        if key is None:
-            continue
-        try:
-            v = float(m.group("value"))
-        except ValueError:
-            continue
-        if math.isnan(v):
-            continue
-        values[key] = values.get(key, 0.0) + v
+    for name, value in _samples(text):
+        key = _WANTED.get(name)
+        if key is not None and not math.isnan(value):
+            values[key] = values.get(key, 0.0) + value
     return MetricsSnapshot(t=t, engine=engine, **values)
+
+
+def _samples(text: str) -> list[tuple[str, float]]:
+    """(sample name, value) of every sample in an exposition; a malformed line costs only itself."""
+    try:
+        return [(s.name, float(s.value)) for fam in text_string_to_metric_families(text) for s in fam.samples]
+    except ValueError:
+        out: list[tuple[str, float]] = []
+        for line in text.splitlines():
+            if not line.strip() or line.startswith("#"):
+                continue
+            try:
+                out += [(s.name, float(s.value)) for fam in text_string_to_metric_families(line + "\n")
+                        for s in fam.samples]
+            except ValueError:
+                continue
+        return out
 
 
 def scrape_metrics(client: httpx.Client, base_url: str, t: float, engine: str | None = None,

@@ -155,6 +155,9 @@ def test_another_users_hang_is_no_access_and_the_permitted_capture_is_unchanged(
         # quick: refused before any stack tool attached (they are recorded as skipped)
         assert all("skipped" in (t["error"] or "") for t in target["tools"] if t["tool"] != "proc")
         assert took < 60, took
+        # the bundle says the same offline: analyze re-judges it as no_access
+        again = run_kvdiag("analyze", str(out), "--json")
+        assert again.returncode == 3 and json.loads(again.stdout)["verdict"]["kind"] == "no_access", again.stdout
         # the same program, captured by a user who may read it (root), is unchanged
         permitted = run_kvdiag("capture", "--pid", str(h.pid), "--out", str(tmp_path / "permitted"))
         assert permitted.returncode == 10, permitted.stdout + permitted.stderr
@@ -280,6 +283,26 @@ def test_pid_2_is_a_kernel_thread_and_is_refused(tmp_path: Path) -> None:
     _assert_no_health_or_deadlock(proc, report)
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     assert [p["pid"] for p in bundle["processes"]] == [2]   # its children were not touched either
+
+
+def test_a_capture_whose_tools_all_fail_is_no_evidence(tmp_path: Path) -> None:
+    """`--tools gdb` where gdb cannot be found: not one thread read, so no verdict (exit 3), not healthy."""
+    target = subprocess.Popen([sys.executable, "-c", "import time; print('ready', flush=True); time.sleep(300)"],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert target.stdout is not None and target.stdout.readline().strip() == "ready"
+        out = tmp_path / "no-tools"
+        env = {**os.environ, "PATH": str(tmp_path / "empty-path")}   # the venv's bin has no gdb
+        proc = subprocess.run([sys.executable, "-m", "kvdiag", "capture", "--pid", str(target.pid), "--tools", "gdb",
+                               "--out", str(out)], capture_output=True, text=True, timeout=120, cwd=ROOT, env=env)
+        assert proc.returncode == 3, proc.stdout + proc.stderr
+        kind, code, report = _outcome(out)
+        assert (kind, code) == ("no_evidence", 3)
+        assert "gdb not installed" in proc.stdout
+        _assert_no_health_or_deadlock(proc, report)
+    finally:
+        target.kill()
+        target.wait(timeout=10)
 
 
 def test_a_launched_engine_without_python_is_not_python(tmp_path: Path) -> None:

@@ -67,6 +67,16 @@ def test_stock_allocator_decode_stall_is_found_and_captured(tmp_path: Path) -> N
     events = [e["event"] for e in report["timeline"]]  # type: ignore[union-attr]
     for ev in ("soak load started", "stall onset (last progress)", "stall detected", "capture finished", "verdict"):
         assert ev in events, events
+    # stall detected → verdict: in report.json and in the printed summary (issue 17 item 7)
+    t = {e["event"]: e["t"] for e in report["timeline"]}  # type: ignore[union-attr]
+    to_verdict = report["stall_to_verdict_s"]
+    assert isinstance(to_verdict, float) and to_verdict > 0
+    assert abs(to_verdict - (t["verdict"] - t["stall detected"])) < 0.05
+    assert t["stall detected"] <= t["capture finished"] <= t["verdict"]
+    assert f"stall detected → verdict: {to_verdict:.1f} s" in proc.stdout + proc.stderr
+    # the loaded time ends at the stall, not after the capture
+    assert soak["duration_s"] <= t["stall detected"] - t["soak load started"] + 0.5
+    assert soak["metrics_scrapes"] >= 3 and soak["metrics_longest_gap_s"] is not None
     engine = report["engines"][0]  # type: ignore[index]
     # Stalled is not healthy, although the API server's /health still answered.
     assert engine["phase"] == "stalled" and engine["healthy"] is False and engine["allocator"] == "stock"
@@ -84,12 +94,19 @@ def test_stock_allocator_decode_stall_is_found_and_captured(tmp_path: Path) -> N
 def test_fixed_allocator_soak_is_healthy(tmp_path: Path) -> None:
     out = tmp_path / "fixed"
     proc = _kvdiag("soak", "--allocator", "fixed", "--duration", "8", "--out", str(out))
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-3000:]
     report = _report(out)
     assert report["verdict"]["kind"] == "healthy"  # type: ignore[index]
     soak = report["soak"]
     assert isinstance(soak, dict) and soak["stalled"] is False
     assert soak["requests_ok"] > 0 and soak["requests_failed"] == 0 and soak["tokens"] > 0
+    # it saturated: a healthy verdict means the pool was near full and nothing stalled
+    assert soak["saturated"] is True and soak["kv_usage_peak"] >= 0.9 and soak["bottleneck"] is None
+    assert soak["streams_requested"] == 32 and soak["server_running_peak"] > 0
+    assert report["stall_to_verdict_s"] is None
+    assert soak["requested_duration_s"] == 8 and abs(soak["duration_s"] - 8) < 0.01
+    assert soak["drain_s"] is not None and soak["drain_s"] <= soak["drain_grace_s"] + 1.0
+    assert "time loaded: 8.0 s of 8 s requested" in proc.stdout + proc.stderr
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     assert bundle["processes"] == []          # nothing stalled: nothing captured
     assert len(bundle["metrics"]) >= 3
@@ -176,4 +193,60 @@ def test_engine_crash_during_the_soak_is_a_crash(tmp_path: Path) -> None:
     report = _report(out)
     assert report["verdict"]["kind"] == "crash"  # type: ignore[index]
     assert report["engines"][0]["phase"] == "exited"  # type: ignore[index]
+    _engine_pids_gone(report)
+
+
+def test_an_unsaturated_soak_is_inconclusive_exit_6(tmp_path: Path) -> None:
+    """Two streams cannot fill the pool: no stall, but the soak tested nothing (issue 17 item 10)."""
+    out = tmp_path / "light"
+    proc = _kvdiag("soak", "--allocator", "fixed", "--concurrency", "2", "--duration", "4", "--out", str(out))
+    assert proc.returncode == 6, proc.stderr[-3000:] + proc.stdout[-3000:]
+    report = _report(out)
+    verdict = report["verdict"]
+    assert isinstance(verdict, dict) and verdict["kind"] == "not_saturated"
+    assert "inconclusive" in verdict["summary"] and "not saturated: KV cache peaked at" in verdict["summary"]
+    soak = report["soak"]
+    assert isinstance(soak, dict) and soak["saturated"] is False and soak["stalled"] is False
+    assert soak["kv_usage_peak"] is not None and soak["kv_usage_peak"] < 0.9
+    assert soak["streams_requested"] == 2 and soak["server_running_peak"] <= 2
+    # both sides kept up with two streams: the load itself was too small
+    assert soak["bottleneck"] == "load", soak["saturation_note"]
+    assert "raise --concurrency or --max-tokens" in soak["saturation_note"]
+    assert "not_saturated" in proc.stdout + proc.stderr and "exit code 6" in proc.stdout + proc.stderr
+    _engine_pids_gone(report)
+
+
+def _spinners(n: int) -> list[subprocess.Popen[bytes]]:
+    """``n`` CPU-bound processes (a busy machine), each bounded to 300 s by itself."""
+    code = "import time\nend = time.monotonic() + 300\nwhile time.monotonic() < end: pass"
+    return [subprocess.Popen([sys.executable, "-c", code], start_new_session=True) for _ in range(n)]
+
+
+def test_duration_is_honoured_on_a_busy_machine(tmp_path: Path) -> None:
+    """With CPU spinners competing, the load still ends at --duration and the drain is bounded."""
+    out = tmp_path / "busy"
+    spin = _spinners(3)
+    try:
+        t0 = time.monotonic()
+        proc = _kvdiag("soak", "--allocator", "fixed", "--duration", "10", "--drain-grace", "3", "--out", str(out))
+        wall = time.monotonic() - t0
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait(timeout=10)
+    report = _report(out)
+    soak = report["soak"]
+    assert isinstance(soak, dict)
+    # no stall on the fixed allocator; saturated or not, the verdict and the exit code agree
+    expected = (0, "healthy") if soak["saturated"] else (6, "not_saturated")
+    assert (proc.returncode, report["verdict"]["kind"]) == expected, proc.stderr[-3000:]  # type: ignore[index]
+    assert soak["requested_duration_s"] == 10 and abs(soak["duration_s"] - 10) < 0.01
+    assert soak["drain_grace_s"] == 3 and soak["drain_s"] is not None and soak["drain_s"] <= 3 + 1.0
+    assert soak["drain_in_flight"] is not None and 0 <= soak["drain_cut"] <= soak["drain_in_flight"]
+    t = {e["event"]: e["t"] for e in report["timeline"]}  # type: ignore[union-attr]
+    # from the load's start to its end: warm-up + 10 s + the drain, not the 20-25 % overshoot of issue 17
+    loaded_wall = t["soak load stopped"] - t["soak load started"]
+    assert loaded_wall <= 10 + soak["drain_s"] + 3.0, (loaded_wall, soak)
+    assert soak["metrics_scrapes"] >= 6, soak
+    assert wall < 180
     _engine_pids_gone(report)

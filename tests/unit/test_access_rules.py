@@ -64,6 +64,34 @@ def test_tools_all_refused_is_no_access_even_without_preflight_facts() -> None:
     assert process_outcome(_proc(tools=tools), []) is None
 
 
+def test_a_live_process_with_no_thread_read_is_no_evidence_not_healthy() -> None:
+    """Every tool missing or failing (here: a target another debugger holds, captured without /proc)."""
+    tools = [ToolRun(tool="py-spy", ok=False, error="py-spy exited 1: Error: Failed to get stack traces"),
+             ToolRun(tool="gdb", ok=False, error="gdb not installed (not on PATH)")]
+    proc = ProcessEvidence(pid=42, access=TargetAccess(python=True), tools=tools)
+    v = analyze(Bundle(processes=[proc]))
+    assert v.kind is VerdictKind.NO_EVIDENCE and exit_code_for(v) == 3
+    assert "gdb not installed" in v.summary and "healthy" not in v.summary
+    assert any(f.kind == "no_evidence" for f in v.findings)
+
+
+def test_yama_scope_1_keeps_the_tools_out_but_not_kvdiag() -> None:
+    """Ubuntu's default: kvdiag reads the engines it started, its tools may not attach. A hang the /proc
+    evidence shows stands; health is never claimed; the fix is the sysctl or sudo."""
+    a = TargetAccess(python=True, tracers_ok=False, refused=["kernel.yama.ptrace_scope=1 (...): py-spy, pystack "
+                                                             "and gdb run as kvdiag's children"],
+                     fixes=["sudo env ...", "or ... sudo sysctl kernel.yama.ptrace_scope=0"])
+    quiet = ProcessEvidence(pid=42, access=a, state=ThreadState.RUNNING,
+                            threads=[ThreadEvidence(tid=42, state=ThreadState.RUNNING, cpu_ticks_delta=20)])
+    v = analyze(Bundle(processes=[quiet]))
+    assert v.kind is VerdictKind.NO_ACCESS and "ptrace_scope=1" in v.summary
+    assert any("sysctl kernel.yama.ptrace_scope=0" in f.message for f in v.findings if f.kind == "access_fix")
+    from kvdiag.analyze.access import judgeable
+    assert judgeable([quiet], []) == [quiet]   # its /proc evidence is still judged for a hang
+    refused = _proc(access=REFUSED)
+    assert judgeable([refused], []) == []        # memory unreadable: /proc alone never judged
+
+
 def test_a_stalled_engine_that_could_not_be_read_is_no_access_not_unknown() -> None:
     e = EngineRecord(name="eng", phase=EnginePhase.STALLED)
     b = Bundle(engines=[e], processes=[_proc(access=REFUSED, engine="eng")], stall_detected=True)
@@ -111,7 +139,8 @@ def test_each_outcome_and_its_exit_code(proc: ProcessEvidence, findings: list[Fi
 def test_exit_codes_of_all_no_evidence_kinds() -> None:
     for kind in NO_EVIDENCE_KINDS:
         assert not kind.is_hang
-        assert exit_code_for(Verdict(kind=kind, summary="")) == (3 if kind is VerdictKind.NO_ACCESS else 5)
+        expect = 3 if kind in (VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE) else 5
+        assert exit_code_for(Verdict(kind=kind, summary="")) == expect
 
 
 def _facts(**kw: object) -> PtraceAccess:

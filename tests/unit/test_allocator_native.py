@@ -382,3 +382,18 @@ def test_kvcached_env_kwargs() -> None:
                                         "gpu_utilization": 0.9, "page_size": 4 * MB, "contiguous_layout": False}
     assert kvcached_env_kwargs({"KVCACHED_PAGE_PREALLOC_ENABLED": "1"}) == {"enable_prealloc": False}
     assert kvcached_env_kwargs({}) == {}
+
+
+@pytest.mark.parametrize("kind", ["stock", "fixed", "reference"])
+def test_free_pages_rejects_bad_batches_without_changing_state(kind: str) -> None:
+    a = _small(kind, enable_prealloc=False)
+    p0, p1 = a.alloc_page(), a.alloc_page()
+    for batch, message in (([p0, p1, p0], f"page_ids: duplicate page {p0}"),
+                           ([p0, 7], "page_id: page 7 is not allocated"),
+                           ([p1, 99], "page_id: out of range: 99")):
+        with pytest.raises(ValueError) as info:
+            a.free_pages(batch)
+        assert str(info.value) == message
+        assert a.get_num_inuse_pages() == 2  # nothing was freed
+    a.free_pages([p1, p0])
+    assert a.get_num_inuse_pages() == 0

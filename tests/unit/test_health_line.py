@@ -50,6 +50,7 @@ def test_health_line_agrees_with_the_verdict(kind: VerdictKind, probe_ok: bool, 
     page = write_outputs(tmp_path, bundle, verdict, command="repro two-engine", exit_code=0,
                          verdicts_by_engine={"eng": verdict})["report.html"].read_text()
     assert ('<span class="badge ok">yes</span>' in page) is health.healthy
+    assert (health.note is not None and health.note in page) or health.note is None
 
 
 def test_without_a_verdict_the_probe_and_phase_decide() -> None:
@@ -57,3 +58,22 @@ def test_without_a_verdict_the_probe_and_phase_decide() -> None:
     stalled = engine_health(_record(True, EnginePhase.STALLED), None)
     assert not stalled.healthy and stalled.line == "no (/health still answered)"
     assert not engine_health(_record(False, EnginePhase.SERVING), None).healthy
+
+
+def test_every_verdict_kind_is_one_complete_definition() -> None:
+    """A kind is one line in KIND_SPECS: exit code, rank, display; the schema lists it too."""
+    import json as _json
+
+    from kvdiag.analyze import SEVERITY, exit_code_for
+    from kvdiag.model import KIND_SPECS
+    from kvdiag.report.html import KIND_CLASS
+
+    assert set(KIND_SPECS) == set(VerdictKind)
+    assert sorted(spec.rank for spec in KIND_SPECS.values()) == list(range(len(VerdictKind)))
+    assert SEVERITY[0] is VerdictKind.GIL_CYCLE and SEVERITY[-1] is VerdictKind.HEALTHY
+    schema = _json.loads((Path(__file__).resolve().parents[2] / "schema" / "report.schema.json").read_text())
+    assert set(schema["$defs"]["verdict_kind"]["enum"]) == {k.value for k in VerdictKind}
+    for kind, spec in KIND_SPECS.items():
+        assert exit_code_for(Verdict(kind=kind, summary="x")) == spec.exit_code
+        assert KIND_CLASS[kind.value] == spec.display
+        assert kind.is_hang is (spec.outcome == "hang") and (spec.exit_code == 10) is kind.is_hang

@@ -64,6 +64,8 @@ class SSEApp:
 
     def __init__(self) -> None:
         self.bodies: list[dict[str, Any]] = []
+        self.metrics_delay_s = 0.0          # /metrics answers this late (a busy server)
+        self.sent_at: list[float] = []      # monotonic time each /v1 request arrived
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -76,6 +78,8 @@ class SSEApp:
                     return
         path = scope["path"]
         if path == "/metrics":
+            if self.metrics_delay_s:
+                await asyncio.sleep(self.metrics_delay_s)
             await self._plain(send, 200, METRICS.encode())
             return
         if path == "/health":
@@ -89,6 +93,7 @@ class SSEApp:
                 break
         body = json.loads(raw)
         self.bodies.append(body)
+        self.sent_at.append(time.monotonic())
         chat = path.endswith("/chat/completions")
         mode = body["messages"][0]["content"] if chat else body["prompt"]
         if mode == "status":
@@ -100,6 +105,13 @@ class SSEApp:
         stream = b""
         if chat:
             stream += _event({"choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}}]})
+        if mode == "slow":   # one token every 50 ms: a request lasts max_tokens / 20 seconds
+            await send({"type": "http.response.body", "body": b"", "more_body": True})
+            for i in range(n):
+                await asyncio.sleep(0.05)
+                await send({"type": "http.response.body", "body": _token(i, n, chat), "more_body": True})
+            await send({"type": "http.response.body", "body": b"data: [DONE]\n\n", "more_body": False})
+            return
         if mode in ("ok", "chat"):
             stream += b"".join(_token(i, n, chat) for i in range(n))
             stream += _event({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": n,
@@ -264,11 +276,12 @@ def test_metrics_poller(server: tuple[str, SSEApp]) -> None:
 
     async def go() -> MetricsPoller:
         p = MetricsPoller(url, "e", t0=time.monotonic())
-        await p.poll()
+        await p.poll_async()
         await p.aclose()
         return p
 
     p = asyncio.run(go())
+    assert p.scrapes == 1 and p.failures == 0
     snap = p.latest
     assert snap is not None and snap.engine == "e"
     assert (snap.running, snap.waiting, snap.kv_cache_usage, snap.preemptions, snap.generation_tokens) == (
@@ -280,7 +293,7 @@ def test_poller_and_clients_survive_a_closed_port() -> None:
 
     async def go() -> tuple[LoadGenerator, MetricsPoller]:
         p = MetricsPoller(url, None, t0=time.monotonic(), timeout_s=1.0)
-        assert await p.poll() is None
+        assert await p.poll_async() is None
         lg = LoadGenerator(LoadConfig(base_url=url, concurrency=2, connect_timeout_s=1.0, retry_delay_s=0.01))
         lg.start()
         await _until(lambda: lg.failed >= 4)
@@ -293,3 +306,98 @@ def test_poller_and_clients_survive_a_closed_port() -> None:
     assert lg.ok == 0 and all(r.status is RequestStatus.ERROR for r in lg.records if r.status is not
                               RequestStatus.CANCELLED)
     assert "ConnectError" in (lg.first_error or "")
+
+
+# ---------------------------------------------------------------- the load phase ends at its duration
+
+
+def test_load_ends_at_the_duration_and_drains_in_flight(server: tuple[str, SSEApp]) -> None:
+    """No request is sent after the stated duration; those in flight finish within the grace."""
+    url, app = server
+    before = len(app.sent_at)
+
+    async def go() -> tuple[LoadGenerator, object]:
+        # 20 tokens at 50 ms: each request lasts ~1 s, so the deadline always cuts some mid-stream.
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=4, max_tokens=20, prompt="slow"))
+        s = await lg.run_for(2.0, drain_grace_s=20.0)
+        return lg, s
+
+    lg, s = asyncio.run(go())
+    assert lg.load_deadline is not None and lg.started_at is not None
+    assert s.duration_s == pytest.approx(2.0)                      # the time loaded is the duration
+    arrived = app.sent_at[before:]
+    assert arrived and max(arrived) <= lg.load_deadline + 0.05     # nothing sent after it
+    assert s.drain_in_flight == 4 and s.drain_cut == 0             # the drain let all four finish
+    assert s.drain_s is not None and 0.0 < s.drain_s < 20.0
+    assert lg.drain_ended_at is not None and lg.stopped_at is not None
+    assert lg.drain_ended_at <= lg.stopped_at
+    assert s.requests_ok == s.requests_sent and s.requests_cancelled == 0
+    assert s.tokens == 20 * s.requests_ok
+    assert s.tokens_per_s == pytest.approx(s.tokens / (s.duration_s + s.drain_s))
+
+
+def test_drain_is_bounded_by_its_grace(server: tuple[str, SSEApp]) -> None:
+    url, _ = server
+
+    async def go() -> tuple[LoadGenerator, object]:
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=3, max_tokens=4, prompt="hang"))
+        t = time.monotonic()
+        s = await lg.run_for(0.5, drain_grace_s=0.5)
+        return lg, (s, time.monotonic() - t)
+
+    lg, (s, wall) = asyncio.run(go())
+    assert s.duration_s == pytest.approx(0.5)
+    assert s.drain_in_flight == 3 and s.drain_cut == 3 and s.requests_cancelled == 3
+    assert s.drain_s is not None and s.drain_s >= 0.5
+    assert s.drain_s < 10 and wall < 30        # bounds only against a hang, not a speed target
+
+
+# ---------------------------------------------------------------- scrapes on their own timer
+
+
+def test_scrapes_keep_their_period_while_the_event_loop_is_busy(server: tuple[str, SSEApp]) -> None:
+    """A load loop that hogs its thread (CPU-bound parsing) does not delay the scrapes."""
+    url, _ = server
+
+    async def go() -> MetricsPoller:
+        p = MetricsPoller(url, "e", t0=time.monotonic(), period_s=0.2)
+        p.start()
+        end = time.monotonic() + 4.0
+        while time.monotonic() < end:     # the event loop never yields for 4 s
+            sum(range(1000))
+        await p.aclose()
+        return p
+
+    p = asyncio.run(go())
+    # 20 periods; an asyncio-task poller would have scraped at most once in this time.
+    assert p.scrapes >= 6 and len(p.snapshots) >= 6, (p.scrapes, p.failures, p.last_error)
+    assert p.longest_gap_s is not None and p.longest_gap_s < 2.0
+
+
+def test_a_slow_scrape_is_a_gap_not_a_stall(server: tuple[str, SSEApp]) -> None:
+    """/metrics answering late leaves a gap in the snapshots; the soak's stall signal (tokens at the
+    client) is untouched and the gap is reported as such."""
+    url, app = server
+
+    async def go() -> tuple[MetricsPoller, LoadGenerator, NoProgressWatchdog, bool]:
+        p = MetricsPoller(url, "e", t0=time.monotonic(), period_s=0.2, timeout_s=10.0)
+        wd = NoProgressWatchdog(1.0)
+        lg = LoadGenerator(LoadConfig(base_url=url, concurrency=2, max_tokens=20, prompt="slow"))
+        p.start()
+        await _until(lambda: len(p.snapshots) >= 2)
+        app.metrics_delay_s = 2.5           # the next scrape answers after 2.5 s: longer than the window
+        lg.start()
+        fired = False
+        end = time.monotonic() + 3.5
+        while time.monotonic() < end:
+            fired = fired or wd.observe(lg.in_flight, lg.progress, lg.last_progress_t)
+            await asyncio.sleep(0.05)
+        app.metrics_delay_s = 0.0
+        await lg.stop()
+        await p.aclose()
+        return p, lg, wd, fired
+
+    p, lg, wd, fired = asyncio.run(go())
+    assert not fired and not wd.stalled and lg.tokens > 0
+    assert p.longest_gap_s is not None and p.longest_gap_s >= 2.0
+    assert p.failures == 0

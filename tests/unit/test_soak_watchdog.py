@@ -68,6 +68,24 @@ def test_quiet_for() -> None:
     assert wd.quiet_for == 3.0
 
 
+def test_a_gap_in_observing_is_not_a_stall() -> None:
+    """The caller's loop starved for longer than the window: the first look after the gap does not
+    fire (tokens may wait unread in its sockets); the next one, with still no token, does."""
+    clk = FakeClock()
+    wd = NoProgressWatchdog(5.0, clock=clk, max_blind_s=1.0)
+    assert not wd.observe(8, 100, clk.t)
+    clk.t += 6.0                                   # no observation for 6 s
+    assert not wd.observe(8, 100, clk.t - 6.0)
+    assert wd.blind_spells == 1 and wd.longest_blind_s == 6.0 and not wd.stalled
+    clk.t += 0.25                                  # tokens that were waiting: progress, no stall
+    assert not wd.observe(8, 130, clk.t)
+    clk.t += 6.0
+    assert not wd.observe(8, 130, clk.t - 6.0)     # another gap: still not read as a stall
+    clk.t += 0.25
+    assert wd.observe(8, 130, clk.t - 6.25)        # looked again, still nothing: a stall
+    assert wd.onset == clk.t - 6.25
+
+
 def _snap(t: float, gen: float | None, running: float | None) -> MetricsSnapshot:
     return MetricsSnapshot(t=t, generation_tokens=gen, running=running, kv_cache_usage=0.99)
 

@@ -106,3 +106,21 @@ def test_stall_window_is_not_applied_before_the_first_log_line() -> None:
     assert not d.observe(Observation(now=64.0, new_log_lines=0, cpu_ticks=100, healthy=False, output_started=True))
     assert d.observe(Observation(now=65.5, new_log_lines=0, cpu_ticks=100, healthy=False, output_started=True))
     assert d.stalled_since == 60.0
+
+
+def test_parse_metrics_sums_label_sets_and_survives_a_malformed_line() -> None:
+    text = (
+        "# HELP vllm:generation_tokens_total Number of generation tokens processed.\n"
+        "# TYPE vllm:generation_tokens_total counter\n"
+        'vllm:generation_tokens_total{engine="0",model_name="m"} 120.0\n'
+        'vllm:generation_tokens_total{engine="1",model_name="m"} 30.0\n'
+        'vllm:generation_tokens_created{engine="0",model_name="m"} 1.7e9\n'
+        "# TYPE vllm:kv_cache_usage_perc gauge\n"
+        'vllm:kv_cache_usage_perc{engine="0"} 0.5\n'
+        'vllm:num_requests_running{engine="0"} NaN\n'
+    )
+    snap = parse_metrics(text, t=2.0, engine="e")
+    assert snap.generation_tokens == 150.0 and snap.kv_cache_usage == 0.5 and snap.running is None
+    broken = text + "this is { not prometheus\n"  # one bad line must not cost the whole scrape
+    again = parse_metrics(broken, t=2.0)
+    assert again.generation_tokens == 150.0 and again.kv_cache_usage == 0.5

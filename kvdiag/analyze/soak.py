@@ -1,0 +1,34 @@
+"""Run-level judgements of a soak's load phase, pure over the bundle's facts.
+
+- :func:`saturation_verdict`: a soak without a hang whose KV pool never got near full tested
+  nothing: the verdict becomes ``not_saturated`` (exit 6), naming the peak KV usage, the
+  streams and the bottleneck the soak measured (``SoakStats.saturation_note``);
+- :func:`stall_to_verdict_s`: seconds from the run's "stall detected" event to its verdict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from kvdiag.model import Confidence, SoakStats, TimelineEvent, Verdict, VerdictKind
+
+
+def saturation_verdict(verdict: Verdict, soak: SoakStats) -> Verdict:
+    """``verdict``, or ``not_saturated`` when it is healthy and the soak never saturated the pool."""
+    if verdict.kind is not VerdictKind.HEALTHY or soak.stalled or soak.saturated is not False:
+        return verdict
+    who = f"{verdict.engine}: " if verdict.engine else ""
+    note = soak.saturation_note or "not saturated: the KV cache never got near full"
+    return Verdict(kind=VerdictKind.NOT_SATURATED, confidence=Confidence.HIGH, engine=verdict.engine,
+                   summary=f"{who}inconclusive: no stall, but {note}", findings=list(verdict.findings))
+
+
+def stall_to_verdict_s(timeline: Iterable[TimelineEvent], verdict_t: float) -> float | None:
+    """Seconds from the first "stall detected" event to ``verdict_t`` (run clock); None without one."""
+    detected = [e.t for e in timeline if e.event == "stall detected"]
+    if not detected:
+        return None
+    return round(max(0.0, verdict_t - min(detected)), 3)
+
+
+__all__ = ["saturation_verdict", "stall_to_verdict_s"]

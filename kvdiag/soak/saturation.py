@@ -1,0 +1,198 @@
+"""Did a soak saturate the engine, and if not, which side held it back?
+
+A saturation soak is only evidence when the KV pool actually got near full: that is where the
+seed's decode stall happens. :class:`SaturationSampler` takes cheap readings while the load runs
+(the client's requests in flight, CPU time of kvdiag's load loop, of the server's processes and
+of the whole machine); :func:`judge` turns them and the /metrics snapshots of the loaded time into
+a :class:`Saturation`: peak KV usage, streams running on the server vs requested, and the
+bottleneck:
+
+- ``client``: kvdiag could not keep the requested streams in flight, or its load loop used
+  (nearly) a whole core: the client, not the server, set the pace;
+- ``server``: the client kept its streams in flight but the engine ran far fewer of them and
+  queued none (its front end fell behind; typically CPU-starved);
+- ``load``: client and server both kept up and the load was still too small for the pool
+  (raise --concurrency or --max-tokens).
+
+``judge`` is pure; the sampler reads /proc and the clocks and nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+
+from kvdiag.model import MetricsSnapshot
+from kvdiag.proc import read_stat
+
+Clock = Callable[[], float]
+
+# KV usage the pool must reach for the soak to count as saturated: the level from which the
+# analyzer reads a flat token counter as a decode stall (kvdiag.analyze.rules.KV_NEAR_FULL).
+KV_SATURATED = 0.9
+CLIENT_IN_FLIGHT_SHORT = 0.9     # client kept fewer than this share of its streams in flight
+CLIENT_CPU_BOUND = 0.85          # kvdiag's load loop used this share of one core or more
+SERVER_BEHIND = 0.75             # server running+waiting below this share of the client's in flight
+
+
+def machine_cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies over all CPUs from /proc/stat; None where unreadable."""
+    try:
+        with open("/proc/stat", "rb") as fh:
+            first = fh.readline().split()
+    except OSError:
+        return None
+    if not first or first[0] != b"cpu":
+        return None
+    vals = [int(v) for v in first[1:9]]       # user nice system idle iowait irq softirq steal
+    total = sum(vals)
+    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
+    return total - idle, total
+
+
+def _ticks(pids: Iterable[int]) -> dict[int, int]:
+    """utime+stime (clock ticks) of each pid that can still be read."""
+    return {st.pid: st.utime + st.stime for st in (read_stat(pid) for pid in pids) if st is not None}
+
+
+@dataclass
+class SaturationSampler:
+    """Readings of one load phase. :meth:`start` and :meth:`tick` must run on the load loop's thread."""
+
+    requested: int
+    server_pids: Sequence[int] = ()
+    clock: Clock = time.monotonic
+    _t0: float | None = None
+    _thread0: float = 0.0
+    _machine0: tuple[int, int] | None = None
+    _server0: dict[int, int] = field(default_factory=dict)
+    _in_flight_sum: float = 0.0
+    _ticks: int = 0
+    client_cpu: float | None = field(default=None, init=False)     # share of one core
+    server_cpu: float | None = field(default=None, init=False)     # cores
+    machine_busy: float | None = field(default=None, init=False)   # 0..1 over all CPUs
+    in_flight_mean: float | None = field(default=None, init=False)
+    wall_s: float = field(default=0.0, init=False)
+
+    @property
+    def started(self) -> bool:
+        return self._t0 is not None
+
+    def start(self) -> None:
+        self._t0 = self.clock()
+        self._thread0 = time.thread_time()
+        self._machine0 = machine_cpu_times()
+        self._server0 = _ticks(self.server_pids)
+
+    def tick(self, in_flight: int) -> None:
+        """One look at the client while the load runs (the session's loop tick)."""
+        if self._t0 is not None:
+            self._in_flight_sum += in_flight
+            self._ticks += 1
+
+    def stop(self) -> None:
+        """The loaded time is over: turn the readings into rates (once)."""
+        if self._t0 is None or self.wall_s:
+            return
+        wall = self.clock() - self._t0
+        self.wall_s = wall
+        if wall <= 0:
+            return
+        self.client_cpu = (time.thread_time() - self._thread0) / wall
+        m1 = machine_cpu_times()
+        if self._machine0 is not None and m1 is not None and m1[1] > self._machine0[1]:
+            self.machine_busy = (m1[0] - self._machine0[0]) / (m1[1] - self._machine0[1])
+        s1 = _ticks(self.server_pids)
+        both = [pid for pid in s1 if pid in self._server0]   # a process gone meanwhile is left out
+        if both:
+            spent = sum(max(0, s1[pid] - self._server0[pid]) for pid in both)
+            self.server_cpu = spent / (os.sysconf("SC_CLK_TCK") or 100) / wall
+        if self._ticks:
+            self.in_flight_mean = self._in_flight_sum / self._ticks
+
+
+@dataclass(frozen=True)
+class Saturation:
+    """What the load phase reached, and why not more."""
+
+    saturated: bool | None          # None: no KV usage gauge to judge from
+    kv_usage_peak: float | None
+    requested: int
+    in_flight_mean: float | None    # client side
+    running_peak: float | None      # server side (/metrics)
+    running_mean: float | None
+    waiting_peak: float | None
+    client_cpu: float | None
+    server_cpu: float | None
+    machine_busy: float | None
+    bottleneck: str | None          # "client", "server", "load"; None when saturated or unknown
+    note: str                       # one sentence for the verdict line and the report
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{v:.0%}"
+
+
+def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
+          kv_threshold: float = KV_SATURATED) -> Saturation:
+    """Saturation of one load phase from its /metrics snapshots and the sampler's readings."""
+    kv = [s.kv_cache_usage for s in snaps if s.kv_cache_usage is not None]
+    running = [s.running for s in snaps if s.running is not None]
+    waiting = [s.waiting for s in snaps if s.waiting is not None]
+    peak = max(kv) if kv else None
+    run_peak = max(running) if running else None
+    run_mean = sum(running) / len(running) if running else None
+    wait_peak = max(waiting) if waiting else None
+    wait_mean = sum(waiting) / len(waiting) if waiting else 0.0
+    n = sampler.requested
+    inflight = sampler.in_flight_mean
+    ccpu, scpu, busy = sampler.client_cpu, sampler.server_cpu, sampler.machine_busy
+
+    if run_mean is not None and run_peak is not None:
+        streams = f"server ran {run_mean:.1f} of {n} requested streams on average (peak {run_peak:.0f}"
+        streams += f", up to {wait_peak:.0f} waiting)" if wait_peak else ")"
+    else:
+        streams = f"{n} streams requested"
+    if inflight is not None:
+        streams += f", client kept {inflight:.1f} in flight"
+
+    if peak is None:
+        return Saturation(None, None, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, None,
+                          f"saturation unknown: the server reports no KV cache usage gauge; {streams}")
+    gen = [s.generation_tokens for s in snaps if s.generation_tokens is not None]
+    generated = gen[-1] - gen[0] if len(gen) >= 2 else 0.0
+    if peak <= 0 and not run_peak and generated > 0:
+        # Tokens were generated with no request ever running and an empty pool: the gauges do not
+        # follow the load (a stats path that is off or broken), so they cannot say it did not saturate.
+        return Saturation(None, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, None,
+                          f"saturation unknown: /metrics counted {generated:.0f} generated tokens but its running "
+                          f"and KV cache usage gauges stayed at 0 (stale gauges); {streams}")
+    if peak >= kv_threshold:
+        return Saturation(True, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, None,
+                          f"saturated: KV cache peaked at {_pct(peak)}; {streams}")
+
+    if inflight is not None and inflight < CLIENT_IN_FLIGHT_SHORT * n:
+        side, why = "client", f"it kept only {inflight:.1f} of {n} streams in flight"
+    elif ccpu is not None and ccpu >= CLIENT_CPU_BOUND:
+        side, why = "client", f"kvdiag's load loop used {_pct(ccpu)} of a core"
+    elif (inflight is not None and run_mean is not None
+          and run_mean + wait_mean < SERVER_BEHIND * inflight):
+        side, why = "server", (f"it ran {run_mean:.1f} of the {inflight:.1f} requests in flight and queued none: "
+                               "its front end fell behind")
+    else:
+        side, why = "load", "client and server kept up: the load is too small for the pool " \
+                            "(raise --concurrency or --max-tokens)"
+    cpu = [f"kvdiag's load loop {_pct(ccpu)} of a core" if ccpu is not None and side != "client" else "",
+           f"server processes {scpu:.2f} cores" if scpu is not None else "",
+           f"machine CPUs {_pct(busy)} busy" if busy is not None else ""]
+    cpu_text = ", ".join(c for c in cpu if c)
+    if cpu_text:
+        why += f" ({cpu_text})"
+    note = f"not saturated: KV cache peaked at {_pct(peak)} (< {_pct(kv_threshold)}); {streams}; " \
+           f"bottleneck: {side}: {why}"
+    return Saturation(False, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, side, note)
+
+
+__all__ = ["KV_SATURATED", "Saturation", "SaturationSampler", "judge", "machine_cpu_times"]
