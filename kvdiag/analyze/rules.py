@@ -284,7 +284,8 @@ def gil_held_warning(proc: ProcessEvidence, views: list[ThreadView], engine: str
         f"{holder.label} holds the GIL while {block}{where(holder)} ({how}); no other thread wants it yet, but "
         f"until that call returns no line of Python can run in {_where(proc)}: the first request, callback or "
         f"timer that needs the interpreter will stall behind it. Release the GIL around blocking calls "
-        f"(Py_BEGIN_ALLOW_THREADS, py::gil_scoped_release, nb::gil_scoped_release)"))
+        f"(Py_BEGIN_ALLOW_THREADS, py::gil_scoped_release, nb::gil_scoped_release). Holder's frames: "
+        f"{' ← '.join(cite(holder, 8)) or 'none read'}"))
 
 
 def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
