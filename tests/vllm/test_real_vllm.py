@@ -41,7 +41,7 @@ def test_two_engine_stock_hangs_in_engine_two_core(vllm_setup: VllmSetup, leftov
     # The hang is in engine 2's EngineCore (a VLLM::EngineCore process, not the API server or the Worker).
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     core_pid = engines["vlm"]["pids"]["engine_core"]
-    assert str(core_pid) in verdict["summary"]
+    assert f"pid {core_pid} (the EngineCore of engine vlm)" in verdict["summary"], verdict["summary"]
     core = [p for p in bundle["processes"] if p["pid"] == core_pid]
     assert core and core[0]["role"] == "engine_core" and core[0]["comm"].startswith("VLLM::EngineCor")
     roles = {p["role"] for p in bundle["processes"] if p["engine"] == "vlm"}
