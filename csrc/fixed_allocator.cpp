@@ -105,7 +105,7 @@ PageAllocator::PageAllocator(const AllocatorConfig& cfg)
   enable_page_prealloc_ = cfg_.enable_prealloc;
   backend_ = make_backend(cfg_, max_pages_);
   for (page_id_t i = 0; i < max_pages_; ++i) free_.push_back(i);
-  in_use_.assign(static_cast<size_t>(max_pages_), 0);
+  in_use_.assign(static_cast<size_t>(max_pages_), uint8_t{0});
   {
     std::lock_guard<std::mutex> lk(mu_);
     num_free_.store(max_pages_, std::memory_order_relaxed);

@@ -133,7 +133,7 @@ class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
   std::atomic<int64_t> num_free_{0};   // pages not in use: free list + reserve + in flight
   std::atomic<int64_t> a_reserved_{0};  // reserved_.size(), published for get_num_reserved_pages
   PageRing reserved_;                   // mapped pages ready for the fast path
-  std::vector<uint8_t> in_use_;
+  LineArray<uint8_t> in_use_;  // per page: 1 allocated (2 while free_pages validates)
   int64_t waiters_ = 0;                 // alloc_page callers waiting on pages_cv_
   bool running_ = false;
   bool signaled_ = false;

@@ -8,19 +8,52 @@
 //            as it moves and computes size() from its iterators).
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <new>
 #include <stdexcept>
-#include <vector>
 
 #include "common.hpp"
 
 namespace kvdiag {
 
+// A heap array that starts on a cache line and fills whole lines, so no other heap object (the
+// caller's data, another allocator's state) shares a line with it. The allocator's per-page
+// arrays are written on every alloc/free; a neighbour on the same line written by other threads
+// would bounce it between cores on every op (false sharing), for reasons outside the allocator.
+// T must be trivially destructible (page ids, flags, atomics of them).
+template <class T>
+class LineArray {
+ public:
+  static constexpr size_t kLine = 64;
+  LineArray() = default;
+  template <class V>
+  LineArray(size_t n, const V& v) { assign(n, v); }
+  template <class V>
+  void assign(size_t n, const V& v) {
+    const size_t bytes = std::max<size_t>(kLine, (n * sizeof(T) + kLine - 1) / kLine * kLine);
+    data_.reset(static_cast<T*>(::operator new(bytes, std::align_val_t{kLine})));
+    for (size_t i = 0; i < n; ++i) new (data_.get() + i) T(v);
+    n_ = n;
+  }
+  size_t size() const { return n_; }
+  T& operator[](size_t i) { return data_[i]; }
+  const T& operator[](size_t i) const { return data_[i]; }
+
+ private:
+  struct Free {
+    void operator()(T* p) const { ::operator delete(p, std::align_val_t{kLine}); }
+  };
+  std::unique_ptr<T[], Free> data_;
+  size_t n_ = 0;
+};
+
 // A fixed-capacity double-ended queue of page ids (a circular buffer).
 class PageRing {
  public:
-  explicit PageRing(size_t capacity) : buf_(capacity > 0 ? capacity : 1) {
+  explicit PageRing(size_t capacity) : buf_(capacity > 0 ? capacity : 1, page_id_t{0}) {
     if (buf_.size() > UINT32_MAX) throw std::length_error("PageRing: more than 2^32 pages");
   }
 
@@ -65,7 +98,7 @@ class PageRing {
   // them on the same cache line as its mutex (buf_'s pointer is only read).
   uint32_t head_ = 0;
   uint32_t size_ = 0;
-  std::vector<page_id_t> buf_;
+  LineArray<page_id_t> buf_;
 };
 
 }  // namespace kvdiag

@@ -19,6 +19,7 @@
 #include <vector>
 
 #include "fixed_allocator.hpp"
+#include "page_ring.hpp"
 #include "stock_allocator.hpp"
 
 namespace kvdiag {
@@ -45,12 +46,12 @@ struct AnyAllocator {
 };
 
 struct Shared {
-  std::vector<std::atomic<uint8_t>> owned;
+  LineArray<std::atomic<uint8_t>> owned;  // on its own cache lines, like the allocators' arrays
   std::atomic<int64_t> ops{0}, max_op_ns{0}, stalls{0}, allocs{0}, frees{0}, oop{0}, timeouts{0}, errors{0},
       double_allocs{0}, resizes_ok{0};
   std::mutex err_mu;
   std::string first_error;
-  explicit Shared(size_t n) : owned(n) {}
+  explicit Shared(size_t n) : owned(n, uint8_t{0}) {}
   void error(const std::string& what) {
     errors++;
     std::lock_guard<std::mutex> g(err_mu);
