@@ -50,6 +50,26 @@ class LineArray {
   size_t n_ = 0;
 };
 
+// A std::allocator that gives every block whole cache lines of its own (see LineArray): for a
+// small per-thread vector written on every op, which malloc would otherwise place next to
+// another thread's (threads may share an arena), bouncing one line between cores.
+template <class T>
+struct LineAllocator {
+  using value_type = T;
+  LineAllocator() = default;
+  template <class U>
+  LineAllocator(const LineAllocator<U>&) {}
+  T* allocate(size_t n) {
+    const size_t bytes = std::max<size_t>(64, (n * sizeof(T) + 63) / 64 * 64);
+    return static_cast<T*>(::operator new(bytes, std::align_val_t{64}));
+  }
+  void deallocate(T* p, size_t) { ::operator delete(p, std::align_val_t{64}); }
+  template <class U>
+  bool operator==(const LineAllocator<U>&) const { return true; }
+  template <class U>
+  bool operator!=(const LineAllocator<U>&) const { return false; }
+};
+
 // A fixed-capacity double-ended queue of page ids (a circular buffer).
 class PageRing {
  public:

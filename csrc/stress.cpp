@@ -61,7 +61,8 @@ struct Shared {
 
 void run_thread(AnyAllocator& a, Shared& sh, const StressOptions& o, int64_t my_ops, uint64_t seed, int64_t pool) {
   std::mt19937_64 rng(seed);
-  std::vector<page_id_t> held;
+  // Written on every op: on cache lines of its own, not next to another thread's (same arena).
+  std::vector<page_id_t, LineAllocator<page_id_t>> held;
   held.reserve(static_cast<size_t>(o.hold_max) + 1);
   const int64_t stall_ns = o.stall_ms * 1000000;
   const bool pairs = o.mode == "alloc_free";
@@ -132,7 +133,7 @@ void run_thread(AnyAllocator& a, Shared& sh, const StressOptions& o, int64_t my_
   if (!held.empty()) {
     for (page_id_t id : held) give(id);
     try {
-      a.free_many(held);
+      a.free_many(std::vector<page_id_t>(held.begin(), held.end()));
     } catch (const std::exception& e) {
       sh.error(e.what());
     }
