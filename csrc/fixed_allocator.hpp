@@ -126,7 +126,8 @@ class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
   std::unique_ptr<MappingBackend> backend_;
 
   // Hot state first, on its own cache lines: the fast paths touch mu_, the reserve, the counts
-  // and in_use_ and nothing else.
+  // and in_use_ and nothing else. The rings' buffers and in_use_ are LineArrays: on the heap but
+  // on whole cache lines of their own, so no other thread's heap data shares a line with them.
   alignas(64) mutable std::mutex mu_;
   // Guarded by mu_. The counts are atomics only so that getters can read them without mu_;
   // they are written with mu_ held.

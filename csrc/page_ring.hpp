@@ -1,7 +1,9 @@
-// kvdiag native allocators: PageRing, the fixed allocator's page lists.
+// kvdiag native allocators: PageRing, the fixed allocator's page lists, and LineArray /
+// LineAllocator, heap storage on cache lines of its own (no false sharing with heap neighbours).
 //
 // Contract of this file (pure C++, no Python):
-//   Locks:   none; a PageRing is not thread-safe, its owner guards it (the fixed allocator's mu_).
+//   Locks:   none; a PageRing or LineArray is not thread-safe, its owner guards it (the fixed
+//            allocator's mu_; the stress driver's ownership flags are atomics).
 //   GIL:     never touched.
 //   Waits:   none. Every operation is O(1) and never allocates after construction, so the
 //            owner's lock is held for a few instructions per page (std::deque allocates blocks

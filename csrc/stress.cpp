@@ -3,7 +3,9 @@
 // Contract of this file (pure C++, no Python):
 //   Locks:   the allocators' own; ownership of pages is tracked in an array of atomics (a page
 //            handed out twice is counted in double_allocs). first_error is guarded by err_mu.
-//            Op tallies are per thread, summed into the shared totals when the thread ends.
+//            Op tallies are per thread, summed into the shared totals when the thread ends;
+//            the ownership flags and each thread's held-page buffer sit on cache lines of their
+//            own (LineArray/LineAllocator), so the driver adds no false sharing to what it measures.
 //   GIL:     never touched.
 //   Waits:   per-op latency is measured; > stall_ms is a stall. Joins at the end are bounded by the
 //            op budget because every allocator call used here is bounded (fixed) or cannot wait
