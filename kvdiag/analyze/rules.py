@@ -775,6 +775,21 @@ class _PeerJudge:
                 return root
         return None
 
+    def waits_on_own_engine(self, proc: ProcessEvidence, verdict: Verdict) -> list[int]:
+        """The peers, when ``proc`` is a part of an engine (API server, EngineCore, worker) whose read
+        waits only on other captured parts of the same engine and none of them is hung: an API server
+        waiting for its engine's output, an EngineCore waiting for its next request. Not a hang."""
+        if proc.role is ProcessRole.OTHER or not proc.engine:
+            return []
+        peers = read_peers(proc, verdict)
+        mine = [q for q in peers if q in self.by_pid and self.by_pid[q].engine == proc.engine
+                and self.by_pid[q].role is not ProcessRole.OTHER]
+        if not peers or len(mine) != len(peers):
+            return []
+        if any(self.hung_root(q, frozenset({proc.pid})) is not None for q in mine):
+            return []
+        return mine
+
 
 def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine: str | None,
                       bundle: Bundle | None = None) -> tuple[list[Verdict], list[Finding]]:
@@ -790,6 +805,12 @@ def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine:
         if v is None:
             continue
         root = judge.defer(p, v) if judge is not None else None
+        own = judge.waits_on_own_engine(p, v) if judge is not None and root is None else []
+        if own:
+            deferred.append(Finding(kind="waits_on_own_engine", pid=p.pid, engine=engine, message=(
+                f"pid {p.pid} ({p.role.value}) waits on {', '.join(f'pid {q}' for q in own)} of its own engine, "
+                f"whose stacks show no hang: waiting for its engine, not a deadlock. {v.summary}")))
+            continue
         if root is None:
             out.append(v)
             continue
