@@ -185,6 +185,8 @@ def peer_phrase(info: FdInfo) -> str:
         what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
     elif info.kind == "socket" and info.proto in ("tcp", "tcp6", "udp"):
         what += " (peer: no process on this host; a remote peer)"
+    elif info.kind == "socket" and info.proto == "unix" and info.peer_inode is None:
+        what += " (peer not resolved)"   # sock_diag gave no peer inode: unknown, not absent
     elif info.kind in ("socket", "pipe"):
         what += " (no process holds the other end)"
     return what
