@@ -108,6 +108,9 @@ def main_vllm(rounds: int) -> int:
     with tempfile.TemporaryDirectory(prefix="kvdiag-bench-capture-") as tmp, hung_vllm_tree() as (pids, role_of):
         focus = [p for p in pids if role_of[p] == "engine_core"]
         _timed(pids, Path(tmp) / "warmup", None, focus=focus)
+        # Before issue 14: every tool on every process at once, gdb reading every library's symbols.
+        before_s, _, before_verdict = _timed(pids, Path(tmp) / "before", ["proc", "py-spy", "pystack", "gdb-full"])
+        print(f"before (no focus, gdb reading all symbols): {before_s:.3f}s, verdict {before_verdict}")
         print(f"{'round':>5} {'core_s':>7} {'critical_s':>10} {'verdict':>10} {'full_s':>7} {'verdict':>10} "
               f"{'serial_s':>8} {'tool_sum_s':>10}")
         for i in range(rounds):
@@ -143,7 +146,8 @@ def main_vllm(rounds: int) -> int:
           f"{c_med:.3f}s, full {p_med:.3f}s (target <= "
           f"{TARGET_PARALLEL_S}s), serial {s_med:.3f}s, serial tool sum {statistics.median(sums):.3f}s; "
           f"gil_cycle verdicts {gil}/{len(verdicts)}; 1-min load average {load:.1f} on {os.cpu_count()} cores")
-    print(f"RESULT core_critical_s={k_med:.3f} critical_s={c_med:.3f} parallel_s={p_med:.3f} serial_s={s_med:.3f} "
+    print(f"RESULT before_s={before_s:.3f} core_critical_s={k_med:.3f} critical_s={c_med:.3f} "
+          f"parallel_s={p_med:.3f} serial_s={s_med:.3f} "
           f"speedup={s_med / p_med:.2f} "
           f"tool_sum_s={statistics.median(sums):.3f} gil_cycle={gil}/{len(verdicts)} target_met={met}")
     return 0

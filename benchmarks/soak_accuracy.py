@@ -26,15 +26,21 @@ CPU (user+sys, time.process_time of each client process over its load window) pe
 Prints tables and ends with
 `RESULT ttft_p50_err=... itl_p50_err=... ttft_p99_err=... itl_p99_err=... cpu_ratio=...`.
 
-``--vllm`` (issue 17 item 8): kvdiag's soak client against `vllm bench serve` on the SAME real vLLM CPU
-server (the tiny model, prefix caching off so repeated prompts cost what new ones do), SAME request mix:
-N completions of a 64-token prompt and 32 output tokens (ignore_eos), C at a time. bench uses its random
-dataset (64 input tokens); kvdiag sends 64 random token ids as the prompt. Rounds alternate which client
-goes first. Compared: TTFT and ITL p50/p99 (relative difference to bench's), client CPU per request
-(user+sys of the client process over its load window only: bench's from /proc between its "Starting main
-benchmark run" line and its result banner, so its imports are not counted), tokens (usage) and failures
-(kvdiag's SSE parse failures beside bench's failed requests). Needs scripts/setup_vllm_cpu.sh. Ends with
-`RESULT ttft_p50_diff=... ttft_p99_diff=... itl_p50_diff=... itl_p99_diff=... cpu_ratio=... parse_failures=...`.
+``--vllm`` (issue 17 item 8): kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server
+(the tiny model, prefix caching off) AT THE SAME TIME, each with half the streams, SAME request mix: N
+completions of a 64-token prompt and 32 output tokens (ignore_eos). bench uses its random dataset (64
+input tokens); kvdiag sends 64 random token ids. kvdiag's client waits for bench's "Starting main benchmark
+run" line, so both load the server in the same state. Compared: TTFT and ITL p50/p99 and means (relative
+difference to bench's), client CPU per request (user+sys of each client process over its load window only:
+bench's from /proc between that line and its result banner, so its imports are not counted), tokens
+(usage) and failures (kvdiag's SSE parse failures beside bench's failed requests). A last round runs two
+bench clients at once: how much the reference differs from itself on this server (the noise floor).
+What each side measures: both time the first SSE event that carries a choice (its text may be empty) and
+the gaps between such events, and take tokens from usage; bench's TTFT clock starts before its aiohttp
+client builds and writes the request, kvdiag's once the request is on the socket (so kvdiag's TTFT is lower
+by bench's own per-request overhead; the TTFT from kvdiag's issue time is printed too). Needs
+scripts/setup_vllm_cpu.sh. Ends with `RESULT ttft_p50_diff=... itl_p50_diff=... cpu_ratio=...
+parse_failures=... bench_self_ttft_p50=...`.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -359,12 +366,13 @@ def _phase(url: str, args: argparse.Namespace, tap: bool) -> tuple[dict[str, Any
 
 # --------------------------------------------------------------------------------------------------
 # --vllm: kvdiag's soak client vs `vllm bench serve` on one real vLLM server
+ALL_KEYS = (*KEYS, "ttft_mean", "itl_mean")
 VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "4M",
              "--no-enable-prefix-caching"]
 
 
 def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_len: int, max_tokens: int,
-                       seed: int) -> dict[str, Any]:
+                       seed: int, wait_go: bool = False) -> dict[str, Any]:
     """kvdiag's LoadGenerator sending exactly ``num`` requests; percentiles over every request."""
     import random
 
@@ -375,6 +383,8 @@ def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_l
     cfg = LoadConfig(base_url=url, model=model, concurrency=concurrency, max_tokens=max_tokens, prompt=prompt,
                      max_requests=num, keep_records=num + concurrency)
     lg = LoadGenerator(cfg)
+    if wait_go:
+        sys.stdin.readline()   # the benchmark says when bench's main run starts
 
     async def drive() -> float:
         lg.start()
@@ -388,10 +398,17 @@ def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_l
     cpu = asyncio.run(drive())
     recs = list(lg.records)
     ttft = [r.ttft_s for r in recs if r.ttft_s is not None and r.status is RequestStatus.OK]
+    # bench's clock starts when its client begins the request (before aiohttp builds and writes it);
+    # kvdiag's when the request is on the socket. The same TTFT from kvdiag's issue time, for comparison:
+    issued = [r.ttft_s + (r.start - r.issued) for r in recs
+              if r.ttft_s is not None and r.issued is not None and r.status is RequestStatus.OK]
     itl = [g for r in recs if r.status is RequestStatus.OK for g in r.itl_s]
     parse = sum(1 for r in recs if r.error and ("SSE" in r.error or "JSON" in r.error))
     return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
-            "itl_p99": _pct(itl, 99), "ok": lg.ok, "failed": lg.failed + lg.timed_out, "parse_failures": parse,
+            "itl_p99": _pct(itl, 99), "ttft_mean": statistics.fmean(ttft) if ttft else None,
+            "itl_mean": statistics.fmean(itl) if itl else None, "ttft_issue_p50": _pct(issued, 50),
+            "ttft_issue_p99": _pct(issued, 99), "ok": lg.ok, "failed": lg.failed + lg.timed_out,
+            "parse_failures": parse,
             "tokens": sum(r.usage_tokens or r.tokens for r in recs if r.status is RequestStatus.OK),
             "cpu_s": cpu, "requests": num}
 
@@ -403,7 +420,8 @@ def _stat_cpu(pid: int) -> float:
 
 
 def run_bench(vllm_exe: str, url: str, model: str, concurrency: int, num: int, input_len: int, max_tokens: int,
-              seed: int, out_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+              seed: int, out_dir: Path, env: dict[str, str], on_start: Callable[[], None] | None = None,
+              ) -> dict[str, Any]:
     """`vllm bench serve`, its load-window CPU read from /proc, its JSON result."""
     name = f"bench-{seed}.json"
     argv = [vllm_exe, "bench", "serve", "--backend", "openai", "--base-url", url, "--model", model,
@@ -419,6 +437,8 @@ def run_bench(vllm_exe: str, url: str, model: str, concurrency: int, num: int, i
         lines.append(line.rstrip())
         if "Starting main benchmark run" in line:
             cpu_start = _stat_cpu(proc.pid)
+            if on_start is not None:
+                on_start()
         elif "Serving Benchmark Result" in line and cpu_start is not None:
             cpu_end = _stat_cpu(proc.pid)
     proc.wait(timeout=120)
@@ -427,6 +447,7 @@ def run_bench(vllm_exe: str, url: str, model: str, concurrency: int, num: int, i
     res = json.loads((out_dir / name).read_text())
     return {"ttft_p50": res["median_ttft_ms"] / 1000, "ttft_p99": res["p99_ttft_ms"] / 1000,
             "itl_p50": res["median_itl_ms"] / 1000, "itl_p99": res["p99_itl_ms"] / 1000,
+            "ttft_mean": res["mean_ttft_ms"] / 1000, "itl_mean": res["mean_itl_ms"] / 1000,
             "ok": res["completed"], "failed": res["failed"], "tokens": res["total_output_tokens"],
             "cpu_s": cpu_end - cpu_start, "requests": num}
 
@@ -443,6 +464,7 @@ def main_vllm(args: argparse.Namespace) -> int:
     vllm_exe = find_vllm(None)
     spec = EngineSpec(name="bench", kind="vllm", model=model, allocator="external", vllm=VllmParams(args=VLLM_ARGS))
     rows: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
+    noise: list[dict[str, float]] = []
     with tempfile.TemporaryDirectory(prefix="kvdiag-bench-soak-") as tmp, ProcessSet(grace_s=5) as procs:
         plan = plan_engine(spec, free_port(), "unused", 96.0, run_dir=procs.run_dir())
         env = procs.env_for(plan.env)
@@ -468,45 +490,70 @@ def main_vllm(args: argparse.Namespace) -> int:
                        "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
                        "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens)]
         bench_env = dict(env, PYTHONUNBUFFERED="1")
+        half = max(1, args.concurrency // 2)
         for r in range(args.rounds):
-            def kvdiag_side(r: int = r) -> dict[str, Any]:
-                out = subprocess.run(client_argv + ["--seed", str(r)], capture_output=True, text=True, cwd=ROOT,
-                                     timeout=300)
-                if out.returncode != 0:
-                    raise SystemExit(f"kvdiag client failed: {out.stderr[-2000:]}")
-                return dict(json.loads(out.stdout.strip().splitlines()[-1]))
+            # kvdiag's client and bench at the same time, each with half the streams: the same server in the
+            # same state serves both, so what differs is how each client measures (and samples).
+            client = subprocess.Popen(client_argv + ["--seed", str(r), "--wait-go", "--concurrency", str(half)],
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                      text=True, cwd=ROOT)
 
-            def bench_side(r: int = r) -> dict[str, Any]:
-                return run_bench(vllm_exe, plan.url, model, args.concurrency, args.num_prompts, args.input_len,
-                                 args.max_tokens, r, Path(tmp), bench_env)
+            def go(client: subprocess.Popen[str] = client) -> None:
+                assert client.stdin is not None
+                client.stdin.write("go\n")
+                client.stdin.flush()
 
-            first, second = (kvdiag_side, bench_side) if r % 2 == 0 else (bench_side, kvdiag_side)
-            a = first()
-            b = second()
-            k, bn = (a, b) if r % 2 == 0 else (b, a)
-            rows.append((f"round {r}", k, bn))
+            bn = run_bench(vllm_exe, plan.url, model, half, args.num_prompts, args.input_len, args.max_tokens, r,
+                           Path(tmp), bench_env, on_start=go)
+            out, err = client.communicate(timeout=300)
+            if client.returncode != 0:
+                raise SystemExit(f"kvdiag client failed: {err[-2000:]}")
+            rows.append((f"round {r}", dict(json.loads(out.strip().splitlines()[-1])), bn))
+        # The noise floor: two bench clients at the same time, each against the other.
+        import threading
+
+        pair: dict[int, dict[str, Any]] = {}
+        gate = threading.Event()
+        t = threading.Thread(target=lambda: pair.__setitem__(0, run_bench(
+            vllm_exe, plan.url, model, half, args.num_prompts, args.input_len, args.max_tokens, 100, Path(tmp),
+            bench_env, on_start=gate.set)))
+        t.start()
+        gate.wait(timeout=120)
+        pair[1] = run_bench(vllm_exe, plan.url, model, half, args.num_prompts, args.input_len, args.max_tokens,
+                            101, Path(tmp), bench_env)
+        t.join(timeout=300)
+        if 0 in pair:
+            noise.append({key: _err(pair[1][key], pair[0][key]) for key in ALL_KEYS})
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:8.2f}"
 
     print(f"{'':9} {'metric':9} {'kvdiag ms':>9} {'bench ms':>9} {'diff':>7}")
-    diffs: dict[str, list[float]] = {k: [] for k in KEYS}
+    diffs: dict[str, list[float]] = {k: [] for k in ALL_KEYS}
     for label, k, bn in rows:
-        for key in KEYS:
+        for key in ALL_KEYS:
             d = _err(k[key], bn[key])
             diffs[key].append(d)
             print(f"{label:9} {key:9} {ms(k[key])} {ms(bn[key])} {d:7.3f}")
+        print(f"{label:9} kvdiag TTFT from its request issue time (bench's start point): p50 "
+              f"{ms(k['ttft_issue_p50'])} p99 {ms(k['ttft_issue_p99'])} ms")
         print(f"{label:9} requests ok/failed: kvdiag {k['ok']}/{k['failed']} (SSE parse failures "
-              f"{k['parse_failures']}), bench {bn['ok']}/{bn['failed']}; output tokens kvdiag {k['tokens']} bench "
-              f"{bn['tokens']}; client CPU per request kvdiag {k['cpu_s'] / k['requests'] * 1000:.2f} ms, bench "
-              f"{bn['cpu_s'] / bn['requests'] * 1000:.2f} ms")
+              f"{k['parse_failures']}), bench {bn['ok']}/{bn['failed']}; output tokens kvdiag {k['tokens']} "
+              f"bench {bn['tokens']}; client CPU per request kvdiag "
+              f"{k['cpu_s'] / k['requests'] * 1000:.2f} ms, bench {bn['cpu_s'] / bn['requests'] * 1000:.2f} ms")
     med = {key: statistics.median(v) for key, v in diffs.items()}
-    cpu_ratio = statistics.median(k["cpu_s"] / bn["cpu_s"] for _, k, bn in rows)
+    floor = {key: statistics.median(n[key] for n in noise) if noise else float("nan") for key in ALL_KEYS}
+    cpu_ratio = statistics.median((k["cpu_s"] / k["requests"]) / (bn["cpu_s"] / bn["requests"]) for _, k, bn in rows)
     parse = sum(k["parse_failures"] for _, k, _ in rows)
     bench_failed = sum(bn["failed"] for _, _, bn in rows)
-    print("diff = |kvdiag - bench| / bench (median over rounds); cpu_ratio = kvdiag client CPU / bench client CPU "
-          "for the same requests; target: diffs <= 0.05, cpu_ratio <= 1, 0 parse failures")
+    print("diff = |kvdiag - bench| / bench for the two clients loading the server at the same time (median over "
+          "rounds); cpu_ratio = kvdiag client CPU / bench client CPU per request; target: diffs <= 0.05, cpu_ratio "
+          "<= 1, 0 parse failures")
+    print("noise floor, two bench clients at the same time (|bench 2 - bench 1| / bench 1): "
+          + ", ".join(f"{k} {v:.3f}" for k, v in floor.items()))
     print(f"RESULT ttft_p50_diff={med['ttft_p50']:.4f} ttft_p99_diff={med['ttft_p99']:.4f} "
           f"itl_p50_diff={med['itl_p50']:.4f} itl_p99_diff={med['itl_p99']:.4f} cpu_ratio={cpu_ratio:.3f} "
+          f"ttft_mean_diff={med['ttft_mean']:.4f} itl_mean_diff={med['itl_mean']:.4f} "
+          f"bench_self_ttft_p50={floor['ttft_p50']:.4f} bench_self_itl_p99={floor['itl_p99']:.4f} "
           f"parse_failures={parse} bench_failed={bench_failed}")
     return 0
 
@@ -523,6 +570,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=64, help="--vllm: prompt tokens")
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--client", choices=["kvdiag", "raw", "kvdiag-vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--tap", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -530,7 +578,7 @@ def main() -> int:
     args = ap.parse_args()
     if args.client == "kvdiag-vllm":
         print(json.dumps(client_kvdiag_vllm(args.url, args.model, args.concurrency, args.num_prompts, args.input_len,
-                                            args.max_tokens, args.seed)))
+                                            args.max_tokens, args.seed, args.wait_go)))
         return 0
     if args.vllm:
         if args.concurrency == 16:

@@ -7,6 +7,7 @@ process trees. Richer per-thread evidence lives in kvdiag.capture.procfs.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import NamedTuple
 
 
@@ -22,6 +23,15 @@ class Stat(NamedTuple):
 # wchan of a task parked in futex(2): newer kernels say futex_do_wait, older ones (and the seed's
 # report) futex_wait_queue / futex_wait_queue_me.
 FUTEX_WCHANS = ("futex_wait_queue", "futex_do_wait", "futex_wait_queue_me", "futex_wait")
+
+
+def read_text(path: str | Path) -> str | None:
+    """A /proc (or /sys) file's text, or None when it is gone or refused (never raises)."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as fh:
+            return fh.read()
+    except OSError:
+        return None
 
 
 def read_stat(pid: int, tid: int | None = None) -> Stat | None:

@@ -111,12 +111,6 @@ def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | No
             note_file(bundle.redaction, f"logs/{src.name}", tally.as_dict())
 
 
-def analyze_bundle(bundle: Bundle) -> tuple[Verdict, dict[str, Verdict]]:
-    from kvdiag.analyze import analyze, analyze_by_engine
-
-    return analyze(bundle), analyze_by_engine(bundle)
-
-
 def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
            verdict_t: float | None = None) -> RunArtifacts:
     """The one tail of every run: redact → analyze → store the diagnosis → write bundle → render.

@@ -52,6 +52,19 @@ _WAIT_WORDS = {
 }
 _PY_INTERNAL_LOCK_FRAMES = ("PyThread_acquire_lock_timed", "acquire_timed", "lock_PyThread_acquire_lock")
 
+_ROLE_TEXT = {ProcessRole.ENGINE_CORE: "the EngineCore", ProcessRole.API_SERVER: "the API server",
+              ProcessRole.WORKER: "a Worker"}
+
+
+def _where(proc: ProcessEvidence) -> str:
+    """``pid N`` plus which process of which engine it is, when known: the report says which process of a
+    vLLM tree holds the hang (the EngineCore, not the API server the user launched)."""
+    role = _ROLE_TEXT.get(proc.role)
+    if role is None:
+        return f"pid {proc.pid}"
+    return f"pid {proc.pid} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
+
+
 
 def severity(kind: VerdictKind) -> int:
     return SEVERITY.index(kind)
@@ -208,11 +221,11 @@ def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: st
     if stopped and proc.tracer_pid is None:
         return Verdict(kind=VerdictKind.STOPPED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                        findings=findings, cycle=inner.cycle if inner else [],
-                       summary=(f"pid {proc.pid} is stopped (SIGSTOP, job control or a debugger): none of its "
+                       summary=(f"{_where(proc)} is stopped (SIGSTOP, job control or a debugger): none of its "
                                 f"threads can run until it gets SIGCONT; capture left it stopped{also}"))
     return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                    findings=findings, cycle=inner.cycle if inner else [],
-                   summary=(f"pid {proc.pid} is traced by pid {proc.tracer_pid} (another debugger or strace)"
+                   summary=(f"{_where(proc)} is traced by pid {proc.tracer_pid} (another debugger or strace)"
                             f"{' and stopped by it' if stopped else ''}: kvdiag's ptrace tools cannot attach and "
                             f"the tracer may be holding it; left as found{also}"))
 
@@ -257,7 +270,7 @@ def rule_gil_held_blocked(proc: ProcessEvidence, views: list[ThreadView], engine
     evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine) for w in waiters[:4]]
     names = ", ".join(w.label for w in waiters[:3]) + (f" and {len(waiters) - 3} more" if len(waiters) > 3 else "")
     return Verdict(kind=VerdictKind.GIL_HELD_BLOCKED, confidence=conf, engine=engine, evidence=evidence,
-                   summary=(f"GIL held while blocked in pid {proc.pid}: {holder.label} holds the GIL while {block}"
+                   summary=(f"GIL held while blocked in {_where(proc)}: {holder.label} holds the GIL while {block}"
                             f"{where(holder)} ({how}){peer}; {len(waiters)} Python thread(s) wait for it: {names}. "
                             f"No line of Python runs until that call returns"))
 
@@ -271,7 +284,7 @@ def gil_held_warning(proc: ProcessEvidence, views: list[ThreadView], engine: str
     block = _WAIT_WORDS.get(holder.kind, {WaitKind.SLEEP: "sleeping"}.get(holder.kind, "blocked"))
     return Finding(kind="gil_held_blocked", pid=proc.pid, engine=engine, message=(
         f"{holder.label} holds the GIL while {block}{where(holder)} ({how}); no other thread wants it yet, but "
-        f"until that call returns no line of Python can run in pid {proc.pid}: the first request, callback or "
+        f"until that call returns no line of Python can run in {_where(proc)}: the first request, callback or "
         f"timer that needs the interpreter will stall behind it. Release the GIL around blocking calls "
         f"(Py_BEGIN_ALLOW_THREADS, py::gil_scoped_release, nb::gil_scoped_release). Holder's frames: "
         f"{' ← '.join(cite(holder, 8)) or 'none read'}"))
@@ -335,7 +348,7 @@ def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str |
         conf = Confidence.MEDIUM
     more = f" (+{len(ranked) - 1} more GIL waiter{'s' if len(ranked) > 2 else ''})" if len(ranked) > 1 else ""
     how = " (holder inferred: no interpreter flag)" if inferred else ""
-    summary = (f"GIL cycle in pid {proc.pid}: {holder.label} holds the GIL while "
+    summary = (f"GIL cycle in {_where(proc)}: {holder.label} holds the GIL while "
                f"{_WAIT_WORDS.get(holder.kind, 'blocked')}{where(holder)}; {main_waiter.label} waits for the "
                f"GIL{where(main_waiter)}{more}{how}")
     evidence = [_item(holder, _holder_role(holder), engine)]
@@ -411,7 +424,7 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     evidence = [_item(t, f"waits for Python lock {t.wait_addr:#x}" if t.wait_addr else "waits for a Python lock",
                       engine) for t in waiters[:4]]
     return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine, evidence=evidence,
-                   summary=(f"likely lock-order inversion between Python locks in pid {proc.pid}: {desc}. "
+                   summary=(f"likely lock-order inversion between Python locks in {_where(proc)}: {desc}. "
                             f"Python locks record no owner, so who holds which is inferred: no other thread "
                             f"can run, so each waiter must hold a lock another one wants (confidence "
                             f"{conf.value})"))
@@ -446,7 +459,7 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
         evidence = [_item(m, f"holds mutex {', '.join(held.get(m.tid, ['?']))}, waits for mutex "
                              f"{m.wait_addr:#x}" if m.wait_addr else "waits for a mutex", engine) for m in members]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine,
-                       summary=f"lock-order inversion in pid {proc.pid}: {desc}", evidence=evidence,
+                       summary=f"lock-order inversion in {_where(proc)}: {desc}", evidence=evidence,
                        cycle=g.describe_cycle(cycle))
     owners_known = any(t.owner_tid is not None for t in waiters)
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
@@ -458,7 +471,7 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
         evidence = [_item(t, f"waits for mutex {t.wait_addr:#x} (owner unknown)" if t.wait_addr else
                           "waits for a mutex (owner unknown)", engine) for t in waiters[:4]]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=Confidence.LOW, engine=engine,
-                       summary=(f"likely lock-order inversion in pid {proc.pid}: {len(waiters)} threads wait on "
+                       summary=(f"likely lock-order inversion in {_where(proc)}: {len(waiters)} threads wait on "
                                 f"{f'{len(addrs)} different mutexes' if addrs else 'mutexes'}"
                                 f"{''.join(where(t, 1) for t in waiters[:1])} and nothing runs "
                                 f"(owners could not be read)"),
@@ -501,7 +514,7 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
         on = "; ".join(peer_phrase(f) for f in fds[:3])
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.MEDIUM, engine=engine,
                        evidence=[_item(t, f"{what} parked with no timeout, waiting only on {on}", engine)],
-                       summary=(f"blocked IPC read in pid {proc.pid}: the {what} in {t.label} is parked in "
+                       summary=(f"blocked IPC read in {_where(proc)}: the {what} in {t.label} is parked in "
                                 f"{t.wait_frame or 'epoll_wait'} with no timeout and no timer; its only event "
                                 f"sources are connections that stay silent: {on}. The awaiting coroutine is not "
                                 f"on any stack; it is the read on that connection"))
@@ -527,7 +540,7 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
         WaitKind.PY_LOCK_WAIT, WaitKind.COND_WAIT, WaitKind.GIL_WAIT)]
     evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine) for t in others[:3]]
     return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=conf, engine=engine, evidence=evidence,
-                   summary=(f"blocked IPC read in pid {proc.pid}: {r.label} waits for data on {what}"
+                   summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for data on {what}"
                             f"{where(r)} and no thread of the process is running"))
 
 
@@ -560,7 +573,7 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
     evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine)
                  for t in live if t not in waiters and t.kind in _HOLDER_BLOCKED][:3]
     return Verdict(kind=VerdictKind.LOST_WAKEUP, confidence=conf, engine=engine, evidence=evidence,
-                   summary=(f"lost wakeup in pid {proc.pid}: {first.label} waits on a condition variable"
+                   summary=(f"lost wakeup in {_where(proc)}: {first.label} waits on a condition variable"
                             f"{where(first)}; every other thread is blocked too, so nobody can signal it"))
 
 
@@ -579,7 +592,7 @@ def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: s
         evidence = ([_item(holder, "GIL holder", engine)] if holder is not None else [])
         evidence += [_item(w, _waiter_role(w), engine) for w in waiters[:4]]
         return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW, engine=engine, evidence=evidence,
-                       summary=f"pid {proc.pid}: {len(waiters)} thread(s) wait for the GIL and nothing runs; {what}")
+                       summary=f"{_where(proc)}: {len(waiters)} thread(s) wait for the GIL and nothing runs; {what}")
     return None
 
 

@@ -27,6 +27,7 @@ import signal
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.model import PtraceAccess, TargetAccess
 from kvdiag.proc import read_stat
+from kvdiag.proc import read_text as _read
 
 PF_KTHREAD = 0x00200000          # task flag of kernel threads (/proc/PID/stat field 9)
 KTHREADD_COMM = "kthreadd"
@@ -45,14 +46,6 @@ def host_ptrace_facts() -> PtraceAccess:
     record's own probe (:func:`kvdiag.environment.ptrace.probe_ptrace`), so doctor, the report's
     environment and the capture preflight state the same facts."""
     return probe_ptrace()
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-    except OSError:
-        return None
 
 
 def _status(pid: int | str) -> dict[str, str]:

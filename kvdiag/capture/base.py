@@ -135,17 +135,24 @@ def kill_active_tools() -> int:
     return len(procs)
 
 
-def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = None) -> ToolOutcome:
+def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = None, nice: int = 0) -> ToolOutcome:
     """Run ``argv`` in its own process group with a hard wall-clock bound.
 
     On timeout the whole group is terminated (TERM, then KILL) and the partial
-    output is returned. Never raises for tool failures.
+    output is returned. Never raises for tool failures. ``nice`` > 0 runs the tool
+    at a lower CPU priority (evidence that can wait yields to what the verdict needs).
     """
     start = time.monotonic()
+
+    def child_setup() -> None:
+        _die_with_kvdiag()
+        if nice > 0:
+            os.nice(nice)
+
     try:
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, start_new_session=True, close_fds=True, env=env,
-                                preexec_fn=_die_with_kvdiag)
+                                preexec_fn=child_setup)
     except OSError as exc:
         return ToolOutcome(None, "", "", time.monotonic() - start, False, f"cannot start {argv[0]}: {exc}")
     with _ACTIVE_LOCK:

@@ -30,6 +30,7 @@ has its own chain and the chains run at once, the time does not grow with the nu
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import threading
@@ -57,6 +58,7 @@ _CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # gdb is optional evidence: it gets at most this long per process (the chains run in parallel, so this
 # bounds the whole capture's gdb time whatever the number of processes).
 GDB_BUDGET_S = 4.0
+_MINOR_NICE = 10
 # A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung
 # pystack still leaves gdb time to run.
 _CHAIN_SHARE = 0.35
@@ -211,10 +213,11 @@ class _ProcessJob:
 
     def __init__(self, pid: int, backends: list[CaptureBackend], unavailable: dict[str, str],
                  raw_dir: Path, timeout_s: float, deadline: float, access: TargetAccess | None = None,
-                 after: _AllSet | None = None) -> None:
+                 after: _AllSet | None = None, after_proc: _AllSet | None = None) -> None:
         self.pid = pid
         self.backends = backends
         self.after = after              # the chain waits for this (the focus processes' first tool)
+        self.after_proc = after_proc    # /proc waits for this (the focus processes' /proc reading)
         self.first_done = threading.Event()
         self.access = access
         self.unavailable = dict(unavailable)
@@ -249,6 +252,9 @@ class _ProcessJob:
 
     def _quiet(self, b: CaptureBackend) -> None:
         try:
+            if self.after_proc is not None and b.name == "proc":
+                # kvdiag's own threads share one GIL: the focus processes' /proc reading goes first.
+                self.after_proc.wait(timeout=min(1.0, self._remaining()))
             self._run_one(b, self._remaining())
         finally:
             if b.name == "proc":
@@ -358,11 +364,14 @@ def _python_only(backends: list[CaptureBackend]) -> list[CaptureBackend]:
     out: list[CaptureBackend] = []
     for b in backends:
         if isinstance(b, PystackBackend) and b.native:
-            out.append(PystackBackend(b.binary, native=False))
+            b = PystackBackend(b.binary, native=False)
         elif isinstance(b, PyspyBackend) and b.native:
-            out.append(pyspy_nonblocking(b.binary))
-        else:
-            out.append(b)
+            b = pyspy_nonblocking(b.binary)
+        elif isinstance(b, GdbBackend):
+            b = copy.copy(b)
+        if isinstance(b, (PystackBackend, PyspyBackend, GdbBackend)):
+            b.nice = _MINOR_NICE   # the focus processes' tools get the CPU first
+        out.append(b)
     return out
 
 
@@ -403,6 +412,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     jobs: list[_ProcessJob] = []
     focus_events: list[threading.Event] = []
     focus_gate = _AllSet(focus_events)
+    focus_proc_events: list[threading.Event] = []
+    focus_proc_gate = _AllSet(focus_proc_events)
     caller_order = list(pids)
     if focus_set is not None:  # focus processes first, so their chains start before the others wait
         pids = [p for p in pids if p in focus_set] + [p for p in pids if p not in focus_set]
@@ -414,10 +425,12 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             minor = focus_set is not None and pid not in focus_set
             job = _ProcessJob(pid, _python_only(chosen) if minor else chosen, unavailable, raw_dir, timeout_s,
                               deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
-                              after=focus_gate if minor and parallel else None)
+                              after=focus_gate if minor and parallel else None,
+                              after_proc=focus_proc_gate if minor and parallel else None)
             job.before = befores[pid]
             if not minor:
                 focus_events.append(job.first_done)
+                focus_proc_events.append(job._proc_done)
             jobs.append(job)
             if parallel:
                 job.start()

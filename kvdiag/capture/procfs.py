@@ -28,6 +28,7 @@ from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.capture.fds import FdResolver, epoll_targets
 from kvdiag.capture.parsers import parse_kernel_stack
 from kvdiag.model import Finding, GilState, ProcessEvidence, ProgressSample, ThreadEvidence, ThreadState, ToolRun
+from kvdiag.proc import read_text as _read
 from kvdiag.redact import Tally, redact_argv, write_redacted
 
 _MACHINE = platform.machine()
@@ -55,14 +56,6 @@ _STATE = {"R": ThreadState.RUNNING, "S": ThreadState.SLEEPING, "D": ThreadState.
 
 def thread_state(code: str) -> ThreadState:
     return _STATE.get(code[:1], ThreadState.UNKNOWN)
-
-
-def _read(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8", errors="replace") as fh:
-            return fh.read()
-    except OSError:
-        return None
 
 
 def _stat_fields(text: str) -> list[str]:

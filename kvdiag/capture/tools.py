@@ -37,6 +37,7 @@ class _ToolBackend:
     binary = ""
     stops_target = False
     raw_name = ""
+    nice = 0          # > 0: the tool runs at lower CPU priority (a process outside the capture's focus)
 
     def __init__(self, binary: str | None = None) -> None:
         # An explicit path (or a name to look up) overrides the default tool name.
@@ -65,7 +66,7 @@ class _ToolBackend:
         if exe is None:
             return BackendResult(tool=ToolRun(tool=self.name, ok=False, error=missing_reason(self.binary)))
         argv = self.argv(exe, pid)
-        outcome = run_tool(argv, timeout_s)
+        outcome = run_tool(argv, timeout_s, nice=self.nice)
         tally = Tally()
         raw = write_raw(raw_dir, self.raw_name, argv, outcome, tally)
         threads, version = self.parse(outcome.stdout) if not outcome.error else ([], None)

@@ -16,14 +16,14 @@ def console() -> Console:
 
 
 def print_summary(arts: RunArtifacts, con: Console) -> None:
-    try:
-        from kvdiag.report import build_report, render_terminal
+    from kvdiag.report import build_report, render_terminal
 
-        report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
-                              verdicts_by_engine=arts.verdicts_by_engine)
-        render_terminal(report, con)
-    except ImportError:
-        con.print(f"verdict: {arts.verdict.kind.value}: {arts.verdict.summary}")
+    # The stored diagnosis, as every renderer reads it.
+    diag = arts.bundle.diagnosis
+    ab = diag.ab.model_dump(mode="json") if diag is not None and diag.ab is not None else None
+    report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
+                          verdicts_by_engine=arts.verdicts_by_engine, ab=ab)
+    render_terminal(report, con)
     for name in ("report.html", "report.json", "report.md"):
         p = arts.paths.get(name) or (arts.out_dir / name)
         if Path(p).exists():

@@ -79,7 +79,10 @@ def soak_lines(s: SoakStats, stall_to_verdict_s: float | None = None) -> list[st
         return "-" if v is None else f"{v * 1000:.1f} ms"
 
     out = [f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out; "
-           f"{s.tokens} tokens ({rate:.0f} tok/s); TTFT p50 {ms(s.ttft_p50_s)} p99 {ms(s.ttft_p99_s)}; "
+           # An average over the whole load (ramp-up and drain included); the live lines' rate is over their
+           # last 5 s, so a steady live rate above this average is not a contradiction: both are labelled.
+           f"{s.tokens} tokens, avg {rate:.0f} tok/s over {active:.1f} s; TTFT p50 {ms(s.ttft_p50_s)} "
+           f"p99 {ms(s.ttft_p99_s)}; "
            f"ITL p50 {ms(s.itl_p50_s)} p99 {ms(s.itl_p99_s)}"]
     asked = f" of {s.requested_duration_s:g} s requested" if s.requested_duration_s is not None else ""
     line = f"time loaded: {s.duration_s:.1f} s{asked}"

@@ -13,6 +13,8 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
+from kvdiag.proc import read_text
+
 # The distributions a kvcached/vLLM bug report needs, by their PyPI names.
 PACKAGES = ("vllm", "kvcached", "torch", "cuda-python", "flashinfer-python", "sglang", "pystack", "py-spy")
 # Variables that change how kvcached or vLLM behave.
@@ -73,10 +75,8 @@ def _cgroup_dir() -> Path | None:
 
 
 def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8").strip()
-    except OSError:
-        return None
+    text = read_text(path)
+    return None if text is None else text.strip()
 
 
 def cgroup_limits() -> tuple[float | None, int | None]:

@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvdiag.model import DefectCheck, DefectStatus, KvcachedBuild
+from kvdiag.proc import read_text as _read
 
 GIL_DEFECT = "gil_holding_alloc_page"
 IPC_DEFECT = "unbounded_ipc_read"
@@ -58,13 +59,6 @@ _MAX_BINARY_BYTES = 256 * 1024 * 1024
 def _check(defect: str, status: DefectStatus, evidence: list[str]) -> DefectCheck:
     return DefectCheck(defect=defect, title=_TITLES[defect], status=status, upstream=_UPSTREAM[defect],
                        evidence=evidence)
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text(encoding="utf-8", errors="replace")
-    except OSError:
-        return None
 
 
 def _def_statement(text: str, method: str) -> str | None:

@@ -5,10 +5,13 @@ Each client sends ``/v1/completions`` (or ``/v1/chat/completions``) with ``strea
 the time to first token, the gaps between tokens, the token count and how it ended. Live
 counters (requests in flight, tokens, time of the last token) feed the no-progress watchdog.
 
-Timing: TTFT runs from the moment the request headers are written to the socket (httpcore's
-``trace`` hook) to the arrival of the network chunk that completed the first token event; ITL
-between the chunks that completed consecutive token events. Every client first opens its
-keep-alive connection (``GET /health``) so connection setup is not counted as server latency.
+Timing: TTFT runs from the moment the request is written to the socket to the arrival of the
+network chunk that completed the first token event; ITL between the chunks that completed
+consecutive token events. Every client first opens its keep-alive connection (``GET /health``) so
+connection setup is not counted as server latency. Against a plain http:// server each client
+speaks HTTP/1.1 itself (kvdiag.soak.rawhttp: about half the client CPU of httpx per token, so the
+client takes less from the server it measures); an injected httpx transport (tests, the accuracy
+benchmark's tap) or https uses httpx.
 
 A token event is an SSE event that carries a choice with ``text`` (completions) or a content delta
 (chat), its text possibly empty: vLLM sends one per generated token, and a byte-level tokenizer's
@@ -44,6 +47,7 @@ from typing import Any
 
 import httpx
 
+from kvdiag.soak.rawhttp import RawConnection, RawHTTPError, RawTimeout, ReadDeadlines, plain_http
 from kvdiag.soak.sse import SSEParser, SSEProtocolError
 from kvdiag.soak.stats import LatencySummary, SampleReservoir, SoakSummary
 
@@ -130,8 +134,9 @@ class LoadConfig:
 class RequestRecord:
     """One request as the client saw it. Times come from the generator's clock."""
 
-    start: float
+    start: float                          # when the request was written to the socket (TTFT starts here)
     status: RequestStatus = RequestStatus.CANCELLED
+    issued: float | None = None           # when the client began the request (before the write)
     end: float | None = None
     ttft_s: float | None = None
     itl_s: list[float] = field(default_factory=list)
@@ -238,6 +243,8 @@ class LoadGenerator:
         self.clock = clock
         self._transport = transport
         self._client: httpx.AsyncClient | None = None
+        self._raw = transport is None and plain_http(cfg.base_url)
+        self._deadlines: ReadDeadlines | None = None
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._stop_event: asyncio.Event | None = None
@@ -245,6 +252,7 @@ class LoadGenerator:
         self._warm_left = 0
         self._warm_done: asyncio.Event | None = None
         self._body = b""
+        self._request = b""
         self.started_at: float | None = None
         self.duration_s: float | None = None
         self.load_deadline: float | None = None    # started_at + duration_s once warmed up
@@ -292,8 +300,13 @@ class LoadGenerator:
                                 write=cfg.write_timeout_s, pool=cfg.connect_timeout_s + cfg.read_timeout_s)
         self._client = httpx.AsyncClient(base_url=cfg.base_url, limits=limits, timeout=timeout, trust_env=False,
                                          transport=self._transport)
+        if self._raw:
+            self._deadlines = ReadDeadlines(cfg.read_timeout_s, self.clock)
+            self._deadlines.start()
         # One encoded body for every request: building it per request is CPU taken from timing.
         self._body = json.dumps(cfg.body(), separators=(",", ":")).encode()
+        self._request = RawConnection(cfg.base_url, cfg.connect_timeout_s).request_bytes(
+            "POST", cfg.endpoint, self._body)
         self._stop_event = asyncio.Event()
         self._drain_event = asyncio.Event()
         self._warm_done = asyncio.Event()
@@ -356,6 +369,8 @@ class LoadGenerator:
             t.cancel()
         if self._tasks:
             await asyncio.wait(self._tasks, timeout=timeout_s)
+        if self._deadlines is not None:
+            await self._deadlines.stop()
         if self._client is not None:
             try:
                 await asyncio.wait_for(self._client.aclose(), timeout=timeout_s)
@@ -387,17 +402,25 @@ class LoadGenerator:
         return self._stopping
 
     # -- one client --------------------------------------------------------------------------------
-    async def _warm_up(self) -> None:
+    async def _warm_up(self, conn: RawConnection | None) -> None:
         """Open this client's keep-alive connection, then wait for the others (all bounded by timeouts).
 
         Connection setup and the HTTP stack's first-use costs then stay out of the first requests'
         TTFT, which measures the server, not the client's start-up burst."""
         client, done = self._client, self._warm_done
         assert client is not None and done is not None
-        try:
-            await client.get("/health", timeout=self.cfg.connect_timeout_s)
-        except (httpx.HTTPError, OSError):
-            pass  # no /health (or no server): the timed requests will say what is wrong
+        if conn is not None:
+            try:
+                status, body = await conn.exchange(conn.request_bytes("GET", "/health"))
+                async for _ in body:
+                    pass
+            except (RawHTTPError, RawTimeout):
+                pass  # no /health (or no server): the timed requests will say what is wrong
+        else:
+            try:
+                await client.get("/health", timeout=self.cfg.connect_timeout_s)
+            except (httpx.HTTPError, OSError):
+                pass
         self._warm_left -= 1
         if self._warm_left <= 0:
             self.started_at = self.clock()
@@ -408,15 +431,20 @@ class LoadGenerator:
     async def _client_loop(self) -> None:
         stop = self._stop_event
         assert stop is not None
+        conn: RawConnection | None = None
+        if self._raw:
+            conn = RawConnection(self.cfg.base_url, self.cfg.connect_timeout_s, self.clock)
+            assert self._deadlines is not None
+            self._deadlines.connections.append(conn)
         if self._warm_done is not None and not self._warm_done.is_set():
-            await self._warm_up()
+            await self._warm_up(conn)
         drain = self._drain_event
         assert drain is not None
         limit = self.cfg.max_requests
         while not stop.is_set() and not drain.is_set() and (limit is None or self.sent < limit):
             if self.past_deadline():
                 break
-            rec = await self._one_request()
+            rec = await (self._one_raw_request(conn) if conn is not None else self._one_request())
             if rec.status not in (RequestStatus.OK, RequestStatus.CANCELLED) and self.cfg.retry_delay_s > 0:
                 try:
                     await asyncio.wait_for(stop.wait(), timeout=self.cfg.retry_delay_s)
@@ -432,7 +460,8 @@ class LoadGenerator:
     async def _one_request(self) -> RequestRecord:
         client = self._client
         assert client is not None
-        rec = RequestRecord(start=self.clock())
+        now = self.clock()
+        rec = RequestRecord(start=now, issued=now)
         self.sent += 1
         self.in_flight += 1
         reader = StreamReader(rec, self._token)
@@ -467,6 +496,55 @@ class LoadGenerator:
         except (httpx.HTTPError, OSError) as exc:
             rec.status = RequestStatus.ERROR
             rec.error = f"{type(exc).__name__}: {exc}"[:300]
+        self._finish(rec)
+        return rec
+
+    async def _one_raw_request(self, conn: RawConnection) -> RequestRecord:
+        """One streaming request on this client's own connection (kvdiag.soak.rawhttp)."""
+        now = self.clock()
+        rec = RequestRecord(start=now, issued=now)
+        self.sent += 1
+        self.in_flight += 1
+        reader = StreamReader(rec, self._token)
+
+        def sent() -> None:
+            rec.start = self.clock()
+
+        try:
+            status, body = await conn.exchange(self._request, sent)
+            rec.http_status = status
+            if status != 200:
+                buf = bytearray()
+                async for chunk in body:
+                    if len(buf) < 2048:
+                        buf += chunk
+                rec.status = RequestStatus.HTTP_ERROR
+                rec.error = f"HTTP {status}: {_error_text(bytes(buf[:2048]).decode('utf-8', errors='replace'))}"
+            else:
+                clock = self.clock
+                async for chunk in body:
+                    reader.feed(chunk, clock())
+                reader.parser.close()
+                if reader.done:
+                    rec.status = RequestStatus.OK
+                else:
+                    rec.status = RequestStatus.ERROR
+                    rec.error = "stream ended without [DONE]"
+        except asyncio.CancelledError:
+            conn.close()
+            rec.status = RequestStatus.CANCELLED
+            self._finish(rec)
+            raise
+        except RawTimeout as exc:
+            rec.status = RequestStatus.TIMED_OUT
+            rec.error = str(exc)
+        except (SSEProtocolError, _ServerStreamError) as exc:
+            conn.close()
+            rec.status = RequestStatus.ERROR
+            rec.error = str(exc)
+        except RawHTTPError as exc:
+            rec.status = RequestStatus.ERROR
+            rec.error = str(exc)[:300]
         self._finish(rec)
         return rec
 

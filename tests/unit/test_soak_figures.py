@@ -71,3 +71,12 @@ def test_a_stalled_engine_is_not_reported_healthy_even_if_health_answered() -> N
     assert " yes " not in row
     md_row = next(line for line in render_markdown(report).splitlines() if line.startswith("| hybrid | stock |"))
     assert f"| stalled | {entry['health']} |" in md_row
+
+
+def test_summary_rate_is_labelled_an_average_over_the_load() -> None:
+    from kvdiag.cli.soak import soak_lines
+    from kvdiag.model import SoakStats
+
+    stats = SoakStats(requests_ok=10, tokens=3191, duration_s=10.0, drain_s=0.5)
+    first = soak_lines(stats)[0]
+    assert "3191 tokens, avg 304 tok/s over 10.5 s" in first, first

@@ -40,9 +40,11 @@ def vllm_setup() -> VllmSetup:
 
 
 # What vLLM leaves in the temp dir when nobody redirects it: ZMQ socket files named by a uuid4,
-# vllm_dist_<hex> folders, torch caches.
+# vllm_dist_<hex> folders, torch caches; and kvdiag's short socket folder (used when the test's TMPDIR is
+# too deep for socket paths). kvdiag-run-* folders in /tmp belong to other kvdiag runs on this machine:
+# this test's own is in its TMPDIR, whose listing must not change at all.
 _VLLM_TMP = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3}-[0-9a-f]{12}|vllm_dist_.*|"
-                       r"torchinductor_.*|kvdiag-run-.*|kvdiag-rpc-.*)$")
+                       r"torchinductor_.*|kvdiag-rpc-.*)$")
 
 
 @dataclass

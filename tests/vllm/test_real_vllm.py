@@ -41,7 +41,7 @@ def test_two_engine_stock_hangs_in_engine_two_core(vllm_setup: VllmSetup, leftov
     # The hang is in engine 2's EngineCore (a VLLM::EngineCore process, not the API server or the Worker).
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     core_pid = engines["vlm"]["pids"]["engine_core"]
-    assert str(core_pid) in verdict["summary"]
+    assert f"pid {core_pid} (the EngineCore of engine vlm)" in verdict["summary"], verdict["summary"]
     core = [p for p in bundle["processes"] if p["pid"] == core_pid]
     assert core and core[0]["role"] == "engine_core" and core[0]["comm"].startswith("VLLM::EngineCor")
     roles = {p["role"] for p in bundle["processes"] if p["engine"] == "vlm"}
@@ -73,14 +73,15 @@ def test_soak_launches_real_vllm_and_completes(vllm_setup: VllmSetup, leftovers:
                                                tmp_path: Path) -> None:
     before = leftovers.snapshot()
     out = tmp_path / "soak"
-    proc = run_kvdiag("soak", "--model", vllm_setup.model, "--duration", "8", "--concurrency", "8",
-                      "--max-tokens", "48", "--out", str(out), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # The default 32 streams x 256 tokens fill the 2,048-token KV cache of the embedded soak-vllm scenario.
+    proc = run_kvdiag("soak", "--model", vllm_setup.model, "--duration", "10", "--out", str(out), timeout=600)
     report = read_report(out)
+    kind = report["verdict"]["kind"]  # type: ignore[index]
+    # 0 healthy; 6 when this busy machine kept the server from ever filling its KV cache (said, not a stall)
+    assert (proc.returncode, kind) in ((0, "healthy"), (6, "not_saturated")), proc.stdout[-4000:]
     soak = report["soak"]
     assert isinstance(soak, dict)
-    assert soak["requests_ok"] > 0 and soak["tokens"] >= soak["requests_ok"] * 48
-    assert report["verdict"]["kind"] == "healthy"  # type: ignore[index]
+    assert soak["requests_ok"] > 0 and soak["tokens"] >= soak["requests_ok"] * 256 and not soak["stalled"]
     _assert_clean(leftovers, before)
 
 
