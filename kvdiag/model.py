@@ -477,6 +477,17 @@ class KvcachedRuntime(_Model):
     notes: list[str] = Field(default_factory=list)
 
 
+class InterpreterPackages(_Model):
+    """Package versions as one engine's Python sees them (a vLLM venv is not kvdiag's interpreter)."""
+
+    who: str                         # "engine a, b" (a scenario's vllm engines) or "pid 1234" (capture --pid)
+    python: str                      # the interpreter's path
+    python_version: str | None = None
+    packages: dict[str, str | None] = Field(default_factory=dict)   # None = absent
+    source: str = ""                 # "asked the interpreter" or "read from site-packages"
+    note: str = ""                   # why the interpreter could not be asked, when it could not
+
+
 class EnvironmentRecord(_Model):
     """The machine a bundle was captured on: what a bug report needs to be reproducible."""
 
@@ -485,6 +496,8 @@ class EnvironmentRecord(_Model):
     machine: str = ""
     python: str = ""
     packages: dict[str, str | None] = Field(default_factory=dict)   # vllm, kvcached, torch, ... (None = absent)
+    packages_python: str = ""        # whose versions `packages` are: kvdiag's own interpreter (its path)
+    engine_packages: list[InterpreterPackages] = Field(default_factory=list)   # the engines' own interpreters
     cuda_driver: str | None = None
     cuda_runtime: str | None = None
     gpus: list[GpuInfo] = Field(default_factory=list)

@@ -104,13 +104,10 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
 
     env = report.environment
     if env is not None:
-        from kvdiag.report.envtext import gpu_lines
+        from kvdiag.report.envtext import gpu_lines, package_summary
 
-        pk = env.packages
         console.print(Text(f"  environment: {env.os}, kernel {env.kernel}, Python {env.python}, "
-                           f"vLLM {pk.get('vllm') or '—'}, kvcached {pk.get('kvcached') or '—'} "
-                           f"({env.kvcached.verdict}), torch {pk.get('torch') or '—'}; {'; '.join(gpu_lines(env))}",
-                           style="dim"))
+                           f"{package_summary(env)}; {'; '.join(gpu_lines(env))}", style="dim"))
         if env.ptrace.problem:
             console.print(Text(f"  ptrace: {env.ptrace.problem}; fix: {env.ptrace.fix}", style="yellow"))
 

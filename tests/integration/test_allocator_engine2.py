@@ -91,9 +91,15 @@ def test_stock_with_prealloc_deadlocks_with_gil_condvar_stacks() -> None:
         # Kernel view: every thread sleeps in futex(2) (syscall 202 on x86-64).
         tasks = os.listdir(f"/proc/{pid}/task")
         assert len(tasks) == 2
-        for tid in tasks:
-            syscall = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
-            if os.uname().machine == "x86_64":
+        if os.uname().machine == "x86_64":
+            # The GIL waiter's take_gil wakes every 5 ms (switch interval) to ask for the GIL, so one
+            # reading may catch it "running": each thread must be seen parked within a bounded look.
+            for tid in tasks:
+                deadline = time.monotonic() + 5
+                syscall = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
+                while syscall[0] != "202" and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    syscall = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
                 assert syscall[0] == "202", (tid, syscall)
         if shutil.which("gdb") is None:
             pytest.skip("gdb not installed: hang confirmed, stack shape not checked")
