@@ -124,8 +124,8 @@ def test_engine2_starts(allocator: str, prealloc: str) -> None:
         assert e.wait_for("KVDIAG_E2 READY", 60) is not None, e.seen
         started = e.wait_for("KVDIAG_E2 STARTED", 30)
         assert started is not None, e.seen
-        # Reported by the child (READY -> alloc_page returned); 2 s is a hang bound, the
-        # expected value is one 0.2 s callback round trip.
+        # Reported by the child (READY -> alloc_page returned); 10 s is a hang bound with room for a
+        # busy machine, the expected value is one 0.2 s callback round trip.
         seconds = float(re.search(r"seconds=([0-9.]+)", started).group(1))  # type: ignore[union-attr]
-        assert seconds < 2.0, started
+        assert seconds < 10.0, started
         assert e.proc.wait(timeout=30) == 0
