@@ -477,6 +477,17 @@ class KvcachedRuntime(_Model):
     notes: list[str] = Field(default_factory=list)
 
 
+class InterpreterPackages(_Model):
+    """Package versions as one engine's Python sees them (a vLLM venv is not kvdiag's interpreter)."""
+
+    who: str                         # "engine a, b" (a scenario's vllm engines) or "pid 1234" (capture --pid)
+    python: str                      # the interpreter's path
+    python_version: str | None = None
+    packages: dict[str, str | None] = Field(default_factory=dict)   # None = absent
+    source: str = ""                 # "asked the interpreter" or "read from site-packages"
+    note: str = ""                   # why the interpreter could not be asked, when it could not
+
+
 class EnvironmentRecord(_Model):
     """The machine a bundle was captured on: what a bug report needs to be reproducible."""
 
@@ -485,6 +496,8 @@ class EnvironmentRecord(_Model):
     machine: str = ""
     python: str = ""
     packages: dict[str, str | None] = Field(default_factory=dict)   # vllm, kvcached, torch, ... (None = absent)
+    packages_python: str = ""        # whose versions `packages` are: kvdiag's own interpreter (its path)
+    engine_packages: list[InterpreterPackages] = Field(default_factory=list)   # the engines' own interpreters
     cuda_driver: str | None = None
     cuda_runtime: str | None = None
     gpus: list[GpuInfo] = Field(default_factory=list)
@@ -638,6 +651,61 @@ class Diagnosis(_Model):
     notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
 
 
+class EnginePids(BaseModel):
+    """An engine's process ids by role, as report.json shows them: ``api_server`` and ``engine_core``
+    always (null when unknown), any other role the log named ("worker") after them."""
+
+    model_config = ConfigDict(extra="allow")
+    __pydantic_extra__: dict[str, int | None] = Field(init=False)
+
+    api_server: int | None = None
+    engine_core: int | None = None
+
+    @classmethod
+    def of(cls, pids: dict[str, int]) -> EnginePids:
+        """From an engine record's ``pids`` (role -> pid)."""
+        return cls.model_validate(dict(pids))
+
+    def by_role(self) -> dict[str, int | None]:
+        """Role -> pid, the two named roles first."""
+        out: dict[str, int | None] = {"api_server": self.api_server, "engine_core": self.engine_core}
+        out.update(self.__pydantic_extra__ or {})
+        return out
+
+
+class ReportBanner(BannerInfo):
+    """One banner in ``report.engines[].banners``: the parsed line and its risk for that engine's allocator."""
+
+    risk: BannerRisk
+
+
+class ReportEngine(_Model):
+    """One ``report.engines[]`` item: the engine record plus its banner risk, health line and own verdict."""
+
+    name: str
+    allocator: str | None = None     # stock | fixed | external
+    phase: EnginePhase = EnginePhase.NOT_STARTED
+    # Healthy means the engine's verdict is healthy (kvdiag.analyze.health): a stalled engine is not,
+    # even when its /health still answers; what /health said is kept apart and named in the health line.
+    healthy: bool = False
+    health: str = ""                 # "yes", "no (decode stall; /health still answered)"
+    health_note: str | None = None
+    health_endpoint_ok: bool = False
+    url: str | None = None
+    exit_code: int | None = None
+    pids: EnginePids = Field(default_factory=EnginePids)
+    startup_s: float | None = None
+    banner: BannerInfo | None = None           # the first banner the engine printed
+    banners: list[ReportBanner] = Field(default_factory=list)
+    banner_risk: BannerRisk | None = None      # all banners' risks combined; None without a banner
+    last_log_line: str | None = None
+    log_path: str | None = None
+    log_tail: list[str] = Field(default_factory=list)
+    error: str | None = None
+    verdict: VerdictKind | None = None
+    verdict_summary: str | None = None
+
+
 class Report(_Model):
     """report.json. Field names here are the user-facing contract."""
 
@@ -648,7 +716,7 @@ class Report(_Model):
     exit_code: int = 0
     verdict: Verdict
     verdicts_by_engine: dict[str, Verdict] = Field(default_factory=dict)
-    engines: list[dict[str, object]] = Field(default_factory=list)
+    engines: list[ReportEngine] = Field(default_factory=list)
     timeline: list[TimelineEvent] = Field(default_factory=list)
     findings: list[Finding] = Field(default_factory=list)
     soak: SoakStats | None = None

@@ -164,6 +164,13 @@ class LaunchedRun:
         tally = Tally()
         write_redacted(self.bundle_dir / "scenario.yaml", self._text, tally)
         note_file(self.bundle.redaction, "scenario.yaml", tally.as_dict())
+        if self.bundle.environment is not None and not self.bundle.environment.engine_packages:
+            # The versions the engines' own interpreters see (a vLLM venv), not only kvdiag's.
+            from kvdiag.environment import add_engine_packages
+            from kvdiag.launch.vllm import engine_python
+
+            pythons = {e.name: engine_python(e.python) for e in self.scenario.engines if e.kind == "vllm"}
+            add_engine_packages(self.bundle.environment, [(n, p) for n, p in pythons.items() if p])
         procs = ProcessSet(grace_s=self.scenario.windows.kill_grace_s)
         procs.__enter__()
         self._procs = procs
@@ -310,4 +317,7 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
     bundle.engines = [e.model_copy(update={"name": f"{side}/{e.name}"})
                       for side, arts in sides.items() for e in arts.bundle.engines]
     bundle.findings = [f for arts in sides.values() for f in arts.bundle.findings]
+    first = next(iter(sides.values())).bundle.environment
+    if bundle.environment is not None and first is not None:
+        bundle.environment.engine_packages = list(first.engine_packages)  # both sides run the same engines
     return finish(out_dir, bundle, runs={side: arts.bundle for side, arts in sides.items()})

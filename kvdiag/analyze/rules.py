@@ -198,6 +198,8 @@ def peer_phrase(info: FdInfo) -> str:
         what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
     elif info.kind == "socket" and info.proto in ("tcp", "tcp6", "udp"):
         what += " (peer: no process on this host; a remote peer)"
+    elif info.kind == "socket" and info.proto == "unix" and info.peer_inode is None:
+        what += " (peer not resolved)"   # sock_diag gave no peer inode: unknown, not absent
     elif info.kind in ("socket", "pipe"):
         what += " (no process holds the other end)"
     return what
@@ -518,8 +520,12 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
                                 f"on any stack; it is the read on that connection"))
     if not readers:
         return None
+    # A background reader thread is a receive loop (a server's input thread, an engine's output reader)
+    # while another thread still acts: an event loop, a thread in a timed wait, one that woke. Only a
+    # main thread (or the GIL holder) stuck in the read, or a reader nobody else can outlive, is a hang.
     event_loops = [t for t in views if t.kind is WaitKind.EVENT_WAIT and not t.idle_by_design]
-    picked = [t for t in readers if t.is_main or t.holds_gil or not event_loops]
+    others_act = bool(event_loops) or bool(_possible_signallers(views, readers, proc))
+    picked = [t for t in readers if t.is_main or t.holds_gil or not others_act]
     if not picked:
         return None
     r = sorted(picked, key=lambda t: (not t.holds_gil, not t.is_main, t.tid))[0]
@@ -730,11 +736,112 @@ def banner_findings(e: EngineRecord) -> list[Finding]:
     return out
 
 
-def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine: str | None) -> list[Verdict]:
+def read_peers(proc: ProcessEvidence, verdict: Verdict) -> list[int]:
+    """The processes a blocked-read verdict waits on: the peers of the connections of the thread it cites."""
+    if verdict.kind is not VerdictKind.BLOCKED_IPC_READ or not verdict.evidence:
+        return []
+    tid = verdict.evidence[0].tid
+    th = next((t for t in proc.threads if t.tid == tid), None)
+    if th is None:
+        return []
+    return sorted({q for f in th.blocked_fds if f.kind in ("socket", "pipe") and not f.listening
+                   for q in f.peer_pids if q != proc.pid})
+
+
+class _PeerJudge:
+    """Each captured process's own verdict, and who a blocked read really waits on.
+
+    A read whose peer is another captured process that is itself hung (or stopped) is a
+    consequence: an API server's loop waiting on its EngineCore, a client waiting on a server
+    stuck in a GIL cycle. The verdict belongs to the process at the end of that chain. A chain
+    that comes back to where it started is a real cross-process wait cycle and stands.
+    """
+
+    def __init__(self, bundle: Bundle, machine: str | None) -> None:
+        self.machine = machine
+        self.by_pid = {p.pid: p for p in bundle.processes}
+        self.findings = bundle.findings
+        self.engines = {e.name for e in bundle.engines}
+        self._cache: dict[int, Verdict | None] = {}
+
+    def verdict(self, pid: int) -> Verdict | None:
+        if pid not in self._cache:
+            p = self.by_pid[pid]
+            self._cache[pid] = analyze_process(p, self.machine, p.engine) if judgeable([p], self.findings) else None
+        return self._cache[pid]
+
+    def hung_root(self, pid: int, seen: frozenset[int]) -> tuple[int, Verdict] | None:
+        """(pid, verdict) of the hung process that ``pid``'s wait ends at; None if it is not hung or the
+        chain of reads cycles back into ``seen``."""
+        v = self.verdict(pid)
+        if v is None or not (v.kind.is_hang or v.kind in _TARGET_STATES):
+            return None
+        for q in read_peers(self.by_pid[pid], v):
+            if q in seen:
+                return None
+            if q in self.by_pid and (root := self.hung_root(q, seen | {pid})) is not None:
+                return root
+        return pid, v
+
+    def defer(self, proc: ProcessEvidence, verdict: Verdict) -> tuple[int, Verdict] | None:
+        """The hung peer ``proc``'s blocked read waits on, when one was captured."""
+        for q in read_peers(proc, verdict):
+            if q in self.by_pid and (root := self.hung_root(q, frozenset({proc.pid}))) is not None:
+                return root
+        return None
+
+    def waits_on_own_engine(self, proc: ProcessEvidence, verdict: Verdict) -> list[int]:
+        """The peers, when ``proc`` is a part of an engine (API server, EngineCore, worker) whose read
+        waits only on other captured parts of the same engine and none of them is hung: an API server
+        waiting for its engine's output, an EngineCore waiting for its next request. Not a hang."""
+        if proc.role is ProcessRole.OTHER or not proc.engine:
+            return []
+        peers = read_peers(proc, verdict)
+        mine = [q for q in peers if q in self.by_pid and self.by_pid[q].engine == proc.engine
+                and self.by_pid[q].role is not ProcessRole.OTHER]
+        if not peers or len(mine) != len(peers):
+            return []
+        if any(self.hung_root(q, frozenset({proc.pid})) is not None for q in mine):
+            return []
+        return mine
+
+
+def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine: str | None,
+                      bundle: Bundle | None = None) -> tuple[list[Verdict], list[Finding]]:
+    """Each process's verdict, worst first; a blocked read on a hung captured peer defers to the peer
+    (it becomes a finding, the peer's own verdict is the cause)."""
     ordered = sorted(procs, key=lambda p: (p.role is not ProcessRole.ENGINE_CORE, p.role is ProcessRole.API_SERVER))
-    out = [v for p in ordered if (v := analyze_process(p, machine, engine)) is not None]
+    judge = _PeerJudge(bundle, machine) if bundle is not None else None
+    out: list[Verdict] = []
+    deferred: list[Finding] = []
+    adopted: set[int] = set()
+    for p in ordered:
+        v = analyze_process(p, machine, engine)
+        if v is None:
+            continue
+        root = judge.defer(p, v) if judge is not None else None
+        own = judge.waits_on_own_engine(p, v) if judge is not None and root is None else []
+        if own:
+            deferred.append(Finding(kind="waits_on_own_engine", pid=p.pid, engine=engine, message=(
+                f"pid {p.pid} ({p.role.value}) waits on {', '.join(f'pid {q}' for q in own)} of its own engine, "
+                f"whose stacks show no hang: waiting for its engine, not a deadlock. {v.summary}")))
+            continue
+        if root is None:
+            out.append(v)
+            continue
+        q, qv = root
+        assert judge is not None
+        qp = judge.by_pid[q]
+        whose = f" of engine {qp.engine}" if qp.engine and qp.engine != p.engine else ""
+        # A hung peer no engine claims (captured without an engine record) is this engine's cause.
+        if q not in {x.pid for x in procs} and qp.engine not in judge.engines and q not in adopted:
+            adopted.add(q)
+            out.append(qv.model_copy(deep=True, update={"engine": engine}))
+        deferred.append(Finding(kind="waits_on_hung_peer", pid=p.pid, engine=engine, message=(
+            f"pid {p.pid} waits on pid {q}{whose}, which is itself hung ({qv.kind.value}): a consequence, not the "
+            f"cause. {v.summary}")))
     # stable: worst first, engine core first among equals
-    return sorted(out, key=lambda v: severity(v.kind))
+    return sorted(out, key=lambda v: severity(v.kind)), deferred
 
 
 def _any_running(procs: list[ProcessEvidence], machine: str | None) -> bool:
@@ -754,7 +861,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     machine = bundle.host.get("machine")
     findings = (banner_findings(e) if e else []) + relevant
     findings += [f for p in procs for f in process_findings(p, machine, e.name if e else None)]
-    pverdicts = _process_verdicts(judgeable(procs, relevant), machine, e.name if e else None)
+    pverdicts, deferred = _process_verdicts(judgeable(procs, relevant), machine, e.name if e else None, bundle)
+    findings += deferred
     hang = pverdicts[0] if pverdicts else None
 
     def done(verdict: Verdict) -> Verdict:

@@ -118,7 +118,7 @@ SYSCALLS: dict[str, dict[str, frozenset[int]]] = {
 
 # Threads that sit idle by design (pools, monitors, library I/O threads): never a hang by themselves.
 IDLE_THREAD_NAMES = re.compile(
-    r"^(ZMQbg/|gloo_tcp_loop|pt_gloo_runloop|tqdm_monitor|DeathPipeMonitor|MultiprocWorkerMonitor|"
+    r"^(ZMQbg/|gloo_tcp_loop|pt_gloo_runloop|tqdm_monitor|DeathPipeMonitor|MultiprocWorkerMonitor|MPClientEngineMonitor|"
     r"signal-callback|cuda-EvtHandlr|cuda0|pt_autograd|jemalloc_bg_thd|QueueFeederThread|"
     r"Thread-\d+ \(_handle_(workers|tasks|results)\)|OMP|omp_|IPC listener|asyncio_\d+)")
 IDLE_FRAME_NAMES = frozenset({"blas_thread_server", "gomp_thread_start", "gomp_team_barrier_wait_end",
@@ -126,7 +126,8 @@ IDLE_FRAME_NAMES = frozenset({"blas_thread_server", "gomp_thread_start", "gomp_t
                               "_handle_results", "death_pipe_monitor", "monitor_workers", "_feed",
                               "Queue._feed", "_python_exit", "cuEventSynchronize_monitor"})
 IDLE_FRAME_SUBSTR = ("__kmp_", "blas_thread", "gloo::", "zmq::", "tqdm/_monitor", "monitor_death_pipe",
-                     "start_worker_monitor", "resource_tracker")
+                     "start_worker_monitor", "resource_tracker",
+                     "monitor_engine_liveness")   # vLLM: waits on process sentinels for a child's death
 # (last two path components, function) of Python frames that are a worker's wait for its next task.
 IDLE_PY_FRAMES = frozenset({(("multiprocessing", "pool.py"), "worker")})
 IDLE_PROCESS_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",

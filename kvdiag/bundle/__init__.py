@@ -3,7 +3,7 @@
 Layout (one for every command; :data:`LAYOUT` names each part)::
 
     OUT/                 report.json, report.html, report.md (renderings of bundle/bundle.json)
-    OUT/bundle/          bundle.json, scenario.yaml, logs/<engine>.log, raw/<engine>/<tool>-<pid>.txt
+    OUT/bundle/          bundle.json, scenario.yaml, logs/<engine>.log, raw/<pid>/<tool>.txt
     OUT/<label>/         a nested run (``kvdiag ab``: stock/, fixed/), each with its own bundle/
 
 :func:`write_bundle` is the one writer of bundle.json: it redacts on the way in.
@@ -20,6 +20,8 @@ from kvdiag.bundle.io import (
     atomic_write_text,
     load_bundle,
     load_run,
+    raw_dir,
+    raw_root,
     resolve_bundle_dir,
     save_bundle,
     write_bundle,
@@ -28,5 +30,6 @@ from kvdiag.bundle.io import (
 
 __all__ = [
     "BUNDLE_DIR", "BUNDLE_FILE", "LOGS_DIR", "RAW_DIR", "SCENARIO_FILE", "LoadedRun", "atomic_write_text",
-    "load_bundle", "load_run", "resolve_bundle_dir", "save_bundle", "write_bundle", "write_text_redacted",
+    "load_bundle", "load_run", "raw_dir", "raw_root", "resolve_bundle_dir", "save_bundle", "write_bundle",
+    "write_text_redacted",
 ]

@@ -18,8 +18,25 @@ BUNDLE_DIR = "bundle"            # inside a run's output folder
 BUNDLE_FILE = "bundle.json"
 SCENARIO_FILE = "scenario.yaml"
 LOGS_DIR = "logs"                # logs/<engine>.log, redacted copies
-RAW_DIR = "raw"                  # raw/<engine>/... raw tool outputs, redacted
+RAW_DIR = "raw"                  # raw/<pid>/<tool>.txt raw tool outputs, redacted (see raw_dir)
 _MAX_NESTING = 2                 # an ab run nests plain runs, nothing deeper
+
+
+def raw_root(bundle_dir: Path) -> Path:
+    """Where a bundle's raw tool outputs go: ``bundle_dir/raw``."""
+    return bundle_dir / RAW_DIR
+
+
+def raw_dir(root: Path, pid: int) -> Path:
+    """The one raw layout, for every command (capture, repro, ab, soak): ``raw/<pid>/<tool>.txt``.
+
+    ``root`` is :func:`raw_root` of the bundle folder. A pid is unique within one run, and each
+    process's engine is recorded in bundle.json (``processes[].engine``), so the path does not
+    repeat it. Bundles written before this layout kept a run's engines as ``raw/<engine>/<pid>/``;
+    they stay readable because every tool run stores its file's bundle-relative ``raw_path``,
+    which the loader and renderers follow (never a path rebuilt from this layout).
+    """
+    return root / str(pid)
 
 
 def atomic_write_text(path: Path, text: str) -> None:

@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvdiag import __version__
-from kvdiag.bundle_io import save_bundle
+from kvdiag.bundle import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes, process_tree
 from kvdiag.capture.logread import log_record
@@ -27,14 +27,14 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  backends: Sequence[str | CaptureBackend] | None = None,
                  log_pids: dict[str, int] | None = None, command: str = "",
                  pids: Sequence[int] | None = None) -> Bundle:
-    """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/).
+    """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/<pid>/).
 
     ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
     (see :func:`kvdiag.capture.select.capture_scope`).
     """
     roles = find_engine_processes(root_pid, log_pids)
     pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
-    evidence, findings = capture_processes(pids, bundle_dir / "raw", timeout_s=timeout_s, backends=backends,
+    evidence, findings = capture_processes(pids, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
                                            bundle_dir=bundle_dir)
     for ev in evidence:
         for role, role_pids in roles.items():
@@ -63,7 +63,8 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
 def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: float,
                    backends: Sequence[str | CaptureBackend] | None = None,
                    log_pids: dict[str, int] | None = None) -> tuple[list[ProcessEvidence], list[Finding]]:
-    """Capture one launched engine read-only into ``bundle_dir/raw/<name>/`` (repro, ab, soak).
+    """Capture one launched engine read-only into ``bundle_dir/raw/<pid>/`` (repro, ab, soak): the same
+    raw layout as ``kvdiag capture`` (:func:`kvdiag.bundle.raw_dir`); bundle.json names each process's engine.
 
     The engine's known processes (EngineCore first, then the API server and workers); when no
     role is known (a command engine that is not vLLM-shaped), its whole process tree.
@@ -76,7 +77,7 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
     for role in order:
         pids += [pid for pid in roles.get(role, []) if pid not in pids]
     # The EngineCore is where a vLLM engine's hangs live: its verdict-critical evidence comes first.
-    evidence, findings = capture_processes(pids or [root_pid], bundle_dir / "raw" / name, timeout_s=timeout_s,
+    evidence, findings = capture_processes(pids or [root_pid], raw_root(bundle_dir), timeout_s=timeout_s,
                                            backends=backends, bundle_dir=bundle_dir,
                                            focus=roles.get(ProcessRole.ENGINE_CORE))
     for ev in evidence:

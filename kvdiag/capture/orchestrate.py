@@ -39,6 +39,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvdiag.bundle import raw_dir as bundle_raw_dir
 from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
@@ -226,7 +227,7 @@ class _ProcessJob:
                 reason = _skip_reason(access, b)
                 if reason is not None and b.name not in self.unavailable:
                     self.unavailable[b.name] = reason
-        self.raw_dir = raw_dir / str(pid)
+        self.raw_dir = bundle_raw_dir(raw_dir, pid)   # the bundle's one raw layout
         self.timeout_s = timeout_s
         self.deadline = deadline
         self.results: dict[str, BackendResult] = {}
@@ -383,7 +384,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     """Capture evidence from ``pids`` read-only; never raises for tool problems.
 
     ``backends``: names ("proc", "py-spy", "pystack", "gdb") or backend objects; default all.
-    Raw tool outputs go to ``raw_dir/<pid>/``; ToolRun.raw_path is relative to ``bundle_dir``
+    Raw tool outputs go to ``raw_dir/<pid>/`` (:func:`kvdiag.bundle.raw_dir`, the one layout);
+    ToolRun.raw_path is relative to ``bundle_dir``
     when given (absolute otherwise). ``parallel=False`` runs everything one after the other
     (the benchmark's baseline). Returns within ``timeout_s + CAPTURE_SLACK_S`` seconds.
 

@@ -1,7 +1,8 @@
 """Environment stage: what machine a run happened on, recorded once into every bundle.
 
 :func:`collect_environment` gathers OS/kernel, Python, package versions
-(vLLM, kvcached, torch, ... from metadata, nothing heavy imported), CUDA
+(vLLM, kvcached, torch, ... from metadata, nothing heavy imported; kvdiag's own and,
+in ``engine_packages``, those of the interpreters the engines run: see interpreter.py), CUDA
 driver/runtime and GPUs (optional cuda-python, in a bounded child process),
 the kvcached/vLLM variables in effect (redacted), cgroup CPU/memory limits,
 ptrace capability with the fix when capture would be refused, the installed
@@ -14,7 +15,8 @@ from __future__ import annotations
 import os
 import platform
 import re
-from collections.abc import Callable, Mapping
+import sys
+from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from kvdiag.environment.gpu import read_gpus
@@ -32,7 +34,8 @@ from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.environment.runtime import collect_runtime
 from kvdiag.model import EnvironmentRecord, GpuInfo
 
-__all__ = ["collect_environment", "fingerprint_tree", "installed_kvcached", "probe_ptrace"]
+__all__ = ["add_engine_packages", "collect_environment", "engine_version", "fingerprint_tree", "installed_kvcached",
+           "probe_ptrace"]
 
 T = TypeVar("T")
 
@@ -49,6 +52,23 @@ def _runtime_of_torch(version: str | None) -> str | None:
     """``2.10.0+cu128`` → ``12.8 (torch build)``: the CUDA runtime torch ships with."""
     m = re.search(r"\+cu(\d+)(\d)$", version or "")
     return f"{m.group(1)}.{m.group(2)} (torch build)" if m else None
+
+
+def engine_version(rec: EnvironmentRecord, name: str) -> str | None:
+    """``name``'s version as the engines see it (their interpreters first), else as kvdiag sees it."""
+    for ip in rec.engine_packages:
+        if ip.packages.get(name):
+            return ip.packages[name]
+    return rec.packages.get(name)
+
+
+def add_engine_packages(rec: EnvironmentRecord, engines: Sequence[tuple[str, str]]) -> None:
+    """Record the versions the engines' interpreters see; ``engines``: (engine name, interpreter path)."""
+    from kvdiag.environment.interpreter import engines_packages
+
+    rec.engine_packages.extend(_safe(rec.errors, "engine packages", lambda: engines_packages(engines), []))
+    if rec.cuda_runtime is None or rec.cuda_runtime.endswith("(torch build)"):
+        rec.cuda_runtime = _runtime_of_torch(engine_version(rec, "torch")) or rec.cuda_runtime
 
 
 def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool = True,
@@ -75,6 +95,13 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
         rec.packages["kvdiag"] = __version__
     except ImportError:  # pragma: no cover - kvdiag is importable: we are it
         pass
+    rec.packages_python = sys.executable
+    if target_pid is not None:
+        from kvdiag.environment.interpreter import pid_packages
+
+        got = _safe(errors, f"packages of pid {target_pid}", lambda: pid_packages(target_pid), None)
+        if got is not None:
+            rec.engine_packages.append(got)
     rec.env = _safe(errors, "environment", lambda: relevant_env(env), {})
     rec.env_source = source
     rec.cpus = usable_cpus()
@@ -90,7 +117,7 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
     else:
         rec.gpu_note = "not queried"
     if rec.cuda_runtime is None:
-        rec.cuda_runtime = _runtime_of_torch(rec.packages.get("torch"))
+        rec.cuda_runtime = _runtime_of_torch(engine_version(rec, "torch"))
     if runtime:
         rec.kvcached_runtime = _safe(errors, "kvcached runtime", collect_runtime, None)
     rec.errors = errors

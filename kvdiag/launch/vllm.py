@@ -69,6 +69,29 @@ def find_vllm(python: str | None) -> str:
     raise ToolMissing(f"vLLM not found (tried {', '.join(tried)})", hint=_SETUP_HINT)
 
 
+def engine_python(python_setting: str | None) -> str | None:
+    """The interpreter a `vllm` engine runs (its ``python:`` / $KVDIAG_VLLM_VENV / PATH): the
+    ``vllm`` script's ``#!`` line, else the ``python`` beside it; None when vLLM is not found."""
+    try:
+        script = Path(find_vllm(python_setting))
+    except ToolMissing:
+        return None
+    try:
+        with script.open("rb") as fh:
+            first = fh.readline(4096).decode(errors="replace")
+        if first.startswith("#!"):
+            parts = first[2:].split()
+            if parts and os.path.isabs(parts[0]) and os.path.basename(parts[0]) != "env":
+                return parts[0]
+    except OSError:
+        pass
+    for name in ("python3", "python"):
+        cand = script.parent / name
+        if cand.is_file():
+            return str(cand)
+    return None
+
+
 def _kvdiag_package() -> Path:
     import kvdiag
 
@@ -103,4 +126,4 @@ def stage_plugin(folder: Path) -> Path:
 
 
 __all__ = ["DEFAULT_MODEL", "DEFAULT_VENV", "ENTRY_POINT_GROUP", "MODEL_ENV", "VENV_ENV", "default_model",
-           "expand", "find_vllm", "native_library", "stage_plugin"]
+           "engine_python", "expand", "find_vllm", "native_library", "stage_plugin"]

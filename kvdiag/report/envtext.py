@@ -15,10 +15,30 @@ def gpu_lines(env: EnvironmentRecord) -> list[str]:
     return [f"GPU {g.index}: {g.name}, {_mb(g.total_mb)} total, {_mb(g.free_mb)} free" for g in env.gpus]
 
 
+def _three(pk: dict[str, str | None], kvcached_verdict: str | None = None) -> str:
+    kv = f" ({kvcached_verdict})" if kvcached_verdict else ""
+    return (f"vLLM {pk.get('vllm') or '—'}, kvcached {pk.get('kvcached') or '—'}{kv}, "
+            f"torch {pk.get('torch') or '—'}")
+
+
+def package_summary(env: EnvironmentRecord) -> str:
+    """vLLM/kvcached/torch versions saying whose they are: each engine interpreter's, else kvdiag's."""
+    if not env.engine_packages:
+        return f"{_three(env.packages, env.kvcached.verdict)} (kvdiag's Python)"
+    return "; ".join(f"{_three(ip.packages)} ({ip.who}: Python {ip.python_version or '?'} {ip.python})"
+                     for ip in env.engine_packages)
+
+
 def environment_lines(env: EnvironmentRecord) -> list[str]:
     """One fact per line, redacted already (the record is redacted when collected)."""
     pkgs = ", ".join(f"{k} {v}" if v else f"{k} —" for k, v in env.packages.items())
-    lines = [f"OS: {env.os}, kernel {env.kernel} ({env.machine})", f"Python: {env.python}", f"packages: {pkgs}",
+    whose = f"kvdiag's Python {env.packages_python}".rstrip() if env.engine_packages else "kvdiag's Python"
+    lines = [f"OS: {env.os}, kernel {env.kernel} ({env.machine})", f"Python: {env.python} (kvdiag's)"]
+    for ip in env.engine_packages:
+        ipk = ", ".join(f"{k} {v}" if v else f"{k} —" for k, v in ip.packages.items())
+        how = f"; {ip.source}: {ip.note}" if ip.note else ""
+        lines.append(f"packages of {ip.who} (Python {ip.python_version or '?'} {ip.python}{how}): {ipk}")
+    lines += [f"packages ({whose}): {pkgs}",
              f"CUDA: driver {env.cuda_driver or '—'}, runtime {env.cuda_runtime or '—'}"]
     lines += gpu_lines(env)
     limits = []

@@ -12,57 +12,57 @@ from typing import Any
 
 from kvdiag import __version__
 from kvdiag.analyze.health import engine_health
-from kvdiag.model import Bundle, EngineRecord, Finding, Report, Verdict
+from kvdiag.model import (
+    BannerRisk,
+    Bundle,
+    EnginePids,
+    EngineRecord,
+    Finding,
+    Report,
+    ReportBanner,
+    ReportEngine,
+    Verdict,
+)
 from kvdiag.watch.banner import assess_risk_for
 
-# Keys every engine entry carries (null when unknown); the schema requires them.
-ENGINE_PID_ROLES = ("api_server", "engine_core")
 
-
-def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> dict[str, object]:
+def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> ReportEngine:
     """One ``report.engines[]`` item: the record plus banner risk and the engine's own verdict."""
     risks = [assess_risk_for(b, rec.allocator) for b in rec.banners]
-    banners: list[dict[str, Any]] = []
-    for banner, risk in zip(rec.banners, risks, strict=True):
-        entry = banner.model_dump(mode="json")
-        entry["risk"] = risk.model_dump(mode="json")
-        banners.append(entry)
-    banner_risk: dict[str, object] | None = None
+    banners = [ReportBanner(**banner.model_dump(), risk=risk) for banner, risk in zip(rec.banners, risks, strict=True)]
+    banner_risk: BannerRisk | None = None
     if risks:
         reasons: list[str] = []
         for risk in risks:
             reasons.extend(r for r in risk.reasons if r not in reasons)
-        banner_risk = {"risky": any(r.risky for r in risks),
-                       "pages_per_layer": min(r.pages_per_layer for r in risks),
-                       "reasons": reasons}
+        banner_risk = BannerRisk(risky=any(r.risky for r in risks),
+                                 pages_per_layer=min(r.pages_per_layer for r in risks), reasons=reasons)
     health = engine_health(rec, verdict)
-    pids: dict[str, int | None] = {role: rec.pids.get(role) for role in ENGINE_PID_ROLES}
-    pids.update({k: v for k, v in rec.pids.items() if k not in pids})
-    return {
-        "name": rec.name,
-        "allocator": rec.allocator,
-        "phase": rec.phase.value,
+    return ReportEngine(
+        name=rec.name,
+        allocator=rec.allocator,
+        phase=rec.phase,
         # Healthy means the engine's verdict is healthy (kvdiag.analyze.health): a stalled engine is
         # not, even when its /health still answers (vLLM's /health does not see a decode stall);
         # what /health said is kept apart and named in the health line.
-        "healthy": health.healthy,
-        "health": health.line,
-        "health_note": health.note,
-        "health_endpoint_ok": rec.healthy,
-        "url": rec.url,
-        "exit_code": rec.exit_code,
-        "pids": pids,
-        "startup_s": rec.startup_s,
-        "banner": rec.banners[0].model_dump(mode="json") if rec.banners else None,
-        "banners": banners,
-        "banner_risk": banner_risk,
-        "last_log_line": rec.last_log_line,
-        "log_path": rec.log_path,
-        "log_tail": list(rec.log_tail[-40:]),
-        "error": rec.error,
-        "verdict": verdict.kind.value if verdict is not None else None,
-        "verdict_summary": verdict.summary if verdict is not None else None,
-    }
+        healthy=health.healthy,
+        health=health.line,
+        health_note=health.note,
+        health_endpoint_ok=rec.healthy,
+        url=rec.url,
+        exit_code=rec.exit_code,
+        pids=EnginePids.of(rec.pids),
+        startup_s=rec.startup_s,
+        banner=rec.banners[0].model_copy(deep=True) if rec.banners else None,
+        banners=banners,
+        banner_risk=banner_risk,
+        last_log_line=rec.last_log_line,
+        log_path=rec.log_path,
+        log_tail=list(rec.log_tail[-40:]),
+        error=rec.error,
+        verdict=verdict.kind if verdict is not None else None,
+        verdict_summary=verdict.summary if verdict is not None else None,
+    )
 
 
 def _merge_findings(*groups: list[Finding]) -> list[Finding]:

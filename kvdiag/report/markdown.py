@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import Bundle, Report
+from kvdiag.model import Bundle, Report, ReportEngine
 from kvdiag.report.html import ab_view, clean_text, format_frame
 from kvdiag.watch.logs import MAX_LINE
 
@@ -95,22 +95,21 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
             who = f" ({_code(f.engine)})" if f.engine else ""
             out.append(f"- **{_inline(f.kind)}**{who}: {_inline(clean_text(f.message))}")
 
-    banners = [(e, b) for e in report.engines for b in _list(e.get("banners"))]
+    banners = [(e, b) for e in report.engines for b in e.banners]
     if banners:
         out += ["", "#### PageAllocator banners", "",
                 "| engine | group | layers | mem/layer | page | pages/layer | prealloc | min/max reserved | risk |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for e, b in banners:
-            risk = _dict(b.get("risk"))
             out.append("| " + " | ".join(_cell(x) for x in (
-                e.get("name"), b.get("group_id"), b.get("num_layers"), f"{b.get('mem_size_per_layer_mb')} MB",
-                f"{b.get('page_size_mb')} MB", risk.get("pages_per_layer"),
-                "on" if b.get("enable_prealloc") else "off",
-                f"{b.get('min_reserved_pages')}/{b.get('max_reserved_pages')}",
-                "**risky**" if risk.get("risky") else "ok")) + " |")
-        reasons = [(e.get("name"), r) for e, b in banners for r in _list(_dict(b.get("risk")).get("reasons"))]
-        for name, reason in reasons:
-            out.append(f"- {_cell(name)}: {_inline(clean_text(str(reason)))}")
+                e.name, b.group_id, b.num_layers, f"{b.mem_size_per_layer_mb} MB",
+                f"{b.page_size_mb} MB", b.risk.pages_per_layer,
+                "on" if b.enable_prealloc else "off",
+                f"{b.min_reserved_pages}/{b.max_reserved_pages}",
+                "**risky**" if b.risk.risky else "ok")) + " |")
+        for e, b in banners:
+            for reason in b.risk.reasons:
+                out.append(f"- {_cell(e.name)}: {_inline(clean_text(reason))}")
 
     if report.engines:
         out += ["", "#### Engines", "",
@@ -118,16 +117,14 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
                 "| last log line |",
                 "|---|---|---|---|---|---|---|---|---|"]
         for e in report.engines:
-            pids = _dict(e.get("pids"))
-            startup = e.get("startup_s")
             out.append("| " + " | ".join(_cell(x) for x in (
-                e.get("name"), e.get("allocator"), e.get("phase"), _healthy(e),
-                e.get("verdict"), pids.get("api_server"), pids.get("engine_core"),
-                f"{startup:.1f} s" if isinstance(startup, (int, float)) else None,
-                _short(e.get("last_log_line"), MAX_LINE))) + " |")
-        errors = [(e.get("name"), e.get("error")) for e in report.engines if e.get("error")]
-        for name, err in errors:
-            out.append(f"- {_cell(name)} error: {_code(str(err))}")
+                e.name, e.allocator, e.phase.value, _healthy(e),
+                e.verdict.value if e.verdict is not None else None, e.pids.api_server, e.pids.engine_core,
+                f"{e.startup_s:.1f} s" if e.startup_s is not None else None,
+                _short(e.last_log_line, MAX_LINE))) + " |")
+        for e in report.engines:
+            if e.error:
+                out.append(f"- {_cell(e.name)} error: {_code(e.error)}")
 
     cited = _cited_stacks(report, bundle)
     if cited:
@@ -165,17 +162,9 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     return "\n".join(out)
 
 
-def _healthy(e: dict[str, object]) -> str:
+def _healthy(e: ReportEngine) -> str:
     """The engine's health line (derived from its verdict and probes by kvdiag.analyze.health)."""
-    return str(e.get("health") or ("yes" if e.get("healthy") else "no"))
-
-
-def _list(value: object) -> list[dict[str, object]]:
-    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
-
-
-def _dict(value: object) -> dict[str, object]:
-    return value if isinstance(value, dict) else {}
+    return e.health or ("yes" if e.healthy else "no")
 
 
 def _short(value: object, width: int = 120) -> str | None:

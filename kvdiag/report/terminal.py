@@ -77,25 +77,21 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         for col in ("engine", "allocator", "phase", "healthy", "verdict", "engine_core", "banner"):
             table.add_column(col, overflow="fold")
         for e in report.engines:
-            risk = e.get("banner_risk")
-            if isinstance(risk, dict):
-                risk_text = Text("RISK", style="bold red") if risk.get("risky") else Text("ok", style="green")
+            if e.banner_risk is not None:
+                risk_text = Text("RISK", style="bold red") if e.banner_risk.risky else Text("ok", style="green")
             else:
                 risk_text = Text("none", style="dim")
-            pids_obj = e.get("pids")
-            pids = pids_obj if isinstance(pids_obj, dict) else {}
-            verdict = e.get("verdict")
+            verdict = e.verdict.value if e.verdict is not None else None
             table.add_row(
-                Text(str(e.get("name"))), Text(str(e.get("allocator") or "—")), Text(str(e.get("phase"))),
-                Text(str(e.get("health") or ("yes" if e.get("healthy") else "no")),
-                     style="green" if e.get("healthy") else "red"),
-                Text(str(verdict), style=_kind_style(str(verdict))) if verdict else Text("—"),
-                Text(str(pids.get("engine_core") or "—")), risk_text)
+                Text(e.name), Text(e.allocator or "—"), Text(e.phase.value),
+                Text(e.health or ("yes" if e.healthy else "no"), style="green" if e.healthy else "red"),
+                Text(verdict, style=_kind_style(verdict)) if verdict else Text("—"),
+                Text(str(e.pids.engine_core or "—")), risk_text)
         console.print(table)
         for e in report.engines:
-            if not e.get("healthy") and e.get("last_log_line"):
-                line = Text(f"  {e.get('name')} last log line: ", style="dim")
-                line.append(str(e.get("last_log_line")), style="")
+            if not e.healthy and e.last_log_line:
+                line = Text(f"  {e.name} last log line: ", style="dim")
+                line.append(e.last_log_line, style="")
                 console.print(line)
 
     for f in report.findings:
@@ -108,13 +104,10 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
 
     env = report.environment
     if env is not None:
-        from kvdiag.report.envtext import gpu_lines
+        from kvdiag.report.envtext import gpu_lines, package_summary
 
-        pk = env.packages
         console.print(Text(f"  environment: {env.os}, kernel {env.kernel}, Python {env.python}, "
-                           f"vLLM {pk.get('vllm') or '—'}, kvcached {pk.get('kvcached') or '—'} "
-                           f"({env.kvcached.verdict}), torch {pk.get('torch') or '—'}; {'; '.join(gpu_lines(env))}",
-                           style="dim"))
+                           f"{package_summary(env)}; {'; '.join(gpu_lines(env))}", style="dim"))
         if env.ptrace.problem:
             console.print(Text(f"  ptrace: {env.ptrace.problem}; fix: {env.ptrace.fix}", style="yellow"))
 

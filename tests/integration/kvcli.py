@@ -21,3 +21,24 @@ def read_report(out: Path) -> dict[str, object]:
     data = json.loads((out / "report.json").read_text())
     assert isinstance(data, dict)
     return data
+
+
+def assert_one_raw_layout(bundle_dir: Path) -> int:
+    """Every raw tool output of the bundle sits at ``raw/<pid>/`` (kvdiag.bundle.raw_dir, the one layout
+    of capture, repro, ab and soak) and exists; returns how many there are."""
+    data = json.loads((bundle_dir / "bundle.json").read_text())
+    n = 0
+    for proc in data["processes"]:
+        for run in proc["tools"]:
+            if not run.get("raw_path"):
+                continue
+            parts = Path(run["raw_path"]).parts
+            assert parts[:2] == ("raw", str(proc["pid"])) and len(parts) == 3, run["raw_path"]
+            assert (bundle_dir / run["raw_path"]).is_file(), run["raw_path"]
+            n += 1
+    # nothing else under raw/: no per-engine folders beside the pid folders
+    pids = {str(p["pid"]) for p in data["processes"]}
+    raw = bundle_dir / "raw"
+    if raw.is_dir():
+        assert {d.name for d in raw.iterdir()} <= pids, sorted(d.name for d in raw.iterdir())
+    return n

@@ -11,7 +11,7 @@ from pathlib import Path
 from urllib.parse import unquote
 
 import pytest
-from kvcli import read_report, run_kvdiag
+from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
 from kvdiag.model import Report
 from kvdiag.report.html import ab_view
@@ -77,6 +77,13 @@ def test_no_raw_dump_no_empty_capture_no_fixed_risk(ab_run: Path) -> None:
     report = read_report(ab_run)
     assert not [f for f in report["findings"] if f["kind"] == "banner_risk"  # type: ignore[index]
                 and str(f["engine"]).startswith("fixed/")]  # type: ignore[index]
+
+
+def test_each_side_keeps_the_one_raw_layout(ab_run: Path) -> None:
+    # ab nests two runs as bundles; the stock one hung and was captured, into raw/<pid>/ like every command
+    assert assert_one_raw_layout(ab_run / "stock" / "bundle") >= 2
+    assert_one_raw_layout(ab_run / "fixed" / "bundle")
+    assert not (ab_run / "bundle" / "raw").exists()   # the A/B bundle holds no raw files of its own
 
 
 def test_markdown_heads_with_the_ab_outcome(ab_run: Path) -> None:

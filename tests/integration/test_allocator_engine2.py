@@ -91,9 +91,15 @@ def test_stock_with_prealloc_deadlocks_with_gil_condvar_stacks() -> None:
         # Kernel view: every thread sleeps in futex(2) (syscall 202 on x86-64).
         tasks = os.listdir(f"/proc/{pid}/task")
         assert len(tasks) == 2
-        for tid in tasks:
-            syscall = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
-            if os.uname().machine == "x86_64":
+        if os.uname().machine == "x86_64":
+            # The GIL waiter's take_gil wakes every 5 ms (switch interval) to ask for the GIL, so one
+            # reading may catch it "running": each thread must be seen parked within a bounded look.
+            for tid in tasks:
+                deadline = time.monotonic() + 5
+                syscall = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
+                while syscall[0] != "202" and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                    syscall = Path(f"/proc/{pid}/task/{tid}/syscall").read_text().split()
                 assert syscall[0] == "202", (tid, syscall)
         if shutil.which("gdb") is None:
             pytest.skip("gdb not installed: hang confirmed, stack shape not checked")
@@ -118,8 +124,8 @@ def test_engine2_starts(allocator: str, prealloc: str) -> None:
         assert e.wait_for("KVDIAG_E2 READY", 60) is not None, e.seen
         started = e.wait_for("KVDIAG_E2 STARTED", 30)
         assert started is not None, e.seen
-        # Reported by the child (READY -> alloc_page returned); 2 s is a hang bound, the
-        # expected value is one 0.2 s callback round trip.
+        # Reported by the child (READY -> alloc_page returned); 10 s is a hang bound with room for a
+        # busy machine, the expected value is one 0.2 s callback round trip.
         seconds = float(re.search(r"seconds=([0-9.]+)", started).group(1))  # type: ignore[union-attr]
-        assert seconds < 2.0, started
+        assert seconds < 10.0, started
         assert e.proc.wait(timeout=30) == 0

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from kvdiag.analyze import analyze
+from kvdiag.bundle import raw_root
 from kvdiag.capture import CAPTURE_SLACK_S, capture_processes, find_engine_processes, process_tree
 from kvdiag.capture.tools import PystackBackend
 from kvdiag.cli.main import main as kvdiag_main
@@ -59,7 +60,7 @@ def gil_tree(build_dir: Path) -> Iterator[hk.Hanger]:
 def test_capture_gil_cycle_tree_is_read_only_and_finds_the_cycle(gil_tree: hk.Hanger, tmp_path: Path) -> None:
     pids = process_tree(gil_tree.root_pid)
     before = {pid: observe(pid) for pid in pids}
-    evidence, findings = capture_processes(pids, tmp_path / "raw", timeout_s=10, bundle_dir=tmp_path)
+    evidence, findings = capture_processes(pids, raw_root(tmp_path), timeout_s=10, bundle_dir=tmp_path)
     after = {pid: observe(pid) for pid in pids}
     for pid in pids:
         state, tracer, tids = after[pid]
@@ -70,6 +71,8 @@ def test_capture_gil_cycle_tree_is_read_only_and_finds_the_cycle(gil_tree: hk.Ha
     assert all(run.ok for ev in evidence for run in ev.tools), [r.error for ev in evidence for r in ev.tools]
     assert all(run.raw_path and not os.path.isabs(run.raw_path) and (tmp_path / run.raw_path).is_file()
                for ev in evidence for run in ev.tools)
+    # the bundle's one raw layout (kvdiag.bundle.raw_dir): raw/<pid>/<tool>.txt
+    assert all(Path(run.raw_path or "").parts[:2] == ("raw", str(ev.pid)) for ev in evidence for run in ev.tools)
     verdict = analyze(Bundle(processes=evidence, findings=findings))
     assert verdict.kind is VerdictKind.GIL_CYCLE
     assert verdict.evidence[0].pid == gil_tree.pid

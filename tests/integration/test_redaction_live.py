@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from kvcli import read_report, run_kvdiag
+from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
 from kvdiag.launch.engines import sim_argv
 from kvdiag.launch.process import free_port
@@ -155,6 +155,7 @@ def test_capture_of_a_python_process_writes_no_secret(python_target: subprocess.
     raw = (out / "bundle" / "raw" / str(python_target.pid))
     assert "--api-key ***REDACTED***" in (raw / "py-spy.txt").read_text()
     assert "--api-key ***REDACTED***" in (raw / "proc.txt").read_text()
+    assert assert_one_raw_layout(out / "bundle") >= 2
     assert assert_no_secret_bytes(out, secret_values) >= 8
     env = json.loads((out / "bundle" / "bundle.json").read_text())["environment"]["env"]
     # the target's kvcached/vLLM variables are recorded (environment record), their secrets redacted
@@ -220,6 +221,7 @@ def test_repro_of_a_launched_engine_writes_no_secret(tmp_path: Path, secret_valu
     assert captured, "the engine's own process was not captured"
     assert captured[0]["cmdline"][captured[0]["cmdline"].index("--api-key") + 1] == "***REDACTED***"
     assert any((out / "bundle" / "raw").rglob("py-spy.txt"))
+    assert assert_one_raw_layout(out / "bundle") >= 2   # raw/<pid>/, as `kvdiag capture` writes
     assert (out / "bundle" / "scenario.yaml").is_file() and any((out / "bundle" / "logs").glob("*.log"))
     assert_no_secret_bytes(out, secret_values)
     _check_summary(out)
@@ -233,6 +235,7 @@ def test_soak_of_a_launched_engine_writes_no_secret(tmp_path: Path, secret_value
     proc = run_kvdiag("soak", "--scenario", str(scen), "--duration", "60", "--out", str(out), timeout=300)
     assert proc.returncode == 10, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert any((out / "bundle" / "raw").rglob("py-spy.txt")), "the stalled engine was not captured"
+    assert assert_one_raw_layout(out / "bundle") >= 2   # raw/<pid>/, as `kvdiag capture` writes
     assert_no_secret_bytes(out, secret_values)
     _check_summary(out)
     assert_scanner_clean_then_finds_planted(out, tmp_path, secret_values)

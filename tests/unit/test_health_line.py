@@ -40,8 +40,8 @@ def test_health_line_agrees_with_the_verdict(kind: VerdictKind, probe_ok: bool, 
     report = build_report(bundle, verdict, command="repro two-engine", exit_code=0,
                           verdicts_by_engine={"eng": verdict})
     entry = report.engines[0]
-    assert entry["healthy"] is health.healthy and entry["health"] == health.line
-    assert entry["health_endpoint_ok"] is probe_ok
+    assert entry.healthy is health.healthy and entry.health == health.line
+    assert entry.health_endpoint_ok is probe_ok
 
     out = io.StringIO()
     render_terminal(report, Console(file=out, width=250, color_system=None))

@@ -61,16 +61,16 @@ def test_a_stalled_engine_is_not_reported_healthy_even_if_health_answered() -> N
     verdict = analyze(bundle)
     report = build_report(bundle, verdict, command="soak", exit_code=10, verdicts_by_engine=analyze_by_engine(bundle))
     entry = report.engines[0]
-    assert entry["phase"] == "stalled" and entry["healthy"] is False and entry["health_endpoint_ok"] is True
+    assert entry.phase.value == "stalled" and entry.healthy is False and entry.health_endpoint_ok is True
     out = io.StringIO()
     render_terminal(report, Console(file=out, width=200))
     row = next(line for line in out.getvalue().splitlines() if line.startswith("hybrid ") and "stock" in line)
     # the health line names the verdict and what /health said (kvdiag.analyze.health)
     why = verdict.kind.value.replace("_", " ")
-    assert "stalled" in row and entry["health"] == f"no ({why}; /health still answered)"
+    assert "stalled" in row and entry.health == f"no ({why}; /health still answered)"
     assert " yes " not in row
     md_row = next(line for line in render_markdown(report).splitlines() if line.startswith("| hybrid | stock |"))
-    assert f"| stalled | {entry['health']} |" in md_row
+    assert f"| stalled | {entry.health} |" in md_row
 
 
 def test_summary_rate_is_labelled_an_average_over_the_load() -> None:

@@ -359,19 +359,23 @@ def test_scrapes_keep_their_period_while_the_event_loop_is_busy(server: tuple[st
     """A load loop that hogs its thread (CPU-bound parsing) does not delay the scrapes."""
     url, _ = server
 
-    async def go() -> MetricsPoller:
+    async def go() -> tuple[MetricsPoller, int]:
         p = MetricsPoller(url, "e", t0=time.monotonic(), period_s=0.2)
         p.start()
-        end = time.monotonic() + 4.0
-        while time.monotonic() < end:     # the event loop never yields for 4 s
+        await _until(lambda: p.scrapes >= 1)
+        before = p.scrapes
+        # The event loop never yields until three more scrapes landed (bounded: a poller that runs
+        # on the loop would never get there). No wall-clock rate is asserted: the machine may be busy.
+        end = time.monotonic() + 60.0
+        while p.scrapes < before + 3 and time.monotonic() < end:
             sum(range(1000))
+        during = p.scrapes - before
         await p.aclose()
-        return p
+        return p, during
 
-    p = asyncio.run(go())
-    # 20 periods; an asyncio-task poller would have scraped at most once in this time.
-    assert p.scrapes >= 6 and len(p.snapshots) >= 6, (p.scrapes, p.failures, p.last_error)
-    assert p.longest_gap_s is not None and p.longest_gap_s < 2.0
+    p, during = asyncio.run(go())
+    assert during >= 3, (during, p.scrapes, p.failures, p.last_error)
+    assert len(p.snapshots) >= 4 and p.longest_gap_s is not None
 
 
 def test_a_slow_scrape_is_a_gap_not_a_stall(server: tuple[str, SSEApp]) -> None:

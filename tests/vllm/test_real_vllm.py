@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from conftest import Leftovers, VllmSetup, processes_with
@@ -17,7 +18,13 @@ SCENARIO = ROOT / "scenarios" / "two-engine-vllm-cpu.yaml"
 
 
 def _assert_clean(leftovers: Leftovers, before: dict[str, set[str]]) -> None:
+    # Our run is over and must have left nothing; a bounded grace only lets another kvdiag run on a shared
+    # machine (whose /tmp/kvdiag-rpc-* or psm_* the listing also sees) finish its own teardown.
+    deadline = time.monotonic() + 20
     after = leftovers.snapshot()
+    while time.monotonic() < deadline and any(after[k] - before[k] for k in ("tmp", "shm")):
+        time.sleep(0.5)
+        after = leftovers.snapshot()
     assert after["tmpdir"] == before["tmpdir"], f"left in TMPDIR: {after['tmpdir'] - before['tmpdir']}"
     assert not after["tmp"] - before["tmp"], f"vLLM files left in /tmp: {after['tmp'] - before['tmp']}"
     assert not after["shm"] - before["shm"], f"psm_* left in /dev/shm: {after['shm'] - before['shm']}"
@@ -73,14 +80,15 @@ def test_soak_launches_real_vllm_and_completes(vllm_setup: VllmSetup, leftovers:
                                                tmp_path: Path) -> None:
     before = leftovers.snapshot()
     out = tmp_path / "soak"
-    proc = run_kvdiag("soak", "--model", vllm_setup.model, "--duration", "8", "--concurrency", "8",
-                      "--max-tokens", "48", "--out", str(out), timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    # The default 32 streams x 256 tokens fill the 2,048-token KV cache of the embedded soak-vllm scenario.
+    proc = run_kvdiag("soak", "--model", vllm_setup.model, "--duration", "10", "--out", str(out), timeout=600)
     report = read_report(out)
+    kind = report["verdict"]["kind"]  # type: ignore[index]
+    # 0 healthy; 6 when this busy machine kept the server from ever filling its KV cache (said, not a stall)
+    assert (proc.returncode, kind) in ((0, "healthy"), (6, "not_saturated")), proc.stdout[-4000:]
     soak = report["soak"]
     assert isinstance(soak, dict)
-    assert soak["requests_ok"] > 0 and soak["tokens"] >= soak["requests_ok"] * 48
-    assert report["verdict"]["kind"] == "healthy"  # type: ignore[index]
+    assert soak["requests_ok"] > 0 and soak["tokens"] >= soak["requests_ok"] * 256 and not soak["stalled"]
     _assert_clean(leftovers, before)
 
 

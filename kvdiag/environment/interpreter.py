@@ -1,0 +1,224 @@
+"""Package versions of the Python an engine runs, not of kvdiag's own interpreter.
+
+A real vLLM engine runs in its own virtual environment (vLLM CPU pins its own
+torch), so kvdiag's ``importlib.metadata`` says nothing about it. The versions
+are read from the engine's interpreter:
+
+- :func:`query_interpreter` runs that interpreter as ``python -I -c <script>``
+  (standard library only: ``importlib.metadata``, nothing heavy imported), in its
+  own process group, killed on timeout; results are cached per interpreter;
+- :func:`site_versions` reads ``*.dist-info/METADATA`` under given site folders
+  directly (no child at all), the fallback when the interpreter cannot run;
+- :func:`interpreter_of_pid` finds a running process's interpreter: the path it
+  was started as (argv[0], which keeps a venv's identity; ``/proc/PID/exe`` is the
+  venv's base python) when that is the same binary as ``/proc/PID/exe``, plus the
+  target's ``PYTHONPATH``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvdiag.environment.host import PACKAGES, process_environ
+
+if TYPE_CHECKING:
+    from kvdiag.model import InterpreterPackages
+
+QUERY_TIMEOUT_S = 5.0
+# Runs in the engine's interpreter: standard library only, any Python >= 3.8.
+_SCRIPT = (
+    "import sys, json\n"
+    "from importlib import metadata\n"
+    "sys.path[0:0] = json.loads(sys.argv[1])\n"
+    "out = {}\n"
+    "for n in json.loads(sys.argv[2]):\n"
+    "    try:\n"
+    "        out[n] = metadata.version(n)\n"
+    "    except Exception:\n"
+    "        out[n] = None\n"
+    "print(json.dumps({'python': '%d.%d.%d' % sys.version_info[:3], 'packages': out}))\n"
+)
+
+_cache: dict[tuple[str, tuple[str, ...], tuple[str, ...]], tuple[str | None, dict[str, str | None]]] = {}
+
+
+class InterpreterQueryError(Exception):
+    """The interpreter could not be asked (missing, not executable, timed out, odd output)."""
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def query_interpreter(python: str, extra_path: Sequence[str] = (), names: Sequence[str] = PACKAGES,
+                      timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, dict[str, str | None]]:
+    """(Python version, {distribution: version or None}) as ``python`` sees them; cached per interpreter."""
+    key = (python, tuple(extra_path), tuple(names))
+    if key in _cache:
+        return _cache[key]
+    try:
+        proc = subprocess.Popen([python, "-I", "-c", _SCRIPT, json.dumps(list(extra_path)), json.dumps(list(names))],
+                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)
+    except OSError as exc:
+        raise InterpreterQueryError(f"cannot run {python}: {exc.strerror or exc}") from None
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        raise InterpreterQueryError(f"{python} did not answer within {timeout_s:g}s") from None
+    except BaseException:
+        _kill_group(proc)
+        raise
+    try:
+        data = json.loads(out.strip().splitlines()[-1])
+        version = data.get("python")
+        pkgs = {str(k): (str(v) if v else None) for k, v in dict(data["packages"]).items()}
+    except (ValueError, IndexError, KeyError, TypeError, AttributeError):
+        raise InterpreterQueryError(f"{python} gave no versions (exit {proc.returncode}): "
+                                    f"{err.strip()[-200:]}") from None
+    _cache[key] = (str(version) if version else None, pkgs)
+    return _cache[key]
+
+
+def _kill_group(proc: subprocess.Popen[str]) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except OSError:
+        pass
+    try:
+        proc.communicate(timeout=5)
+    except (subprocess.TimeoutExpired, ValueError, OSError):
+        pass
+
+
+def _metadata_version(path: Path) -> tuple[str, str] | None:
+    try:
+        with path.open(encoding="utf-8", errors="replace") as fh:
+            name = version = None
+            for line in fh:
+                if not line.strip():
+                    break  # end of the header block
+                if line.startswith("Name:"):
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("Version:"):
+                    version = line.split(":", 1)[1].strip()
+    except OSError:
+        return None
+    return (name, version) if name and version else None
+
+
+def site_versions(site_dirs: Iterable[Path], names: Sequence[str] = PACKAGES) -> dict[str, str | None]:
+    """{distribution: version or None} read from dist-info METADATA / egg-info PKG-INFO under ``site_dirs``.
+
+    The first folder that holds a distribution wins (sys.path order)."""
+    wanted = {_norm(n): n for n in names}
+    out: dict[str, str | None] = dict.fromkeys(names)
+    for d in site_dirs:
+        try:
+            entries = sorted(d.iterdir())
+        except OSError:
+            continue
+        for entry in entries:
+            if entry.suffix == ".dist-info":
+                meta = entry / "METADATA"
+            elif entry.suffix == ".egg-info":
+                meta = entry / "PKG-INFO" if entry.is_dir() else entry
+            else:
+                continue
+            # Cheap pre-filter on the folder name (name-version.dist-info) before reading the file.
+            if _norm(entry.name.split("-", 1)[0]) not in wanted:
+                continue
+            got = _metadata_version(meta)
+            if got is None:
+                continue
+            orig = wanted.get(_norm(got[0]))
+            if orig is not None and out[orig] is None:
+                out[orig] = got[1]
+    return out
+
+
+def venv_site_dirs(python: str) -> list[Path]:
+    """The site-packages folders of the environment ``python`` belongs to (venv layout), for the fallback."""
+    prefix = Path(python).parent.parent
+    return sorted(prefix.glob("lib/python3*/site-packages")) + sorted(prefix.glob("lib64/python3*/site-packages"))
+
+
+def _exe_of(cand: str, cwd: str, path_var: str) -> str | None:
+    if "/" in cand:
+        p = cand if os.path.isabs(cand) else os.path.join(cwd, cand)
+        return p if os.path.isfile(p) else None
+    for d in path_var.split(os.pathsep):
+        p = os.path.join(d or cwd, cand)
+        if os.path.isfile(p) and os.access(p, os.X_OK):
+            return p
+    return None
+
+
+def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, list[str]]:
+    """(interpreter path, PYTHONPATH entries) of a running process; OSError when /proc does not say."""
+    exe = os.readlink(proc_root / str(pid) / "exe")
+    if exe.endswith(" (deleted)"):
+        raise OSError(f"the executable of pid {pid} was deleted ({exe})")
+    env = process_environ(pid) or {}
+    try:
+        cwd = os.readlink(proc_root / str(pid) / "cwd")
+    except OSError:
+        cwd = "/"
+    try:
+        argv0 = (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+    except OSError:
+        argv0 = ""
+    if not re.match(r"(python|pypy)", os.path.basename(exe)):
+        raise OSError(f"pid {pid} runs {exe}, not a Python interpreter")
+    python = exe
+    if argv0:
+        cand = _exe_of(argv0, cwd, env.get("PATH", os.defpath))
+        try:
+            if cand is not None and os.path.samefile(cand, exe):
+                python = os.path.abspath(cand)  # the venv's bin/python, not the base it links to
+        except OSError:
+            pass
+    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    extra = [p if os.path.isabs(p) else os.path.join(cwd, p) for p in extra]
+    return python, extra
+
+
+def packages_of(who: str, python: str, extra_path: Sequence[str] = ()) -> InterpreterPackages:
+    """The record of one interpreter: asked by running it, else read from its venv's site-packages."""
+    from kvdiag.model import InterpreterPackages
+
+    rec = InterpreterPackages(who=who, python=python)
+    try:
+        rec.python_version, rec.packages = query_interpreter(python, extra_path)
+        rec.source = "asked the interpreter"
+    except InterpreterQueryError as exc:
+        dirs = [Path(p) for p in extra_path] + venv_site_dirs(python)
+        rec.packages = site_versions(dirs)
+        rec.source = "read from site-packages"
+        rec.note = str(exc)
+    return rec
+
+
+def pid_packages(pid: int) -> InterpreterPackages:
+    """The versions the Python of a running process (``kvdiag capture --pid``) sees."""
+    python, extra = interpreter_of_pid(pid)
+    return packages_of(f"pid {pid}", python, extra)
+
+
+def engines_packages(engines: Sequence[tuple[str, str]]) -> list[InterpreterPackages]:
+    """One record per distinct interpreter of ``(engine name, interpreter path)`` pairs."""
+    by_python: dict[str, InterpreterPackages] = {}
+    for name, python in engines:
+        if python in by_python:
+            by_python[python].who += f", {name}"
+        else:
+            by_python[python] = packages_of(f"engine {name}", python)
+    return list(by_python.values())
