@@ -35,7 +35,9 @@ import hanger_kit as hk  # noqa: E402
 
 pytestmark = pytest.mark.timeout(300)
 
-OTHER_USER = "kvdiag-noaccess"
+# A user of this test session alone: a concurrent session (another CI run on the machine) has its own, so
+# neither one's cleanup can end the other's processes.
+OTHER_USER = f"kvdiag-na-{os.getpid()}"
 # kvdiag as the other user: the system interpreter (the venv's lives under /root, which other users
 # cannot enter) with this checkout and the venv's packages on its path, the venv's tools on PATH.
 SYSTEM_PYTHON = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
