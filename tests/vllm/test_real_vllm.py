@@ -84,8 +84,9 @@ def test_soak_launches_real_vllm_and_completes(vllm_setup: VllmSetup, leftovers:
     proc = run_kvdiag("soak", "--model", vllm_setup.model, "--duration", "10", "--out", str(out), timeout=600)
     report = read_report(out)
     kind = report["verdict"]["kind"]  # type: ignore[index]
-    # 0 healthy; 6 when this busy machine kept the server from ever filling its KV cache (said, not a stall)
-    assert (proc.returncode, kind) in ((0, "healthy"), (6, "not_saturated")), proc.stdout[-4000:]
+    # 0 healthy (or slow_start: a busy machine slowed the start, progress never stopped); 6 when it kept the
+    # server from ever filling its KV cache (said, not a stall). Never a stall.
+    assert (proc.returncode, kind) in ((0, "healthy"), (0, "slow_start"), (6, "not_saturated")), proc.stdout[-4000:]
     soak = report["soak"]
     assert isinstance(soak, dict)
     assert soak["requests_ok"] > 0 and soak["tokens"] >= soak["requests_ok"] * 256 and not soak["stalled"]
