@@ -27,7 +27,16 @@ from kvdiag.capture.base import BackendResult
 from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.capture.fds import FdResolver, epoll_targets
 from kvdiag.capture.parsers import parse_kernel_stack
-from kvdiag.model import Finding, GilState, ProcessEvidence, ProgressSample, ThreadEvidence, ThreadState, ToolRun
+from kvdiag.model import (
+    FdInfo,
+    Finding,
+    GilState,
+    ProcessEvidence,
+    ProgressSample,
+    ThreadEvidence,
+    ThreadState,
+    ToolRun,
+)
 from kvdiag.proc import read_text as _read
 from kvdiag.redact import Tally, redact_argv, write_redacted
 
@@ -334,6 +343,29 @@ def futex_owner(mem: TargetMemory, addr: int, cmd: int, tids: set[int], waiter: 
     return owner if owner in tids and owner != waiter else None
 
 
+@dataclass
+class ProcWindow:
+    """A progress window opened by :meth:`ProcBackend.begin`: the first sample and what was read inside it."""
+
+    pid: int
+    start: float
+    window_start: float
+    window_end: float
+    status: dict[str, str]
+    logs: list[str]
+    io_before: dict[str, int]
+    sizes_before: dict[str, int]
+    first: dict[int, TaskSample]
+    mem: TargetMemory
+    mem_ok: bool = False
+    gil: GilInfo | None = None
+    proc: ProcessEvidence | None = None
+    tally: Tally = field(default_factory=Tally)
+    resolver: FdResolver | None = None
+    # (tid, raw syscall line) -> (fds, wait timeout), resolved inside the window from the first sample
+    fd_waits: dict[tuple[int, str], tuple[list[FdInfo], int | None] | None] = field(default_factory=dict)
+
+
 class ProcBackend:
     """Reads /proc (and, read-only, /proc/PID/mem). Never stops the target."""
 
@@ -347,6 +379,20 @@ class ProcBackend:
         return None if os.path.isdir("/proc/self/task") else "/proc is not mounted"
 
     def capture(self, pid: int, timeout_s: float, raw_dir: Path) -> BackendResult:
+        opened = self.begin(pid, timeout_s)
+        if isinstance(opened, BackendResult):
+            return opened
+        time.sleep(max(0.0, opened.window_end - time.monotonic()))
+        return self.finish(opened, raw_dir)
+
+    def begin(self, pid: int, timeout_s: float) -> ProcWindow | BackendResult:
+        """Open the progress window: the first reading of everything that can move, then (inside the
+        window, while the target runs untouched) the readings that need no second sample: the process's
+        identity, the GIL's place, the fds blocked threads wait on. A BackendResult: nothing to read.
+
+        The caller waits until ``window_end`` (other processes' windows and non-pausing tools may run
+        meanwhile; nothing may pause the target) and then calls :meth:`finish`.
+        """
         start = time.monotonic()
         argv = [f"/proc/{pid}"]
         status = read_status(pid)
@@ -358,34 +404,52 @@ class ProcBackend:
         logs = log_files(pid)
         io_before, sizes_before = read_io(pid), _sizes(pid, logs)
         first = snapshot(pid, full=True)
-        tids = list(first)
-        mem = TargetMemory(pid)
-        mem_ok = mem.ok
-        gil = locate_gil(pid, mem, tids) if mem_ok else None
         window_start = time.monotonic()
         interval = max(0.0, min(self.cpu_interval_s, timeout_s / 4))
-        time.sleep(interval)
-        second = snapshot(pid, full=False)
-        second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
-        io_after, sizes_after = read_io(pid), _sizes(pid, logs)
-        window = time.monotonic() - window_start
-        holder_after: int | None = None
-        if gil is not None and mem_ok:
-            _, holder_after = read_gil_holder(mem, gil, tids)
-        elapsed = max(time.monotonic() - start, 1e-6)
+        w = ProcWindow(pid=pid, start=start, window_start=window_start, window_end=window_start + interval,
+                       status=status, logs=logs, io_before=io_before, sizes_before=sizes_before, first=first,
+                       mem=TargetMemory(pid))
+        w.mem_ok = w.mem.ok
+        # Inside the window: what needs no second sample.
+        w.gil = locate_gil(pid, w.mem, list(first)) if w.mem.ok else None
+        w.proc = self._process(pid, status, w.tally)
+        w.resolver = FdResolver(pid)
+        for tid, s in first.items():
+            if s.syscall:
+                w.fd_waits[(tid, s.syscall)] = _fd_wait(pid, s.syscall, w.mem, w.resolver)
+        return w
 
-        tally = Tally()
-        proc = self._process(pid, status, tally)
-        tracer = status.get("TracerPid", "0")
-        proc.tracer_pid = int(tracer) if tracer.isdigit() and int(tracer) > 0 else None
-        proc.log_files = logs
-        findings: list[Finding] = []
+    def finish(self, w: ProcWindow, raw_dir: Path) -> BackendResult:
+        """Close the window (second sample) and build the evidence."""
+        pid, first, mem, gil = w.pid, w.first, w.mem, w.gil
+        tids = list(first)
         try:
+            second = snapshot(pid, full=False)
+            second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
+            io_after, sizes_after = read_io(pid), _sizes(pid, w.logs)
+            window = time.monotonic() - w.window_start
+            holder_after: int | None = None
+            if gil is not None and mem.ok:
+                _, holder_after = read_gil_holder(mem, gil, tids)
+            elapsed = max(time.monotonic() - w.start, 1e-6)
+            proc, tally, status = w.proc, w.tally, w.status
+            assert proc is not None
+            tracer = status.get("TracerPid", "0")
+            proc.tracer_pid = int(tracer) if tracer.isdigit() and int(tracer) > 0 else None
+            proc.log_files = w.logs
+            findings: list[Finding] = []
             threads = self._threads(pid, first, second, second_sys, mem, gil)
-            _blocked_fds(pid, threads, mem)
+            resolver = w.resolver or FdResolver(pid)
+            for th in threads:
+                if not th.syscall:
+                    continue
+                key = (th.tid, th.syscall)
+                found = w.fd_waits[key] if key in w.fd_waits else _fd_wait(pid, th.syscall, mem, resolver)
+                if found is not None:
+                    th.blocked_fds, th.wait_timeout_ms = found
         finally:
             mem.close()
-        if not mem_ok:
+        if not w.mem_ok:
             findings.append(Finding(kind="tool_failed", pid=pid,
                                     message=f"/proc/{pid}/mem unreadable: no GIL or mutex-owner inference"))
         findings += _state_findings(pid, proc, threads)
@@ -398,13 +462,13 @@ class ProcBackend:
         proc.threads = threads
         proc.progress = ProgressSample(
             window_s=round(window, 3), cpu_ticks=total,
-            io_delta={k: io_after[k] - io_before[k] for k in ("rchar", "wchar", "syscr", "syscw")
-                      if k in io_after and k in io_before},
-            log_growth={p: sizes_after[p] - sizes_before[p] for p in sizes_after if p in sizes_before},
+            io_delta={k: io_after[k] - w.io_before[k] for k in ("rchar", "wchar", "syscr", "syscw")
+                      if k in io_after and k in w.io_before},
+            log_growth={p: sizes_after[p] - w.sizes_before[p] for p in sizes_after if p in w.sizes_before},
             gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [])
         raw = self._write_raw(raw_dir, proc, gil, tally)
-        run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - start, 3),
-                      raw_path=str(raw) if raw else None, command=argv, redactions=tally.as_dict())
+        run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - w.start, 3),
+                      raw_path=str(raw) if raw else None, command=[f"/proc/{pid}"], redactions=tally.as_dict())
         return BackendResult(tool=run, threads=threads, process=proc, findings=findings,
                              python_version=proc.python_version)
 
@@ -513,32 +577,34 @@ def _int_timeout(register: int) -> int:
     return -1 if t >= 1 << 31 else t
 
 
-def _blocked_fds(pid: int, threads: list[ThreadEvidence], mem: TargetMemory) -> None:
-    """For threads blocked in read/recv/epoll/poll: which fds, their peers and the wait's timeout."""
-    resolver = FdResolver(pid)
-    for th in threads:
-        nr, args = parse_syscall(th.syscall)
-        if nr is None or nr < 0 or not args:
-            continue
-        fds: list[int] = []
-        if nr in _READ_FD_NRS:
-            fds = [args[0]]
-        elif nr in _EPOLL_NRS and len(args) >= 4:
-            fds = epoll_targets(pid, args[0])
-            th.wait_timeout_ms = _int_timeout(args[3])
-        elif nr in _POLL_NRS and len(args) >= 3:
-            nfds = min(args[1], _MAX_POLL_FDS)
-            raw = mem.read(args[0], 8 * nfds) if mem.ok and nfds else None
-            if raw is not None:
-                fds = [struct.unpack_from("<i", raw, 8 * i)[0] for i in range(nfds)]
-                fds = [fd for fd in fds if fd >= 0]
-            idx = _POLL_NRS[nr]
-            if idx >= 0:
-                th.wait_timeout_ms = _int_timeout(args[idx])
-            else:
-                th.wait_timeout_ms = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
-        if fds:
-            th.blocked_fds = resolver.describe(fds[:_MAX_POLL_FDS])
+def _fd_wait(pid: int, syscall: str, mem: TargetMemory,
+             resolver: FdResolver) -> tuple[list[FdInfo], int | None] | None:
+    """For a thread blocked in read/recv/epoll/poll (its raw syscall line): which fds, their peers, and
+    the wait's timeout. None when the syscall waits on no fd."""
+    nr, args = parse_syscall(syscall)
+    if nr is None or nr < 0 or not args:
+        return None
+    fds: list[int] = []
+    timeout: int | None = None
+    if nr in _READ_FD_NRS:
+        fds = [args[0]]
+    elif nr in _EPOLL_NRS and len(args) >= 4:
+        fds = epoll_targets(pid, args[0])
+        timeout = _int_timeout(args[3])
+    elif nr in _POLL_NRS and len(args) >= 3:
+        nfds = min(args[1], _MAX_POLL_FDS)
+        raw = mem.read(args[0], 8 * nfds) if mem.ok and nfds else None
+        if raw is not None:
+            fds = [struct.unpack_from("<i", raw, 8 * i)[0] for i in range(nfds)]
+            fds = [fd for fd in fds if fd >= 0]
+        idx = _POLL_NRS[nr]
+        if idx >= 0:
+            timeout = _int_timeout(args[idx])
+        else:
+            timeout = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
+    else:
+        return None
+    return (resolver.describe(fds[:_MAX_POLL_FDS]) if fds else []), timeout
 
 
 def _state_findings(pid: int, proc: ProcessEvidence, threads: list[ThreadEvidence]) -> list[Finding]:
