@@ -81,3 +81,12 @@ def test_pyspy_pauses_the_target_only_where_pystack_cannot_read_native_frames() 
     minor = _minor(chosen)
     assert all(getattr(b, "nice", 0) > 0 for b in minor if b.stops_target)
     assert any(isinstance(b, PystackBackend) and b.native for b in minor)
+
+
+def test_other_processes_wait_for_the_focus_processes_first_tool() -> None:
+    slots = _ToolSlots(2)
+    slots.add_focus()
+    assert slots.acquire((0, 0), timeout=1.0)              # the EngineCore's pystack
+    assert not slots.acquire((0, 1), timeout=0.2)          # a free slot, but the focus is not done
+    slots.focus_done()
+    assert slots.acquire((0, 1), timeout=1.0)
