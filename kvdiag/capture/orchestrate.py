@@ -1,17 +1,19 @@
 """Run every capture backend against every process, in parallel, within one wall-clock bound.
 
-Scheduling per process:
-1. /proc first (state, syscalls, CPU sampled over a short interval) so the
-   kernel-side picture is taken before anything attaches (``py-spy-nonblocking``,
-   which never pauses the target, would run alongside);
-2. then the ptrace-based tools one after the other (Linux allows one tracer at a
-   time, so running them together would make one of them fail), verdict-critical
-   first: pystack (the interpreter's own GIL flags, Python + native frames), then
-   py-spy --native, then gdb, which is optional and capped at GDB_BUDGET_S per
-   process (gdb loads only the symbols of the interpreter, libc and the allocators:
-   see tools.GDB_LIBRARIES).
-Different processes are captured concurrently. Each tool runs in its own
-process group and is killed at the deadline; a backend thread that is still
+Schedule (parallel capture):
+1. one /proc progress window for every process at once (:meth:`ProcBackend.begin`, focus processes
+   first; 0.4 s): the first sample, then inside the window what needs no second sample (identity, the
+   GIL's place, the fds blocked threads wait on) and the tools that never pause a target
+   (``py-spy --nonblocking``); nothing pauses a target while its window is open;
+2. as each window closes, that process's ptrace tools one after the other (Linux allows one tracer
+   at a time), verdict-critical first: pystack --native-all (the interpreter's own GIL flags, Python
+   and native frames); gdb only where pystack read no native frame (missing, refused, failed, timed
+   out), capped at GDB_BUDGET_S per process and loading the symbols of tools.GDB_LIBRARIES only;
+   py-spy --native only where pystack cannot read native frames;
+3. across processes, at most one ptrace tool per CPU at a time (:class:`_ToolSlots`), most urgent
+   first; the focus processes' pystack (the EngineCore's) runs with the machine to itself, the other
+   processes' tools wait for it and run at a lower CPU priority.
+Each tool runs in its own process group and is killed at the deadline; a backend thread that is still
 stuck then is abandoned (daemon) and reported.
 
 Read-only guarantee: the state, tracer and task list of every target are
