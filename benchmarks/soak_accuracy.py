@@ -556,7 +556,14 @@ def main_vllm(args: argparse.Namespace) -> int:
                        "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
                        "--seed", str(args.seed)]
         bench_env = dict(env, PYTHONUNBUFFERED="1")
+        cycle_s: list[float] = []
         for cycle in range(args.rounds):
+            # CONTRACT.md: under 5 minutes. On a busy machine, stop after the last cycle that still fits
+            # (at least 3: each order once); the table says how many ran.
+            if cycle >= 3 and time.monotonic() - t_begin + max(cycle_s) > args.budget_s:
+                print(f"stopping after {cycle} cycles: another would end past the {args.budget_s:g} s budget")
+                break
+            t_cycle = time.monotonic()
             for who in ORDERS[cycle % len(ORDERS)]:
                 srv0 = _server_totals(plan.url)
                 if who == "kvdiag":
@@ -571,7 +578,9 @@ def main_vllm(args: argparse.Namespace) -> int:
                 run.update(_server_means(srv0, _server_totals(plan.url)))
                 run["cpu_per_req"] = run["cpu_s"] / run["requests"]
                 runs[who].append(run)
+            cycle_s.append(time.monotonic() - t_cycle)
     load1 = os.getloadavg()
+    cycles = len(runs["kvdiag"])
 
     def ms(v: float | None) -> str:
         return f"{'-':>8}" if v is None else f"{v * 1000:8.2f}"
@@ -580,7 +589,7 @@ def main_vllm(args: argparse.Namespace) -> int:
     print(f"{'run':<10} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'same-read':>9} "
           f"{'ok/fail':>8} {'tokens':>6} {'CPU/req':>8} {'ITL mean':>8} {'srv ITL':>8} {'TTFT mean':>9} "
           f"{'srv TTFT':>8}   (ms; srv: the server's own mean)")
-    for cycle in range(args.rounds):
+    for cycle in range(cycles):
         for who in ORDERS[cycle % len(ORDERS)]:
             r = runs[who][cycle]
             print(f"{cycle} {who:<8} {ms(r['ttft_p50'])} {ms(r['ttft_p99'])} {ms(r['itl_p50'])} {ms(r['itl_p99'])} "
@@ -601,7 +610,7 @@ def main_vllm(args: argparse.Namespace) -> int:
     diff = {key: _err(med["kvdiag"][key], med["bench"][key]) for key in ALL_KEYS}
     floor = {key: _err(med["bench2"][key], med["bench"][key]) for key in ALL_KEYS}
     print()
-    print(f"median over {args.rounds} rounds  {'kvdiag':>8} {'bench':>8} {'bench2':>8}   {'diff':>6} "
+    print(f"median over {cycles} rounds  {'kvdiag':>8} {'bench':>8} {'bench2':>8}   {'diff':>6} "
           f"{'noise floor':>11}")
     for key in ALL_KEYS:
         print(f"{key + ' ms':<26} {ms(med['kvdiag'][key])} {ms(med['bench'][key])} {ms(med['bench2'][key])}   "
@@ -640,7 +649,7 @@ def main_vllm(args: argparse.Namespace) -> int:
           f"ttft_mean_err={diff['ttft_mean']:.4f} itl_mean_err={diff['itl_mean']:.4f} "
           f"itl_vs_server_kvdiag={med['kvdiag']['itl_vs_srv']:.4f} "
           f"itl_vs_server_bench={med['bench']['itl_vs_srv']:.4f} "
-          f"parse_failures={parse} kvdiag_failed={k_failed} bench_failed={bench_failed}")
+          f"parse_failures={parse} kvdiag_failed={k_failed} bench_failed={bench_failed} rounds={cycles}")
     return 0
 
 
@@ -653,6 +662,8 @@ def main() -> int:
     ap.add_argument("--vllm", action="store_true", help="kvdiag's soak client vs `vllm bench serve` on real vLLM")
     ap.add_argument("--rounds", type=int, default=6,
                     help="--vllm: cycles of bench / kvdiag / bench2, one client at a time (order rotated)")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="--vllm: start no cycle (after the third) that would end past this many seconds")
     ap.add_argument("--num-prompts", type=int, default=48, help="--vllm: requests per run")
     ap.add_argument("--input-len", type=int, default=64, help="--vllm: prompt tokens")
     ap.add_argument("--layers", type=int, default=8, help="--vllm: the model's layers (scripts/make_tiny_llama.py)")
