@@ -486,6 +486,8 @@ class InterpreterPackages(_Model):
     packages: dict[str, str | None] = Field(default_factory=dict)   # None = absent
     source: str = ""                 # "asked the interpreter" or "read from site-packages"
     note: str = ""                   # why the interpreter could not be asked, when it could not
+    engines: list[str] = Field(default_factory=list)   # the scenario engines that run this interpreter
+    kvcached: KvcachedBuild | None = None   # the kvcached build this interpreter imports (None: not judged)
 
 
 class EnvironmentRecord(_Model):

@@ -167,10 +167,9 @@ class LaunchedRun:
         if self.bundle.environment is not None and not self.bundle.environment.engine_packages:
             # The versions the engines' own interpreters see (a vLLM venv), not only kvdiag's.
             from kvdiag.environment import add_engine_packages
-            from kvdiag.launch.vllm import engine_python
+            from kvdiag.launch.interpreters import engine_interpreters
 
-            pythons = {e.name: engine_python(e.python) for e in self.scenario.engines if e.kind == "vllm"}
-            add_engine_packages(self.bundle.environment, [(n, p) for n, p in pythons.items() if p])
+            add_engine_packages(self.bundle.environment, engine_interpreters(self.scenario))
         procs = ProcessSet(grace_s=self.scenario.windows.kill_grace_s)
         procs.__enter__()
         self._procs = procs

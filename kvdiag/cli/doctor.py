@@ -140,12 +140,19 @@ def headline(env: EnvironmentRecord) -> list[str]:
               f"{env.cuda_driver or '?'}"
     else:
         gpu = f"GPU: none ({(env.gpu_note or 'no GPU').removeprefix('no GPU: ')})"
+    lines = [gpu]
+    for ip in env.engine_packages:
+        k = ip.kvcached
+        if k is not None:
+            lines.append(f"kvcached of {ip.who} ({ip.python}): "
+                         + (f"{k.version or '?'} at {k.location}: {k.summary}" if k.installed else "not installed"))
     k = env.kvcached
+    mine = " (kvdiag's Python)" if env.engine_packages else ""
     if k.installed:
-        kv = f"kvcached: {k.version or '?'} at {k.location}: {k.summary}"
+        lines.append(f"kvcached{mine}: {k.version or '?'} at {k.location}: {k.summary}")
     else:
-        kv = "kvcached: not installed here, so there is no kvcached build or live state to check"
-    return [gpu, kv]
+        lines.append(f"kvcached{mine}: not installed here, so there is no kvcached build or live state to check")
+    return lines
 
 
 def render(report: DoctorReport, console: Console) -> None:
@@ -199,11 +206,20 @@ def doctor_cmd(
 
     scen_name: str | None = None
     plans: list[EnginePlan] = []
+    interpreters: list[tuple[str, str]] = []
     if scenario is not None:
+        from kvdiag.launch.interpreters import engine_interpreters
+
         scen, scen_name = _load(scenario)
         plans = engine_plans(scen, dict(os.environ))
+        interpreters = engine_interpreters(scen)
     banners = _banners(list(logs))
     env = collect_environment()
+    if interpreters:
+        # The kvcached build (and versions) each engine's own interpreter imports, not only kvdiag's.
+        from kvdiag.environment import add_engine_packages
+
+        add_engine_packages(env, interpreters)
     checks = doctor_checks(env, plans, banners)
     risky = any(c.status is RiskStatus.RISK for c in checks)
     report = redact_obj(DoctorReport(kvdiag_version=__version__, scenario=scen_name, environment=env, checks=checks,

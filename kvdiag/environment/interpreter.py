@@ -43,10 +43,23 @@ _SCRIPT = (
     "        out[n] = metadata.version(n)\n"
     "    except Exception:\n"
     "        out[n] = None\n"
-    "print(json.dumps({'python': '%d.%d.%d' % sys.version_info[:3], 'packages': out}))\n"
+    # Where kvcached would be imported from (find_spec of a top-level package runs none of its code)
+    # and the git commit pip recorded: the fingerprint reads the files there.
+    "kv = {'locations': [], 'commit': None}\n"
+    "try:\n"
+    "    import importlib.util\n"
+    "    spec = importlib.util.find_spec('kvcached')\n"
+    "    kv['locations'] = list(spec.submodule_search_locations or []) if spec else []\n"
+    "    raw = metadata.distribution('kvcached').read_text('direct_url.json')\n"
+    "    kv['commit'] = (json.loads(raw or '{}').get('vcs_info') or {}).get('commit_id')\n"
+    "except Exception:\n"
+    "    pass\n"
+    "print(json.dumps({'python': '%d.%d.%d' % sys.version_info[:3], 'packages': out, 'kvcached': kv}))\n"
 )
 
-_cache: dict[tuple[str, tuple[str, ...], tuple[str, ...]], tuple[str | None, dict[str, str | None]]] = {}
+_Versions = tuple[str | None, dict[str, str | None]]
+_Answer = tuple[_Versions, list[str], str | None]
+_cache: dict[tuple[str, tuple[str, ...], tuple[str, ...]], _Answer] = {}
 
 
 class InterpreterQueryError(Exception):
@@ -57,9 +70,8 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def query_interpreter(python: str, extra_path: Sequence[str] = (), names: Sequence[str] = PACKAGES,
-                      timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, dict[str, str | None]]:
-    """(Python version, {distribution: version or None}) as ``python`` sees them; cached per interpreter."""
+def _ask(python: str, extra_path: Sequence[str], names: Sequence[str], timeout_s: float) -> _Answer:
+    """One bounded child per interpreter (cached): ((Python version, versions), kvcached folders, its git commit)."""
     key = (python, tuple(extra_path), tuple(names))
     if key in _cache:
         return _cache[key]
@@ -81,11 +93,20 @@ def query_interpreter(python: str, extra_path: Sequence[str] = (), names: Sequen
         data = json.loads(out.strip().splitlines()[-1])
         version = data.get("python")
         pkgs = {str(k): (str(v) if v else None) for k, v in dict(data["packages"]).items()}
+        kv = dict(data.get("kvcached") or {})
+        locations = [str(p) for p in kv.get("locations") or []]
+        commit = str(kv["commit"]) if kv.get("commit") else None
     except (ValueError, IndexError, KeyError, TypeError, AttributeError):
         raise InterpreterQueryError(f"{python} gave no versions (exit {proc.returncode}): "
                                     f"{err.strip()[-200:]}") from None
-    _cache[key] = (str(version) if version else None, pkgs)
+    _cache[key] = ((str(version) if version else None, pkgs), locations, commit)
     return _cache[key]
+
+
+def query_interpreter(python: str, extra_path: Sequence[str] = (), names: Sequence[str] = PACKAGES,
+                      timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, dict[str, str | None]]:
+    """(Python version, {distribution: version or None}) as ``python`` sees them; cached per interpreter."""
+    return _ask(python, extra_path, names, timeout_s)[0]
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
@@ -173,9 +194,10 @@ def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, 
     except OSError:
         cwd = "/"
     try:
-        argv0 = (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        argv = [a.decode(errors="replace") for a in (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0")]
     except OSError:
-        argv0 = ""
+        argv = []
+    argv0 = argv[0] if argv else ""
     if not re.match(r"(python|pypy)", os.path.basename(exe)):
         raise OSError(f"pid {pid} runs {exe}, not a Python interpreter")
     python = exe
@@ -186,31 +208,81 @@ def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, 
                 python = os.path.abspath(cand)  # the venv's bin/python, not the base it links to
         except OSError:
             pass
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    extra = [p if os.path.isabs(p) else os.path.join(cwd, p) for p in extra]
+    isolated = any(re.fullmatch(r"-[A-Za-z]*[IE][A-Za-z]*", a) for a in argv[1:3])
+    extra = [] if isolated else [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    first = _path0(argv[1:], cwd)
+    extra = ([first] if first else []) + [p if os.path.isabs(p) else os.path.join(cwd, p) for p in extra]
     return python, extra
 
 
+def _path0(args: Sequence[str], cwd: str) -> str | None:
+    """``sys.path[0]`` of ``python ARGS``: the script's folder, the working folder for ``-m``/``-c``;
+    None under ``-P``/``-I`` (which leave it out)."""
+    short: list[str] = []   # the single-dash options before the script or -m/-c
+    takes_value = False
+    for arg in args:
+        if takes_value:
+            takes_value = False
+            continue
+        if arg.startswith("--"):
+            continue
+        if arg.startswith("-") and len(arg) > 1:
+            short.append(arg)
+            if arg[1] in "mc":
+                break
+            takes_value = arg in ("-W", "-X")
+            continue
+        if any("P" in o or "I" in o for o in short):
+            return None
+        return os.path.dirname(os.path.realpath(arg if os.path.isabs(arg) else os.path.join(cwd, arg)))
+    if short and short[-1][1] in "mc" and not any("P" in o or "I" in o for o in short):
+        return cwd
+    return None
+
+
 def packages_of(who: str, python: str, extra_path: Sequence[str] = ()) -> InterpreterPackages:
-    """The record of one interpreter: asked by running it, else read from its venv's site-packages."""
+    """The record of one interpreter: asked by running it, else read from its venv's site-packages.
+
+    It carries the fingerprint of the kvcached build that interpreter imports (not kvdiag's own)."""
+    from kvdiag.environment.kvcached import build_at, site_kvcached
     from kvdiag.model import InterpreterPackages
 
     rec = InterpreterPackages(who=who, python=python)
     try:
-        rec.python_version, rec.packages = query_interpreter(python, extra_path)
+        (rec.python_version, rec.packages), locations, commit = _ask(python, extra_path, PACKAGES, QUERY_TIMEOUT_S)
         rec.source = "asked the interpreter"
     except InterpreterQueryError as exc:
         dirs = [Path(p) for p in extra_path] + venv_site_dirs(python)
         rec.packages = site_versions(dirs)
+        locations, commit = site_kvcached(dirs), None
         rec.source = "read from site-packages"
         rec.note = str(exc)
+    rec.kvcached = build_at(locations, rec.packages.get("kvcached"), commit,
+                            installed=rec.packages.get("kvcached") is not None)
     return rec
 
 
+def _mapped_kvcached(pid: int, proc_root: Path = Path("/proc")) -> str | None:
+    """The kvcached package folder whose extension module the process has loaded (what really runs)."""
+    try:
+        maps = (proc_root / str(pid) / "maps").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"(/\S*/kvcached)/[^/\s]+\.so$", maps, re.MULTILINE)
+    return m.group(1) if m else None
+
+
 def pid_packages(pid: int) -> InterpreterPackages:
-    """The versions the Python of a running process (``kvdiag capture --pid``) sees."""
+    """The versions the Python of a running process (``kvdiag capture --pid``) sees, and its kvcached."""
+    from kvdiag.environment.kvcached import build_at
+
     python, extra = interpreter_of_pid(pid)
-    return packages_of(f"pid {pid}", python, extra)
+    rec = packages_of(f"pid {pid}", python, extra)
+    loaded = _mapped_kvcached(pid)
+    if loaded is not None and (rec.kvcached is None or rec.kvcached.location != loaded):
+        # The process already loaded a kvcached extension: that build runs, whatever the path says now.
+        rec.kvcached = build_at([loaded], rec.packages.get("kvcached"), None)
+    return rec
 
 
 def engines_packages(engines: Sequence[tuple[str, str]]) -> list[InterpreterPackages]:
@@ -221,4 +293,5 @@ def engines_packages(engines: Sequence[tuple[str, str]]) -> list[InterpreterPack
             by_python[python].who += f", {name}"
         else:
             by_python[python] = packages_of(f"engine {name}", python)
+        by_python[python].engines.append(name)
     return list(by_python.values())

@@ -418,7 +418,7 @@ def test_planted_secrets_reach_no_output_file(tmp_path: Path, validator: jsonsch
             assert secret not in content, f"{label} secret leaked into {path.name}"
         assert "REDACTED" in content
     page = (out_dir / "report.html").read_text()
-    assert "scenario.yaml" in page and "HF_TOKEN: ***REDACTED***" in page
+    assert "scenario.yaml" in page and "HF_TOKEN: REDACTED" in page
     validator.validate(json.loads((out_dir / "report.json").read_text()))  # with soak and ab filled in
 
 

@@ -1,0 +1,112 @@
+"""The kvcached build fingerprint of each engine's own interpreter, not kvdiag's (issue 14 leftover).
+
+A real venv (``python -m venv``) imports the pre-fix kvcached fixture through a ``.pth`` file;
+kvdiag's own interpreter does not see it. The record, ``kvdiag doctor`` and a captured pid must
+judge the engine's build (pre-fix), labelled whose, while kvdiag's own stays "not installed".
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from kvdiag.environment import installed_kvcached
+from kvdiag.environment import interpreter as interp
+from kvdiag.environment.interpreter import engines_packages, packages_of, pid_packages
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFIX = ROOT / "tests" / "fixtures" / "kvcached_prefix"
+
+pytestmark = pytest.mark.timeout(240)
+
+
+@pytest.fixture(scope="module")
+def engine_venv(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A venv whose interpreter imports the pre-fix kvcached fixture (and a `vllm` script, for kind vllm)."""
+    if installed_kvcached().installed:
+        pytest.skip("kvdiag's own interpreter has a kvcached: the test needs one without")
+    venv = tmp_path_factory.mktemp("engine") / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True, timeout=120)
+    site = next(venv.glob("lib/python3*/site-packages"))
+    (site / "kvcached_fixture.pth").write_text(f"{PREFIX}\n", encoding="utf-8")
+    vllm = venv / "bin" / "vllm"
+    vllm.write_text(f"#!{venv / 'bin' / 'python'}\nraise SystemExit('not a real vLLM')\n", encoding="utf-8")
+    vllm.chmod(0o755)
+    return venv
+
+
+def test_the_engine_interpreters_build_is_judged_not_kvdiags(engine_venv: Path) -> None:
+    py = str(engine_venv / "bin" / "python")
+    rec = packages_of("engine vlm", py)
+    assert rec.source == "asked the interpreter"
+    assert rec.kvcached is not None and rec.kvcached.verdict == "pre_fix"
+    assert rec.kvcached.location == str(PREFIX / "kvcached")
+    assert installed_kvcached().verdict == "absent"            # kvdiag's own interpreter: none
+    # cached per interpreter: engines sharing it are asked once and share one record
+    started = len(interp._cache)
+    (shared,) = engines_packages([("coder", py), ("vlm", py)])
+    assert len(interp._cache) == started and shared.engines == ["coder", "vlm"]
+    assert shared.kvcached is not None and shared.kvcached.verdict == "pre_fix"
+
+
+def test_an_interpreter_that_hangs_is_bounded_and_read_from_site_packages(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    venv = tmp_path / "venv"
+    site = venv / "lib" / f"python3.{sys.version_info.minor}" / "site-packages"
+    (site / "kvcached").mkdir(parents=True)
+    for name in ("__init__.py", "kv_cache_manager.py", "tp_ipc_util.py"):
+        (site / "kvcached" / name).write_bytes((PREFIX / "kvcached" / name).read_bytes())
+    (venv / "bin").mkdir()
+    hanging = venv / "bin" / "python"
+    hanging.write_text("#!/bin/sh\nexec sleep 60\n")
+    hanging.chmod(0o755)
+    monkeypatch.setattr(interp, "QUERY_TIMEOUT_S", 1.0)
+    t0 = time.monotonic()
+    rec = packages_of("engine slow", str(hanging))
+    assert time.monotonic() - t0 < 30
+    assert rec.source == "read from site-packages" and "did not answer" in rec.note
+    assert rec.kvcached is not None and rec.kvcached.verdict == "pre_fix"
+    assert rec.kvcached.location == str(site / "kvcached")
+
+
+def test_doctor_judges_the_scenario_engines_kvcached(engine_venv: Path, tmp_path: Path) -> None:
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"name: engine-venv\nengines:\n  - name: vlm\n    kind: vllm\n    model: /models/tiny\n"
+                        f"    python: {engine_venv}\n", encoding="utf-8")
+    proc = subprocess.run([sys.executable, "-m", "kvdiag", "doctor", "--scenario", str(scenario), "--json"],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT,
+                          env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert proc.returncode == 10, proc.stdout + proc.stderr
+    data = json.loads(proc.stdout)
+    (ip,) = data["environment"]["engine_packages"]
+    assert ip["engines"] == ["vlm"] and ip["python"] == str(engine_venv / "bin" / "python")
+    assert ip["kvcached"]["verdict"] == "pre_fix"
+    assert data["environment"]["kvcached"]["installed"] is False
+    rows = {c["subject"]: c for c in data["checks"] if c["check"] == "prefix_build"}
+    engine_row = rows[f"kvcached of engine vlm ({engine_venv / 'bin' / 'python'})"]
+    assert engine_row["status"] == "risk" and "#371" in (engine_row["upstream"] or "")
+    assert rows["installed kvcached"]["status"] == "n/a"
+    text = subprocess.run([sys.executable, "-m", "kvdiag", "doctor", "--scenario", str(scenario)],
+                          capture_output=True, text=True, timeout=120, cwd=ROOT).stdout
+    assert "kvcached of engine vlm" in text and "kvcached (kvdiag's Python): not installed" in text
+
+
+def test_a_captured_pids_interpreter_is_judged(engine_venv: Path, tmp_path: Path) -> None:
+    script = tmp_path / "engine.py"
+    script.write_text("import sys, time\nprint('ready', flush=True)\nsys.stdin.read()\n")
+    proc = subprocess.Popen([str(engine_venv / "bin" / "python"), str(script)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        rec = pid_packages(proc.pid)
+        assert rec.who == f"pid {proc.pid}" and rec.python == str(engine_venv / "bin" / "python")
+        assert rec.kvcached is not None and rec.kvcached.verdict == "pre_fix"
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
