@@ -493,8 +493,8 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
                        evidence=[_item(t, f"{what} parked with no timeout, waiting only on {on}", engine,
                                             BLOCKED_KEYS)],
                        summary=(f"blocked IPC read in {_where(proc)}: the {what} in {t.label} is parked in "
-                                f"{t.wait_frame or 'epoll_wait'} with no timeout and no timer; its only event "
-                                f"sources are connections that stay silent: {on}. The awaiting coroutine is not "
+                                f"{t.wait_frame or 'epoll_wait'}{where(t)} with no timeout and no timer; its only "
+                                f"event sources are connections that stay silent: {on}. The awaiting coroutine is not "
                                 f"on any stack; it is the read on that connection"))
     if not readers:
         return None
