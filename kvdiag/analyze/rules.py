@@ -12,7 +12,7 @@ import re
 from collections.abc import Iterable
 
 from kvdiag.analyze import vocab as v
-from kvdiag.analyze.access import evidence_outcome, judgeable
+from kvdiag.analyze.access import evidence_outcome, found_state, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import (
     BLOCKED_KEYS,
@@ -177,27 +177,39 @@ def peer_phrase(info: FdInfo) -> str:
 
 
 def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
-    """A stopped or foreign-traced target: its own outcome; the stacks' story, if any, as a finding."""
-    stopped = proc.state is ThreadState.STOPPED or bool(views) and all(
-        t.stopped or t.kind is WaitKind.STOPPED for t in views)
-    if not stopped and proc.tracer_pid is None:
+    """A stopped or foreign-traced target: its own outcome; the stacks' story, if any, as a finding.
+
+    The state and tracer come from /proc, else from the preflight's reading of the target as found, else
+    (traced) from every ptrace tool being refused although the preflight found attaching allowed."""
+    found = found_state(proc)
+    stopped = found.stopped or bool(views) and all(t.stopped or t.kind is WaitKind.STOPPED for t in views)
+    tracer = found.tracer_pid
+    if not stopped and tracer is None and not found.traced_inferred:
         return None
-    inner = next((v for r in PROCESS_RULES if (v := r(proc, views, engine)) is not None), None)
-    if inner is not None and inner.kind is VerdictKind.UNKNOWN:
+    inner = _first_verdict(proc, views, engine)
+    if inner is not None and inner.kind in (VerdictKind.UNKNOWN, VerdictKind.INCONCLUSIVE):
         inner = None    # "nothing runs" says nothing about a process that cannot run
     also = f"; its stacks show {inner.kind.value}: {inner.summary}" if inner is not None else ""
     findings = [Finding(kind="mechanism", pid=proc.pid, engine=engine, message=inner.kind.value)] if inner else []
     evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine,
                                                                                  BLOCKED_KEYS)
                                                          for t in views[:2]]
-    if stopped and proc.tracer_pid is None:
+    if stopped and tracer is None:
         return Verdict(kind=VerdictKind.STOPPED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                        findings=findings, cycle=inner.cycle if inner else [],
                        summary=(f"{_where(proc)} is stopped (SIGSTOP, job control or a debugger): none of its "
                                 f"threads can run until it gets SIGCONT; capture left it stopped{also}"))
+    if tracer is None:
+        refused = "; ".join(f"{t.tool}: {t.error}" for t in proc.tools if not t.ok and t.error)
+        return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.MEDIUM, engine=engine, evidence=evidence,
+                       findings=findings, cycle=inner.cycle if inner else [],
+                       confidence_reasons=["- its TracerPid was not read (/proc not captured)"],
+                       summary=(f"{_where(proc)} is most likely traced by another debugger: the preflight found "
+                                f"attaching allowed, yet the kernel refused every ptrace tool ({refused}), which "
+                                f"it does when a tracer already holds the process; nothing was judged{also}"))
     return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                    findings=findings, cycle=inner.cycle if inner else [],
-                   summary=(f"{_where(proc)} is traced by pid {proc.tracer_pid} (another debugger or strace)"
+                   summary=(f"{_where(proc)} is traced by pid {tracer} (another debugger or strace)"
                             f"{' and stopped by it' if stopped else ''}: kvdiag's ptrace tools cannot attach and "
                             f"the tracer may be holding it; left as found{also}"))
 
@@ -482,9 +494,9 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     if proc.progress is not None and proc.progress.advanced:
         return None   # it wrote its log or did I/O during the window: something still moves
     readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read
-               and not t.woke and not _awaits_orders(t, proc)]
+               and not t.woke and not _awaits_orders(t, proc) and t.read_role != "request"]
     loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and not _awaits_orders(t, proc)
-             and (fds := _loop_parked(t, proc.pid))]
+             and t.read_role != "request" and (fds := _loop_parked(t, proc.pid))]
     if not readers and loops and not _possible_signallers(views, [t for t, _ in loops]):
         t, fds = loops[0]
         what = "asyncio event loop" if t.asyncio_loop else "event loop"
@@ -509,6 +521,10 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     r = sorted(picked, key=lambda t: (not t.holds_gil, not t.is_main, t.tid))[0]
     from_frames = r.wait_frame is not None and not r.wait_frame.startswith(("wchan", "syscall"))
     conns = [f for f in r.blocked_fds if f.kind in ("socket", "pipe")]
+    if not conns:
+        unresolved = _unresolved_read(proc, r, engine)
+        if unresolved is not None:
+            return unresolved
     is_socket = r.socket_read or any(f.kind == "socket" for f in conns)
     conf = Confidence.HIGH if (from_frames and (is_socket or conns)) else Confidence.MEDIUM
     what = peer_phrase(conns[0]) if conns else ("a socket" if r.socket_read else "a socket/pipe")
@@ -521,6 +537,74 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for data on {what}"
                             f"{where(r)} and no thread of the process is running"))
+
+
+def proc_missing(proc: ProcessEvidence) -> bool:
+    """Nothing of ``proc`` was read from /proc: no sample window, no thread state, CPU or fd."""
+    return proc.progress is None and all(t.state is ThreadState.UNKNOWN and t.cpu_ticks_delta is None
+                                         for t in proc.threads)
+
+
+def _missing_evidence(proc: ProcessEvidence) -> str:
+    if proc_missing(proc):
+        return ("/proc was not read (its fd peers, which tell the server end of a connection from a client's, "
+                "and the sample window, which shows whether anything moves)")
+    return "the fd it reads could not be resolved to a connection and its peer"
+
+
+def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -> Verdict | None:
+    """A blocked read whose fd (and so its peer) is unknown: a client waiting for a reply that never comes
+    and a server waiting for its next request look the same. Judged only when the Python frames say it
+    waits for a reply and every stack tool that read the thread found it in the same read; otherwise
+    inconclusive, naming what is missing (None: the caller's evidence decides)."""
+    if not proc_missing(proc):
+        return None    # /proc's sample window saw nothing move: the caller's judgement stands
+    missing = _missing_evidence(proc)
+    frames = " ← ".join(cite(r, 6)) or "no frames"
+    if r.read_role == "reply" and (r.samples_in_wait >= 2 or not proc_missing(proc)):
+        return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.LOW, engine=engine,
+                       evidence=[_item(r, "blocked reading with no timeout, waiting for a reply (from its frames; "
+                                          f"{r.samples_in_wait} stack sample(s) in the same read)", engine)],
+                       confidence_reasons=[f"- {missing}", "+ its frames are a client call waiting for a reply",
+                                           f"+ {r.samples_in_wait} stack tools found it in the same read"],
+                       summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for a reply{where(r)} and no "
+                                f"thread of the process is running; judged from its stacks only: {missing}"))
+    what = {"reply": "its frames are a client call waiting for a reply, but only one stack sample shows it",
+            None: "its frames do not say whether it waits for a reply or for the next request"}.get(r.read_role, "")
+    return Verdict(kind=VerdictKind.INCONCLUSIVE, confidence=Confidence.LOW, engine=engine,
+                   evidence=[_item(r, "blocked reading with no timeout (peer unknown)", engine)],
+                   confidence_reasons=[f"- {missing}", f"- {what}"],
+                   summary=(f"inconclusive: in {_where(proc)}, {r.label} blocks reading with no timeout{where(r)} "
+                            f"and nothing else of the process runs, but {what}: an idle server and a client whose "
+                            f"peer stopped answering look the same here. Missing: {missing}. Capture again with "
+                            f"/proc readable (kvdiag's proc backend) to decide. Frames: {frames}"))
+
+
+def rule_unresolved_wait(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    """An event loop (poll/epoll/select, not accept) parked with a timeout and fds that were not read (no
+    /proc), nothing else of the process able to act: idle with no clients, or an asyncio client awaiting a
+    reply (the coroutine is on no stack). Neither healthy nor a deadlock: inconclusive."""
+    if not proc_missing(proc) or any(t.running and not t.idle_by_design for t in views):
+        return None
+    loops = [t for t in views if t.kind is WaitKind.EVENT_WAIT and not t.idle_by_design and not t.timed
+             and t.read_role is None and not t.blocked_fds and "accept" not in (t.wait_frame or "")
+             and "sig" not in (t.wait_frame or "") and "pause" not in (t.wait_frame or "")]
+    if not loops:
+        return None
+    others = [t for t in _possible_signallers(views, loops, proc) if t.kind is not WaitKind.EVENT_WAIT]
+    if others:
+        return None
+    t = sorted(loops, key=lambda t: (not t.is_main, t.tid))[0]
+    what = "asyncio event loop" if t.asyncio_loop else "event loop"
+    missing = _missing_evidence(proc)
+    return Verdict(kind=VerdictKind.INCONCLUSIVE, confidence=Confidence.LOW, engine=engine,
+                   evidence=[_item(t, f"{what} parked; its timeout and fds unknown", engine)],
+                   confidence_reasons=[f"- {missing}", "- a parked loop's coroutines are on no stack"],
+                   summary=(f"inconclusive: the {what} in {t.label} of {_where(proc)} is parked in "
+                            f"{t.wait_frame or 'a poll'} and nothing else of the process runs; without its timeout "
+                            f"and the fds it waits on, a loop idle between clients and one awaiting a reply that "
+                            f"never comes look the same (the awaiting coroutine is on no stack). Missing: "
+                            f"{missing}. Capture again with /proc readable to decide"))
 
 
 def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
@@ -609,7 +693,20 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
 
 
 PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown, rule_nothing_can_move)
+                 rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
+
+
+def _first_verdict(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    """The first decisive rule's verdict; an inconclusive one only when no rule decides."""
+    pending: Verdict | None = None
+    for rule in PROCESS_RULES:
+        verdict = rule(proc, views, engine)
+        if verdict is None:
+            continue
+        if verdict.kind is not VerdictKind.INCONCLUSIVE:
+            return verdict
+        pending = pending or verdict
+    return pending
 
 
 def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> Verdict | None:
@@ -619,17 +716,15 @@ def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: s
     from "nothing can move" checks the sample window: a thread that woke or used CPU, or a
     process that wrote its log or did I/O, is not parked for good.
     """
-    if not proc.alive or not proc.threads:
+    if not proc.alive:
         return None
+    if not proc.threads:   # no stack read: only the target's state (as found) can be said
+        return rule_target_state(proc, [], engine)
     views = classify_process(proc, machine)
     state = rule_target_state(proc, views, engine)
     if state is not None:
         return state
-    for rule in PROCESS_RULES:
-        verdict = rule(proc, views, engine)
-        if verdict is not None:
-            return verdict
-    return None
+    return _first_verdict(proc, views, engine)
 
 
 def process_findings(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> list[Finding]:
