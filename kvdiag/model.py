@@ -617,6 +617,13 @@ class EvidenceItem(_Model):
     role: str                        # "alloc_page caller (holds GIL)", "prealloc worker (waits for GIL)"
     frames: list[str] = Field(default_factory=list)
     engine: str | None = None
+    # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
+    # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
+    # report written before the field existed (nothing is highlighted).
+    key_frames: list[int] | None = None
+
+    def is_key(self, index: int) -> bool:
+        return self.key_frames is not None and index in self.key_frames
 
 
 class Verdict(_Model):

@@ -14,6 +14,16 @@ from collections.abc import Iterable
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import evidence_outcome, found_state, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.evidence import (
+    BLOCKED_KEYS,
+    CONTEXT_KEYS,
+    GIL_WAITER_KEYS,
+    HOLDER_KEYS,
+    Key,
+    cite,
+    cite_item,
+    where,
+)
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
@@ -89,46 +99,6 @@ def _onode(g: WaitGraph, t: ThreadView) -> str:
     return g.node(f"OBJ{t.pid}:{key}", _obj_label(t))
 
 
-def where(view: ThreadView, n: int = 2) -> str:
-    """`` in map_pages ← prealloc_worker``: the application frames nearest the wait."""
-    segment = v.innermost_segment(view.frames)
-    # functor/lambda call operators are wrappers; the named function under them says more
-    names = [v.short_name(f.name, components=2).removesuffix("()") for f in segment
-             if not v.is_system_frame(f) and not f.name.endswith("operator()") and "{lambda" not in f.name]
-    names += [f.name for f in view.frames[len(segment):] if f.kind == "python" and not f.name.startswith("<")]
-    unique = list(dict.fromkeys(names))[:n]
-    return f" in {' ← '.join(unique)}" if unique else ""
-
-
-def cite(view: ThreadView, limit: int = 12) -> list[str]:
-    """The frames that prove what the thread waits in, innermost first: from the deciding wait frame
-    up to the second Python frame, without libc internals, binding glue or unnamed frames."""
-    frames = view.frames
-    start = next((i for i, f in enumerate(frames) if view.wait_frame and f.name == view.wait_frame), None)
-    if start is None:
-        start = next((i for i, f in enumerate(frames) if v.norm(f.name) in v.WAIT_PRIMITIVES), 0)
-    out: list[str] = []
-    python_seen = 0
-    for f in frames[start:]:
-        if f.name in ("???", "??"):
-            continue
-        if python_seen and f.kind != "python":
-            continue   # interpreter internals between Python frames add nothing
-        if v.is_binding_glue(f) and not v.matches(f.name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
-            continue
-        text = v.describe(f)
-        if out and out[-1] == text:
-            continue
-        out.append(text)
-        if f.kind == "python":
-            python_seen += 1
-            if python_seen >= 2:
-                break
-        if len(out) >= limit:
-            break
-    return out
-
-
 def _has_frame(view: ThreadView, needle: str) -> bool:
     return any(needle in f.name for f in view.frames)
 
@@ -148,8 +118,9 @@ def _waiter_role(w: ThreadView) -> str:
     return "waits for the GIL"
 
 
-def _item(t: ThreadView, role: str, engine: str | None) -> EvidenceItem:
-    return EvidenceItem(pid=t.pid, tid=t.tid, role=role, frames=cite(t), engine=engine)
+def _item(t: ThreadView, role: str, engine: str | None, keys: tuple[Key, ...]) -> EvidenceItem:
+    """The thread's cited frames; ``keys`` says which of them this rule's conclusion rests on."""
+    return cite_item(t, role, engine, keys)
 
 
 # ---------------------------------------------------------------- process rules
@@ -222,7 +193,8 @@ def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: st
         inner = None    # "nothing runs" says nothing about a process that cannot run
     also = f"; its stacks show {inner.kind.value}: {inner.summary}" if inner is not None else ""
     findings = [Finding(kind="mechanism", pid=proc.pid, engine=engine, message=inner.kind.value)] if inner else []
-    evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine)
+    evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine,
+                                                                                 BLOCKED_KEYS)
                                                          for t in views[:2]]
     if stopped and tracer is None:
         return Verdict(kind=VerdictKind.STOPPED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
@@ -280,8 +252,9 @@ def rule_gil_held_blocked(proc: ProcessEvidence, views: list[ThreadView], engine
         holder.kind, "blocked"))
     peer = "".join(f"; reading {peer_phrase(f)}" for f in holder.blocked_fds[:1]) if holder.blocked_fds else ""
     conf = Confidence.HIGH if any(s in ("pystack", "proc") for s in holder.gil_holder_sources) else Confidence.MEDIUM
-    evidence = [_item(holder, f"holds the GIL while {block} ({how}){peer}", engine)]
-    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine) for w in waiters[:4]]
+    evidence = [_item(holder, f"holds the GIL while {block} ({how}){peer}", engine, HOLDER_KEYS)]
+    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine, GIL_WAITER_KEYS)
+                 for w in waiters[:4]]
     names = ", ".join(w.label for w in waiters[:3]) + (f" and {len(waiters) - 3} more" if len(waiters) > 3 else "")
     return Verdict(kind=VerdictKind.GIL_HELD_BLOCKED, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"GIL held while blocked in {_where(proc)}: {holder.label} holds the GIL while {block}"
@@ -365,8 +338,11 @@ def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str |
     summary = (f"GIL cycle in {_where(proc)}: {holder.label} holds the GIL while "
                f"{_WAIT_WORDS.get(holder.kind, 'blocked')}{where(holder)}; {main_waiter.label} waits for the "
                f"GIL{where(main_waiter)}{more}{how}")
-    evidence = [_item(holder, _holder_role(holder), engine)]
-    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine) for w in ranked[:4]]
+    # The holder rests on its blocking call, its project frame and the Python call that entered it; a
+    # waiter on its GIL acquire and the project code that wants the GIL (map_pages, the callback).
+    evidence = [_item(holder, _holder_role(holder), engine, HOLDER_KEYS)]
+    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine, GIL_WAITER_KEYS)
+                 for w in ranked[:4]]
     return Verdict(kind=VerdictKind.GIL_CYCLE, summary=summary, confidence=conf, evidence=evidence,
                    engine=engine, cycle=g.describe_cycle(cycle))
 
@@ -436,7 +412,7 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     conf = Confidence.MEDIUM if len(addrs) == len(waiters) else Confidence.LOW
     desc = "; ".join(f"{t.label} waits for a lock{at}" for t, at in lines)
     evidence = [_item(t, f"waits for Python lock {t.wait_addr:#x}" if t.wait_addr else "waits for a Python lock",
-                      engine) for t in waiters[:4]]
+                      engine, BLOCKED_KEYS) for t in waiters[:4]]
     return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"likely lock-order inversion between Python locks in {_where(proc)}: {desc}. "
                             f"Python locks record no owner, so who holds which is inferred: no other thread "
@@ -471,7 +447,8 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
         desc = "; ".join(f"{m.label} holds mutex {', '.join(held.get(m.tid, ['?']))} and waits for "
                          f"{m.wait_addr:#x}{where(m, 1)}" for m in members if m.wait_addr)
         evidence = [_item(m, f"holds mutex {', '.join(held.get(m.tid, ['?']))}, waits for mutex "
-                             f"{m.wait_addr:#x}" if m.wait_addr else "waits for a mutex", engine) for m in members]
+                             f"{m.wait_addr:#x}" if m.wait_addr else "waits for a mutex", engine, BLOCKED_KEYS)
+                    for m in members]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine,
                        summary=f"lock-order inversion in {_where(proc)}: {desc}", evidence=evidence,
                        cycle=g.describe_cycle(cycle))
@@ -483,7 +460,7 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
     if not owners_known and (len(addrs) >= 2 or unread) and not any(t.running and not t.idle_by_design
                                                                      for t in views):
         evidence = [_item(t, f"waits for mutex {t.wait_addr:#x} (owner unknown)" if t.wait_addr else
-                          "waits for a mutex (owner unknown)", engine) for t in waiters[:4]]
+                          "waits for a mutex (owner unknown)", engine, BLOCKED_KEYS) for t in waiters[:4]]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=Confidence.LOW, engine=engine,
                        summary=(f"likely lock-order inversion in {_where(proc)}: {len(waiters)} threads wait on "
                                 f"{f'{len(addrs)} different mutexes' if addrs else 'mutexes'}"
@@ -527,10 +504,11 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
         what = "asyncio event loop" if t.asyncio_loop else "event loop"
         on = "; ".join(peer_phrase(f) for f in fds[:3])
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.MEDIUM, engine=engine,
-                       evidence=[_item(t, f"{what} parked with no timeout, waiting only on {on}", engine)],
+                       evidence=[_item(t, f"{what} parked with no timeout, waiting only on {on}", engine,
+                                            BLOCKED_KEYS)],
                        summary=(f"blocked IPC read in {_where(proc)}: the {what} in {t.label} is parked in "
-                                f"{t.wait_frame or 'epoll_wait'} with no timeout and no timer; its only event "
-                                f"sources are connections that stay silent: {on}. The awaiting coroutine is not "
+                                f"{t.wait_frame or 'epoll_wait'}{where(t)} with no timeout and no timer; its only "
+                                f"event sources are connections that stay silent: {on}. The awaiting coroutine is not "
                                 f"on any stack; it is the read on that connection"))
     if not readers:
         return None
@@ -553,10 +531,11 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     conf = Confidence.HIGH if (from_frames and (is_socket or conns)) else Confidence.MEDIUM
     what = peer_phrase(conns[0]) if conns else ("a socket" if r.socket_read else "a socket/pipe")
     evidence = [_item(r, f"blocked reading {what} with no timeout" + (" (holds the GIL)" if r.holds_gil else ""),
-                      engine)]
+                      engine, BLOCKED_KEYS)]
     others = [t for t in views if t.tid != r.tid and not t.idle_by_design and t.kind in (
         WaitKind.PY_LOCK_WAIT, WaitKind.COND_WAIT, WaitKind.GIL_WAIT)]
-    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine) for t in others[:3]]
+    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine, CONTEXT_KEYS)
+                 for t in others[:3]]
     return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for data on {what}"
                             f"{where(r)} and no thread of the process is running"))
@@ -654,9 +633,10 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
     else:
         conf = Confidence.LOW
     evidence = [_item(t, f"waits on {'condition variable' if t.kind is WaitKind.COND_WAIT else 'a futex'}"
-                         f"{f' {t.wait_addr:#x}' if t.wait_addr else ''} that no live thread will signal", engine)
+                         f"{f' {t.wait_addr:#x}' if t.wait_addr else ''} that no live thread will signal", engine,
+                      BLOCKED_KEYS)
                 for t in (native or waiters)[:3]]
-    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine)
+    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine, CONTEXT_KEYS)
                  for t in live if t not in waiters and t.kind in _HOLDER_BLOCKED][:3]
     return Verdict(kind=VerdictKind.LOST_WAKEUP, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"lost wakeup in {_where(proc)}: {first.label} waits on a condition variable"
@@ -675,8 +655,8 @@ def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: s
             return None   # the holder's wait times out: the GIL will move
         what = (f"{holder.label} holds it but shows no wait we can name" if holder is not None
                 else "the GIL holder could not be identified")
-        evidence = ([_item(holder, "GIL holder", engine)] if holder is not None else [])
-        evidence += [_item(w, _waiter_role(w), engine) for w in waiters[:4]]
+        evidence = ([_item(holder, "GIL holder", engine, BLOCKED_KEYS)] if holder is not None else [])
+        evidence += [_item(w, _waiter_role(w), engine, GIL_WAITER_KEYS) for w in waiters[:4]]
         return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW, engine=engine, evidence=evidence,
                        summary=f"{_where(proc)}: {len(waiters)} thread(s) wait for the GIL and nothing runs; {what}")
     return None
@@ -705,7 +685,8 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
     what = (f"{live[0].label} waits for a lock that only it could release" if len(live) == 1 else
             f"all {len(live)} threads wait, with no timeout, on locks, condition variables or joins that only "
             f"another of them could release")
-    evidence = [_item(t, f"{_WAIT_WORDS.get(t.kind, 'blocked')} (no timeout, no wakeup)", engine) for t in live[:4]]
+    evidence = [_item(t, f"{_WAIT_WORDS.get(t.kind, 'blocked')} (no timeout, no wakeup)", engine, BLOCKED_KEYS)
+                for t in live[:4]]
     return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.MEDIUM if not self_held else Confidence.LOW,
                    engine=engine, evidence=evidence,
                    summary=(f"pid {proc.pid} cannot make progress: {what}{where(live[0])}; no thread runs, woke, "

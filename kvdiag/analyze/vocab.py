@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from kvdiag.model import Frame
 from kvdiag.proc import FUTEX_WCHANS
@@ -291,6 +292,32 @@ def is_system_frame(frame: Frame) -> bool:
     if lib and lib.startswith(_SYSTEM_LIBS):
         return True
     return bool(frame.file and _SYSTEM_SRC.search(frame.file))
+
+
+# Call plumbing that is not the project's logic either: libffi/ctypes, and kvdiag's own binding bridge
+# (its model allocator then reads exactly like kvcached's pybind11 build).
+CALL_GLUE = ("ffi_", "_ctypes", "PyCFuncPtr", "kvdiag::bindings::")
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"threading", "asyncio", "selectors", "socket",
+                                                                   "queue", "concurrent", "multiprocessing"}
+
+
+def is_stdlib_python(frame: Frame) -> bool:
+    """A Python frame of the standard library (threading.py, multiprocessing/connection.py, ...)."""
+    file = frame.file or ""
+    if "site-packages" in file or "dist-packages" in file:
+        return False
+    if re.search(r"/lib/python3[\d.]*/", file):
+        return True
+    mod = os.path.basename(file).removesuffix(".py")
+    return bool(mod) and "/" not in file and mod in _STDLIB
+
+
+def is_project_frame(frame: Frame) -> bool:
+    """The application's own code: a Python frame outside the standard library, or a named native
+    frame that is not libc, the interpreter, the C++ standard library or call/binding glue."""
+    if frame.kind == "python":
+        return not is_stdlib_python(frame)
+    return not is_system_frame(frame) and not frame.name.startswith(CALL_GLUE)
 
 
 def library_key(frame: Frame) -> str | None:
