@@ -8,7 +8,7 @@ is started --runs times and captured the way `kvdiag capture --pid` does (all ba
 read-only). Each capture is analyzed as it is, then once per tool as if that tool were missing:
 the backends do not feed each other (each reads the target on its own), so dropping one tool's
 data from the capture is what a capture without it would have merged
-(kvdiag.capture.merge.without_tool). The expected verdict of each program comes from how it was
+(kvdiag.capture.merge.bundle_without_tool). The expected verdict of each program comes from how it was
 written (hanger_kit.KINDS), never from the analyzer.
 
 Metrics per mode: accuracy; false deadlocks = runs of progressing programs (healthy, slow_start)
@@ -38,7 +38,7 @@ import hanger_kit as hk  # noqa: E402
 from kvdiag.analyze import analyze  # noqa: E402
 from kvdiag.bundle_io import save_bundle  # noqa: E402
 from kvdiag.capture.bundle import capture_tree  # noqa: E402
-from kvdiag.capture.merge import without_tool  # noqa: E402
+from kvdiag.capture.merge import bundle_without_tool  # noqa: E402
 from kvdiag.model import Bundle, VerdictKind  # noqa: E402
 
 TOOLS = ("proc", "py-spy", "pystack", "gdb")
@@ -49,8 +49,7 @@ PROGRESSING = frozenset({"healthy", "slow_start"})
 def drop(bundle: Bundle, mode: str) -> Bundle:
     if mode == "all_tools":
         return bundle
-    tool = mode.removeprefix("no_")
-    return bundle.model_copy(update={"processes": [without_tool(p, tool) for p in bundle.processes]})
+    return bundle_without_tool(bundle, mode.removeprefix("no_"))
 
 
 def keep_bundle(bundle: Bundle, dest: Path, kind: str) -> None:

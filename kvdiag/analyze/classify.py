@@ -71,6 +71,11 @@ class ThreadView:
     blocked_fds: list[FdInfo] = field(default_factory=list)
     asyncio_loop: bool = False         # the thread runs an asyncio event loop (its frames say so)
     shared_futex: bool = False         # a futex wait without FUTEX_PRIVATE_FLAG: another process may wake it
+    # What a read or event wait is for, from the Python frames alone: "request" (a server or worker waiting
+    # for its next request or task), "reply" (a client call waiting for its answer, a parent for its
+    # workers' results), None (the frames do not say). /proc's fd peers, when read, say it better.
+    read_role: str | None = None
+    samples_in_wait: int = 0           # stack tools whose own reading shows this thread in the same wait
 
     @property
     def label(self) -> str:
@@ -150,6 +155,31 @@ def _idle_by_design(th: ThreadEvidence, frames_all: list[Frame]) -> bool:
 def _libraries(frames: list[Frame]) -> frozenset[str]:
     """Application components on the stack (not libc, the interpreter, libffi, libstdc++)."""
     return frozenset(k for f in frames if not v.is_system_frame(f) and (k := v.library_key(f)))
+
+
+_PY_WAIT_KIND = {"read": WaitKind.IO_READ, "event": WaitKind.EVENT_WAIT}
+
+
+def _sample_kind(frames: list[Frame]) -> WaitKind | None:
+    """The wait one tool's own stack shows (its native frames, else its Python frames)."""
+    kind = _kind_from_frames(v.innermost_segment(frames))[0]
+    return kind if kind is not None else _PY_WAIT_KIND.get(_python_wait([frames]) or "")
+
+
+def _read_role(stacks: list[list[Frame]]) -> str | None:
+    """"request" / "reply" / None for a blocked read, from the innermost Python frames that say it."""
+    for frames in stacks:
+        py = [f for f in frames if f.kind == "python"]
+        for f in py:
+            if v.py_frame_in(f, v.REQUEST_WAIT_PY_FRAMES):
+                return "request"
+            if v.py_frame_in(f, v.REPLY_WAIT_PY_FRAMES):
+                return "reply"
+        # A multiprocessing Connection or Queue: a process multiprocessing started reads what its parent
+        # sends (its next task); the process that started the workers reads their results.
+        if any(tuple((f.file or "").rsplit("/", 2)[-2:]) in v.MP_CHANNEL_FILES for f in py[:4]):
+            return "request" if any(v.py_frame_in(f, v.MP_CHILD_PY_FRAMES) for f in py) else "reply"
+    return None
 
 
 def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | None = None) -> ThreadView:
@@ -249,6 +279,9 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     # multiprocessing's Lock/Semaphore/Event/Condition live in shared memory: another process posts them.
     view.shared_futex = (op is not None and not op & _FUTEX_PRIVATE_FLAG) or any(
         f.kind == "python" and (f.file or "").endswith("multiprocessing/synchronize.py") for f in frames_all[:40])
+    if kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT):
+        view.read_role = _read_role(all_stacks)
+        view.samples_in_wait = sum(1 for fs in th.frames_by_tool.values() if _sample_kind(fs) is kind)
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:

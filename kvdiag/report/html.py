@@ -96,6 +96,41 @@ def frame_cited(frame: Frame, cited: list[str]) -> bool:
     return any(c == text or _names_match(frame.name, frame_key(c)) for c in cited)
 
 
+_WHERE = re.compile(r"^(?P<name>.*?) \((?P<where>[^()]*)\)$")
+_FILE_LINE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
+
+
+def frame_is(frame: Frame, text: str) -> bool:
+    """Whether an evidence line (``alloc_page (gil_cycle.c:66)``, ``read (libc.so.6)``) is this frame:
+    the name, and the file and line (or library) when the line gives them."""
+    m = _WHERE.match(text)
+    name, where = (m.group("name"), m.group("where")) if m else (text, "")
+    fl = _FILE_LINE.match(where)
+    if fl is not None:
+        if posixpath.basename(frame.file or "") != posixpath.basename(fl.group("file")) \
+                or str(frame.line) != fl.group("line"):
+            return False
+        # a long C++ name is cited without its template and parameter lists
+        return _names_match(frame.name, frame_key(text)) or frame.name == name or len(frame.name) > 100
+    if where and posixpath.basename(frame.library or "") != where:
+        return False
+    return frame.name == name or _names_match(frame.name, frame_key(text))
+
+
+def key_positions(frames: list[Frame], items: list[EvidenceItem]) -> set[int]:
+    """Indices into a thread's stack of the frames its evidence items name as key frames (each key
+    line marks the innermost frame it matches that no other key line took)."""
+    out: set[int] = set()
+    for item in items:
+        for k in item.key_frames or []:
+            if not 0 <= k < len(item.frames):
+                continue
+            hit = next((i for i, f in enumerate(frames) if i not in out and frame_is(f, item.frames[k])), None)
+            if hit is not None:
+                out.add(hit)
+    return out
+
+
 # ---------------------------------------------------------------- the wait-for cycle diagram
 
 @dataclass
@@ -319,9 +354,9 @@ def _evidence_index(evidence: list[EvidenceItem]) -> dict[tuple[int, int], list[
 def _thread_view(proc: ProcessEvidence, th: ThreadEvidence,
                  index: dict[tuple[int, int], list[EvidenceItem]]) -> dict[str, Any]:
     items = index.get((proc.pid, th.tid), [])
-    cited_frames = [f for item in items for f in item.frames]
+    keys = key_positions(th.frames, items)   # only the frames the rule rests on, as the analyzer said
     frames = [{"text": clean_text(format_frame(f)), "kind": f.kind, "source": clean_text(f.source or ""),
-               "cited": bool(items) and frame_cited(f, cited_frames)} for f in th.frames]
+               "key": i in keys} for i, f in enumerate(th.frames)]
     return {
         "tid": th.tid,
         "name": clean_text(th.name or ""),
@@ -545,7 +580,7 @@ def _fmt_num(value: object, digits: int = 2) -> str:
 def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> str:
     """Render the self-contained HTML page for ``report``.
 
-    ``bundle`` adds per-process, per-thread stacks (cited frames highlighted);
+    ``bundle`` adds per-process, per-thread stacks (the evidence's key frames highlighted);
     ``bundle_dir`` adds the raw tool outputs and logs found in it.
     """
     safe_bundle = bundle   # redacted where its data entered (bundle writer / loader / write_outputs)

@@ -157,7 +157,8 @@ def test_report_json_validates_and_round_trips(tmp_path: Path, validator: jsonsc
     assert data["schema_version"] == "1" and data["command"] == "repro two-engine" and data["exit_code"] == 10
     assert data["verdict"]["kind"] == "gil_cycle"
     assert data["verdict"]["evidence"][0] == {"pid": 200, "tid": 200, "role": "alloc_page caller (holds GIL)",
-                                              "engine": "eng2", "frames": verdict.evidence[0].frames}
+                                              "engine": "eng2", "frames": verdict.evidence[0].frames,
+                                              "key_frames": None}   # hand-made evidence: no key frames
     eng2 = data["engines"][1]
     assert eng2["name"] == "eng2" and eng2["phase"] == "stalled" and eng2["verdict"] == "gil_cycle"
     assert eng2["pids"] == {"api_server": 199, "engine_core": 200}
@@ -241,19 +242,40 @@ def test_html_is_self_contained_and_embeds_the_report(tmp_path: Path) -> None:
     assert "file not in the bundle" in text
 
 
-def test_html_highlights_cited_frames_and_threads(tmp_path: Path) -> None:
+def test_html_highlights_only_the_key_frames_and_opens_cited_threads(tmp_path: Path) -> None:
     bundle, verdict, by_engine = seed_bundle(tmp_path / "bundle")
+    verdict.evidence[0].key_frames = [1]          # alloc_page, not the STL condvar wait above it
+    verdict.evidence[1].key_frames = [0, 1]       # take_gil, map_pages
     report = build_report(bundle, verdict, command="repro two-engine", exit_code=10, verdicts_by_engine=by_engine)
     page = render_html(report, bundle, tmp_path / "bundle")
-    cited = re.findall(r'<li class="(?:native|python) cited">([^<]*)', page)
-    assert "std::condition_variable::wait [libstdc++.so.6]" in cited
-    assert "kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)" in cited
-    assert "take_gil (Python/ceval_gil.c:300) [libpython3.11.so]" in cited
-    assert "kvcached::PageAllocator::map_pages (csrc/page_allocator.cpp:401)" in cited
-    assert not any("futex_wait" in c or "prealloc_worker" in c or "poll" in c for c in cited)
+    stacks = page[page.index('id="processes"'):]
+    keyed = re.findall(r'<li class="(?:native|python) key">([^<]*)', stacks)
+    assert keyed == ["kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)",
+                     "take_gil (Python/ceval_gil.c:300) [libpython3.11.so]",
+                     "kvcached::PageAllocator::map_pages (csrc/page_allocator.cpp:401)"]
+    evidence = page[page.index('<section id="evidence">'):page.index('<section id="engines">')]
+    assert re.findall(r'<li class="key">([^<]*)', evidence) == [
+        "kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)", "take_gil", "PageAllocator::map_pages"]
+    assert re.findall(r'<li class="ctx">([^<]*)', evidence) == ["std::condition_variable::wait"]
     threads = re.findall(r'<details class="thread( cited)?"( open)?>\s*<summary><b>tid (\d+)', page)
     assert [(c, o, t) for c, o, t in threads] == [(" cited", " open", "200"), (" cited", " open", "201"),
                                                   ("", "", "202")]
+
+
+def test_html_of_a_report_without_key_frames_highlights_no_frame(tmp_path: Path) -> None:
+    """A report written before key frames were recorded still renders: its threads are cited, no frame
+    is singled out (the renderer does not guess which ones the rule rested on)."""
+    bundle, verdict, by_engine = seed_bundle(tmp_path / "bundle")
+    data = json.loads(render_json(build_report(bundle, verdict, command="repro two-engine", exit_code=10,
+                                               verdicts_by_engine=by_engine)))
+    for item in data["verdict"]["evidence"]:
+        item.pop("key_frames", None)
+    old = Report.model_validate(data)
+    assert old.verdict.evidence[0].key_frames is None
+    page = render_html(old, bundle, tmp_path / "bundle")
+    assert not re.findall(r'<li class="[^"]*\b(key|ctx)\b', page)
+    assert "kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)" in page
+    assert re.findall(r'<details class="thread cited" open>', page)
 
 
 @pytest.mark.parametrize(("evidence", "frame", "cited"), [
