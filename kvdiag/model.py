@@ -206,6 +206,7 @@ class FdInfo(_Model):
     peer_pids: list[int] = Field(default_factory=list)   # other processes holding the other end
     peer_comm: str | None = None
     address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
+    partial: str | None = None       # why peer_inode/peer_pids may be incomplete (capture deadline, netlink)
 
 
 class ProgressSample(_Model):

@@ -173,6 +173,8 @@ def peer_phrase(info: FdInfo) -> str:
         what += " (peer not resolved)"   # sock_diag gave no peer inode: unknown, not absent
     elif info.kind in ("socket", "pipe"):
         what += " (no process holds the other end)"
+    if info.partial:
+        what += f" [peer lookup partial: {info.partial}]"
     return what
 
 
