@@ -566,7 +566,8 @@ def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -
     if r.read_role == "reply" and (r.samples_in_wait >= 2 or not proc_missing(proc)):
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.LOW, engine=engine,
                        evidence=[_item(r, "blocked reading with no timeout, waiting for a reply (from its frames; "
-                                          f"{r.samples_in_wait} stack sample(s) in the same read)", engine)],
+                                          f"{r.samples_in_wait} stack sample(s) in the same read)", engine,
+                                       BLOCKED_KEYS)],
                        confidence_reasons=[f"- {missing}", "+ its frames are a client call waiting for a reply",
                                            f"+ {r.samples_in_wait} stack tools found it in the same read"],
                        summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for a reply{where(r)} and no "
@@ -574,7 +575,7 @@ def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -
     what = {"reply": "its frames are a client call waiting for a reply, but only one stack sample shows it",
             None: "its frames do not say whether it waits for a reply or for the next request"}.get(r.read_role, "")
     return Verdict(kind=VerdictKind.INCONCLUSIVE, confidence=Confidence.LOW, engine=engine,
-                   evidence=[_item(r, "blocked reading with no timeout (peer unknown)", engine)],
+                   evidence=[_item(r, "blocked reading with no timeout (peer unknown)", engine, BLOCKED_KEYS)],
                    confidence_reasons=[f"- {missing}", f"- {what}"],
                    summary=(f"inconclusive: in {_where(proc)}, {r.label} blocks reading with no timeout{where(r)} "
                             f"and nothing else of the process runs, but {what}: an idle server and a client whose "
@@ -600,7 +601,7 @@ def rule_unresolved_wait(proc: ProcessEvidence, views: list[ThreadView], engine:
     what = "asyncio event loop" if t.asyncio_loop else "event loop"
     missing = _missing_evidence(proc)
     return Verdict(kind=VerdictKind.INCONCLUSIVE, confidence=Confidence.LOW, engine=engine,
-                   evidence=[_item(t, f"{what} parked; its timeout and fds unknown", engine)],
+                   evidence=[_item(t, f"{what} parked; its timeout and fds unknown", engine, BLOCKED_KEYS)],
                    confidence_reasons=[f"- {missing}", "- a parked loop's coroutines are on no stack"],
                    summary=(f"inconclusive: the {what} in {t.label} of {_where(proc)} is parked in "
                             f"{t.wait_frame or 'a poll'} and nothing else of the process runs; without its timeout "
