@@ -567,7 +567,7 @@ def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.LOW, engine=engine,
                        evidence=[_item(r, "blocked reading with no timeout, waiting for a reply (from its frames; "
                                           f"{r.samples_in_wait} stack sample(s) in the same read)", engine,
-                                       BLOCKED_KEYS)],
+                                      BLOCKED_KEYS)],
                        confidence_reasons=[f"- {missing}", "+ its frames are a client call waiting for a reply",
                                            f"+ {r.samples_in_wait} stack tools found it in the same read"],
                        summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for a reply{where(r)} and no "
