@@ -37,17 +37,6 @@ class EngineInterpreter(NamedTuple):
     extra_path: tuple[str, ...] = ()
 
 
-def _which(cmd: str, path_var: str, cwd: str) -> str | None:
-    if "/" in cmd:
-        p = cmd if os.path.isabs(cmd) else os.path.join(cwd, cmd)
-        return p if os.path.isfile(p) else None
-    for d in path_var.split(os.pathsep):
-        p = os.path.join(d or cwd, cmd)
-        if os.path.isfile(p) and os.access(p, os.X_OK):
-            return p
-    return None
-
-
 def _shebang(path: str) -> list[str]:
     """The ``#!`` line of ``path`` split into words (``env -S`` unwrapped); [] when there is none."""
     try:
@@ -71,12 +60,12 @@ def command_interpreter(argv: list[str], env: dict[str, str], cwd: str) -> Engin
     """The Python a command line runs (``argv[0]`` or its ``#!`` line), named ``""``; None when not Python.
 
     ``env`` is the engine's environment (PATH, PYTHONPATH); ``cwd`` its working folder."""
-    from kvdiag.environment.interpreter import sys_path_head
+    from kvdiag.environment.interpreter import resolve_command, sys_path_head
 
     if not argv:
         return None
     path_var = env.get("PATH", os.defpath)
-    exe = _which(argv[0], path_var, cwd)
+    exe = resolve_command(argv[0], cwd, path_var)
     if exe is None:
         return None
     args = argv[1:]
@@ -84,7 +73,7 @@ def command_interpreter(argv: list[str], env: dict[str, str], cwd: str) -> Engin
         words = _shebang(exe)
         if not words or not _is_python(words[0]):
             return None
-        found = words[0] if os.path.isabs(words[0]) else _which(words[0], path_var, cwd)
+        found = words[0] if os.path.isabs(words[0]) else resolve_command(words[0], cwd, path_var)
         if found is None:
             return None
         exe, args = found, [*words[1:], exe, *args]   # the script runs as `python [opts] SCRIPT ARGS`
