@@ -22,7 +22,8 @@ from rich.text import Text
 
 from kvdiag import __version__
 from kvdiag.analyze.doctor import DEFAULT_KVCACHED_UTIL, EnginePlan, doctor_checks
-from kvdiag.errors import ExitCode, UsageError
+from kvdiag.cli.common import read_log_lines
+from kvdiag.errors import ExitCode
 from kvdiag.model import BannerInfo, DoctorReport, EnvironmentRecord, RiskStatus
 from kvdiag.scenario import EngineSpec, Scenario, load_scenario
 from kvdiag.watch.banner import parse_banners
@@ -127,13 +128,7 @@ def _load(scenario: str) -> tuple[Scenario, str]:
 def _banners(logs: list[Path]) -> list[BannerInfo]:
     out: list[BannerInfo] = []
     for log in logs:
-        try:
-            lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-        except FileNotFoundError:
-            raise UsageError(f"{log}: file not found") from None
-        except OSError as exc:
-            raise UsageError(f"{log}: cannot read: {exc.strerror}") from None
-        out += parse_banners(lines, str(log))
+        out += parse_banners(read_log_lines(log), str(log))
     return out
 
 
