@@ -112,22 +112,10 @@ def test_a_captured_pids_interpreter_is_judged(engine_venv: Path, tmp_path: Path
         proc.wait(timeout=30)
 
 
-HEALTH_SERVER = """
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
-    def log_message(self, *args):
-        pass
-print("serving", flush=True)
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
-
-
 def test_command_engines_interpreters_are_recorded(engine_venv: Path, tmp_path: Path) -> None:
     """Three `kind: command` engines on the venv's Python: argv[0] python, a bin/ script with a python
     #! line (both known before launch), and a shell wrapper that execs it (known from /proc after launch)."""
-    from kvcli import run_kvdiag
+    from kvcli import HEALTH_SERVER, run_kvdiag
 
     py = engine_venv / "bin" / "python"
     server = tmp_path / "health.py"
