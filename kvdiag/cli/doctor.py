@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -25,6 +26,9 @@ from kvdiag.errors import ExitCode, UsageError
 from kvdiag.model import BannerInfo, DoctorReport, EnvironmentRecord, RiskStatus
 from kvdiag.scenario import EngineSpec, Scenario, load_scenario
 from kvdiag.watch.banner import parse_banners
+
+if TYPE_CHECKING:
+    from kvdiag.launch.interpreters import EngineInterpreter
 
 BUILTIN_NAMES = ("two-engine", "default")
 _STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",
@@ -206,7 +210,7 @@ def doctor_cmd(
 
     scen_name: str | None = None
     plans: list[EnginePlan] = []
-    interpreters: list[tuple[str, str]] = []
+    interpreters: list[EngineInterpreter] = []
     if scenario is not None:
         from kvdiag.launch.interpreters import engine_interpreters
 

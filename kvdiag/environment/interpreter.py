@@ -208,11 +208,17 @@ def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, 
                 python = os.path.abspath(cand)  # the venv's bin/python, not the base it links to
         except OSError:
             pass
-    isolated = any(re.fullmatch(r"-[A-Za-z]*[IE][A-Za-z]*", a) for a in argv[1:3])
-    extra = [] if isolated else [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    first = _path0(argv[1:], cwd)
-    extra = ([first] if first else []) + [p if os.path.isabs(p) else os.path.join(cwd, p) for p in extra]
-    return python, extra
+    return python, sys_path_head(argv[1:], cwd, env.get("PYTHONPATH", ""))
+
+
+def sys_path_head(args: Sequence[str], cwd: str, pythonpath: str) -> list[str]:
+    """The folders ``python ARGS`` puts before its site-packages: ``sys.path[0]``, then ``PYTHONPATH``
+    (left out under ``-E``/``-I``)."""
+    first = _path0(args, cwd)
+    options = [a for a in args[:3] if a.startswith("-") and not a.startswith("--")]
+    ignored = any("E" in o[1:] or "I" in o[1:] for o in options if o[1:2] not in ("m", "c", "W", "X"))
+    extra = [] if ignored else [p for p in pythonpath.split(os.pathsep) if p]
+    return ([first] if first else []) + [p if os.path.isabs(p) else os.path.join(cwd, p) for p in extra]
 
 
 def _path0(args: Sequence[str], cwd: str) -> str | None:
@@ -285,13 +291,19 @@ def pid_packages(pid: int) -> InterpreterPackages:
     return rec
 
 
-def engines_packages(engines: Sequence[tuple[str, str]]) -> list[InterpreterPackages]:
-    """One record per distinct interpreter of ``(engine name, interpreter path)`` pairs."""
-    by_python: dict[str, InterpreterPackages] = {}
-    for name, python in engines:
-        if python in by_python:
-            by_python[python].who += f", {name}"
+EngineInterpreterLike = tuple[str, str] | tuple[str, str, Sequence[str]]
+
+
+def engines_packages(engines: Sequence[EngineInterpreterLike]) -> list[InterpreterPackages]:
+    """One record per distinct interpreter of ``(engine name, interpreter path[, sys.path head])``."""
+    by_python: dict[tuple[str, tuple[str, ...]], InterpreterPackages] = {}
+    for item in engines:
+        name, python = item[0], item[1]
+        extra = tuple(item[2]) if len(item) > 2 else ()
+        key = (python, extra)
+        if key in by_python:
+            by_python[key].who += f", {name}"
         else:
-            by_python[python] = packages_of(f"engine {name}", python)
-        by_python[python].engines.append(name)
+            by_python[key] = packages_of(f"engine {name}", python, extra)
+        by_python[key].engines.append(name)
     return list(by_python.values())
