@@ -173,7 +173,7 @@ def _read_role(stacks: list[list[Frame]]) -> str | None:
         for f in py:
             if v.py_frame_in(f, v.REQUEST_WAIT_PY_FRAMES):
                 return "request"
-            if v.py_frame_in(f, v.REPLY_WAIT_PY_FRAMES):
+            if v.py_frame_in(f, v.REPLY_WAIT_PY_FRAMES) or f.name.rsplit(".", 1)[-1] in v.REPLY_WAIT_FUNCS:
                 return "reply"
         # A multiprocessing Connection or Queue: a process multiprocessing started reads what its parent
         # sends (its next task); the process that started the workers reads their results.
