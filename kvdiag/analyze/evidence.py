@@ -9,7 +9,7 @@ Pure functions, no I/O.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import Enum
 
 from kvdiag.analyze import vocab as v
@@ -101,9 +101,9 @@ def cite(view: ThreadView, limit: int = CITE_LIMIT) -> list[str]:
     return [text for _, text in _cited(view, limit)]
 
 
-def _outermost_run(frames: list[Frame], indices: Sequence[int], first: int, pred: object) -> int:
-    """From ``first`` (a position in ``indices``), the last of the consecutive positions that match."""
-    assert callable(pred)
+def _outermost_run(frames: list[Frame], indices: Sequence[int], first: int, pred: Callable[[Frame], bool]) -> int:
+    """From ``first`` (a position in ``indices``), the frame index of the last consecutive one that matches:
+    of ``__pthread_cond_wait_common ← pthread_cond_wait``, the call the code made."""
     last = first
     for pos in range(first + 1, len(indices)):
         if not pred(frames[indices[pos]]):

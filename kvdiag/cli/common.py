@@ -1,18 +1,32 @@
-"""Small helpers shared by command modules (console, summary printing)."""
+"""Small helpers shared by command modules (console, summary printing, reading a log)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from kvdiag.runner import RunArtifacts
+from kvdiag.errors import UsageError
+
+if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
+    from kvdiag.runner import RunArtifacts
 
 
 def console() -> Console:
     """Progress and summaries go to stderr so --json stdout stays machine-readable."""
     return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def read_log_lines(path: Path) -> list[str]:
+    """The lines of a log the user named; a UsageError saying why when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
 
 
 def print_summary(arts: RunArtifacts, con: Console) -> None:

@@ -110,3 +110,45 @@ def test_a_captured_pids_interpreter_is_judged(engine_venv: Path, tmp_path: Path
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_command_engines_interpreters_are_recorded(engine_venv: Path, tmp_path: Path) -> None:
+    """Three `kind: command` engines on the venv's Python: argv[0] python, a bin/ script with a python
+    #! line (both known before launch), and a shell wrapper that execs it (known from /proc after launch)."""
+    from kvcli import HEALTH_SERVER, run_kvdiag
+
+    py = engine_venv / "bin" / "python"
+    server = tmp_path / "health.py"
+    server.write_text(HEALTH_SERVER)
+    script = engine_venv / "bin" / "kvdiag-test-server"
+    script.write_text(f"#!{py}\n" + HEALTH_SERVER)
+    script.chmod(0o755)
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"""
+name: command-interpreters
+windows: {{stall_s: 20, startup_timeout_s: 120, timeout_s: 150, poll_s: 0.2, kill_grace_s: 0.5}}
+capture: {{when: never}}
+engines:
+  - name: direct
+    kind: command
+    command: ["{py}", "{server}", "{{port}}"]
+    expect: healthy
+  - name: script
+    kind: command
+    command: ["{script}", "{{port}}"]
+    expect: healthy
+  - name: wrapped
+    kind: command
+    command: [/bin/sh, -c, 'exec "$0" "$1" "$2"', "{py}", "{server}", "{{port}}"]
+    expect: healthy
+""")
+    out = tmp_path / "out"
+    proc = run_kvdiag("repro", "two-engine", "--scenario", str(scenario), "--out", str(out), timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    env = json.loads((out / "bundle" / "bundle.json").read_text())["environment"]
+    (ip,) = env["engine_packages"]            # one interpreter, all three engines
+    assert ip["python"] == str(py) and sorted(ip["engines"]) == ["direct", "script", "wrapped"]
+    assert ip["source"] == "asked the interpreter" and ip["kvcached"]["verdict"] == "pre_fix"
+    assert env["kvcached"]["installed"] is False
+    md = (out / "report.md").read_text()
+    assert f"kvcached (engine direct, script, wrapped: {py}) at {PREFIX / 'kvcached'}: pre_fix" in md

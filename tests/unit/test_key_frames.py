@@ -8,16 +8,18 @@ loop, binding glue or the C++ standard library.
 
 from __future__ import annotations
 
+import json
 import re
 from html.parser import HTMLParser
 from pathlib import Path
 
+import jsonschema
 import pytest
 
 from kvdiag.analyze import analyze
 from kvdiag.bundle_io import load_bundle
 from kvdiag.model import Bundle, EvidenceItem, Verdict
-from kvdiag.report import build_report, render_html, render_markdown
+from kvdiag.report import build_report, render_html, render_json, render_markdown
 from kvdiag.report.html import format_frame
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
@@ -206,3 +208,13 @@ def test_markdown_marks_the_key_frames() -> None:
     evidence_keys = [k for item in verdict.evidence for k in keys(item)]
     assert marked[:len(evidence_keys)] == evidence_keys
     assert "  __pthread_cond_wait_common (pthread_cond_wait.c:503)" in md.splitlines()
+
+
+def test_report_json_carries_key_frames_and_validates() -> None:
+    bundle, verdict = load("vllm_two_engine_stock")
+    data = json.loads(render_json(build_report(bundle, verdict, command="analyze", exit_code=10)))
+    schema = json.loads((Path(__file__).resolve().parents[2] / "schema" / "report.schema.json").read_text())
+    jsonschema.Draft202012Validator(schema).validate(data)
+    assert data["schema_version"] == "1"
+    holder = data["verdict"]["evidence"][0]
+    assert [holder["frames"][i] for i in holder["key_frames"]] == EXPECTED[0][2][0]
