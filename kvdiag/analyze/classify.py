@@ -76,6 +76,7 @@ class ThreadView:
     # workers' results), None (the frames do not say). /proc's fd peers, when read, say it better.
     read_role: str | None = None
     samples_in_wait: int = 0           # stack tools whose own reading shows this thread in the same wait
+    proc_saw_read: bool = False        # /proc itself (wchan or syscall) found the thread in a read
 
     @property
     def label(self) -> str:
@@ -233,6 +234,7 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     view.owner_tid = th.futex_owner_tid
     view.socket_read = any(wchan.startswith(w) for w in v.WCHAN_SOCKET_READ)
     view.tty_read = any(wchan.startswith(w) for w in v.WCHAN_TTY)
+    view.proc_saw_read = any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"])
     if kind is None:
         if view.py_wait == "join" or view.py_wait == "py_cond":
             kind = WaitKind.PY_LOCK_WAIT
