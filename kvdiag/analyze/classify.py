@@ -76,6 +76,7 @@ class ThreadView:
     # workers' results), None (the frames do not say). /proc's fd peers, when read, say it better.
     read_role: str | None = None
     samples_in_wait: int = 0           # stack tools whose own reading shows this thread in the same wait
+    proc_saw_read: bool = False        # /proc itself (wchan or syscall) found the thread in a read
 
     @property
     def label(self) -> str:
@@ -173,7 +174,7 @@ def _read_role(stacks: list[list[Frame]]) -> str | None:
         for f in py:
             if v.py_frame_in(f, v.REQUEST_WAIT_PY_FRAMES):
                 return "request"
-            if v.py_frame_in(f, v.REPLY_WAIT_PY_FRAMES):
+            if v.py_frame_in(f, v.REPLY_WAIT_PY_FRAMES) or f.name.rsplit(".", 1)[-1] in v.REPLY_WAIT_FUNCS:
                 return "reply"
         # A multiprocessing Connection or Queue: a process multiprocessing started reads what its parent
         # sends (its next task); the process that started the workers reads their results.
@@ -233,6 +234,7 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     view.owner_tid = th.futex_owner_tid
     view.socket_read = any(wchan.startswith(w) for w in v.WCHAN_SOCKET_READ)
     view.tty_read = any(wchan.startswith(w) for w in v.WCHAN_TTY)
+    view.proc_saw_read = any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"])
     if kind is None:
         if view.py_wait == "join" or view.py_wait == "py_cond":
             kind = WaitKind.PY_LOCK_WAIT

@@ -523,10 +523,9 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     r = sorted(picked, key=lambda t: (not t.holds_gil, not t.is_main, t.tid))[0]
     from_frames = r.wait_frame is not None and not r.wait_frame.startswith(("wchan", "syscall"))
     conns = [f for f in r.blocked_fds if f.kind in ("socket", "pipe")]
-    if not conns:
-        unresolved = _unresolved_read(proc, r, engine)
-        if unresolved is not None:
-            return unresolved
+    if not conns and not r.proc_saw_read:
+        # Neither the fd's peer nor the sample window covers this read (it came from the stacks alone).
+        return _unresolved_read(proc, r, engine)
     is_socket = r.socket_read or any(f.kind == "socket" for f in conns)
     conf = Confidence.HIGH if (from_frames and (is_socket or conns)) else Confidence.MEDIUM
     what = peer_phrase(conns[0]) if conns else ("a socket" if r.socket_read else "a socket/pipe")
@@ -551,19 +550,18 @@ def _missing_evidence(proc: ProcessEvidence) -> str:
     if proc_missing(proc):
         return ("/proc was not read (its fd peers, which tell the server end of a connection from a client's, "
                 "and the sample window, which shows whether anything moves)")
-    return "the fd it reads could not be resolved to a connection and its peer"
+    return ("the fd it reads was not resolved to a connection and its peer (/proc saw the thread elsewhere, or "
+            "the fd could not be read), so neither the server/client role nor the sample window covers this read")
 
 
-def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -> Verdict | None:
+def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -> Verdict:
     """A blocked read whose fd (and so its peer) is unknown: a client waiting for a reply that never comes
     and a server waiting for its next request look the same. Judged only when the Python frames say it
-    waits for a reply and every stack tool that read the thread found it in the same read; otherwise
-    inconclusive, naming what is missing (None: the caller's evidence decides)."""
-    if not proc_missing(proc):
-        return None    # /proc's sample window saw nothing move: the caller's judgement stands
+    waits for a reply and at least two stack tools found it in that read; otherwise inconclusive, naming
+    what is missing."""
     missing = _missing_evidence(proc)
     frames = " ← ".join(cite(r, 6)) or "no frames"
-    if r.read_role == "reply" and (r.samples_in_wait >= 2 or not proc_missing(proc)):
+    if r.read_role == "reply" and r.samples_in_wait >= 2:
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.LOW, engine=engine,
                        evidence=[_item(r, "blocked reading with no timeout, waiting for a reply (from its frames; "
                                           f"{r.samples_in_wait} stack sample(s) in the same read)", engine,

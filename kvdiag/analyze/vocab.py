@@ -158,6 +158,9 @@ REPLY_WAIT_PY_FRAMES = frozenset({
     (("redis", "client.py"), "parse_response"), (("grpc", "_channel.py"), "_blocking"),
     (("grpc", "_channel.py"), "__call__"),
 })
+# Function names client libraries give the read of a reply (redis-py and its kin: read_response;
+# http.client/urllib3: getresponse), matched in any file.
+REPLY_WAIT_FUNCS = frozenset({"read_response", "getresponse", "read_reply", "recv_reply", "_read_reply"})
 # A process started by multiprocessing (fork or spawn): its channels come from its parent.
 MP_CHILD_PY_FRAMES = frozenset({(("multiprocessing", "process.py"), "_bootstrap"),
                                 (("multiprocessing", "spawn.py"), "_main")})
