@@ -382,7 +382,7 @@ class ProcBackend:
         findings: list[Finding] = []
         try:
             threads = self._threads(pid, first, second, second_sys, mem, gil)
-            _blocked_fds(pid, threads, mem)
+            _blocked_fds(pid, threads, mem, start + max(timeout_s, 1.0))
         finally:
             mem.close()
         if not mem_ok:
@@ -513,9 +513,12 @@ def _int_timeout(register: int) -> int:
     return -1 if t >= 1 << 31 else t
 
 
-def _blocked_fds(pid: int, threads: list[ThreadEvidence], mem: TargetMemory) -> None:
-    """For threads blocked in read/recv/epoll/poll: which fds, their peers and the wait's timeout."""
-    resolver = FdResolver(pid)
+def _blocked_fds(pid: int, threads: list[ThreadEvidence], mem: TargetMemory, deadline: float | None = None) -> None:
+    """For threads blocked in read/recv/epoll/poll: which fds, their peers and the wait's timeout.
+
+    All threads' fds are resolved together: one host-wide socket table and one /proc/*/fd scan."""
+    resolver = FdResolver(pid, deadline)
+    wanted: dict[int, list[int]] = {}
     for th in threads:
         nr, args = parse_syscall(th.syscall)
         if nr is None or nr < 0 or not args:
@@ -538,7 +541,13 @@ def _blocked_fds(pid: int, threads: list[ThreadEvidence], mem: TargetMemory) -> 
             else:
                 th.wait_timeout_ms = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
         if fds:
-            th.blocked_fds = resolver.describe(fds[:_MAX_POLL_FDS])
+            wanted[th.tid] = fds[:_MAX_POLL_FDS]
+    if not wanted:
+        return
+    infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
+    for th in threads:
+        if th.tid in wanted:
+            th.blocked_fds = [infos[fd].model_copy() for fd in wanted[th.tid] if fd in infos]
 
 
 def _state_findings(pid: int, proc: ProcessEvidence, threads: list[ThreadEvidence]) -> list[Finding]:

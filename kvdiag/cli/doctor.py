@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -21,10 +22,14 @@ from rich.text import Text
 
 from kvdiag import __version__
 from kvdiag.analyze.doctor import DEFAULT_KVCACHED_UTIL, EnginePlan, doctor_checks
-from kvdiag.errors import ExitCode, UsageError
+from kvdiag.cli.common import read_log_lines
+from kvdiag.errors import ExitCode
 from kvdiag.model import BannerInfo, DoctorReport, EnvironmentRecord, RiskStatus
 from kvdiag.scenario import EngineSpec, Scenario, load_scenario
 from kvdiag.watch.banner import parse_banners
+
+if TYPE_CHECKING:
+    from kvdiag.launch.interpreters import EngineInterpreter
 
 BUILTIN_NAMES = ("two-engine", "default")
 _STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",
@@ -123,13 +128,7 @@ def _load(scenario: str) -> tuple[Scenario, str]:
 def _banners(logs: list[Path]) -> list[BannerInfo]:
     out: list[BannerInfo] = []
     for log in logs:
-        try:
-            lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-        except FileNotFoundError:
-            raise UsageError(f"{log}: file not found") from None
-        except OSError as exc:
-            raise UsageError(f"{log}: cannot read: {exc.strerror}") from None
-        out += parse_banners(lines, str(log))
+        out += parse_banners(read_log_lines(log), str(log))
     return out
 
 
@@ -206,7 +205,7 @@ def doctor_cmd(
 
     scen_name: str | None = None
     plans: list[EnginePlan] = []
-    interpreters: list[tuple[str, str]] = []
+    interpreters: list[EngineInterpreter] = []
     if scenario is not None:
         from kvdiag.launch.interpreters import engine_interpreters
 

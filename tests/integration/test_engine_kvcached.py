@@ -110,3 +110,70 @@ def test_a_captured_pids_interpreter_is_judged(engine_venv: Path, tmp_path: Path
     finally:
         proc.kill()
         proc.wait(timeout=30)
+
+
+def test_command_engines_interpreters_are_recorded(engine_venv: Path, tmp_path: Path) -> None:
+    """Three `kind: command` engines on the venv's Python: argv[0] python, a bin/ script with a python
+    #! line (both known before launch), and a shell wrapper that execs it (known from /proc after launch)."""
+    from kvcli import HEALTH_SERVER, run_kvdiag
+
+    py = engine_venv / "bin" / "python"
+    server = tmp_path / "health.py"
+    server.write_text(HEALTH_SERVER)
+    script = engine_venv / "bin" / "kvdiag-test-server"
+    script.write_text(f"#!{py}\n" + HEALTH_SERVER)
+    script.chmod(0o755)
+    scenario = tmp_path / "s.yaml"
+    scenario.write_text(f"""
+name: command-interpreters
+windows: {{stall_s: 20, startup_timeout_s: 120, timeout_s: 150, poll_s: 0.2, kill_grace_s: 0.5}}
+capture: {{when: never}}
+engines:
+  - name: direct
+    kind: command
+    command: ["{py}", "{server}", "{{port}}"]
+    expect: healthy
+  - name: script
+    kind: command
+    command: ["{script}", "{{port}}"]
+    expect: healthy
+  - name: wrapped
+    kind: command
+    command: [/bin/sh, -c, 'exec "$0" "$1" "$2"', "{py}", "{server}", "{{port}}"]
+    expect: healthy
+""")
+    out = tmp_path / "out"
+    proc = run_kvdiag("repro", "two-engine", "--scenario", str(scenario), "--out", str(out), timeout=220)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    env = json.loads((out / "bundle" / "bundle.json").read_text())["environment"]
+    (ip,) = env["engine_packages"]            # one interpreter, all three engines
+    assert ip["python"] == str(py) and sorted(ip["engines"]) == ["direct", "script", "wrapped"]
+    assert ip["source"] == "asked the interpreter" and ip["kvcached"]["verdict"] == "pre_fix"
+    assert env["kvcached"]["installed"] is False
+    md = (out / "report.md").read_text()
+    assert f"kvcached (engine direct, script, wrapped: {py}) at {PREFIX / 'kvcached'}: pre_fix" in md
+
+
+def test_a_captured_pid_is_judged_by_the_kvcached_it_has_loaded(tmp_path: Path) -> None:
+    """A process that loaded a kvcached extension module runs that build, whatever its sys.path says now."""
+    import _json  # any real extension module stands in for kvcached's vmm_ops
+
+    if installed_kvcached().installed:
+        pytest.skip("kvdiag's own interpreter has a kvcached: the test needs one without")
+    pkg = tmp_path / "elsewhere" / "kvcached"
+    pkg.mkdir(parents=True)
+    for name in ("__init__.py", "kv_cache_manager.py", "tp_ipc_util.py"):
+        (pkg / name).write_bytes((PREFIX / "kvcached" / name).read_bytes())
+    so = pkg / "vmm_ops.so"
+    so.write_bytes(Path(str(_json.__file__)).read_bytes())
+    script = tmp_path / "engine.py"
+    script.write_text(f"import ctypes, sys\nctypes.CDLL({str(so)!r})\nprint('ready', flush=True)\nsys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        rec = pid_packages(proc.pid)
+        assert rec.kvcached is not None and rec.kvcached.location == str(pkg)
+        assert rec.kvcached.verdict == "pre_fix" and "binary" in rec.kvcached.sources
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
