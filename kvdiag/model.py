@@ -643,15 +643,25 @@ class Verdict(_Model):
     confidence_reasons: list[str] = Field(default_factory=list)
 
 
+class ABEngine(_Model):
+    """One engine of one A/B side (``ab.<side>.engines[name]`` in bundle.json and report.json)."""
+
+    phase: EnginePhase = EnginePhase.NOT_STARTED
+    healthy: bool = False            # its verdict is healthy (kvdiag.analyze.health)
+    health: str = ""                 # the health line: "yes", "no (decode stall; /health still answered)"
+    startup_s: float | None = None
+
+
 class ABSide(_Model):
     """One side of an A/B run, as the comparison reads it from that side's bundle."""
 
     verdict: VerdictKind
     summary: str
     exit_code: int
-    bundle: str                      # the side's bundle folder, relative to the A/B bundle folder
+    # The side's bundle folder, relative to the A/B bundle folder ("" in reports written before it was kept).
+    bundle: str = ""
     report: str | None = None        # the side's report.html, relative to the A/B output folder
-    engines: dict[str, dict[str, object]] = Field(default_factory=dict)
+    engines: dict[str, ABEngine] = Field(default_factory=dict)
 
 
 class ABComparison(_Model):
@@ -739,7 +749,7 @@ class Report(_Model):
     timeline: list[TimelineEvent] = Field(default_factory=list)
     findings: list[Finding] = Field(default_factory=list)
     soak: SoakStats | None = None
-    ab: dict[str, object] | None = None
+    ab: ABComparison | None = None   # `kvdiag ab`: both runs side by side (the bundle's diagnosis.ab)
     bundle_path: str | None = None
     # Added by the report stage: environment and run context for the human reader.
     host: dict[str, str] = Field(default_factory=dict)

@@ -34,7 +34,7 @@ def print_summary(arts: RunArtifacts, con: Console) -> None:
 
     # The stored diagnosis, as every renderer reads it.
     diag = arts.bundle.diagnosis
-    ab = diag.ab.model_dump(mode="json") if diag is not None and diag.ab is not None else None
+    ab = diag.ab if diag is not None else None
     report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
                           verdicts_by_engine=arts.verdicts_by_engine, ab=ab)
     render_terminal(report, con)

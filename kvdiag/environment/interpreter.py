@@ -1,18 +1,23 @@
-"""Package versions of the Python an engine runs, not of kvdiag's own interpreter.
+"""Package versions and the kvcached build of the Python an engine runs, not of kvdiag's own interpreter.
 
 A real vLLM engine runs in its own virtual environment (vLLM CPU pins its own
-torch), so kvdiag's ``importlib.metadata`` says nothing about it. The versions
-are read from the engine's interpreter:
+torch), so kvdiag's ``importlib.metadata`` says nothing about it. The versions,
+and where kvcached would be imported from, are read from the engine's interpreter:
 
 - :func:`query_interpreter` runs that interpreter as ``python -I -c <script>``
-  (standard library only: ``importlib.metadata``, nothing heavy imported), in its
-  own process group, killed on timeout; results are cached per interpreter;
+  (standard library only: ``importlib.metadata`` and ``find_spec``, nothing heavy
+  imported), in its own process group, killed on timeout; results are cached per
+  interpreter;
 - :func:`site_versions` reads ``*.dist-info/METADATA`` under given site folders
   directly (no child at all), the fallback when the interpreter cannot run;
+- :func:`packages_of` adds the fingerprint of the kvcached found there
+  (environment/kvcached.py reads its files);
 - :func:`interpreter_of_pid` finds a running process's interpreter: the path it
   was started as (argv[0], which keeps a venv's identity; ``/proc/PID/exe`` is the
   venv's base python) when that is the same binary as ``/proc/PID/exe``, plus the
-  target's ``PYTHONPATH``.
+  head of its ``sys.path`` (the script's folder or the working folder, then its
+  ``PYTHONPATH``); :func:`pid_packages` prefers a kvcached extension the process
+  has already loaded (``/proc/PID/maps``).
 """
 
 from __future__ import annotations

@@ -487,7 +487,6 @@ def bundle_href(rel: str | None, bundle_path: str | None) -> str | None:
 
 # ---------------------------------------------------------------- A/B
 
-AB_SIDES = ("stock", "fixed")
 _SIDE_BUNDLE = re.compile(r"^(?:\.\./)?[A-Za-z0-9_.-]+/bundle/?$")
 
 
@@ -503,25 +502,20 @@ def _page_href(path: str | None, base: str) -> str | None:
 def ab_view(report: Report) -> dict[str, Any] | None:
     """Both runs of ``kvdiag ab`` side by side, from the stored comparison (``report.ab``).
 
-    Reads either shape of the comparison (each side's verdict, summary, exit code, engines and
-    report/bundle paths); per-engine verdicts come from ``verdicts_by_engine`` keyed "side/engine",
-    else from the side's verdict when that names the engine.
+    Each side's verdict, summary, exit code, engines and report/bundle paths; per-engine verdicts
+    come from ``verdicts_by_engine`` keyed "side/engine", else from the side's verdict when that
+    names the engine.
     """
     ab = report.ab
-    if not isinstance(ab, dict):
+    if ab is None:
         return None
     # The A/B output folder as seen from the page: the folder holding the A/B bundle.
     base = posixpath.dirname((report.bundle_path or "bundle").replace("\\", "/").rstrip("/"))
     sides: list[dict[str, Any]] = []
-    for label in AB_SIDES:
-        side = ab.get(label)
-        if not isinstance(side, dict):
-            continue
+    for label, side in (("stock", ab.stock), ("fixed", ab.fixed)):
         side_verdict = report.verdicts_by_engine.get(label)
         engines: list[dict[str, Any]] = []
-        raw_engines = side.get("engines")
-        for name, info in (raw_engines.items() if isinstance(raw_engines, dict) else []):
-            info = info if isinstance(info, dict) else {}
+        for name, info in side.engines.items():
             own = report.verdicts_by_engine.get(f"{label}/{name}")
             if own is not None:
                 kind: str | None = own.kind.value
@@ -531,27 +525,22 @@ def ab_view(report: Report) -> dict[str, Any] | None:
                 kind = "healthy"  # a healthy run: every engine in it is
             else:
                 kind = None
-            engines.append({"name": str(name), "phase": info.get("phase"), "healthy": info.get("healthy"),
-                            "startup_s": info.get("startup_s"), "verdict": kind})
-        report_rel = side.get("report") if isinstance(side.get("report"), str) else f"{label}/report.html"
-        bundle_rel = side.get("bundle")
-        if isinstance(bundle_rel, str) and _SIDE_BUNDLE.match(bundle_rel):
+            engines.append({"name": name, "phase": info.phase.value, "healthy": info.healthy,
+                            "startup_s": info.startup_s, "verdict": kind})
+        report_rel = side.report or f"{label}/report.html"
+        if _SIDE_BUNDLE.match(side.bundle):
             # stored relative to the A/B bundle folder ("../stock/bundle")
-            bundle_rel = posixpath.normpath(posixpath.join("bundle", bundle_rel))
+            bundle_rel = posixpath.normpath(posixpath.join("bundle", side.bundle))
         else:
-            bundle_rel = posixpath.join(posixpath.dirname(str(report_rel)), "bundle")
+            bundle_rel = posixpath.join(posixpath.dirname(report_rel), "bundle")
         sides.append({
-            "label": label, "verdict": str(side.get("verdict") or "unknown"),
-            "summary": str(side.get("summary") or ""), "exit_code": side.get("exit_code"),
-            "report": report_rel, "report_href": _page_href(str(report_rel), base),
+            "label": label, "verdict": side.verdict.value, "summary": side.summary, "exit_code": side.exit_code,
+            "report": report_rel, "report_href": _page_href(report_rel, base),
             "bundle": bundle_rel, "bundle_href": _page_href(bundle_rel + "/bundle.json", base),
             "engines": engines,
         })
-    if not sides:
-        return None
-    separated = bool(ab.get("separated"))
-    return {"separated": separated, "sides": sides, "base": base,
-            "title": "A/B separated" if separated else "A/B did not separate"}
+    return {"separated": ab.separated, "sides": sides, "base": base,
+            "title": "A/B separated" if ab.separated else "A/B did not separate"}
 
 
 # ---------------------------------------------------------------- page

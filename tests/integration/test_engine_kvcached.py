@@ -152,3 +152,28 @@ engines:
     assert env["kvcached"]["installed"] is False
     md = (out / "report.md").read_text()
     assert f"kvcached (engine direct, script, wrapped: {py}) at {PREFIX / 'kvcached'}: pre_fix" in md
+
+
+def test_a_captured_pid_is_judged_by_the_kvcached_it_has_loaded(tmp_path: Path) -> None:
+    """A process that loaded a kvcached extension module runs that build, whatever its sys.path says now."""
+    import _json  # any real extension module stands in for kvcached's vmm_ops
+
+    if installed_kvcached().installed:
+        pytest.skip("kvdiag's own interpreter has a kvcached: the test needs one without")
+    pkg = tmp_path / "elsewhere" / "kvcached"
+    pkg.mkdir(parents=True)
+    for name in ("__init__.py", "kv_cache_manager.py", "tp_ipc_util.py"):
+        (pkg / name).write_bytes((PREFIX / "kvcached" / name).read_bytes())
+    so = pkg / "vmm_ops.so"
+    so.write_bytes(Path(str(_json.__file__)).read_bytes())
+    script = tmp_path / "engine.py"
+    script.write_text(f"import ctypes, sys\nctypes.CDLL({str(so)!r})\nprint('ready', flush=True)\nsys.stdin.read()\n")
+    proc = subprocess.Popen([sys.executable, str(script)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "ready"
+        rec = pid_packages(proc.pid)
+        assert rec.kvcached is not None and rec.kvcached.location == str(pkg)
+        assert rec.kvcached.verdict == "pre_fix" and "binary" in rec.kvcached.sources
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)

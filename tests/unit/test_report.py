@@ -19,6 +19,9 @@ from rich.console import Console
 from kvdiag.bundle_io import save_bundle
 from kvdiag.cli.main import main
 from kvdiag.model import (
+    ABComparison,
+    ABEngine,
+    ABSide,
     BannerInfo,
     Bundle,
     Confidence,
@@ -43,6 +46,14 @@ from kvdiag.report import build_report, render_html, render_json, render_markdow
 from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, frame_cited, script_json
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "report.schema.json"
+
+
+def ab_carrying(text: str) -> ABComparison:
+    """An A/B comparison whose summaries, engine name and health lines are ``text`` (a payload to render)."""
+    side = ABSide(verdict=VerdictKind.GIL_CYCLE, summary=text, exit_code=10, bundle="../stock/bundle",
+                  report="stock/report.html", engines={text: ABEngine(phase=EnginePhase.STALLED, health=text)})
+    return ABComparison(stock=side, fixed=side.model_copy(update={"verdict": VerdictKind.HEALTHY, "exit_code": 0,
+                                                                  "bundle": "../fixed/bundle"}), separated=True)
 BANNER_RAW = ("Init C++ PageAllocator: num_layers=28, mem_size_per_layer=11MB, total_mem_size=667MB, page_size=2MB, "
               "world_size=1, pp_rank=0, async_sched=1, contiguous_layout=1, enable_prealloc=1, num_kv_buffers=2, "
               "group_id=0, min_reserved_pages=5, max_reserved_pages=5")
@@ -329,7 +340,7 @@ def test_html_escapes_injected_markup_everywhere(tmp_path: Path) -> None:
     verdict.cycle = [xss, "GIL"]
     verdict.evidence[0].role = xss
     report = build_report(bundle, verdict, command=xss, exit_code=10, verdicts_by_engine={xss: verdict},
-                          ab={"model": xss}, bundle_path=xss)
+                          ab=ab_carrying(xss), bundle_path=xss)
     page = render_html(report, bundle, tmp_path / "bundle")
     dom = _dom(page)
     assert [t for t, _ in dom.tags if t in ("img", "script")] == ["script", "script"]
@@ -409,7 +420,7 @@ def test_planted_secrets_reach_no_output_file(tmp_path: Path, validator: jsonsch
     by_engine[bundle.engines[1].name] = verdict
     out_dir = tmp_path / "out"
     write_outputs(out_dir, bundle, verdict, command=f"repro --api-key {secrets['apikey']}", exit_code=10,
-                  verdicts_by_engine=by_engine, ab={"note": leak}, bundle_dir=bundle_dir)
+                  verdicts_by_engine=by_engine, ab=ab_carrying(leak), bundle_dir=bundle_dir)
     files = [p for p in out_dir.rglob("*") if p.is_file()]
     assert {p.name for p in files} == {"report.json", "report.html", "report.md"}
     for path in files:
