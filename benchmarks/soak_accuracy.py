@@ -29,19 +29,22 @@ Prints tables and ends with
 ``--vllm`` (issue 14): kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server (prefix
 caching off), ONE CLIENT AT A TIME, in cycles of three runs, bench / kvdiag / bench2, the order rotated each
 cycle (bench2 is bench again: the reference measured against itself the same way gives the noise floor).
-Every run sends the same request mix: N completions, 64 prompt tokens (bench: its random dataset, seed 0 in
-every run; kvdiag: 64 random token ids, seed 0), 32 output tokens with ignore_eos, a fixed concurrency.
-The model is scripts/make_tiny_llama.py at a larger size (6 layers, hidden 512, 16M parameters; cached under
-~/.cache/kvdiag/tiny-llama-6x512), so one decode step costs the server ~5 ms: with CI's 2-layer model a
-step took well under the time the clients need to read it, several SSE events came in one socket read,
-and ITL measured client read timing instead of the server.
+Every run sends the same request mix: 48 completions, 64 prompt tokens (bench: its random dataset, seed 0 in
+every run; kvdiag: 64 random token ids, seed 0), 32 output tokens with ignore_eos, 4 at a time.
+The model is scripts/make_tiny_llama.py at a larger size (8 layers, hidden 768, 48M parameters; cached under
+~/.cache/kvdiag/tiny-llama-8x768), so one decode step costs the server ~10 ms against ~1-2 ms of API-server
+work per step for 4 streams. With CI's 2-layer model (and 8 streams) a step took well under the time the API
+server and the clients need to write and read it: several SSE events came in one socket read, ITL p50
+flipped between ~0 and one step from run to run, and measured client and API-server lag, not the server.
 Both clients' raw samples (bench's via --save-detailed) are reduced here by one function, numpy's linear
 percentile (bench's own summary figures are reproduced from its samples as a check):
 - TTFT: from the moment the client begins the request (bench: `st` before aiohttp builds and writes it;
   kvdiag: just before its pre-built request is written) to the first SSE event carrying a choice.
 - ITL: gaps between consecutive such events of one request, per event (not split per token), pooled.
 Per metric: the median over cycles of each run's figure; diff = |kvdiag - bench| / bench; noise floor =
-|bench2 - bench| / bench. Also: client CPU per request (user+sys of the client process over its load window;
+|bench2 - bench| / bench. The server's own TTFT/ITL means over each run (its /metrics histograms' sum and
+count, before and after the run) give each client's error free of the server's run-to-run drift.
+Also: client CPU per request (user+sys of the client process over its load window;
 bench's read from /proc between its "Starting main benchmark run" line and its result banner), output tokens
 (usage), failures (kvdiag's SSE parse failures beside bench's failed requests), the share of ITL gaps under
 0.5 ms (events taken from one read), load average. Needs scripts/setup_vllm_cpu.sh. Ends with
@@ -386,6 +389,30 @@ def _stats(ttft: list[float], itl: list[float]) -> dict[str, float | None]:
             "same_read": sum(1 for g in itl if g < SAME_READ_S) / len(itl) if itl else None}
 
 
+_SUMCOUNT = re.compile(r"^vllm:(?P<name>time_to_first_token|inter_token_latency)_seconds_(?P<kind>sum|count)"
+                       r"\{[^}]*\}\s+(?P<v>\S+)", re.M)
+
+
+def _server_totals(url: str) -> dict[str, float]:
+    """The server's own TTFT and ITL histograms' running sum and count (vLLM measures them in the API server)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0, trust_env=False).text
+    out: dict[str, float] = {}
+    for m in _SUMCOUNT.finditer(text):
+        key = f"{m.group('name')}_{m.group('kind')}"
+        out[key] = out.get(key, 0.0) + float(m.group("v"))
+    return out
+
+
+def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    res: dict[str, float | None] = {}
+    for name, key in (("time_to_first_token", "srv_ttft_mean"), ("inter_token_latency", "srv_itl_mean")):
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        res[key] = (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n > 0 else None
+    return res
+
+
 def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_len: int, max_tokens: int,
                        seed: int) -> dict[str, Any]:
     """kvdiag's LoadGenerator sending exactly ``num`` requests; its raw samples, for the parent to reduce."""
@@ -529,8 +556,16 @@ def main_vllm(args: argparse.Namespace) -> int:
                        "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
                        "--seed", str(args.seed)]
         bench_env = dict(env, PYTHONUNBUFFERED="1")
+        cycle_s: list[float] = []
         for cycle in range(args.rounds):
+            # CONTRACT.md: under 5 minutes. On a busy machine, stop after the last cycle that still fits
+            # (at least 3: each order once); the table says how many ran.
+            if cycle >= 3 and time.monotonic() - t_begin + max(cycle_s) > args.budget_s:
+                print(f"stopping after {cycle} cycles: another would end past the {args.budget_s:g} s budget")
+                break
+            t_cycle = time.monotonic()
             for who in ORDERS[cycle % len(ORDERS)]:
+                srv0 = _server_totals(plan.url)
                 if who == "kvdiag":
                     p = subprocess.run(client_argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
                     if p.returncode != 0:
@@ -540,30 +575,42 @@ def main_vllm(args: argparse.Namespace) -> int:
                     run = run_bench(vllm_exe, plan.url, model, args.concurrency, args.num_prompts, args.input_len,
                                     args.max_tokens, args.seed, Path(tmp), bench_env)
                 run.update(_stats(run["ttft"], run["itl"]))
+                run.update(_server_means(srv0, _server_totals(plan.url)))
                 run["cpu_per_req"] = run["cpu_s"] / run["requests"]
                 runs[who].append(run)
+            cycle_s.append(time.monotonic() - t_cycle)
     load1 = os.getloadavg()
+    cycles = len(runs["kvdiag"])
 
     def ms(v: float | None) -> str:
         return f"{'-':>8}" if v is None else f"{v * 1000:8.2f}"
 
     print()
     print(f"{'run':<10} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'same-read':>9} "
-          f"{'ok/fail':>8} {'tokens':>6} {'CPU/req':>8}   (ms)")
-    for cycle in range(args.rounds):
+          f"{'ok/fail':>8} {'tokens':>6} {'CPU/req':>8} {'ITL mean':>8} {'srv ITL':>8} {'TTFT mean':>9} "
+          f"{'srv TTFT':>8}   (ms; srv: the server's own mean)")
+    for cycle in range(cycles):
         for who in ORDERS[cycle % len(ORDERS)]:
             r = runs[who][cycle]
             print(f"{cycle} {who:<8} {ms(r['ttft_p50'])} {ms(r['ttft_p99'])} {ms(r['itl_p50'])} {ms(r['itl_p99'])} "
                   f"{r['same_read'] * 100:8.1f}% {str(r['ok']) + '/' + str(r['failed']):>8} {r['tokens']:>6} "
-                  f"{ms(r['cpu_per_req'])}")
+                  f"{ms(r['cpu_per_req'])} {ms(r['itl_mean'])} {ms(r['srv_itl_mean'])} {ms(r['ttft_mean']):>9} "
+                  f"{ms(r['srv_ttft_mean'])}")
     med = {who: {key: statistics.median(r[key] for r in rs) for key in (*ALL_KEYS, "same_read", "cpu_per_req")}
            for who, rs in runs.items()}
+    # How far each client's mean is from the server's own mean over the same run: the client's measurement error,
+    # free of the server's run-to-run variation (vLLM's ITL is per token, the clients' per event: equal when no
+    # event carries more than one token, i.e. tokens == events).
+    for who, rs in runs.items():
+        for key in ("itl", "ttft"):
+            med[who][f"{key}_vs_srv"] = statistics.median(
+                r[f"{key}_mean"] / r[f"srv_{key}_mean"] - 1 for r in rs if r[f"srv_{key}_mean"])
     sent = statistics.median(_pct(r["ttft_sent"], 50) for r in runs["kvdiag"])
     own = max(abs(r["own"][k] - r[k]) for r in runs["bench"] + runs["bench2"] for k in KEYS)
     diff = {key: _err(med["kvdiag"][key], med["bench"][key]) for key in ALL_KEYS}
     floor = {key: _err(med["bench2"][key], med["bench"][key]) for key in ALL_KEYS}
     print()
-    print(f"median over {args.rounds} rounds  {'kvdiag':>8} {'bench':>8} {'bench2':>8}   {'diff':>6} "
+    print(f"median over {cycles} rounds  {'kvdiag':>8} {'bench':>8} {'bench2':>8}   {'diff':>6} "
           f"{'noise floor':>11}")
     for key in ALL_KEYS:
         print(f"{key + ' ms':<26} {ms(med['kvdiag'][key])} {ms(med['bench'][key])} {ms(med['bench2'][key])}   "
@@ -574,6 +621,10 @@ def main_vllm(args: argparse.Namespace) -> int:
     k_failed = sum(r["failed"] for r in runs["kvdiag"])
     print(f"{'client CPU per request ms':<26} {ms(med['kvdiag']['cpu_per_req'])} {ms(med['bench']['cpu_per_req'])} "
           f"{ms(med['bench2']['cpu_per_req'])}   cpu_ratio {cpu_ratio:.3f} (kvdiag / bench)")
+    print(f"{'ITL mean vs server mean':<26} {med['kvdiag']['itl_vs_srv']:+8.3f} {med['bench']['itl_vs_srv']:+8.3f} "
+          f"{med['bench2']['itl_vs_srv']:+8.3f}   (client mean / the server's own mean over the same run - 1)")
+    print(f"{'TTFT mean vs server mean':<26} {med['kvdiag']['ttft_vs_srv']:+8.3f} {med['bench']['ttft_vs_srv']:+8.3f} "
+          f"{med['bench2']['ttft_vs_srv']:+8.3f}")
     print(f"{'same-read ITL gaps':<26} {med['kvdiag']['same_read'] * 100:7.1f}% "
           f"{med['bench']['same_read'] * 100:7.1f}% {med['bench2']['same_read'] * 100:7.1f}%   "
           f"(gaps < {SAME_READ_S * 1000:g} ms: events taken from one read)")
@@ -596,7 +647,9 @@ def main_vllm(args: argparse.Namespace) -> int:
           f"noise_ttft_p50={floor['ttft_p50']:.4f} noise_itl_p50={floor['itl_p50']:.4f} "
           f"noise_ttft_p99={floor['ttft_p99']:.4f} noise_itl_p99={floor['itl_p99']:.4f} "
           f"ttft_mean_err={diff['ttft_mean']:.4f} itl_mean_err={diff['itl_mean']:.4f} "
-          f"parse_failures={parse} kvdiag_failed={k_failed} bench_failed={bench_failed}")
+          f"itl_vs_server_kvdiag={med['kvdiag']['itl_vs_srv']:.4f} "
+          f"itl_vs_server_bench={med['bench']['itl_vs_srv']:.4f} "
+          f"parse_failures={parse} kvdiag_failed={k_failed} bench_failed={bench_failed} rounds={cycles}")
     return 0
 
 
@@ -609,10 +662,12 @@ def main() -> int:
     ap.add_argument("--vllm", action="store_true", help="kvdiag's soak client vs `vllm bench serve` on real vLLM")
     ap.add_argument("--rounds", type=int, default=6,
                     help="--vllm: cycles of bench / kvdiag / bench2, one client at a time (order rotated)")
-    ap.add_argument("--num-prompts", type=int, default=160, help="--vllm: requests per run")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="--vllm: start no cycle (after the third) that would end past this many seconds")
+    ap.add_argument("--num-prompts", type=int, default=48, help="--vllm: requests per run")
     ap.add_argument("--input-len", type=int, default=64, help="--vllm: prompt tokens")
-    ap.add_argument("--layers", type=int, default=6, help="--vllm: the model's layers (scripts/make_tiny_llama.py)")
-    ap.add_argument("--hidden", type=int, default=512, help="--vllm: the model's hidden size")
+    ap.add_argument("--layers", type=int, default=8, help="--vllm: the model's layers (scripts/make_tiny_llama.py)")
+    ap.add_argument("--hidden", type=int, default=768, help="--vllm: the model's hidden size")
     ap.add_argument("--seed", type=int, default=0, help="--vllm: the prompt set's seed, the same in every run")
     ap.add_argument("--model", help=argparse.SUPPRESS)
     ap.add_argument("--client", choices=["kvdiag", "raw", "kvdiag-vllm"], help=argparse.SUPPRESS)
@@ -626,7 +681,7 @@ def main() -> int:
         return 0
     if args.vllm:
         if args.concurrency == 16:
-            args.concurrency = 8
+            args.concurrency = 4
         return main_vllm(args)
     if args.client == "kvdiag":
         print(json.dumps(client_kvdiag(args.url, args.concurrency, args.duration, args.max_tokens, args.start_at,
