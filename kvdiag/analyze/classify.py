@@ -77,6 +77,8 @@ class ThreadView:
     read_role: str | None = None
     samples_in_wait: int = 0           # stack tools whose own reading shows this thread in the same wait
     proc_saw_read: bool = False        # /proc itself (wchan or syscall) found the thread in a read
+    proc_saw_other: bool = False       # /proc found it in something else (a sleep, another syscall, running)
+    samples_moved: bool = False        # another stack tool found it in a different wait: it moved meanwhile
 
     @property
     def label(self) -> str:
@@ -235,6 +237,7 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     view.socket_read = any(wchan.startswith(w) for w in v.WCHAN_SOCKET_READ)
     view.tty_read = any(wchan.startswith(w) for w in v.WCHAN_TTY)
     view.proc_saw_read = any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"])
+    view.proc_saw_other = not view.proc_saw_read and (bool(wchan) or nr is not None)
     if kind is None:
         if view.py_wait == "join" or view.py_wait == "py_cond":
             kind = WaitKind.PY_LOCK_WAIT
@@ -283,7 +286,9 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         f.kind == "python" and (f.file or "").endswith("multiprocessing/synchronize.py") for f in frames_all[:40])
     if kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT):
         view.read_role = _read_role(all_stacks)
-        view.samples_in_wait = sum(1 for fs in th.frames_by_tool.values() if _sample_kind(fs) is kind)
+        kinds = [_sample_kind(fs) for fs in th.frames_by_tool.values()]
+        view.samples_in_wait = sum(1 for k in kinds if k is kind)
+        view.samples_moved = any(k is not None and k is not kind for k in kinds)
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:

@@ -495,8 +495,11 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
         return None
     if proc.progress is not None and proc.progress.advanced:
         return None   # it wrote its log or did I/O during the window: something still moves
+    # A read only the stacks saw, where /proc had found the thread in something else moments before (asleep
+    # between requests, say), is a thread that moved: not parked for good.
     readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read
-               and not t.woke and not _awaits_orders(t, proc) and t.read_role != "request"]
+               and not t.woke and not _awaits_orders(t, proc) and t.read_role != "request"
+               and not t.proc_saw_other and not t.samples_moved]
     loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and not _awaits_orders(t, proc)
              and t.read_role != "request" and (fds := _loop_parked(t, proc.pid))]
     if not readers and loops and not _possible_signallers(views, [t for t, _ in loops]):
@@ -554,6 +557,9 @@ def _missing_evidence(proc: ProcessEvidence) -> str:
             "the fd could not be read), so neither the server/client role nor the sample window covers this read")
 
 
+STACKS_ONLY = "+ judged from stack samples alone"
+
+
 def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -> Verdict:
     """A blocked read whose fd (and so its peer) is unknown: a client waiting for a reply that never comes
     and a server waiting for its next request look the same. Judged only when the Python frames say it
@@ -561,13 +567,14 @@ def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -
     what is missing."""
     missing = _missing_evidence(proc)
     frames = " ← ".join(cite(r, 6)) or "no frames"
-    if r.read_role == "reply" and r.samples_in_wait >= 2:
+    if r.read_role == "reply" and r.samples_in_wait >= 2 and not r.samples_moved:
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.LOW, engine=engine,
                        evidence=[_item(r, "blocked reading with no timeout, waiting for a reply (from its frames; "
                                           f"{r.samples_in_wait} stack sample(s) in the same read)", engine,
                                       BLOCKED_KEYS)],
                        confidence_reasons=[f"- {missing}", "+ its frames are a client call waiting for a reply",
-                                           f"+ {r.samples_in_wait} stack tools found it in the same read"],
+                                           f"+ {r.samples_in_wait} stack tools found it in the same read",
+                                           STACKS_ONLY],
                        summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for a reply{where(r)} and no "
                                 f"thread of the process is running; judged from its stacks only: {missing}"))
     what = {"reply": "its frames are a client call waiting for a reply, but only one stack sample shows it",
@@ -883,6 +890,26 @@ class _PeerJudge:
         return mine
 
 
+def _servers_were_paused_too(v: Verdict, proc: ProcessEvidence, bundle: Bundle, machine: str | None) -> Verdict:
+    """A reply wait judged from stacks alone stands only if no other captured process waits for requests:
+    such a process may be its server, paused by kvdiag's own tools at the instants the reader's stacks were
+    taken (a request then sits unread and the client waits for its answer). Else: inconclusive."""
+    servers = [p.pid for p in bundle.processes if p.pid != proc.pid and p.threads and any(
+        t.read_role == "request" for t in classify_process(p, machine))]
+    if not servers:
+        return v
+    who = ", ".join(f"pid {q}" for q in servers[:3])
+    return v.model_copy(update={
+        "kind": VerdictKind.INCONCLUSIVE,
+        "confidence_reasons": [r for r in v.confidence_reasons if r != STACKS_ONLY] + [
+            f"- {who} of this capture wait(s) for requests: possibly its server, paused by kvdiag's own tools "
+            "while the reader's stacks were taken"],
+        "summary": (f"inconclusive: {v.summary.removeprefix('blocked IPC read in ')}; but {who} of this capture "
+                    "wait(s) for requests and may be its server, paused by kvdiag's own stack tools at the instants "
+                    "the reader was sampled: without /proc's fd peers and sample window the wait cannot be told "
+                    "from that")})
+
+
 def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine: str | None,
                       bundle: Bundle | None = None) -> tuple[list[Verdict], list[Finding]]:
     """Each process's verdict, worst first; a blocked read on a hung captured peer defers to the peer
@@ -896,6 +923,8 @@ def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine:
         v = analyze_process(p, machine, engine)
         if v is None:
             continue
+        if STACKS_ONLY in v.confidence_reasons and bundle is not None:
+            v = _servers_were_paused_too(v, p, bundle, machine)
         root = judge.defer(p, v) if judge is not None else None
         own = judge.waits_on_own_engine(p, v) if judge is not None and root is None else []
         if own:

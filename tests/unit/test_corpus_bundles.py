@@ -150,3 +150,16 @@ def test_blocked_read_names_the_peer_process() -> None:
     peer = next(f for p in bundle.processes for t in p.threads for f in t.blocked_fds if f.kind == "socket")
     assert peer.peer_pids and f"peer: pid {peer.peer_pids[0]}" in verdict.summary
     assert any(p.pid == peer.peer_pids[0] for p in bundle.processes)   # the silent server, in the same tree
+
+
+def test_a_stack_only_reply_wait_next_to_an_idle_server_is_inconclusive() -> None:
+    """Without /proc, a reply wait judged from stacks stands only when no other captured process waits for
+    requests: kvdiag pauses every process of the tree in turn, and a server paused at the instants the
+    client was sampled leaves the client waiting for its answer. Here the mpqueue reader (a real reply
+    wait) is captured next to an idle socketserver (healthy_idle's process)."""
+    bundle = bundle_without_tool(load("ipc_read_mpqueue"), "proc")
+    assert analyze(bundle).kind is VerdictKind.BLOCKED_IPC_READ
+    server = bundle_without_tool(load("healthy_idle"), "proc").processes[0]
+    bundle.processes.append(server.model_copy(update={"pid": 4_000_000}))
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.INCONCLUSIVE and "pid 4000000" in verdict.summary, verdict.summary
