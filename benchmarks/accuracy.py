@@ -8,7 +8,7 @@ is started --runs times and captured the way `kvdiag capture --pid` does (all ba
 read-only). Each capture is analyzed as it is, then once per tool as if that tool were missing:
 the backends do not feed each other (each reads the target on its own), so dropping one tool's
 data from the capture is what a capture without it would have merged
-(kvdiag.capture.merge.without_tool). The expected verdict of each program comes from how it was
+(kvdiag.capture.merge.bundle_without_tool). The expected verdict of each program comes from how it was
 written (hanger_kit.KINDS), never from the analyzer.
 
 Metrics per mode: accuracy; false deadlocks = runs of progressing programs (healthy, slow_start)
@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import ExitStack
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -38,7 +40,7 @@ import hanger_kit as hk  # noqa: E402
 from kvdiag.analyze import analyze  # noqa: E402
 from kvdiag.bundle_io import save_bundle  # noqa: E402
 from kvdiag.capture.bundle import capture_tree  # noqa: E402
-from kvdiag.capture.merge import without_tool  # noqa: E402
+from kvdiag.capture.merge import bundle_without_tool  # noqa: E402
 from kvdiag.model import Bundle, VerdictKind  # noqa: E402
 
 TOOLS = ("proc", "py-spy", "pystack", "gdb")
@@ -49,8 +51,7 @@ PROGRESSING = frozenset({"healthy", "slow_start"})
 def drop(bundle: Bundle, mode: str) -> Bundle:
     if mode == "all_tools":
         return bundle
-    tool = mode.removeprefix("no_")
-    return bundle.model_copy(update={"processes": [without_tool(p, tool) for p in bundle.processes]})
+    return bundle_without_tool(bundle, mode.removeprefix("no_"))
 
 
 def keep_bundle(bundle: Bundle, dest: Path, kind: str) -> None:
@@ -71,9 +72,30 @@ def keep_bundle(bundle: Bundle, dest: Path, kind: str) -> None:
     save_bundle(copy, dest)
 
 
+def _start(kind: str) -> tuple[ExitStack, hk.Hanger]:
+    """Start ``kind`` and wait until it has parked; the stack stops it (process group killed)."""
+    stack = ExitStack()
+    try:
+        return stack, stack.enter_context(hk.running(kind, bound_s=90))
+    except BaseException:
+        stack.close()
+        raise
+
+
+def _submit(starter: ThreadPoolExecutor | None, kind: str) -> Future[tuple[ExitStack, hk.Hanger]]:
+    if starter is not None:
+        return starter.submit(_start, kind)
+    done: Future[tuple[ExitStack, hk.Hanger]] = Future()
+    done.set_result(_start(kind))
+    return done
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--no-overlap", dest="overlap", action="store_false",
+                    help="start each program only after the previous one was captured (default: the next one "
+                         "boots during the current capture)")
     ap.add_argument("--only", nargs="*", default=None, help="program names (default: all)")
     ap.add_argument("--keep-bundles", type=Path, default=None, help="save the first run's bundles here")
     args = ap.parse_args()
@@ -84,19 +106,36 @@ def main() -> int:
     tally: dict[str, dict[str, Counter[str]]] = {m: {k: Counter() for k in cases} for m in MODES}
     capture_s: list[float] = []
     start = time.monotonic()
+    order = [(run, kind) for run in range(args.runs) for kind in cases]
+    # The next program boots and parks while the current one is captured (--no-overlap: one at a time).
+    # Only its start-up overlaps: captures never run at once, and each reads only its own target's tree.
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-start") if args.overlap else None
+    pending: Future[tuple[ExitStack, hk.Hanger]] | None = None
     try:
-        for run in range(args.runs):
-            for kind in cases:
-                with hk.running(kind, bound_s=90) as h:
-                    t0 = time.monotonic()
-                    bundle = capture_tree(h.root_pid, tmp / f"{kind}-{run}", timeout_s=10.0, backends=list(TOOLS))
-                    capture_s.append(time.monotonic() - t0)
-                for mode in MODES:
-                    tally[mode][kind][analyze(drop(bundle, mode)).kind.value] += 1
-                if run == 0 and args.keep_bundles is not None:
-                    keep_bundle(bundle, args.keep_bundles / kind, kind)
-                shutil.rmtree(tmp / f"{kind}-{run}", ignore_errors=True)
+        for i, (run, kind) in enumerate(order):
+            if pending is None:
+                pending = _submit(starter, kind)
+            stack, h = pending.result()
+            pending = None
+            with stack:
+                if i + 1 < len(order) and starter is not None:
+                    pending = _submit(starter, order[i + 1][1])
+                t0 = time.monotonic()
+                bundle = capture_tree(h.root_pid, tmp / f"{kind}-{run}", timeout_s=10.0, backends=list(TOOLS))
+                capture_s.append(time.monotonic() - t0)
+            for mode in MODES:
+                tally[mode][kind][analyze(drop(bundle, mode)).kind.value] += 1
+            if run == 0 and args.keep_bundles is not None:
+                keep_bundle(bundle, args.keep_bundles / kind, kind)
+            shutil.rmtree(tmp / f"{kind}-{run}", ignore_errors=True)
     finally:
+        if pending is not None:
+            try:
+                pending.result()[0].close()
+            except Exception:   # noqa: BLE001 (a program that failed to start: nothing to stop)
+                pass
+        if starter is not None:
+            starter.shutdown(wait=True)
         shutil.rmtree(tmp, ignore_errors=True)
 
     results: dict[str, dict[str, float]] = {}

@@ -26,21 +26,30 @@ CPU (user+sys, time.process_time of each client process over its load window) pe
 Prints tables and ends with
 `RESULT ttft_p50_err=... itl_p50_err=... ttft_p99_err=... itl_p99_err=... cpu_ratio=...`.
 
-``--vllm`` (issue 17 item 8): kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server
-(the tiny model, prefix caching off) AT THE SAME TIME, each with half the streams, SAME request mix: N
-completions of a 64-token prompt and 32 output tokens (ignore_eos). bench uses its random dataset (64
-input tokens); kvdiag sends 64 random token ids. kvdiag's client waits for bench's "Starting main benchmark
-run" line, so both load the server in the same state. Compared: TTFT and ITL p50/p99 and means (relative
-difference to bench's), client CPU per request (user+sys of each client process over its load window only:
-bench's from /proc between that line and its result banner, so its imports are not counted), tokens
-(usage) and failures (kvdiag's SSE parse failures beside bench's failed requests). A last round runs two
-bench clients at once: how much the reference differs from itself on this server (the noise floor).
-What each side measures: both time the first SSE event that carries a choice (its text may be empty) and
-the gaps between such events, and take tokens from usage; bench's TTFT clock starts before its aiohttp
-client builds and writes the request, kvdiag's once the request is on the socket (so kvdiag's TTFT is lower
-by bench's own per-request overhead; the TTFT from kvdiag's issue time is printed too). Needs
-scripts/setup_vllm_cpu.sh. Ends with `RESULT ttft_p50_diff=... itl_p50_diff=... cpu_ratio=...
-parse_failures=... bench_self_ttft_p50=...`.
+``--vllm`` (issue 14): kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server (prefix
+caching off), ONE CLIENT AT A TIME, in cycles of three runs, bench / kvdiag / bench2, the order rotated each
+cycle (bench2 is bench again: the reference measured against itself the same way gives the noise floor).
+Every run sends the same request mix: 48 completions, 64 prompt tokens (bench: its random dataset, seed 0 in
+every run; kvdiag: 64 random token ids, seed 0), 32 output tokens with ignore_eos, 4 at a time.
+The model is scripts/make_tiny_llama.py at a larger size (8 layers, hidden 768, 48M parameters; cached under
+~/.cache/kvdiag/tiny-llama-8x768), so one decode step costs the server ~10 ms against ~1-2 ms of API-server
+work per step for 4 streams. With CI's 2-layer model (and 8 streams) a step took well under the time the API
+server and the clients need to write and read it: several SSE events came in one socket read, ITL p50
+flipped between ~0 and one step from run to run, and measured client and API-server lag, not the server.
+Both clients' raw samples (bench's via --save-detailed) are reduced here by one function, numpy's linear
+percentile (bench's own summary figures are reproduced from its samples as a check):
+- TTFT: from the moment the client begins the request (bench: `st` before aiohttp builds and writes it;
+  kvdiag: just before its pre-built request is written) to the first SSE event carrying a choice.
+- ITL: gaps between consecutive such events of one request, per event (not split per token), pooled.
+Per metric: the median over cycles of each run's figure; diff = |kvdiag - bench| / bench; noise floor =
+|bench2 - bench| / bench. The server's own TTFT/ITL means over each run (its /metrics histograms' sum and
+count, before and after the run) give each client's error free of the server's run-to-run drift.
+Also: client CPU per request (user+sys of the client process over its load window;
+bench's read from /proc between its "Starting main benchmark run" line and its result banner), output tokens
+(usage), failures (kvdiag's SSE parse failures beside bench's failed requests), the share of ITL gaps under
+0.5 ms (events taken from one read), load average. Needs scripts/setup_vllm_cpu.sh. Ends with
+`RESULT ttft_p50_err=... itl_p50_err=... ttft_p99_err=... itl_p99_err=... cpu_ratio=... noise_...=...
+parse_failures=... bench_failed=...`.
 """
 
 from __future__ import annotations
@@ -56,7 +65,6 @@ import subprocess
 import sys
 import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -365,15 +373,57 @@ def _phase(url: str, args: argparse.Namespace, tap: bool) -> tuple[dict[str, Any
 
 
 # --------------------------------------------------------------------------------------------------
-# --vllm: kvdiag's soak client vs `vllm bench serve` on one real vLLM server
+# --vllm: kvdiag's soak client vs `vllm bench serve` on one real vLLM server, in alternating rounds
 ALL_KEYS = (*KEYS, "ttft_mean", "itl_mean")
-VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "4M",
-             "--no-enable-prefix-caching"]
+VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "64M",
+             "--no-enable-prefix-caching", "--disable-uvicorn-access-log"]
+# Three clients per cycle, the order rotated so that none always runs first, after kvdiag, or last.
+ORDERS = (("bench", "kvdiag", "bench2"), ("kvdiag", "bench2", "bench"), ("bench2", "bench", "kvdiag"))
+SAME_READ_S = 0.0005   # an ITL gap this short: two token events the client took from one socket read
+TAIL_S = 0.025         # a bucket bound of vLLM's ITL histogram: the share of gaps above it, client vs server
+
+
+def _stats(ttft: list[float], itl: list[float]) -> dict[str, float | None]:
+    return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
+            "itl_p99": _pct(itl, 99), "ttft_mean": statistics.fmean(ttft) if ttft else None,
+            "itl_mean": statistics.fmean(itl) if itl else None,
+            "same_read": sum(1 for g in itl if g < SAME_READ_S) / len(itl) if itl else None,
+            "tail": sum(1 for g in itl if g > TAIL_S) / len(itl) if itl else None}
+
+
+_SUMCOUNT = re.compile(r"^vllm:(?P<name>time_to_first_token|inter_token_latency)_seconds_(?P<kind>sum|count)"
+                       r"\{[^}]*\}\s+(?P<v>\S+)", re.M)
+
+
+def _server_totals(url: str) -> dict[str, float]:
+    """The server's own TTFT and ITL histograms' running sum and count (vLLM measures them in the API server)."""
+    import httpx
+
+    text = httpx.get(f"{url}/metrics", timeout=10.0, trust_env=False).text
+    out: dict[str, float] = {}
+    for m in _SUMCOUNT.finditer(text):
+        key = f"{m.group('name')}_{m.group('kind')}"
+        out[key] = out.get(key, 0.0) + float(m.group("v"))
+    for le, count in _buckets(text, "vllm:inter_token_latency_seconds"):
+        if le == TAIL_S:
+            out["itl_le_tail"] = count
+    return out
+
+
+def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str, float | None]:
+    res: dict[str, float | None] = {}
+    for name, key in (("time_to_first_token", "srv_ttft_mean"), ("inter_token_latency", "srv_itl_mean")):
+        n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
+        res[key] = (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n > 0 else None
+    n = after.get("inter_token_latency_count", 0.0) - before.get("inter_token_latency_count", 0.0)
+    under = after.get("itl_le_tail", 0.0) - before.get("itl_le_tail", 0.0)
+    res["srv_tail"] = 1.0 - under / n if n > 0 else None
+    return res
 
 
 def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_len: int, max_tokens: int,
-                       seed: int, wait_go: bool = False) -> dict[str, Any]:
-    """kvdiag's LoadGenerator sending exactly ``num`` requests; percentiles over every request."""
+                       seed: int) -> dict[str, Any]:
+    """kvdiag's LoadGenerator sending exactly ``num`` requests; its raw samples, for the parent to reduce."""
     import random
 
     from kvdiag.soak.loadgen import LoadConfig, LoadGenerator, RequestStatus
@@ -383,34 +433,27 @@ def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_l
     cfg = LoadConfig(base_url=url, model=model, concurrency=concurrency, max_tokens=max_tokens, prompt=prompt,
                      max_requests=num, keep_records=num + concurrency)
     lg = LoadGenerator(cfg)
-    if wait_go:
-        sys.stdin.readline()   # the benchmark says when bench's main run starts
 
     async def drive() -> float:
-        lg.start()
         cpu0 = time.process_time()
+        lg.start()
         while lg.ok + lg.failed + lg.timed_out < num:
-            await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
         cpu = time.process_time() - cpu0
         await lg.stop()
         return cpu
 
     cpu = asyncio.run(drive())
-    recs = list(lg.records)
-    ttft = [r.ttft_s for r in recs if r.ttft_s is not None and r.status is RequestStatus.OK]
-    # bench's clock starts when its client begins the request (before aiohttp builds and writes it);
-    # kvdiag's when the request is on the socket. The same TTFT from kvdiag's issue time, for comparison:
-    issued = [r.ttft_s + (r.start - r.issued) for r in recs
-              if r.ttft_s is not None and r.issued is not None and r.status is RequestStatus.OK]
-    itl = [g for r in recs if r.status is RequestStatus.OK for g in r.itl_s]
-    parse = sum(1 for r in recs if r.error and ("SSE" in r.error or "JSON" in r.error))
-    return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
-            "itl_p99": _pct(itl, 99), "ttft_mean": statistics.fmean(ttft) if ttft else None,
-            "itl_mean": statistics.fmean(itl) if itl else None, "ttft_issue_p50": _pct(issued, 50),
-            "ttft_issue_p99": _pct(issued, 99), "ok": lg.ok, "failed": lg.failed + lg.timed_out,
-            "parse_failures": parse,
-            "tokens": sum(r.usage_tokens or r.tokens for r in recs if r.status is RequestStatus.OK),
-            "cpu_s": cpu, "requests": num}
+    ok = [r for r in lg.records if r.status is RequestStatus.OK and r.ttft_s is not None]
+    # TTFT from the moment the client began the request (bench's start point; kvdiag builds nothing per
+    # request, so this is just before the write), and from the write (what `kvdiag soak` reports).
+    return {"ttft": [r.ttft_s + (r.start - (r.issued if r.issued is not None else r.start)) for r in ok
+                     if r.ttft_s is not None],
+            "ttft_sent": [r.ttft_s for r in ok if r.ttft_s is not None],
+            "itl": [g for r in ok for g in r.itl_s],
+            "ok": lg.ok, "failed": lg.failed + lg.timed_out,
+            "parse_failures": sum(1 for r in lg.records if r.error and ("SSE" in r.error or "JSON" in r.error)),
+            "tokens": sum(r.usage_tokens or r.tokens for r in ok), "cpu_s": cpu, "requests": num}
 
 
 def _stat_cpu(pid: int) -> float:
@@ -420,15 +463,14 @@ def _stat_cpu(pid: int) -> float:
 
 
 def run_bench(vllm_exe: str, url: str, model: str, concurrency: int, num: int, input_len: int, max_tokens: int,
-              seed: int, out_dir: Path, env: dict[str, str], on_start: Callable[[], None] | None = None,
-              ) -> dict[str, Any]:
-    """`vllm bench serve`, its load-window CPU read from /proc, its JSON result."""
-    name = f"bench-{seed}.json"
+              seed: int, out_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    """`vllm bench serve`: its per-request samples (--save-detailed), its own summary, load-window CPU."""
+    name = f"bench-{uuid.uuid4().hex[:8]}.json"
     argv = [vllm_exe, "bench", "serve", "--backend", "openai", "--base-url", url, "--model", model,
             "--dataset-name", "random", "--random-input-len", str(input_len), "--random-output-len", str(max_tokens),
             "--num-prompts", str(num), "--max-concurrency", str(concurrency), "--ignore-eos", "--seed", str(seed),
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,99", "--disable-tqdm",
-            "--save-result", "--result-dir", str(out_dir), "--result-filename", name]
+            "--save-result", "--save-detailed", "--result-dir", str(out_dir), "--result-filename", name]
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     assert proc.stdout is not None
     cpu_start = cpu_end = None
@@ -437,45 +479,71 @@ def run_bench(vllm_exe: str, url: str, model: str, concurrency: int, num: int, i
         lines.append(line.rstrip())
         if "Starting main benchmark run" in line:
             cpu_start = _stat_cpu(proc.pid)
-            if on_start is not None:
-                on_start()
         elif "Serving Benchmark Result" in line and cpu_start is not None:
             cpu_end = _stat_cpu(proc.pid)
     proc.wait(timeout=120)
     if proc.returncode != 0 or cpu_start is None or cpu_end is None:
         raise SystemExit("vllm bench serve failed:\n" + "\n".join(lines[-30:]))
-    res = json.loads((out_dir / name).read_text())
-    return {"ttft_p50": res["median_ttft_ms"] / 1000, "ttft_p99": res["p99_ttft_ms"] / 1000,
-            "itl_p50": res["median_itl_ms"] / 1000, "itl_p99": res["p99_itl_ms"] / 1000,
-            "ttft_mean": res["mean_ttft_ms"] / 1000, "itl_mean": res["mean_itl_ms"] / 1000,
-            "ok": res["completed"], "failed": res["failed"], "tokens": res["total_output_tokens"],
+    path = out_dir / name
+    res = json.loads(path.read_text())
+    path.unlink()
+    good = [i for i, e in enumerate(res["errors"]) if not e]
+    return {"ttft": [res["ttfts"][i] for i in good], "itl": [g for i in good for g in res["itls"][i]],
+            "own": {"ttft_p50": res["median_ttft_ms"] / 1000, "ttft_p99": res["p99_ttft_ms"] / 1000,
+                    "itl_p50": res["median_itl_ms"] / 1000, "itl_p99": res["p99_itl_ms"] / 1000},
+            "ok": res["completed"], "failed": res["failed"], "parse_failures": None,
+            "tokens": res["total_output_tokens"], "prompt_tokens": res["total_input_tokens"],
             "cpu_s": cpu_end - cpu_start, "requests": num}
+
+
+def bench_model(vllm_exe: str, layers: int, hidden: int) -> str:
+    """The benchmark's model: scripts/make_tiny_llama.py at this size, cached under ~/.cache/kvdiag
+    (2 layers, hidden 128: CI's model, the one scripts/setup_vllm_cpu.sh writes)."""
+    if (layers, hidden) == (2, 128):
+        from kvdiag.launch.vllm import default_model
+
+        return default_model()
+    out = Path(os.path.expanduser(f"~/.cache/kvdiag/tiny-llama-{layers}x{hidden}"))
+    if (out / "config.json").is_file() and (out / "model.safetensors").is_file():
+        return str(out)
+    tmp = out.with_name(out.name + f".tmp-{os.getpid()}")
+    r = subprocess.run([str(Path(vllm_exe).parent / "python"), str(ROOT / "scripts" / "make_tiny_llama.py"), str(tmp),
+                        "--layers", str(layers), "--hidden", str(hidden)], capture_output=True, text=True, timeout=300)
+    if r.returncode != 0:
+        raise SystemExit(f"make_tiny_llama.py failed:\n{r.stderr[-2000:]}")
+    try:
+        tmp.rename(out)
+    except OSError:   # another run wrote it first
+        import shutil
+        shutil.rmtree(tmp, ignore_errors=True)
+    return str(out)
 
 
 def main_vllm(args: argparse.Namespace) -> int:
     import tempfile
 
+    import httpx
+
     from kvdiag.launch.engines import plan_engine
     from kvdiag.launch.process import EngineProcess, ProcessSet, free_port
-    from kvdiag.launch.vllm import default_model, find_vllm
+    from kvdiag.launch.vllm import find_vllm
     from kvdiag.scenario.models import EngineSpec, VllmParams
 
-    model = default_model()
+    t_begin = time.monotonic()
+    load0 = os.getloadavg()
     vllm_exe = find_vllm(None)
+    model = bench_model(vllm_exe, args.layers, args.hidden)
     spec = EngineSpec(name="bench", kind="vllm", model=model, allocator="external", vllm=VllmParams(args=VLLM_ARGS))
-    rows: list[tuple[str, dict[str, Any], dict[str, Any]]] = []
-    noise: list[dict[str, float]] = []
+    runs: dict[str, list[dict[str, Any]]] = {"kvdiag": [], "bench": [], "bench2": []}
     with tempfile.TemporaryDirectory(prefix="kvdiag-bench-soak-") as tmp, ProcessSet(grace_s=5) as procs:
         plan = plan_engine(spec, free_port(), "unused", 96.0, run_dir=procs.run_dir())
         env = procs.env_for(plan.env)
         engine = EngineProcess("bench", plan.argv, env, Path(tmp) / "server.log")
         procs.start(engine)
-        import httpx
-
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             try:
-                if httpx.get(f"{plan.url}/health", timeout=1.0).status_code == 200:
+                if httpx.get(f"{plan.url}/health", timeout=1.0, trust_env=False).status_code == 200:
                     break
             except httpx.HTTPError:
                 pass
@@ -484,77 +552,117 @@ def main_vllm(args: argparse.Namespace) -> int:
             time.sleep(0.5)
         else:
             raise SystemExit("vLLM server did not come up in 300 s")
-        print(f"vLLM CPU server up at {plan.url} ({model}); {args.rounds} rounds of {args.num_prompts} requests, "
-              f"{args.concurrency} at a time, {args.input_len} prompt + {args.max_tokens} output tokens")
+        with httpx.Client(trust_env=False, timeout=60) as c:   # the server's first-request costs, outside every round
+            for _ in range(3):
+                c.post(f"{plan.url}/v1/completions", json={"model": model, "prompt": PROMPT, "max_tokens": 8})
+        print(f"vLLM CPU server up at {plan.url} ({model}, {args.layers} layers, hidden {args.hidden}) after "
+              f"{time.monotonic() - t_begin:.0f} s; {args.rounds} cycles of bench / kvdiag / bench2 (order rotated), "
+              f"one client at a time, {args.num_prompts} requests each, {args.concurrency} at a time, "
+              f"{args.input_len} prompt + {args.max_tokens} output tokens (ignore_eos), seed {args.seed} every run")
         client_argv = [sys.executable, __file__, "--client", "kvdiag-vllm", "--url", plan.url, "--model", model,
                        "--concurrency", str(args.concurrency), "--num-prompts", str(args.num_prompts),
-                       "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens)]
+                       "--input-len", str(args.input_len), "--max-tokens", str(args.max_tokens),
+                       "--seed", str(args.seed)]
         bench_env = dict(env, PYTHONUNBUFFERED="1")
-        half = max(1, args.concurrency // 2)
-        for r in range(args.rounds):
-            # kvdiag's client and bench at the same time, each with half the streams: the same server in the
-            # same state serves both, so what differs is how each client measures (and samples).
-            client = subprocess.Popen(client_argv + ["--seed", str(r), "--wait-go", "--concurrency", str(half)],
-                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                      text=True, cwd=ROOT)
+        cycle_s: list[float] = []
+        for cycle in range(args.rounds):
+            # CONTRACT.md: under 5 minutes. On a busy machine, stop after the last cycle that still fits
+            # (at least 3: each order once); the table says how many ran.
+            if cycle >= 3 and time.monotonic() - t_begin + max(cycle_s) > args.budget_s:
+                print(f"stopping after {cycle} cycles: another would end past the {args.budget_s:g} s budget")
+                break
+            t_cycle = time.monotonic()
+            for who in ORDERS[cycle % len(ORDERS)]:
+                srv0 = _server_totals(plan.url)
+                if who == "kvdiag":
+                    p = subprocess.run(client_argv, capture_output=True, text=True, cwd=ROOT, timeout=300)
+                    if p.returncode != 0:
+                        raise SystemExit(f"kvdiag client failed: {p.stderr[-2000:]}")
+                    run = json.loads(p.stdout.strip().splitlines()[-1])
+                else:
+                    run = run_bench(vllm_exe, plan.url, model, args.concurrency, args.num_prompts, args.input_len,
+                                    args.max_tokens, args.seed, Path(tmp), bench_env)
+                run.update(_stats(run["ttft"], run["itl"]))
+                run.update(_server_means(srv0, _server_totals(plan.url)))
+                run["cpu_per_req"] = run["cpu_s"] / run["requests"]
+                runs[who].append(run)
+            cycle_s.append(time.monotonic() - t_cycle)
+    load1 = os.getloadavg()
+    cycles = len(runs["kvdiag"])
 
-            def go(client: subprocess.Popen[str] = client) -> None:
-                assert client.stdin is not None
-                client.stdin.write("go\n")
-                client.stdin.flush()
-
-            bn = run_bench(vllm_exe, plan.url, model, half, args.num_prompts, args.input_len, args.max_tokens, r,
-                           Path(tmp), bench_env, on_start=go)
-            out, err = client.communicate(timeout=300)
-            if client.returncode != 0:
-                raise SystemExit(f"kvdiag client failed: {err[-2000:]}")
-            rows.append((f"round {r}", dict(json.loads(out.strip().splitlines()[-1])), bn))
-        # The noise floor: two bench clients at the same time, each against the other.
-        import threading
-
-        pair: dict[int, dict[str, Any]] = {}
-        gate = threading.Event()
-        t = threading.Thread(target=lambda: pair.__setitem__(0, run_bench(
-            vllm_exe, plan.url, model, half, args.num_prompts, args.input_len, args.max_tokens, 100, Path(tmp),
-            bench_env, on_start=gate.set)))
-        t.start()
-        gate.wait(timeout=120)
-        pair[1] = run_bench(vllm_exe, plan.url, model, half, args.num_prompts, args.input_len, args.max_tokens,
-                            101, Path(tmp), bench_env)
-        t.join(timeout=300)
-        if 0 in pair:
-            noise.append({key: _err(pair[1][key], pair[0][key]) for key in ALL_KEYS})
     def ms(v: float | None) -> str:
-        return "-" if v is None else f"{v * 1000:8.2f}"
+        return f"{'-':>8}" if v is None else f"{v * 1000:8.2f}"
 
-    print(f"{'':9} {'metric':9} {'kvdiag ms':>9} {'bench ms':>9} {'diff':>7}")
-    diffs: dict[str, list[float]] = {k: [] for k in ALL_KEYS}
-    for label, k, bn in rows:
-        for key in ALL_KEYS:
-            d = _err(k[key], bn[key])
-            diffs[key].append(d)
-            print(f"{label:9} {key:9} {ms(k[key])} {ms(bn[key])} {d:7.3f}")
-        print(f"{label:9} kvdiag TTFT from its request issue time (bench's start point): p50 "
-              f"{ms(k['ttft_issue_p50'])} p99 {ms(k['ttft_issue_p99'])} ms")
-        print(f"{label:9} requests ok/failed: kvdiag {k['ok']}/{k['failed']} (SSE parse failures "
-              f"{k['parse_failures']}), bench {bn['ok']}/{bn['failed']}; output tokens kvdiag {k['tokens']} "
-              f"bench {bn['tokens']}; client CPU per request kvdiag "
-              f"{k['cpu_s'] / k['requests'] * 1000:.2f} ms, bench {bn['cpu_s'] / bn['requests'] * 1000:.2f} ms")
-    med = {key: statistics.median(v) for key, v in diffs.items()}
-    floor = {key: statistics.median(n[key] for n in noise) if noise else float("nan") for key in ALL_KEYS}
-    cpu_ratio = statistics.median((k["cpu_s"] / k["requests"]) / (bn["cpu_s"] / bn["requests"]) for _, k, bn in rows)
-    parse = sum(k["parse_failures"] for _, k, _ in rows)
-    bench_failed = sum(bn["failed"] for _, _, bn in rows)
-    print("diff = |kvdiag - bench| / bench for the two clients loading the server at the same time (median over "
-          "rounds); cpu_ratio = kvdiag client CPU / bench client CPU per request; target: diffs <= 0.05, cpu_ratio "
-          "<= 1, 0 parse failures")
-    print("noise floor, two bench clients at the same time (|bench 2 - bench 1| / bench 1): "
-          + ", ".join(f"{k} {v:.3f}" for k, v in floor.items()))
-    print(f"RESULT ttft_p50_diff={med['ttft_p50']:.4f} ttft_p99_diff={med['ttft_p99']:.4f} "
-          f"itl_p50_diff={med['itl_p50']:.4f} itl_p99_diff={med['itl_p99']:.4f} cpu_ratio={cpu_ratio:.3f} "
-          f"ttft_mean_diff={med['ttft_mean']:.4f} itl_mean_diff={med['itl_mean']:.4f} "
-          f"bench_self_ttft_p50={floor['ttft_p50']:.4f} bench_self_itl_p99={floor['itl_p99']:.4f} "
-          f"parse_failures={parse} bench_failed={bench_failed}")
+    print()
+    print(f"{'run':<10} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'same-read':>9} "
+          f"{'ok/fail':>8} {'tokens':>6} {'CPU/req':>8} {'ITL mean':>8} {'srv ITL':>8} {'TTFT mean':>9} "
+          f"{'srv TTFT':>8} {'>25ms cli/srv':>13}   (ms; srv: the server's own figure, same run)")
+    for cycle in range(cycles):
+        for who in ORDERS[cycle % len(ORDERS)]:
+            r = runs[who][cycle]
+            print(f"{cycle} {who:<8} {ms(r['ttft_p50'])} {ms(r['ttft_p99'])} {ms(r['itl_p50'])} {ms(r['itl_p99'])} "
+                  f"{r['same_read'] * 100:8.1f}% {str(r['ok']) + '/' + str(r['failed']):>8} {r['tokens']:>6} "
+                  f"{ms(r['cpu_per_req'])} {ms(r['itl_mean'])} {ms(r['srv_itl_mean'])} {ms(r['ttft_mean']):>9} "
+                  f"{ms(r['srv_ttft_mean'])} {r['tail'] * 100:6.2f}/{(r['srv_tail'] or 0) * 100:5.2f}%")
+    med = {who: {key: statistics.median(r[key] for r in rs)
+                 for key in (*ALL_KEYS, "same_read", "cpu_per_req", "tail", "srv_tail")}
+           for who, rs in runs.items()}
+    # How far each client's mean is from the server's own mean over the same run: the client's measurement error,
+    # free of the server's run-to-run variation (vLLM's ITL is per token, the clients' per event: equal when no
+    # event carries more than one token, i.e. tokens == events).
+    for who, rs in runs.items():
+        for key in ("itl", "ttft"):
+            med[who][f"{key}_vs_srv"] = statistics.median(
+                r[f"{key}_mean"] / r[f"srv_{key}_mean"] - 1 for r in rs if r[f"srv_{key}_mean"])
+    sent = statistics.median(_pct(r["ttft_sent"], 50) for r in runs["kvdiag"])
+    own = max(abs(r["own"][k] - r[k]) for r in runs["bench"] + runs["bench2"] for k in KEYS)
+    diff = {key: _err(med["kvdiag"][key], med["bench"][key]) for key in ALL_KEYS}
+    floor = {key: _err(med["bench2"][key], med["bench"][key]) for key in ALL_KEYS}
+    print()
+    print(f"median over {cycles} rounds  {'kvdiag':>8} {'bench':>8} {'bench2':>8}   {'diff':>6} "
+          f"{'noise floor':>11}")
+    for key in ALL_KEYS:
+        print(f"{key + ' ms':<26} {ms(med['kvdiag'][key])} {ms(med['bench'][key])} {ms(med['bench2'][key])}   "
+              f"{diff[key]:6.3f} {floor[key]:11.3f}")
+    cpu_ratio = med["kvdiag"]["cpu_per_req"] / med["bench"]["cpu_per_req"]
+    parse = sum(r["parse_failures"] for r in runs["kvdiag"])
+    bench_failed = sum(r["failed"] for r in runs["bench"] + runs["bench2"])
+    k_failed = sum(r["failed"] for r in runs["kvdiag"])
+    print(f"{'client CPU per request ms':<26} {ms(med['kvdiag']['cpu_per_req'])} {ms(med['bench']['cpu_per_req'])} "
+          f"{ms(med['bench2']['cpu_per_req'])}   cpu_ratio {cpu_ratio:.3f} (kvdiag / bench)")
+    print(f"{'ITL mean vs server mean':<26} {med['kvdiag']['itl_vs_srv']:+8.3f} {med['bench']['itl_vs_srv']:+8.3f} "
+          f"{med['bench2']['itl_vs_srv']:+8.3f}   (client mean / the server's own mean over the same run - 1)")
+    print(f"{'TTFT mean vs server mean':<26} {med['kvdiag']['ttft_vs_srv']:+8.3f} {med['bench']['ttft_vs_srv']:+8.3f} "
+          f"{med['bench2']['ttft_vs_srv']:+8.3f}")
+    print(f"{'ITL gaps > 25 ms, client':<26} {med['kvdiag']['tail'] * 100:7.2f}% {med['bench']['tail'] * 100:7.2f}% "
+          f"{med['bench2']['tail'] * 100:7.2f}%   (the tail, against the server's own histogram below)")
+    print(f"{'ITL > 25 ms, server':<26} {med['kvdiag']['srv_tail'] * 100:7.2f}% "
+          f"{med['bench']['srv_tail'] * 100:7.2f}% {med['bench2']['srv_tail'] * 100:7.2f}%")
+    print(f"{'same-read ITL gaps':<26} {med['kvdiag']['same_read'] * 100:7.1f}% "
+          f"{med['bench']['same_read'] * 100:7.1f}% {med['bench2']['same_read'] * 100:7.1f}%   "
+          f"(gaps < {SAME_READ_S * 1000:g} ms: events taken from one read)")
+    print(f"failures: kvdiag {k_failed} (SSE parse failures {parse}), bench {bench_failed}; output tokens per run "
+          f"kvdiag {sorted({r['tokens'] for r in runs['kvdiag']})}, bench "
+          f"{sorted({r['tokens'] for r in runs['bench'] + runs['bench2']})}; prompt tokens per run kvdiag "
+          f"{args.num_prompts * args.input_len}, bench {sorted({r['prompt_tokens'] for r in runs['bench']})}")
+    print(f"kvdiag TTFT p50 from the socket write (what `kvdiag soak` reports): {ms(sent)} ms; bench's own summary "
+          f"figures reproduced from its samples to within {own * 1000:.4f} ms")
+    print(f"load average (1 min) before {load0[0]:.2f}, after {load1[0]:.2f}; wall {time.monotonic() - t_begin:.0f} s")
+    print("Definitions (both clients, computed here by one function on the raw samples, numpy's linear percentile):")
+    print("  TTFT: from the client beginning the request (bench: before aiohttp builds it; kvdiag: before its "
+          "pre-built request is written) to the first SSE event with a choice (its text may be empty).")
+    print("  ITL: the gaps between consecutive such events of one request, per event (an event that carries "
+          "several tokens is one gap, not split), pooled over the run's requests.")
+    print("diff = |kvdiag - bench| / bench of the medians over rounds; noise floor = |bench2 - bench| / bench, the "
+          "same reference run twice in the same alternation; target: diffs <= 0.05, cpu_ratio <= 1, 0 parse failures")
+    print(f"RESULT ttft_p50_err={diff['ttft_p50']:.4f} itl_p50_err={diff['itl_p50']:.4f} "
+          f"ttft_p99_err={diff['ttft_p99']:.4f} itl_p99_err={diff['itl_p99']:.4f} cpu_ratio={cpu_ratio:.3f} "
+          f"noise_ttft_p50={floor['ttft_p50']:.4f} noise_itl_p50={floor['itl_p50']:.4f} "
+          f"noise_ttft_p99={floor['ttft_p99']:.4f} noise_itl_p99={floor['itl_p99']:.4f} "
+          f"ttft_mean_err={diff['ttft_mean']:.4f} itl_mean_err={diff['itl_mean']:.4f} "
+          f"itl_vs_server_kvdiag={med['kvdiag']['itl_vs_srv']:.4f} "
+          f"itl_vs_server_bench={med['bench']['itl_vs_srv']:.4f} "
+          f"parse_failures={parse} kvdiag_failed={k_failed} bench_failed={bench_failed} rounds={cycles}")
     return 0
 
 
@@ -565,12 +673,16 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--step-ms", type=float, default=20.0, help="the sim's decode step (the ITL it produces)")
     ap.add_argument("--vllm", action="store_true", help="kvdiag's soak client vs `vllm bench serve` on real vLLM")
-    ap.add_argument("--rounds", type=int, default=3, help="--vllm: rounds (alternating which client goes first)")
-    ap.add_argument("--num-prompts", type=int, default=200, help="--vllm: requests per client per round")
+    ap.add_argument("--rounds", type=int, default=6,
+                    help="--vllm: cycles of bench / kvdiag / bench2, one client at a time (order rotated)")
+    ap.add_argument("--budget-s", type=float, default=270.0,
+                    help="--vllm: start no cycle (after the third) that would end past this many seconds")
+    ap.add_argument("--num-prompts", type=int, default=48, help="--vllm: requests per run")
     ap.add_argument("--input-len", type=int, default=64, help="--vllm: prompt tokens")
+    ap.add_argument("--layers", type=int, default=8, help="--vllm: the model's layers (scripts/make_tiny_llama.py)")
+    ap.add_argument("--hidden", type=int, default=768, help="--vllm: the model's hidden size")
+    ap.add_argument("--seed", type=int, default=0, help="--vllm: the prompt set's seed, the same in every run")
     ap.add_argument("--model", help=argparse.SUPPRESS)
-    ap.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
-    ap.add_argument("--wait-go", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--client", choices=["kvdiag", "raw", "kvdiag-vllm"], help=argparse.SUPPRESS)
     ap.add_argument("--tap", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--url", help=argparse.SUPPRESS)
@@ -578,11 +690,11 @@ def main() -> int:
     args = ap.parse_args()
     if args.client == "kvdiag-vllm":
         print(json.dumps(client_kvdiag_vllm(args.url, args.model, args.concurrency, args.num_prompts, args.input_len,
-                                            args.max_tokens, args.seed, args.wait_go)))
+                                            args.max_tokens, args.seed)))
         return 0
     if args.vllm:
         if args.concurrency == 16:
-            args.concurrency = 8
+            args.concurrency = 4
         return main_vllm(args)
     if args.client == "kvdiag":
         print(json.dumps(client_kvdiag(args.url, args.concurrency, args.duration, args.max_tokens, args.start_at,

@@ -13,6 +13,7 @@ class ExitCode:
     TARGET_STOPPED = 5      # the target was stopped or traced by someone else: nothing to judge
     NOT_DIAGNOSABLE = 5     # the target exited, is a zombie, runs no Python or is a kernel thread
     NOT_SATURATED = 6   # soak: no hang, but the KV pool never got near full: inconclusive
+    INCONCLUSIVE = 6    # capture: a wait that is a hang or idleness depending on evidence that could not be read
     DEADLOCK = 10
     INTERRUPTED = 130
 

@@ -56,6 +56,10 @@ class VerdictKind(str, Enum):
     KERNEL_THREAD = "kernel_thread"    # a kernel thread (kthreadd, pid 2, and its children): refused (exit 5)
     NO_EVIDENCE = "no_evidence"        # alive, but no tool could read a single thread (missing, failed) (exit 3)
     NOT_SATURATED = "not_saturated"   # a soak with no hang that never filled the KV pool: inconclusive
+    # A wait that is a hang or plain idleness depending on evidence that could not be read (named in the
+    # summary): e.g. a blocked read whose fd peers (/proc) are missing: an idle server and a client waiting
+    # for a reply look the same in its stacks. Never a deadlock, never healthy (exit 6).
+    INCONCLUSIVE = "inconclusive"
 
     @property
     def spec(self) -> KindSpec:
@@ -100,9 +104,10 @@ KIND_SPECS: dict[VerdictKind, KindSpec] = {
     _K.ZOMBIE: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 14, "unk"),
     _K.NOT_PYTHON: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 15, "unk"),
     _K.KERNEL_THREAD: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 16, "unk"),
-    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 17, "warn"),
-    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 18, "warn"),
-    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 19, "ok"),
+    _K.INCONCLUSIVE: KindSpec("inconclusive", ExitCode.INCONCLUSIVE, 17, "unk"),
+    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 18, "warn"),
+    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 19, "warn"),
+    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 20, "ok"),
 }
 
 
@@ -202,6 +207,7 @@ class FdInfo(_Model):
     peer_pids: list[int] = Field(default_factory=list)   # other processes holding the other end
     peer_comm: str | None = None
     address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
+    partial: str | None = None       # why peer_inode/peer_pids may be incomplete (capture deadline, netlink)
 
 
 class ProgressSample(_Model):
@@ -260,6 +266,10 @@ class TargetAccess(_Model):
     cap_sys_ptrace: bool = False     # CAP_SYS_PTRACE in kvdiag's effective capabilities
     container: str | None = None     # "docker", "podman", "kubernetes", ... when kvdiag runs in one
     seccomp: int | None = None       # kvdiag's own seccomp mode (0 none, 1 strict, 2 filter)
+    # The target as found, before anything attached (read by the preflight whichever backends run):
+    # a stopped or traced target is never judged healthy, even when the /proc backend is missing.
+    state: str | None = None         # /proc/PID/stat state letter: "S", "R", "T" (stopped), "t" (tracing stop)
+    tracer_pid: int | None = None    # TracerPid (0: none)
 
 
 class ProcessEvidence(_Model):
@@ -487,6 +497,8 @@ class InterpreterPackages(_Model):
     packages: dict[str, str | None] = Field(default_factory=dict)   # None = absent
     source: str = ""                 # "asked the interpreter" or "read from site-packages"
     note: str = ""                   # why the interpreter could not be asked, when it could not
+    engines: list[str] = Field(default_factory=list)   # the scenario engines that run this interpreter
+    kvcached: KvcachedBuild | None = None   # the kvcached build this interpreter imports (None: not judged)
 
 
 class EnvironmentRecord(_Model):
@@ -606,6 +618,13 @@ class EvidenceItem(_Model):
     role: str                        # "alloc_page caller (holds GIL)", "prealloc worker (waits for GIL)"
     frames: list[str] = Field(default_factory=list)
     engine: str | None = None
+    # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
+    # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
+    # report written before the field existed (nothing is highlighted).
+    key_frames: list[int] | None = None
+
+    def is_key(self, index: int) -> bool:
+        return self.key_frames is not None and index in self.key_frames
 
 
 class Verdict(_Model):
@@ -625,15 +644,25 @@ class Verdict(_Model):
     confidence_reasons: list[str] = Field(default_factory=list)
 
 
+class ABEngine(_Model):
+    """One engine of one A/B side (``ab.<side>.engines[name]`` in bundle.json and report.json)."""
+
+    phase: EnginePhase = EnginePhase.NOT_STARTED
+    healthy: bool = False            # its verdict is healthy (kvdiag.analyze.health)
+    health: str = ""                 # the health line: "yes", "no (decode stall; /health still answered)"
+    startup_s: float | None = None
+
+
 class ABSide(_Model):
     """One side of an A/B run, as the comparison reads it from that side's bundle."""
 
     verdict: VerdictKind
     summary: str
     exit_code: int
-    bundle: str                      # the side's bundle folder, relative to the A/B bundle folder
+    # The side's bundle folder, relative to the A/B bundle folder ("" in reports written before it was kept).
+    bundle: str = ""
     report: str | None = None        # the side's report.html, relative to the A/B output folder
-    engines: dict[str, dict[str, object]] = Field(default_factory=dict)
+    engines: dict[str, ABEngine] = Field(default_factory=dict)
 
 
 class ABComparison(_Model):
@@ -721,7 +750,7 @@ class Report(_Model):
     timeline: list[TimelineEvent] = Field(default_factory=list)
     findings: list[Finding] = Field(default_factory=list)
     soak: SoakStats | None = None
-    ab: dict[str, object] | None = None
+    ab: ABComparison | None = None   # `kvdiag ab`: both runs side by side (the bundle's diagnosis.ab)
     bundle_path: str | None = None
     # Added by the report stage: environment and run context for the human reader.
     host: dict[str, str] = Field(default_factory=dict)

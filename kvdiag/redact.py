@@ -48,8 +48,18 @@ from pydantic import BaseModel
 
 from kvdiag.model import Bundle, RedactionSummary
 
-REDACTED = "***REDACTED***"
-URL_REDACTED = "***"
+# The marker that replaces a secret. Plain letters only, so a redacted file stays well-formed and
+# means the same in every syntax a bundle holds: a YAML plain scalar (``*`` would start an alias,
+# ``<``/``[``/``{`` or ``:`` break block or flow scalars), a shell word (no glob, redirection or
+# quoting), a JSON string, URL userinfo, HTML (escaping leaves it unchanged) and Markdown (no
+# emphasis). A re-run of the scenario copy then runs with the literal value ``REDACTED``.
+REDACTED = "REDACTED"
+URL_REDACTED = REDACTED
+# What earlier versions wrote; still recognised where bundles are loaded and scanned, so an old
+# bundle counts as clean.
+OLD_MARKERS = ("***REDACTED***", "***")
+# The marker as a whole word (``REDACTED``, ``***REDACTED***``, ``REDACTED;``), not inside a longer word.
+_MARKER_WORD = re.compile(r"(?<![A-Za-z0-9])REDACTED(?![A-Za-z0-9])")
 
 T = TypeVar("T")
 
@@ -113,7 +123,7 @@ _AUTH_HEADER = re.compile(
     r"""(?i)(?<![\w-])(?P<q>["']?)(?P<name>(?:proxy[-_])?authorization)(?P=q)(?P<sep>\s*[:=]\s*)"""
     r"""(?P<oq>["']?)(?:(?P<scheme>bearer|basic|token|digest|negotiate|apikey)\s+)?"""
     r"""(?P<cred>[^\s"',\x00]+)""")
-_BEARER = re.compile(r"(?i)\b(?P<scheme>bearer)\s+(?!\*\*\*|tokens?\b)(?P<cred>[A-Za-z0-9._~+/\-]{4,}=*)")
+_BEARER = re.compile(r"(?i)\b(?P<scheme>bearer)\s+(?!\*\*\*|REDACTED\b|tokens?\b)(?P<cred>[A-Za-z0-9._~+/\-]{4,}=*)")
 _URL_CREDS = re.compile(r"(?P<scheme>\b[A-Za-z][A-Za-z0-9+.\-]*://)"
                         r"(?P<userinfo>[^/?#\s:@'\"<>]+(?::[^/?#\s@'\"<>]*)?|:[^/?#\s@'\"<>]+)@")
 # Anchored on the secret-ish word (fast); the callback walks back to the start of the full name.
@@ -122,9 +132,10 @@ _NAME_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz012
 # A flag name with a secret-ish part somewhere in it (the lookahead keeps `--port 8000` from ever
 # reaching the callback); is_secret_flag decides.
 _FLAG_NAME = r"(?=[A-Za-z0-9_.\-]*?(?i:key|token|secret|passw|auth|credential))[A-Za-z0-9][A-Za-z0-9_.\-]*"
-# Any such flag followed by a value (`--flag VALUE` or `--flag=VALUE`).
+# Any such flag followed by a value (`--flag VALUE`, `--flag=VALUE`, and the next item of a one-line
+# list: `"--flag", "VALUE"` in JSON, `[--flag, VALUE]` in a YAML flow list).
 _FLAG = re.compile(
-    r"(?<![\w\-])(?P<flag>--?" + _FLAG_NAME + r")(?P<sep>=|[ \t]+|[\"']\s*,\s*)(?!-|[\"']-)" + _VALUE)
+    r"(?<![\w\-])(?P<flag>--?" + _FLAG_NAME + r")(?P<sep>=|[ \t]+|[\"']?[ \t]*,[ \t]*)(?!-|[\"']-)" + _VALUE)
 # The same across a line break, in list layouts only: a YAML block list (`- --api-key` / `- VALUE`)
 # and a pretty-printed JSON or Python list (`"--api-key",` / `"VALUE"`).
 _FLAG_LIST_ML = re.compile(
@@ -188,8 +199,10 @@ def is_secret_flag(flag: str) -> bool:
 
 
 def _is_placeholder(value: str) -> bool:
+    """A value that is no secret: empty, a ``$VAR`` reference, or a marker (this one or an old one)."""
     v = value.strip().strip("\"'")
-    return (v.lower() in _EMPTY_VALUES or REDACTED in v or v.startswith("$") or set(v) <= {"*"})
+    return (v.lower() in _EMPTY_VALUES or _MARKER_WORD.search(v) is not None or v.startswith("$")
+            or set(v) <= {"*"})
 
 
 def _requote(raw: str) -> str:
@@ -211,8 +224,7 @@ class _Pass:
             self.tally.merge(self.counts)
 
     def auth(self, m: re.Match[str]) -> str:
-        cred = m.group("cred")
-        if REDACTED in cred or set(cred.strip("\"'")) <= {"*"}:
+        if _is_placeholder(m.group("cred")):
             return m.group(0)
         self.counts["auth_header"] += 1
         start, end = m.span("cred")
@@ -246,12 +258,14 @@ class _Pass:
         return f"{m.group('flag')}{m.group('sep')}{_requote(m.group('val'))}"
 
     def url(self, m: re.Match[str]) -> str:
-        if m.group("userinfo") in (URL_REDACTED, f":{URL_REDACTED}"):
+        if m.group("userinfo").lstrip(":") in (URL_REDACTED, *OLD_MARKERS):
             return m.group(0)
         self.counts["url_userinfo"] += 1
         return f"{m.group('scheme')}{URL_REDACTED}@"
 
     def private_key(self, m: re.Match[str]) -> str:
+        if REDACTED in m.group(0)[:200]:   # already redacted (this marker or the old one)
+            return m.group(0)
         self.counts["private_key_block"] += 1
         return f"-----BEGIN {m.group('kind')}----- {REDACTED}"
 
@@ -294,7 +308,7 @@ class _Pass:
 
 
 def redact_text(s: str, tally: Tally | None = None) -> str:
-    """Return ``s`` with every secret replaced by ``***REDACTED***`` (URL credentials by ``***``).
+    """Return ``s`` with every secret replaced by :data:`REDACTED` (URL credentials too).
 
     Idempotent: redacting twice gives the same text (and counts nothing the second time).
     """
@@ -503,7 +517,7 @@ def scan_text(text: str) -> list[tuple[int, str]]:
     out: list[tuple[int, str]] = []
     if "PRIVATE KEY-----" in text:
         for m in _PRIVATE_KEY_BLOCK.finditer(text):
-            if REDACTED not in m.group(0)[:200]:
+            if REDACTED not in m.group(0)[:200]:   # this marker and the old one alike
                 out.append((text.count("\n", 0, m.start()) + 1, "private_key_block"))
     if "\n" in text and _KEYWORD.search(text.lower()):
         for m in _FLAG_LIST_ML.finditer(text):
@@ -544,7 +558,7 @@ def scan_tree(folder: Path) -> list[Hit]:
 
 
 __all__ = [
-    "KINDS", "REDACTED", "Hit", "Tally", "copy_redacted", "is_secret_flag", "is_secret_name", "normalize_name",
-    "note_file", "redact_argv", "redact_bundle", "redact_file", "redact_obj", "redact_shapes", "redact_text",
-    "redact_tree", "scan_text", "scan_tree", "write_redacted",
+    "KINDS", "OLD_MARKERS", "REDACTED", "URL_REDACTED", "Hit", "Tally", "copy_redacted", "is_secret_flag",
+    "is_secret_name", "normalize_name", "note_file", "redact_argv", "redact_bundle", "redact_file", "redact_obj",
+    "redact_shapes", "redact_text", "redact_tree", "scan_text", "scan_tree", "write_redacted",
 ]

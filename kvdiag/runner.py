@@ -167,10 +167,9 @@ class LaunchedRun:
         if self.bundle.environment is not None and not self.bundle.environment.engine_packages:
             # The versions the engines' own interpreters see (a vLLM venv), not only kvdiag's.
             from kvdiag.environment import add_engine_packages
-            from kvdiag.launch.vllm import engine_python
+            from kvdiag.launch.interpreters import engine_interpreters
 
-            pythons = {e.name: engine_python(e.python) for e in self.scenario.engines if e.kind == "vllm"}
-            add_engine_packages(self.bundle.environment, [(n, p) for n, p in pythons.items() if p])
+            add_engine_packages(self.bundle.environment, engine_interpreters(self.scenario))
         procs = ProcessSet(grace_s=self.scenario.windows.kill_grace_s)
         procs.__enter__()
         self._procs = procs
@@ -185,6 +184,29 @@ class LaunchedRun:
             self.__exit__(None, None, None)
             raise
         return self
+
+    def note_interpreters(self) -> None:
+        """Record the interpreter of each launched ``command`` engine whose process runs Python
+        (``/proc/PID/exe``) and that was not known before launch (a wrapper that ``exec``s a Python)."""
+        env = self.bundle.environment
+        if env is None:
+            return
+        from kvdiag.environment import add_engine_packages
+        from kvdiag.environment.interpreter import interpreter_of_pid
+
+        known = {name for ip in env.engine_packages for name in ip.engines}
+        found: list[tuple[str, str, list[str]]] = []
+        for w in self.run.watches:
+            pid = w.proc.pid
+            if w.spec.kind != "command" or w.spec.name in known or pid is None or not w.proc.alive():
+                continue
+            try:
+                python, extra = interpreter_of_pid(pid)
+            except OSError:   # not a Python, gone, or /proc unreadable: nothing to record
+                continue
+            found.append((w.spec.name, python, extra))
+        if found:
+            add_engine_packages(env, found)
 
     def copy_logs(self) -> None:
         """Redacted copies of what the engines printed so far into bundle/logs/."""
@@ -248,6 +270,7 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
                                      scenario.capture.tool_timeout_s, bundle)
                     run.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3),
                                                       event="capture finished"))
+                launched.note_interpreters()   # after capture: asking an interpreter must not delay it
             except (Interrupted, KeyboardInterrupt) as exc:
                 interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
                 result = RunResult(run.watches, run.timeline, run.metrics, run.t0)

@@ -1,8 +1,11 @@
 #!/usr/bin/env python3
 """Write a tiny randomly initialised Llama checkpoint that vLLM CPU loads and serves in seconds.
 
-    python scripts/make_tiny_llama.py OUT_DIR
+    python scripts/make_tiny_llama.py OUT_DIR [--layers N] [--hidden H]
 
+Defaults (2 layers, hidden 128: 459,392 parameters) are the model CI serves. benchmarks/soak_accuracy.py
+--vllm asks for a larger one (more layers, wider) so that one decode step costs the server several ms and the
+gaps between tokens measure the server, not how the client reads its socket.
 Runs inside the vLLM CPU venv (torch, transformers and tokenizers come with vLLM); downloads nothing.
 The tokenizer is a small byte-level BPE fitted here on deterministic pseudo-text, so every prompt
 (including `vllm bench serve`'s random token ids) maps to valid ids. The output is noise on purpose:
@@ -49,10 +52,17 @@ def pseudo_text(lines: int) -> list[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
-        print(__doc__.strip().splitlines()[2].strip(), file=sys.stderr)
-        return 2
-    out = Path(argv[1])
+    import argparse
+
+    ap = argparse.ArgumentParser(description="Write a tiny random Llama checkpoint for vLLM CPU.")
+    ap.add_argument("out", help="output directory")
+    ap.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
+    ap.add_argument("--hidden", type=int, default=128,
+                    help="hidden size, a multiple of 64 (default 128; MLP width 2x, one head per 64)")
+    args = ap.parse_args(argv[1:])
+    if args.layers < 1 or args.hidden < 64 or args.hidden % 64:
+        ap.error("--layers must be >= 1 and --hidden a positive multiple of 64")
+    out = Path(args.out)
     import torch
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
@@ -79,11 +89,11 @@ def main(argv: list[str]) -> int:
 
     config = LlamaConfig(
         vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
+        hidden_size=args.hidden,
+        intermediate_size=2 * args.hidden,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.hidden // 64,
+        num_key_value_heads=args.hidden // 64,
         head_dim=64,
         max_position_embeddings=MAX_LEN,
         tie_word_embeddings=False,

@@ -11,6 +11,7 @@ partial evidence, never judged.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 
 from kvdiag.model import Confidence, Finding, ProcessEvidence, ThreadState, Verdict, VerdictKind
 
@@ -30,7 +31,8 @@ def _gone(proc: ProcessEvidence, findings: list[Finding]) -> bool:
 
 def _tools_refused(proc: ProcessEvidence) -> list[str]:
     """Errors of the stack tools that ran, when every one of them was refused by the kernel."""
-    if proc.tracer_pid:   # held by another debugger: EPERM is that, not a permission problem
+    if proc.tracer_pid or (proc.access is not None and proc.access.tracer_pid):
+        # held by another debugger: EPERM is that, not a permission problem
         return []
     ran = [t for t in proc.tools if t.tool in _STACK_TOOLS and t.error and "not installed" not in t.error
            and "skipped" not in t.error]
@@ -38,6 +40,32 @@ def _tools_refused(proc: ProcessEvidence) -> list[str]:
         return []
     refused = [t for t in ran if any(w in (t.error or "").lower() for w in _PERMISSION_WORDS)]
     return [f"{t.tool}: {t.error}" for t in refused] if len(refused) == len(ran) else []
+
+
+@dataclass(frozen=True)
+class FoundState:
+    """The target as found: stopped, and by whom it is traced (None: no tracer known)."""
+
+    stopped: bool = False
+    tracer_pid: int | None = None
+    traced_inferred: bool = False    # no TracerPid read, but the kernel refused every attach the preflight allowed
+
+
+def found_state(proc: ProcessEvidence) -> FoundState:
+    """Stopped / traced from /proc, else from the preflight (which reads the target's state whatever
+    backends run), else traced inferred from the ptrace tools' refusals."""
+    a = proc.access
+    stopped = proc.state is ThreadState.STOPPED or (
+        proc.state is ThreadState.UNKNOWN and a is not None and a.state in ("T", "t") and a.tracer_pid in (0, None))
+    tracer = proc.tracer_pid or (a.tracer_pid if a is not None and a.tracer_pid else None)
+    inferred = False
+    if tracer is None and not proc.threads and a is not None and a.ptrace_ok and a.tracers_ok:
+        # ptrace_attach() answers EPERM to a permitted caller only when the target is already traced.
+        ran = [t for t in proc.tools if t.tool in ("pystack", "gdb") and t.error and "not installed" not in t.error
+               and "skipped" not in t.error]
+        inferred = bool(ran) and not any(t.ok for t in proc.tools if t.tool in _STACK_TOOLS) and all(
+            any(w in (t.error or "").lower() for w in _PERMISSION_WORDS) for t in ran)
+    return FoundState(stopped=stopped, tracer_pid=tracer, traced_inferred=inferred)
 
 
 def partial_evidence(proc: ProcessEvidence) -> str:
@@ -69,6 +97,9 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
         return VerdictKind.ZOMBIE
     if _gone(proc, findings):
         return VerdictKind.EXITED
+    state = found_state(proc)
+    if state.stopped or state.tracer_pid is not None or state.traced_inferred:
+        return None     # judged by the target-state rule: stopped or traced, its own outcome
     if (a is not None and not (a.ptrace_ok and a.tracers_ok)) or _tools_refused(proc):
         return VerdictKind.NO_ACCESS
     if a is not None and a.python is False:
@@ -182,4 +213,4 @@ def evidence_outcome(name: str, procs: list[ProcessEvidence], findings: list[Fin
     return None
 
 
-__all__ = ["evidence_outcome", "judgeable", "partial_evidence", "process_outcome"]
+__all__ = ["FoundState", "evidence_outcome", "found_state", "judgeable", "partial_evidence", "process_outcome"]

@@ -71,6 +71,14 @@ class ThreadView:
     blocked_fds: list[FdInfo] = field(default_factory=list)
     asyncio_loop: bool = False         # the thread runs an asyncio event loop (its frames say so)
     shared_futex: bool = False         # a futex wait without FUTEX_PRIVATE_FLAG: another process may wake it
+    # What a read or event wait is for, from the Python frames alone: "request" (a server or worker waiting
+    # for its next request or task), "reply" (a client call waiting for its answer, a parent for its
+    # workers' results), None (the frames do not say). /proc's fd peers, when read, say it better.
+    read_role: str | None = None
+    samples_in_wait: int = 0           # stack tools whose own reading shows this thread in the same wait
+    proc_saw_read: bool = False        # /proc itself (wchan or syscall) found the thread in a read
+    proc_saw_other: bool = False       # /proc found it in something else (a sleep, another syscall, running)
+    samples_moved: bool = False        # another stack tool found it in a different wait: it moved meanwhile
 
     @property
     def label(self) -> str:
@@ -152,6 +160,31 @@ def _libraries(frames: list[Frame]) -> frozenset[str]:
     return frozenset(k for f in frames if not v.is_system_frame(f) and (k := v.library_key(f)))
 
 
+_PY_WAIT_KIND = {"read": WaitKind.IO_READ, "event": WaitKind.EVENT_WAIT}
+
+
+def _sample_kind(frames: list[Frame]) -> WaitKind | None:
+    """The wait one tool's own stack shows (its native frames, else its Python frames)."""
+    kind = _kind_from_frames(v.innermost_segment(frames))[0]
+    return kind if kind is not None else _PY_WAIT_KIND.get(_python_wait([frames]) or "")
+
+
+def _read_role(stacks: list[list[Frame]]) -> str | None:
+    """"request" / "reply" / None for a blocked read, from the innermost Python frames that say it."""
+    for frames in stacks:
+        py = [f for f in frames if f.kind == "python"]
+        for f in py:
+            if v.py_frame_in(f, v.REQUEST_WAIT_PY_FRAMES):
+                return "request"
+            if v.py_frame_in(f, v.REPLY_WAIT_PY_FRAMES) or f.name.rsplit(".", 1)[-1] in v.REPLY_WAIT_FUNCS:
+                return "reply"
+        # A multiprocessing Connection or Queue: a process multiprocessing started reads what its parent
+        # sends (its next task); the process that started the workers reads their results.
+        if any(tuple((f.file or "").rsplit("/", 2)[-2:]) in v.MP_CHANNEL_FILES for f in py[:4]):
+            return "request" if any(v.py_frame_in(f, v.MP_CHILD_PY_FRAMES) for f in py) else "reply"
+    return None
+
+
 def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | None = None) -> ThreadView:
     """What ``th`` is doing, from all the evidence captured for it."""
     frames = list(th.frames)
@@ -203,6 +236,8 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     view.owner_tid = th.futex_owner_tid
     view.socket_read = any(wchan.startswith(w) for w in v.WCHAN_SOCKET_READ)
     view.tty_read = any(wchan.startswith(w) for w in v.WCHAN_TTY)
+    view.proc_saw_read = any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"])
+    view.proc_saw_other = not view.proc_saw_read and (bool(wchan) or nr is not None)
     if kind is None:
         if view.py_wait == "join" or view.py_wait == "py_cond":
             kind = WaitKind.PY_LOCK_WAIT
@@ -249,6 +284,11 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     # multiprocessing's Lock/Semaphore/Event/Condition live in shared memory: another process posts them.
     view.shared_futex = (op is not None and not op & _FUTEX_PRIVATE_FLAG) or any(
         f.kind == "python" and (f.file or "").endswith("multiprocessing/synchronize.py") for f in frames_all[:40])
+    if kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT):
+        view.read_role = _read_role(all_stacks)
+        kinds = [_sample_kind(fs) for fs in th.frames_by_tool.values()]
+        view.samples_in_wait = sum(1 for k in kinds if k is kind)
+        view.samples_moved = any(k is not None and k is not kind for k in kinds)
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:

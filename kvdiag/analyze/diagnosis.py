@@ -20,6 +20,7 @@ from kvdiag.analyze.soak import saturation_verdict
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
     ABComparison,
+    ABEngine,
     ABSide,
     Bundle,
     Confidence,
@@ -81,9 +82,9 @@ def _side(label: str, rel: str, sub: Bundle) -> ABSide:
                   engines={e.name: _engine_line(e, diag.verdicts_by_engine.get(e.name)) for e in sub.engines})
 
 
-def _engine_line(e: EngineRecord, verdict: Verdict | None) -> dict[str, object]:
+def _engine_line(e: EngineRecord, verdict: Verdict | None) -> ABEngine:
     health = engine_health(e, verdict)
-    return {"phase": e.phase.value, "healthy": health.healthy, "health": health.line, "startup_s": e.startup_s}
+    return ABEngine(phase=e.phase, healthy=health.healthy, health=health.line, startup_s=e.startup_s)
 
 
 def _diagnose_ab(bundle: Bundle, runs: Mapping[str, Bundle]) -> Diagnosis:

@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, RiskStatus
+from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, KvcachedBuild, RiskStatus
 from kvdiag.watch.banner import assess_risk, pages_per_layer
 
 DEFAULT_KVCACHED_UTIL = 0.95
@@ -111,7 +111,7 @@ def colocation_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> 
     rt = env.kvcached_runtime
     if rt is not None and rt.segments:
         live = ", ".join(s.name for s in rt.segments)
-        pre = env.kvcached.verdict == "pre_fix"
+        pre = any(k.verdict == "pre_fix" for _, k, _ in kvcached_builds(env))
         rows.append(_row("colocation", "this host (live)", RiskStatus.RISK if pre else RiskStatus.OK,
                          f"{len(rt.segments)} kvcached engine(s) live now ({live}); a new prealloc engine on the "
                          f"same GPU is co-located" + (" with a pre-fix build" if pre else ""),
@@ -120,37 +120,53 @@ def colocation_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> 
     return rows
 
 
+def kvcached_builds(env: EnvironmentRecord) -> list[tuple[str, KvcachedBuild, list[str]]]:
+    """(whose, build, engine names) of every kvcached build judged: each engine interpreter's, then
+    kvdiag's own (``installed kvcached``), which judges the engines that have no interpreter of their own."""
+    out = [(f"kvcached of {ip.who} ({ip.python})", ip.kvcached, ip.engines)
+           for ip in env.engine_packages if ip.kvcached is not None]
+    return [*out, ("installed kvcached", env.kvcached, [])]
+
+
+def _engine_build(e: EnginePlan, env: EnvironmentRecord) -> KvcachedBuild:
+    """The kvcached build engine ``e`` imports: its interpreter's when recorded, else kvdiag's own."""
+    return next((b for _, b, names in kvcached_builds(env) if e.name in names), env.kvcached)
+
+
 def _build_fixed(e: EnginePlan, env: EnvironmentRecord) -> bool:
     if e.kind == "sim":
         return e.allocator == "fixed"
-    return env.kvcached.verdict in ("fixed", "not_affected")
+    return _engine_build(e, env).verdict in ("fixed", "not_affected")
 
 
-def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
-    rows: list[DoctorCheck] = []
-    k = env.kvcached
+def _build_row(subject: str, k: KvcachedBuild, env: EnvironmentRecord) -> DoctorCheck:
     gil = next((c for c in k.checks if c.defect == "gil_holding_alloc_page"), None)
     others = [c for c in k.checks if c.defect != "gil_holding_alloc_page" and c.status is DefectStatus.PRESENT]
     extra = "".join(f"; also {c.title} ({c.upstream})" for c in others)
     where = f"kvcached {k.version or '?'}" + (f" (git {k.git_commit[:12]})" if k.git_commit else "") + \
         (f" at {k.location}" if k.location else "")
     if not k.installed:
-        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.NOT_APPLICABLE,
-                         "kvcached is not installed here"))
-    elif k.verdict == "pre_fix":
+        return _row("prefix_build", subject, RiskStatus.NOT_APPLICABLE,
+                    "kvcached is not installed here" if subject == "installed kvcached" else
+                    "this interpreter has no kvcached")
+    if k.verdict == "pre_fix":
         ev = "; ".join(gil.evidence[:2]) if gil else ""
         off = env.env.get("KVCACHED_PAGE_PREALLOC_ENABLED", "true").strip().lower() != "true"
-        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.OK if off and not others else RiskStatus.RISK,
-                         f"{where}: pre-fix build: {ev}{extra}"
-                         + (" (KVCACHED_PAGE_PREALLOC_ENABLED is off here: no prealloc worker, no GIL cycle)"
-                            if off else ""),
-                         f"{FIX_BUILD}; until then KVCACHED_PAGE_PREALLOC_ENABLED=false",
-                         gil.upstream if gil else None))
-    elif k.verdict in ("fixed", "not_affected"):
-        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.RISK if others else RiskStatus.OK,
-                         f"{where}: {k.summary}{extra}", FIX_BUILD if others else None))
-    else:
-        rows.append(_row("prefix_build", "installed kvcached", RiskStatus.UNKNOWN, f"{where}: {k.summary}"))
+        return _row("prefix_build", subject, RiskStatus.OK if off and not others else RiskStatus.RISK,
+                    f"{where}: pre-fix build: {ev}{extra}"
+                    + (" (KVCACHED_PAGE_PREALLOC_ENABLED is off here: no prealloc worker, no GIL cycle)"
+                       if off else ""),
+                    f"{FIX_BUILD}; until then KVCACHED_PAGE_PREALLOC_ENABLED=false",
+                    gil.upstream if gil else None)
+    if k.verdict in ("fixed", "not_affected"):
+        return _row("prefix_build", subject, RiskStatus.RISK if others else RiskStatus.OK,
+                    f"{where}: {k.summary}{extra}", FIX_BUILD if others else None)
+    return _row("prefix_build", subject, RiskStatus.UNKNOWN, f"{where}: {k.summary}")
+
+
+def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
+    """One row per kvcached build (each engine interpreter's and kvdiag's own), then the simulated engines."""
+    rows = [_build_row(subject, k, env) for subject, k, _ in kvcached_builds(env)]
     for e in engines:
         if e.kind == "sim" and e.kvcached:
             if e.allocator == "stock" and not e.prealloc:
@@ -171,7 +187,9 @@ def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[
 
 def headroom_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
     rows: list[DoctorCheck] = []
-    underflow = next((c for c in env.kvcached.checks if c.defect == "headroom_underflow"), None)
+    # The first installed build's (an engine interpreter's before kvdiag's own).
+    underflow = next((c for _, k, _ in kvcached_builds(env) if k.installed for c in k.checks
+                      if c.defect == "headroom_underflow"), None)
     wraps = underflow is None or underflow.status is not DefectStatus.FIXED
     util = DEFAULT_KVCACHED_UTIL
     raw = env.env.get("KVCACHED_GPU_UTILIZATION")

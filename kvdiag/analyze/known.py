@@ -24,33 +24,28 @@ class KnownHang:
     signatures: frozenset[str] = field(default_factory=frozenset)
 
 
-_PREALLOC_GIL = KnownDefect(
-    id="kvcached#371",
-    title="prealloc GIL cycle: alloc_page waits with the GIL held while the prealloc worker needs the GIL in "
-          "map_pages (also #334)",
-    fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
-    workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false",
-    url="https://github.com/ovg-project/kvcached/issues/371")
-_GIL_HELD_WAIT = KnownDefect(
-    id="kvcached#371",
-    title="alloc_page waits for the prealloc worker with the GIL held: every Python thread stalls behind it "
-          "(GIL half of #371)",
-    fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
-    workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false",
-    url="https://github.com/ovg-project/kvcached/issues/371")
-_RUNTIME_STALL = KnownDefect(
-    id="kvcached#371",
-    title="runtime stall under load (reproduction B): decode stops while alloc_page waits with the GIL held "
-          "and the prealloc worker needs the GIL in map_pages",
-    fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
-    workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false",
-    url="https://github.com/ovg-project/kvcached/issues/371")
+_ISSUE_371 = "kvcached#371"
+_URL_371 = "https://github.com/ovg-project/kvcached/issues/371"
+
+
+def _gil_371(title: str) -> KnownDefect:
+    """The GIL half of kvcached #371: the same fix, workaround and page, whatever the verdict saw of it."""
+    return KnownDefect(id=_ISSUE_371, title=title, fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
+                       workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false", url=_URL_371)
+
+
+_PREALLOC_GIL = _gil_371("prealloc GIL cycle: alloc_page waits with the GIL held while the prealloc worker needs "
+                         "the GIL in map_pages (also #334)")
+_GIL_HELD_WAIT = _gil_371("alloc_page waits for the prealloc worker with the GIL held: every Python thread stalls "
+                          "behind it (GIL half of #371)")
+_RUNTIME_STALL = _gil_371("runtime stall under load (reproduction B): decode stops while alloc_page waits with the "
+                          "GIL held and the prealloc worker needs the GIL in map_pages")
 _IPC_READ = KnownDefect(
-    id="kvcached#371",
+    id=_ISSUE_371,
     title="worker IPC reply awaited with no timeout: a live but stuck worker hangs the engine (IPC half of #371)",
     fixed_by="PR #422 (KVCACHED_IPC_TIMEOUT)", fixed_in="0.1.6",
     workaround="restart the stuck worker; a kvcached >= 0.1.6 fails after KVCACHED_IPC_TIMEOUT seconds",
-    url="https://github.com/ovg-project/kvcached/issues/371")
+    url=_URL_371)
 
 KNOWN: tuple[KnownHang, ...] = (
     KnownHang(_PREALLOC_GIL, frozenset({VerdictKind.GIL_CYCLE}),

@@ -12,8 +12,18 @@ import re
 from collections.abc import Iterable
 
 from kvdiag.analyze import vocab as v
-from kvdiag.analyze.access import evidence_outcome, judgeable
+from kvdiag.analyze.access import evidence_outcome, found_state, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.evidence import (
+    BLOCKED_KEYS,
+    CONTEXT_KEYS,
+    GIL_WAITER_KEYS,
+    HOLDER_KEYS,
+    Key,
+    cite,
+    cite_item,
+    where,
+)
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
@@ -89,46 +99,6 @@ def _onode(g: WaitGraph, t: ThreadView) -> str:
     return g.node(f"OBJ{t.pid}:{key}", _obj_label(t))
 
 
-def where(view: ThreadView, n: int = 2) -> str:
-    """`` in map_pages ← prealloc_worker``: the application frames nearest the wait."""
-    segment = v.innermost_segment(view.frames)
-    # functor/lambda call operators are wrappers; the named function under them says more
-    names = [v.short_name(f.name, components=2).removesuffix("()") for f in segment
-             if not v.is_system_frame(f) and not f.name.endswith("operator()") and "{lambda" not in f.name]
-    names += [f.name for f in view.frames[len(segment):] if f.kind == "python" and not f.name.startswith("<")]
-    unique = list(dict.fromkeys(names))[:n]
-    return f" in {' ← '.join(unique)}" if unique else ""
-
-
-def cite(view: ThreadView, limit: int = 12) -> list[str]:
-    """The frames that prove what the thread waits in, innermost first: from the deciding wait frame
-    up to the second Python frame, without libc internals, binding glue or unnamed frames."""
-    frames = view.frames
-    start = next((i for i, f in enumerate(frames) if view.wait_frame and f.name == view.wait_frame), None)
-    if start is None:
-        start = next((i for i, f in enumerate(frames) if v.norm(f.name) in v.WAIT_PRIMITIVES), 0)
-    out: list[str] = []
-    python_seen = 0
-    for f in frames[start:]:
-        if f.name in ("???", "??"):
-            continue
-        if python_seen and f.kind != "python":
-            continue   # interpreter internals between Python frames add nothing
-        if v.is_binding_glue(f) and not v.matches(f.name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
-            continue
-        text = v.describe(f)
-        if out and out[-1] == text:
-            continue
-        out.append(text)
-        if f.kind == "python":
-            python_seen += 1
-            if python_seen >= 2:
-                break
-        if len(out) >= limit:
-            break
-    return out
-
-
 def _has_frame(view: ThreadView, needle: str) -> bool:
     return any(needle in f.name for f in view.frames)
 
@@ -148,8 +118,9 @@ def _waiter_role(w: ThreadView) -> str:
     return "waits for the GIL"
 
 
-def _item(t: ThreadView, role: str, engine: str | None) -> EvidenceItem:
-    return EvidenceItem(pid=t.pid, tid=t.tid, role=role, frames=cite(t), engine=engine)
+def _item(t: ThreadView, role: str, engine: str | None, keys: tuple[Key, ...]) -> EvidenceItem:
+    """The thread's cited frames; ``keys`` says which of them this rule's conclusion rests on."""
+    return cite_item(t, role, engine, keys)
 
 
 # ---------------------------------------------------------------- process rules
@@ -202,30 +173,45 @@ def peer_phrase(info: FdInfo) -> str:
         what += " (peer not resolved)"   # sock_diag gave no peer inode: unknown, not absent
     elif info.kind in ("socket", "pipe"):
         what += " (no process holds the other end)"
+    if info.partial:
+        what += f" [peer lookup partial: {info.partial}]"
     return what
 
 
 def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
-    """A stopped or foreign-traced target: its own outcome; the stacks' story, if any, as a finding."""
-    stopped = proc.state is ThreadState.STOPPED or bool(views) and all(
-        t.stopped or t.kind is WaitKind.STOPPED for t in views)
-    if not stopped and proc.tracer_pid is None:
+    """A stopped or foreign-traced target: its own outcome; the stacks' story, if any, as a finding.
+
+    The state and tracer come from /proc, else from the preflight's reading of the target as found, else
+    (traced) from every ptrace tool being refused although the preflight found attaching allowed."""
+    found = found_state(proc)
+    stopped = found.stopped or bool(views) and all(t.stopped or t.kind is WaitKind.STOPPED for t in views)
+    tracer = found.tracer_pid
+    if not stopped and tracer is None and not found.traced_inferred:
         return None
-    inner = next((v for r in PROCESS_RULES if (v := r(proc, views, engine)) is not None), None)
-    if inner is not None and inner.kind is VerdictKind.UNKNOWN:
+    inner = _first_verdict(proc, views, engine)
+    if inner is not None and inner.kind in (VerdictKind.UNKNOWN, VerdictKind.INCONCLUSIVE):
         inner = None    # "nothing runs" says nothing about a process that cannot run
     also = f"; its stacks show {inner.kind.value}: {inner.summary}" if inner is not None else ""
     findings = [Finding(kind="mechanism", pid=proc.pid, engine=engine, message=inner.kind.value)] if inner else []
-    evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine)
+    evidence = inner.evidence if inner is not None else [_item(t, "stopped" if stopped else "traced", engine,
+                                                                                 BLOCKED_KEYS)
                                                          for t in views[:2]]
-    if stopped and proc.tracer_pid is None:
+    if stopped and tracer is None:
         return Verdict(kind=VerdictKind.STOPPED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                        findings=findings, cycle=inner.cycle if inner else [],
                        summary=(f"{_where(proc)} is stopped (SIGSTOP, job control or a debugger): none of its "
                                 f"threads can run until it gets SIGCONT; capture left it stopped{also}"))
+    if tracer is None:
+        refused = "; ".join(f"{t.tool}: {t.error}" for t in proc.tools if not t.ok and t.error)
+        return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.MEDIUM, engine=engine, evidence=evidence,
+                       findings=findings, cycle=inner.cycle if inner else [],
+                       confidence_reasons=["- its TracerPid was not read (/proc not captured)"],
+                       summary=(f"{_where(proc)} is most likely traced by another debugger: the preflight found "
+                                f"attaching allowed, yet the kernel refused every ptrace tool ({refused}), which "
+                                f"it does when a tracer already holds the process; nothing was judged{also}"))
     return Verdict(kind=VerdictKind.TRACED, confidence=Confidence.HIGH, engine=engine, evidence=evidence,
                    findings=findings, cycle=inner.cycle if inner else [],
-                   summary=(f"{_where(proc)} is traced by pid {proc.tracer_pid} (another debugger or strace)"
+                   summary=(f"{_where(proc)} is traced by pid {tracer} (another debugger or strace)"
                             f"{' and stopped by it' if stopped else ''}: kvdiag's ptrace tools cannot attach and "
                             f"the tracer may be holding it; left as found{also}"))
 
@@ -266,8 +252,9 @@ def rule_gil_held_blocked(proc: ProcessEvidence, views: list[ThreadView], engine
         holder.kind, "blocked"))
     peer = "".join(f"; reading {peer_phrase(f)}" for f in holder.blocked_fds[:1]) if holder.blocked_fds else ""
     conf = Confidence.HIGH if any(s in ("pystack", "proc") for s in holder.gil_holder_sources) else Confidence.MEDIUM
-    evidence = [_item(holder, f"holds the GIL while {block} ({how}){peer}", engine)]
-    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine) for w in waiters[:4]]
+    evidence = [_item(holder, f"holds the GIL while {block} ({how}){peer}", engine, HOLDER_KEYS)]
+    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine, GIL_WAITER_KEYS)
+                 for w in waiters[:4]]
     names = ", ".join(w.label for w in waiters[:3]) + (f" and {len(waiters) - 3} more" if len(waiters) > 3 else "")
     return Verdict(kind=VerdictKind.GIL_HELD_BLOCKED, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"GIL held while blocked in {_where(proc)}: {holder.label} holds the GIL while {block}"
@@ -351,8 +338,11 @@ def rule_gil_cycle(proc: ProcessEvidence, views: list[ThreadView], engine: str |
     summary = (f"GIL cycle in {_where(proc)}: {holder.label} holds the GIL while "
                f"{_WAIT_WORDS.get(holder.kind, 'blocked')}{where(holder)}; {main_waiter.label} waits for the "
                f"GIL{where(main_waiter)}{more}{how}")
-    evidence = [_item(holder, _holder_role(holder), engine)]
-    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine) for w in ranked[:4]]
+    # The holder rests on its blocking call, its project frame and the Python call that entered it; a
+    # waiter on its GIL acquire and the project code that wants the GIL (map_pages, the callback).
+    evidence = [_item(holder, _holder_role(holder), engine, HOLDER_KEYS)]
+    evidence += [_item(w, _waiter_role(w) + f" [{'; '.join(w.gil_wait_signals)}]", engine, GIL_WAITER_KEYS)
+                 for w in ranked[:4]]
     return Verdict(kind=VerdictKind.GIL_CYCLE, summary=summary, confidence=conf, evidence=evidence,
                    engine=engine, cycle=g.describe_cycle(cycle))
 
@@ -422,7 +412,7 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     conf = Confidence.MEDIUM if len(addrs) == len(waiters) else Confidence.LOW
     desc = "; ".join(f"{t.label} waits for a lock{at}" for t, at in lines)
     evidence = [_item(t, f"waits for Python lock {t.wait_addr:#x}" if t.wait_addr else "waits for a Python lock",
-                      engine) for t in waiters[:4]]
+                      engine, BLOCKED_KEYS) for t in waiters[:4]]
     return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"likely lock-order inversion between Python locks in {_where(proc)}: {desc}. "
                             f"Python locks record no owner, so who holds which is inferred: no other thread "
@@ -457,7 +447,8 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
         desc = "; ".join(f"{m.label} holds mutex {', '.join(held.get(m.tid, ['?']))} and waits for "
                          f"{m.wait_addr:#x}{where(m, 1)}" for m in members if m.wait_addr)
         evidence = [_item(m, f"holds mutex {', '.join(held.get(m.tid, ['?']))}, waits for mutex "
-                             f"{m.wait_addr:#x}" if m.wait_addr else "waits for a mutex", engine) for m in members]
+                             f"{m.wait_addr:#x}" if m.wait_addr else "waits for a mutex", engine, BLOCKED_KEYS)
+                    for m in members]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=conf, engine=engine,
                        summary=f"lock-order inversion in {_where(proc)}: {desc}", evidence=evidence,
                        cycle=g.describe_cycle(cycle))
@@ -469,7 +460,7 @@ def rule_lock_inversion(proc: ProcessEvidence, views: list[ThreadView], engine: 
     if not owners_known and (len(addrs) >= 2 or unread) and not any(t.running and not t.idle_by_design
                                                                      for t in views):
         evidence = [_item(t, f"waits for mutex {t.wait_addr:#x} (owner unknown)" if t.wait_addr else
-                          "waits for a mutex (owner unknown)", engine) for t in waiters[:4]]
+                          "waits for a mutex (owner unknown)", engine, BLOCKED_KEYS) for t in waiters[:4]]
         return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=Confidence.LOW, engine=engine,
                        summary=(f"likely lock-order inversion in {_where(proc)}: {len(waiters)} threads wait on "
                                 f"{f'{len(addrs)} different mutexes' if addrs else 'mutexes'}"
@@ -504,19 +495,23 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
         return None
     if proc.progress is not None and proc.progress.advanced:
         return None   # it wrote its log or did I/O during the window: something still moves
+    # A read only the stacks saw, where /proc had found the thread in something else moments before (asleep
+    # between requests, say), is a thread that moved: not parked for good.
     readers = [t for t in views if t.kind is WaitKind.IO_READ and not t.idle_by_design and not t.tty_read
-               and not t.woke and not _awaits_orders(t, proc)]
+               and not t.woke and not _awaits_orders(t, proc) and t.read_role != "request"
+               and not t.proc_saw_other and not t.samples_moved]
     loops = [(t, fds) for t in views if not t.idle_by_design and not t.woke and not _awaits_orders(t, proc)
-             and (fds := _loop_parked(t, proc.pid))]
+             and t.read_role != "request" and (fds := _loop_parked(t, proc.pid))]
     if not readers and loops and not _possible_signallers(views, [t for t, _ in loops]):
         t, fds = loops[0]
         what = "asyncio event loop" if t.asyncio_loop else "event loop"
         on = "; ".join(peer_phrase(f) for f in fds[:3])
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.MEDIUM, engine=engine,
-                       evidence=[_item(t, f"{what} parked with no timeout, waiting only on {on}", engine)],
+                       evidence=[_item(t, f"{what} parked with no timeout, waiting only on {on}", engine,
+                                            BLOCKED_KEYS)],
                        summary=(f"blocked IPC read in {_where(proc)}: the {what} in {t.label} is parked in "
-                                f"{t.wait_frame or 'epoll_wait'} with no timeout and no timer; its only event "
-                                f"sources are connections that stay silent: {on}. The awaiting coroutine is not "
+                                f"{t.wait_frame or 'epoll_wait'}{where(t)} with no timeout and no timer; its only "
+                                f"event sources are connections that stay silent: {on}. The awaiting coroutine is not "
                                 f"on any stack; it is the read on that connection"))
     if not readers:
         return None
@@ -531,17 +526,93 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
     r = sorted(picked, key=lambda t: (not t.holds_gil, not t.is_main, t.tid))[0]
     from_frames = r.wait_frame is not None and not r.wait_frame.startswith(("wchan", "syscall"))
     conns = [f for f in r.blocked_fds if f.kind in ("socket", "pipe")]
+    if not conns and not r.proc_saw_read:
+        # Neither the fd's peer nor the sample window covers this read (it came from the stacks alone).
+        return _unresolved_read(proc, r, engine)
     is_socket = r.socket_read or any(f.kind == "socket" for f in conns)
     conf = Confidence.HIGH if (from_frames and (is_socket or conns)) else Confidence.MEDIUM
     what = peer_phrase(conns[0]) if conns else ("a socket" if r.socket_read else "a socket/pipe")
     evidence = [_item(r, f"blocked reading {what} with no timeout" + (" (holds the GIL)" if r.holds_gil else ""),
-                      engine)]
+                      engine, BLOCKED_KEYS)]
     others = [t for t in views if t.tid != r.tid and not t.idle_by_design and t.kind in (
         WaitKind.PY_LOCK_WAIT, WaitKind.COND_WAIT, WaitKind.GIL_WAIT)]
-    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine) for t in others[:3]]
+    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine, CONTEXT_KEYS)
+                 for t in others[:3]]
     return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for data on {what}"
                             f"{where(r)} and no thread of the process is running"))
+
+
+def proc_missing(proc: ProcessEvidence) -> bool:
+    """Nothing of ``proc`` was read from /proc: no sample window, no thread state, CPU or fd."""
+    return proc.progress is None and all(t.state is ThreadState.UNKNOWN and t.cpu_ticks_delta is None
+                                         for t in proc.threads)
+
+
+def _missing_evidence(proc: ProcessEvidence) -> str:
+    if proc_missing(proc):
+        return ("/proc was not read (its fd peers, which tell the server end of a connection from a client's, "
+                "and the sample window, which shows whether anything moves)")
+    return ("the fd it reads was not resolved to a connection and its peer (/proc saw the thread elsewhere, or "
+            "the fd could not be read), so neither the server/client role nor the sample window covers this read")
+
+
+STACKS_ONLY = "+ judged from stack samples alone"
+
+
+def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -> Verdict:
+    """A blocked read whose fd (and so its peer) is unknown: a client waiting for a reply that never comes
+    and a server waiting for its next request look the same. Judged only when the Python frames say it
+    waits for a reply and at least two stack tools found it in that read; otherwise inconclusive, naming
+    what is missing."""
+    missing = _missing_evidence(proc)
+    frames = " ← ".join(cite(r, 6)) or "no frames"
+    if r.read_role == "reply" and r.samples_in_wait >= 2 and not r.samples_moved:
+        return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.LOW, engine=engine,
+                       evidence=[_item(r, "blocked reading with no timeout, waiting for a reply (from its frames; "
+                                          f"{r.samples_in_wait} stack sample(s) in the same read)", engine,
+                                      BLOCKED_KEYS)],
+                       confidence_reasons=[f"- {missing}", "+ its frames are a client call waiting for a reply",
+                                           f"+ {r.samples_in_wait} stack tools found it in the same read",
+                                           STACKS_ONLY],
+                       summary=(f"blocked IPC read in {_where(proc)}: {r.label} waits for a reply{where(r)} and no "
+                                f"thread of the process is running; judged from its stacks only: {missing}"))
+    what = {"reply": "its frames are a client call waiting for a reply, but only one stack sample shows it",
+            None: "its frames do not say whether it waits for a reply or for the next request"}.get(r.read_role, "")
+    return Verdict(kind=VerdictKind.INCONCLUSIVE, confidence=Confidence.LOW, engine=engine,
+                   evidence=[_item(r, "blocked reading with no timeout (peer unknown)", engine, BLOCKED_KEYS)],
+                   confidence_reasons=[f"- {missing}", f"- {what}"],
+                   summary=(f"inconclusive: in {_where(proc)}, {r.label} blocks reading with no timeout{where(r)} "
+                            f"and nothing else of the process runs, but {what}: an idle server and a client whose "
+                            f"peer stopped answering look the same here. Missing: {missing}. Capture again with "
+                            f"/proc readable (kvdiag's proc backend) to decide. Frames: {frames}"))
+
+
+def rule_unresolved_wait(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    """An event loop (poll/epoll/select, not accept) parked with a timeout and fds that were not read (no
+    /proc), nothing else of the process able to act: idle with no clients, or an asyncio client awaiting a
+    reply (the coroutine is on no stack). Neither healthy nor a deadlock: inconclusive."""
+    if not proc_missing(proc) or any(t.running and not t.idle_by_design for t in views):
+        return None
+    loops = [t for t in views if t.kind is WaitKind.EVENT_WAIT and not t.idle_by_design and not t.timed
+             and t.read_role is None and not t.blocked_fds and "accept" not in (t.wait_frame or "")
+             and "sig" not in (t.wait_frame or "") and "pause" not in (t.wait_frame or "")]
+    if not loops:
+        return None
+    others = [t for t in _possible_signallers(views, loops, proc) if t.kind is not WaitKind.EVENT_WAIT]
+    if others:
+        return None
+    t = sorted(loops, key=lambda t: (not t.is_main, t.tid))[0]
+    what = "asyncio event loop" if t.asyncio_loop else "event loop"
+    missing = _missing_evidence(proc)
+    return Verdict(kind=VerdictKind.INCONCLUSIVE, confidence=Confidence.LOW, engine=engine,
+                   evidence=[_item(t, f"{what} parked; its timeout and fds unknown", engine, BLOCKED_KEYS)],
+                   confidence_reasons=[f"- {missing}", "- a parked loop's coroutines are on no stack"],
+                   summary=(f"inconclusive: the {what} in {t.label} of {_where(proc)} is parked in "
+                            f"{t.wait_frame or 'a poll'} and nothing else of the process runs; without its timeout "
+                            f"and the fds it waits on, a loop idle between clients and one awaiting a reply that "
+                            f"never comes look the same (the awaiting coroutine is on no stack). Missing: "
+                            f"{missing}. Capture again with /proc readable to decide"))
 
 
 def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
@@ -568,9 +639,10 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
     else:
         conf = Confidence.LOW
     evidence = [_item(t, f"waits on {'condition variable' if t.kind is WaitKind.COND_WAIT else 'a futex'}"
-                         f"{f' {t.wait_addr:#x}' if t.wait_addr else ''} that no live thread will signal", engine)
+                         f"{f' {t.wait_addr:#x}' if t.wait_addr else ''} that no live thread will signal", engine,
+                      BLOCKED_KEYS)
                 for t in (native or waiters)[:3]]
-    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine)
+    evidence += [_item(t, f"also blocked ({_WAIT_WORDS.get(t.kind, t.kind.value)})", engine, CONTEXT_KEYS)
                  for t in live if t not in waiters and t.kind in _HOLDER_BLOCKED][:3]
     return Verdict(kind=VerdictKind.LOST_WAKEUP, confidence=conf, engine=engine, evidence=evidence,
                    summary=(f"lost wakeup in {_where(proc)}: {first.label} waits on a condition variable"
@@ -589,8 +661,8 @@ def rule_stuck_unknown(proc: ProcessEvidence, views: list[ThreadView], engine: s
             return None   # the holder's wait times out: the GIL will move
         what = (f"{holder.label} holds it but shows no wait we can name" if holder is not None
                 else "the GIL holder could not be identified")
-        evidence = ([_item(holder, "GIL holder", engine)] if holder is not None else [])
-        evidence += [_item(w, _waiter_role(w), engine) for w in waiters[:4]]
+        evidence = ([_item(holder, "GIL holder", engine, BLOCKED_KEYS)] if holder is not None else [])
+        evidence += [_item(w, _waiter_role(w), engine, GIL_WAITER_KEYS) for w in waiters[:4]]
         return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW, engine=engine, evidence=evidence,
                        summary=f"{_where(proc)}: {len(waiters)} thread(s) wait for the GIL and nothing runs; {what}")
     return None
@@ -619,7 +691,8 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
     what = (f"{live[0].label} waits for a lock that only it could release" if len(live) == 1 else
             f"all {len(live)} threads wait, with no timeout, on locks, condition variables or joins that only "
             f"another of them could release")
-    evidence = [_item(t, f"{_WAIT_WORDS.get(t.kind, 'blocked')} (no timeout, no wakeup)", engine) for t in live[:4]]
+    evidence = [_item(t, f"{_WAIT_WORDS.get(t.kind, 'blocked')} (no timeout, no wakeup)", engine, BLOCKED_KEYS)
+                for t in live[:4]]
     return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.MEDIUM if not self_held else Confidence.LOW,
                    engine=engine, evidence=evidence,
                    summary=(f"pid {proc.pid} cannot make progress: {what}{where(live[0])}; no thread runs, woke, "
@@ -628,7 +701,20 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
 
 
 PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown, rule_nothing_can_move)
+                 rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
+
+
+def _first_verdict(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
+    """The first decisive rule's verdict; an inconclusive one only when no rule decides."""
+    pending: Verdict | None = None
+    for rule in PROCESS_RULES:
+        verdict = rule(proc, views, engine)
+        if verdict is None:
+            continue
+        if verdict.kind is not VerdictKind.INCONCLUSIVE:
+            return verdict
+        pending = pending or verdict
+    return pending
 
 
 def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> Verdict | None:
@@ -638,17 +724,15 @@ def analyze_process(proc: ProcessEvidence, machine: str | None = None, engine: s
     from "nothing can move" checks the sample window: a thread that woke or used CPU, or a
     process that wrote its log or did I/O, is not parked for good.
     """
-    if not proc.alive or not proc.threads:
+    if not proc.alive:
         return None
+    if not proc.threads:   # no stack read: only the target's state (as found) can be said
+        return rule_target_state(proc, [], engine)
     views = classify_process(proc, machine)
     state = rule_target_state(proc, views, engine)
     if state is not None:
         return state
-    for rule in PROCESS_RULES:
-        verdict = rule(proc, views, engine)
-        if verdict is not None:
-            return verdict
-    return None
+    return _first_verdict(proc, views, engine)
 
 
 def process_findings(proc: ProcessEvidence, machine: str | None = None, engine: str | None = None) -> list[Finding]:
@@ -806,6 +890,26 @@ class _PeerJudge:
         return mine
 
 
+def _servers_were_paused_too(v: Verdict, proc: ProcessEvidence, bundle: Bundle, machine: str | None) -> Verdict:
+    """A reply wait judged from stacks alone stands only if no other captured process waits for requests:
+    such a process may be its server, paused by kvdiag's own tools at the instants the reader's stacks were
+    taken (a request then sits unread and the client waits for its answer). Else: inconclusive."""
+    servers = [p.pid for p in bundle.processes if p.pid != proc.pid and p.threads and any(
+        t.read_role == "request" for t in classify_process(p, machine))]
+    if not servers:
+        return v
+    who = ", ".join(f"pid {q}" for q in servers[:3])
+    return v.model_copy(update={
+        "kind": VerdictKind.INCONCLUSIVE,
+        "confidence_reasons": [r for r in v.confidence_reasons if r != STACKS_ONLY] + [
+            f"- {who} of this capture wait(s) for requests: possibly its server, paused by kvdiag's own tools "
+            "while the reader's stacks were taken"],
+        "summary": (f"inconclusive: {v.summary.removeprefix('blocked IPC read in ')}; but {who} of this capture "
+                    "wait(s) for requests and may be its server, paused by kvdiag's own stack tools at the instants "
+                    "the reader was sampled: without /proc's fd peers and sample window the wait cannot be told "
+                    "from that")})
+
+
 def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine: str | None,
                       bundle: Bundle | None = None) -> tuple[list[Verdict], list[Finding]]:
     """Each process's verdict, worst first; a blocked read on a hung captured peer defers to the peer
@@ -819,6 +923,8 @@ def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine:
         v = analyze_process(p, machine, engine)
         if v is None:
             continue
+        if STACKS_ONLY in v.confidence_reasons and bundle is not None:
+            v = _servers_were_paused_too(v, p, bundle, machine)
         root = judge.defer(p, v) if judge is not None else None
         own = judge.waits_on_own_engine(p, v) if judge is not None and root is None else []
         if own:

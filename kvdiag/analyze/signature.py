@@ -16,9 +16,7 @@ Format: ``<kind>-<12 hex digits>``, e.g. ``gil_cycle-5d0c2b8e41a7``.
 from __future__ import annotations
 
 import hashlib
-import os
 import re
-import sys
 from collections.abc import Iterable, Sequence
 
 from kvdiag.analyze import vocab as v
@@ -27,13 +25,6 @@ from kvdiag.model import Bundle, EvidenceItem, Frame, Verdict
 FRAMES_PER_THREAD = 4
 SCHEME = "kvdiag-signature-1"
 _DESCRIBED = re.compile(r"^(?P<name>.*?) \((?P<where>[^()]*)\)$")
-_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"threading", "asyncio", "selectors", "socket",
-                                                                   "queue", "concurrent", "multiprocessing"}
-
-
-# Call plumbing that is not the project's logic: libffi/ctypes, and kvdiag's own binding bridge
-# (its model allocator then signs exactly like kvcached's pybind11 build).
-_MORE_GLUE = ("ffi_", "_ctypes", "PyCFuncPtr", "kvdiag::bindings::")
 
 
 def _drop_nested(text: str, open_ch: str, close_ch: str) -> str:
@@ -79,26 +70,13 @@ def _frame_from_text(text: str) -> Frame:
     return Frame(name=name, library=where)
 
 
-def _is_stdlib_python(frame: Frame) -> bool:
-    file = frame.file or ""
-    if "site-packages" in file or "dist-packages" in file:
-        return False
-    if re.search(r"/lib/python3[\d.]*/", file):
-        return True
-    mod = os.path.basename(file).removesuffix(".py")
-    return bool(mod) and "/" not in file and mod in _STDLIB
-
-
 def project_frames(frames: Iterable[Frame]) -> list[str]:
     """The canonical names of a thread's project frames, innermost first (native ones when any)."""
     native: list[str] = []
     python: list[str] = []
     for f in frames:
-        if f.kind == "python":
-            if not _is_stdlib_python(f):
-                python.append(canonical_name(f.name))
-        elif not v.is_system_frame(f) and not f.name.startswith(_MORE_GLUE):
-            native.append(canonical_name(f.name))
+        if v.is_project_frame(f):
+            (python if f.kind == "python" else native).append(canonical_name(f.name))
     chosen = native or python
     out: list[str] = []
     for name in chosen:

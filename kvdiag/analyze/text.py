@@ -15,12 +15,14 @@ def format_verdict(verdict: Verdict, by_engine: dict[str, Verdict] | None = None
         lines.append(f"  {verdict.known.line()}"
                      + (f"; workaround: {verdict.known.workaround}" if verdict.known.workaround else ""))
     if verdict.evidence:
-        lines.append("  evidence:")
+        lines.append("  evidence (→ the frames the verdict rests on):" if any(i.key_frames for i in verdict.evidence)
+                     else "  evidence:")
         for item in verdict.evidence:
             lines.append(f"    pid {item.pid} tid {item.tid}: {item.role}")
-            lines += [f"        {frame}" for frame in item.frames[:max_frames]]
-            if len(item.frames) > max_frames:
-                lines.append(f"        ... {len(item.frames) - max_frames} more")
+            shown = [n for n in range(len(item.frames)) if n < max_frames or item.is_key(n)]
+            lines += [f"      {'→ ' if item.is_key(n) else '  '}{item.frames[n]}" for n in shown]
+            if len(item.frames) > len(shown):
+                lines.append(f"        ... {len(item.frames) - len(shown)} more")
     if verdict.cycle:
         lines.append("  wait-for cycle:")
         lines += [f"    -> {node}" for node in verdict.cycle]

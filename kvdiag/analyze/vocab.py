@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+import sys
 
 from kvdiag.model import Frame
 from kvdiag.proc import FUTEX_WCHANS
@@ -130,6 +131,57 @@ IDLE_FRAME_SUBSTR = ("__kmp_", "blas_thread", "gloo::", "zmq::", "tqdm/_monitor"
                      "monitor_engine_liveness")   # vLLM: waits on process sentinels for a child's death
 # (last two path components, function) of Python frames that are a worker's wait for its next task.
 IDLE_PY_FRAMES = frozenset({(("multiprocessing", "pool.py"), "worker")})
+# What a blocked read is for, from the Python frames alone (used where /proc's fd peers are missing).
+# (last two path components, function). A read under one of these waits for the next request or task:
+# the server end of a connection, a worker's loop. Written from how the standard library's servers and
+# pools idle, not from any test program.
+REQUEST_WAIT_PY_FRAMES = frozenset({
+    (("socketserver.py",), "serve_forever"), (("socketserver.py",), "handle"),
+    (("socketserver.py",), "finish_request"), (("socketserver.py",), "process_request_thread"),
+    (("http", "server.py"), "handle_one_request"), (("http", "server.py"), "handle"),
+    (("wsgiref", "simple_server.py"), "handle"),
+    (("multiprocessing", "managers.py"), "serve_client"), (("multiprocessing", "managers.py"), "accepter"),
+    (("multiprocessing", "managers.py"), "handle_request"),
+    (("multiprocessing", "pool.py"), "worker"),
+    (("futures", "process.py"), "_process_worker"), (("futures", "thread.py"), "_worker"),
+})
+# A read under one of these waits for a reply to a request it sent (a client call), or for the results
+# of the workers this process started.
+REPLY_WAIT_PY_FRAMES = frozenset({
+    (("http", "client.py"), "getresponse"), (("http", "client.py"), "begin"),
+    (("http", "client.py"), "_read_status"),
+    (("xmlrpc", "client.py"), "single_request"), (("xmlrpc", "client.py"), "parse_response"),
+    (("multiprocessing", "managers.py"), "_callmethod"), (("multiprocessing", "managers.py"), "dispatch"),
+    (("multiprocessing", "connection.py"), "answer_challenge"),
+    (("multiprocessing", "connection.py"), "deliver_challenge"),
+    (("urllib3", "connectionpool.py"), "_make_request"), (("redis", "connection.py"), "read_response"),
+    (("redis", "client.py"), "parse_response"), (("grpc", "_channel.py"), "_blocking"),
+    (("grpc", "_channel.py"), "__call__"),
+})
+# Function names client libraries give the read of a reply (redis-py and its kin: read_response;
+# http.client/urllib3: getresponse), matched in any file.
+REPLY_WAIT_FUNCS = frozenset({"read_response", "getresponse", "read_reply", "recv_reply", "_read_reply"})
+# A process started by multiprocessing (fork or spawn): its channels come from its parent.
+MP_CHILD_PY_FRAMES = frozenset({(("multiprocessing", "process.py"), "_bootstrap"),
+                                (("multiprocessing", "spawn.py"), "_main")})
+# multiprocessing's own channels: a Connection (Pipe) or a Queue.
+MP_CHANNEL_FILES = (("multiprocessing", "connection.py"), ("multiprocessing", "queues.py"))
+
+
+def py_frame_key(frame: Frame) -> tuple[tuple[str, ...], str]:
+    """(last two path components, bare function name) of a Python frame."""
+    parts = tuple((frame.file or "").rsplit("/", 2)[-2:])
+    return parts, frame.name.rsplit(".", 1)[-1]
+
+
+def py_frame_in(frame: Frame, table: frozenset[tuple[tuple[str, ...], str]]) -> bool:
+    """``frame`` is one of ``table``'s (path tail, function) entries (a one-component tail matches any folder)."""
+    if frame.kind != "python":
+        return False
+    parts, name = py_frame_key(frame)
+    return (parts, name) in table or ((parts[-1],) if parts else (), name) in table
+
+
 IDLE_PROCESS_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
                         "multiprocessing.semaphore_tracker")
 
@@ -243,6 +295,32 @@ def is_system_frame(frame: Frame) -> bool:
     if lib and lib.startswith(_SYSTEM_LIBS):
         return True
     return bool(frame.file and _SYSTEM_SRC.search(frame.file))
+
+
+# Call plumbing that is not the project's logic either: libffi/ctypes, and kvdiag's own binding bridge
+# (its model allocator then reads exactly like kvcached's pybind11 build).
+CALL_GLUE = ("ffi_", "_ctypes", "PyCFuncPtr", "kvdiag::bindings::")
+_STDLIB = frozenset(getattr(sys, "stdlib_module_names", ())) | {"threading", "asyncio", "selectors", "socket",
+                                                                   "queue", "concurrent", "multiprocessing"}
+
+
+def is_stdlib_python(frame: Frame) -> bool:
+    """A Python frame of the standard library (threading.py, multiprocessing/connection.py, ...)."""
+    file = frame.file or ""
+    if "site-packages" in file or "dist-packages" in file:
+        return False
+    if re.search(r"/lib/python3[\d.]*/", file):
+        return True
+    mod = os.path.basename(file).removesuffix(".py")
+    return bool(mod) and "/" not in file and mod in _STDLIB
+
+
+def is_project_frame(frame: Frame) -> bool:
+    """The application's own code: a Python frame outside the standard library, or a named native
+    frame that is not libc, the interpreter, the C++ standard library or call/binding glue."""
+    if frame.kind == "python":
+        return not is_stdlib_python(frame)
+    return not is_system_frame(frame) and not frame.name.startswith(CALL_GLUE)
 
 
 def library_key(frame: Frame) -> str | None:

@@ -213,6 +213,9 @@ def check_target(pid: int) -> TargetAccess:
         access.ptrace_ok = False
         access.refused.append(f"pid {pid} does not exist (any more)")
         return access
+    access.state = fields[0] if fields else None
+    tracer = status.get("TracerPid", "")
+    access.tracer_pid = int(tracer) if tracer.isdigit() else None
     if is_kernel_thread(pid) or (pid == 2 and (_read("/proc/2/comm") or "").strip() == KTHREADD_COMM):
         access.kernel_thread = True
         access.ptrace_ok = False

@@ -12,6 +12,7 @@ import os
 import re
 import socket
 import struct
+import time
 from dataclasses import dataclass, field
 
 from kvdiag.model import FdInfo
@@ -25,10 +26,11 @@ _NETLINK_SOCK_DIAG = 4
 _SOCK_DIAG_BY_FAMILY = 20
 _UDIAG_SHOW_PEER = 0x00000004
 _UNIX_DIAG_PEER = 2
+_NLMSG_ERROR = 2
 _NLMSG_DONE = 3
 _NLM_F_REQUEST = 1
 _NLM_F_DUMP = 0x300
-_MAX_SCAN_PIDS = 4096
+_NETLINK_DEFAULT_S = 5.0
 
 
 def readlink(pid: int, fd: int) -> str | None:
@@ -55,6 +57,7 @@ class _SocketTable:
     unix: dict[int, tuple[bool, str]] = field(default_factory=dict)        # inode -> (listening, path)
     tcp: dict[int, tuple[str, str, str, str]] = field(default_factory=dict)  # inode -> (proto, local, remote, st)
     unix_peer: dict[int, int] = field(default_factory=dict)               # inode -> peer inode
+    unix_peer_partial: str | None = None                                    # why unix_peer may lack entries
     loaded: bool = False
 
 
@@ -68,7 +71,7 @@ def _hexaddr(text: str) -> str:
     return f"{ip}:{int(port, 16)}"
 
 
-def _load_net(table: _SocketTable) -> None:
+def _load_net(table: _SocketTable, deadline: float | None = None) -> None:
     try:
         with open("/proc/net/unix", encoding="utf-8") as fh:
             next(fh, None)
@@ -92,40 +95,48 @@ def _load_net(table: _SocketTable) -> None:
                             continue
         except OSError:
             pass
-    table.unix_peer = unix_peers()
+    table.unix_peer, table.unix_peer_partial = unix_peers(deadline)
     table.loaded = True
 
 
-def unix_peers() -> dict[int, int]:
-    """inode -> peer inode of every connected Unix socket (sock_diag); {} when netlink is unavailable."""
+def unix_peers(deadline: float | None = None) -> tuple[dict[int, int], str | None]:
+    """inode -> peer inode of every connected Unix socket (one sock_diag dump), and why it is partial (None:
+    complete). Every reply is read until NLMSG_DONE, each wait bounded by ``deadline`` (monotonic; default
+    5 s from now); a dump the deadline cut, or that netlink refused, says so instead of passing as complete."""
+    end = deadline if deadline is not None else time.monotonic() + _NETLINK_DEFAULT_S
     try:
         sock = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, _NETLINK_SOCK_DIAG)
-    except (OSError, AttributeError):
-        return {}
+    except (OSError, AttributeError) as exc:
+        return {}, f"sock_diag unavailable ({exc})"
     out: dict[int, int] = {}
     try:
-        sock.settimeout(1.0)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 20)
         # unix_diag_req: family, protocol, pad, states, ino, show, cookie[2]
         req = struct.pack("=BBHIIIII", socket.AF_UNIX, 0, 0, 0xFFFFFFFF, 0, _UDIAG_SHOW_PEER, 0xFFFFFFFF,
                           0xFFFFFFFF)
         hdr = struct.pack("=IHHII", 16 + len(req), _SOCK_DIAG_BY_FAMILY, _NLM_F_REQUEST | _NLM_F_DUMP, 1, 0)
         sock.send(hdr + req)
-        done = False
-        for _ in range(10000):
-            if done:
-                break
-            data = sock.recv(65536)
+        while True:
+            left = end - time.monotonic()
+            if left <= 0:
+                return out, f"sock_diag dump cut by the capture deadline after {len(out)} sockets"
+            sock.settimeout(left)
+            try:
+                data = sock.recv(1 << 16)
+            except TimeoutError:
+                return out, f"sock_diag dump cut by the capture deadline after {len(out)} sockets"
             if not data:
-                break
+                return out, "sock_diag closed before NLMSG_DONE"
             off = 0
             while off + 16 <= len(data):
                 length, mtype = struct.unpack_from("=IH", data, off)
                 if length < 16:
-                    done = True
-                    break
-                if mtype == _NLMSG_DONE or mtype == 2:   # NLMSG_ERROR
-                    done = True
-                    break
+                    return out, "malformed sock_diag reply"
+                if mtype == _NLMSG_DONE:
+                    return out, None
+                if mtype == _NLMSG_ERROR:
+                    err = -struct.unpack_from("=i", data, off + 16)[0] if length >= 20 else 0
+                    return out, f"sock_diag error {os.strerror(err) if err else 'unknown'}"
                 body = off + 16
                 # unix_diag_msg: family, type, state, pad, ino, cookie[2]
                 ino = struct.unpack_from("=I", data, body + 4)[0]
@@ -138,36 +149,48 @@ def unix_peers() -> dict[int, int]:
                         out[ino] = struct.unpack_from("=I", data, attr + 4)[0]
                     attr += (alen + 3) & ~3
                 off += (length + 3) & ~3
-    except OSError:
-        return out
+    except OSError as exc:
+        return out, f"sock_diag failed after {len(out)} sockets ({exc})"
     finally:
         sock.close()
-    return out
 
 
-def _owners(inodes: set[int], skip_pid: int) -> dict[int, list[int]]:
-    """inode -> pids (other than ``skip_pid``) holding a socket or pipe with that inode."""
+def _owners(inodes: set[int], skip_pid: int, deadline: float | None = None) -> tuple[dict[int, list[int]], str | None]:
+    """inode -> pids (other than ``skip_pid``) holding a socket or pipe with that inode, and why the scan is
+    partial (None: every readable process was scanned).
+
+    Every pid of the host, each fd read once (a readlink per fd; a process whose fd folder may not be read
+    costs one failed open). The scan stops early only at ``deadline``, and says so: any process may hold
+    any end (fork, SCM_RIGHTS), so no subset of pids can be skipped without losing a holder.
+    """
     out: dict[int, list[int]] = {}
     if not inodes:
-        return out
+        return out, None
     try:
-        pids = [int(p) for p in os.listdir("/proc") if p.isdigit()][:_MAX_SCAN_PIDS]
-    except OSError:
-        return out
-    for pid in pids:
+        pids = sorted(int(p) for p in os.listdir("/proc") if p.isdigit())
+    except OSError as exc:
+        return out, f"/proc unreadable ({exc})"
+    wanted = {f"socket:[{i}]" for i in inodes} | {f"pipe:[{i}]" for i in inodes}
+    for n, pid in enumerate(pids):
+        if deadline is not None and n % 64 == 0 and time.monotonic() > deadline:
+            return out, f"fd scan cut by the capture deadline after {n} of {len(pids)} processes"
         if pid == skip_pid:
             continue
+        base = f"/proc/{pid}/fd/"
         try:
-            fds = os.listdir(f"/proc/{pid}/fd")
+            fds = os.listdir(base)
         except OSError:
             continue
         for fd in fds:
-            m = _LINK.match(readlink(pid, int(fd)) or "") if fd.isdigit() else None
-            if m and int(m.group(2)) in inodes:
-                lst = out.setdefault(int(m.group(2)), [])
+            try:
+                link = os.readlink(base + fd)
+            except OSError:
+                continue
+            if link in wanted:
+                lst = out.setdefault(int(link[link.index("[") + 1:-1]), [])
                 if pid not in lst:
                     lst.append(pid)
-    return out
+    return out, None
 
 
 def _comm(pid: int) -> str | None:
@@ -181,14 +204,15 @@ def _comm(pid: int) -> str | None:
 class FdResolver:
     """Describes fds of one target; host-wide tables are read lazily, once."""
 
-    def __init__(self, pid: int) -> None:
+    def __init__(self, pid: int, deadline: float | None = None) -> None:
         self.pid = pid
+        self.deadline = deadline        # monotonic; host-wide lookups stop there and say "partial"
         self._table = _SocketTable()
 
     def describe(self, fds: list[int]) -> list[FdInfo]:
         infos = [i for fd in fds if (i := self._basic(fd)) is not None]
         if any(i.kind == "socket" for i in infos) and not self._table.loaded:
-            _load_net(self._table)
+            _load_net(self._table, self.deadline)
         wanted: set[int] = set()
         for info in infos:
             if info.kind == "socket" and info.inode is not None:
@@ -197,12 +221,15 @@ class FdResolver:
                     wanted.add(info.peer_inode)
             elif info.kind == "pipe" and info.inode is not None:
                 wanted.add(info.inode)
-        owners = _owners(wanted, self.pid)
+        owners, scan_partial = _owners(wanted, self.pid, self.deadline)
         own = self._own_inodes()
         for info in infos:
+            if info.kind == "socket" and info.proto == "unix" and info.peer_inode is None:
+                info.partial = self._table.unix_peer_partial
             key = info.peer_inode if info.kind == "socket" else info.inode
             if key is None:
                 continue
+            info.partial = info.partial or scan_partial
             info.peer_pids = owners.get(key, [])
             if info.kind == "socket" and not info.peer_pids and key in own:
                 info.peer_pids = [self.pid]          # both ends inside the target (a socketpair)

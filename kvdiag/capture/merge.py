@@ -10,7 +10,7 @@ inference, then py-spy's ``+gil`` marker).
 from __future__ import annotations
 
 from kvdiag.capture.base import BackendResult
-from kvdiag.model import Frame, GilState, ProcessEvidence, ThreadEvidence
+from kvdiag.model import Bundle, Finding, Frame, GilState, ProcessEvidence, ThreadEvidence
 
 # Which tool's GIL reading to trust first.
 _GIL_PRECEDENCE = ("pystack", "proc", "py-spy", "gdb")
@@ -64,13 +64,18 @@ def without_tool(proc: ProcessEvidence, tool: str) -> ProcessEvidence:
     """``proc`` as a capture without ``tool`` would have merged it (for "what if it were missing").
 
     Valid because the backends do not feed each other: each reads the target on its own, the
-    ptrace tools one after another. Dropping "proc" keeps only what the stack tools saw.
+    ptrace tools one after another. Dropping "proc" keeps only what the stack tools saw, plus what
+    capture reads whatever backends run: the preflight (``access``: may it be read, its state and
+    tracer as found) and the role/engine the caller assigned. Everything the /proc backend derived
+    goes: thread states, CPU and context switches, wchan, syscalls and futex owners, fds and their
+    peers, the sample window, the log files on fd 1/2, signal masks, the GIL read from memory.
     """
     out = proc.model_copy(deep=True)
     out.tools = [r for r in out.tools if r.tool != tool]
     if tool == "proc":
         out = ProcessEvidence(pid=proc.pid, role=proc.role, engine=proc.engine, alive=proc.alive,
-                              python_version=proc.python_version, tools=out.tools)
+                              python_version=proc.python_version, tools=out.tools,
+                              access=proc.access.model_copy() if proc.access is not None else None)
         for t in proc.threads:
             if not t.frames_by_tool:
                 continue
@@ -83,3 +88,19 @@ def without_tool(proc: ProcessEvidence, tool: str) -> ProcessEvidence:
     for t in out.threads:
         _settle(t)
     return out
+
+
+# Findings only the /proc backend writes (kvdiag.capture.procfs).
+_PROC_FINDINGS = frozenset({"target_stopped", "target_uninterruptible"})
+
+
+def bundle_without_tool(bundle: Bundle, tool: str) -> Bundle:
+    """``bundle`` as a capture without ``tool`` would have written it: every process through
+    :func:`without_tool`, and the findings that tool alone writes (its failures, /proc's state notes) dropped."""
+    def kept(f: Finding) -> bool:
+        if tool == "proc" and f.kind in _PROC_FINDINGS:
+            return False
+        return not (f.kind in ("tool_failed", "tool_timeout", "tool_missing") and f.message.startswith(
+            (f"pid {f.pid}: {tool} ", f"{tool} ")))
+    return bundle.model_copy(update={"processes": [without_tool(p, tool) for p in bundle.processes],
+                                     "findings": [f for f in bundle.findings if kept(f)]})

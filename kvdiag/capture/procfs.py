@@ -362,8 +362,9 @@ class ProcWindow:
     proc: ProcessEvidence | None = None
     tally: Tally = field(default_factory=Tally)
     resolver: FdResolver | None = None
-    # (tid, raw syscall line) -> (fds, wait timeout), resolved inside the window from the first sample
-    fd_waits: dict[tuple[int, str], tuple[list[FdInfo], int | None] | None] = field(default_factory=dict)
+    deadline: float | None = None   # the fd resolver's bound
+    # tid -> (raw syscall line, (fds, wait timeout)), resolved inside the window from the first sample
+    fd_waits: dict[int, tuple[str, tuple[list[FdInfo], int | None]]] = field(default_factory=dict)
 
 
 class ProcBackend:
@@ -413,10 +414,11 @@ class ProcBackend:
         # Inside the window: what needs no second sample.
         w.gil = locate_gil(pid, w.mem, list(first)) if w.mem.ok else None
         w.proc = self._process(pid, status, w.tally)
-        w.resolver = FdResolver(pid)
-        for tid, s in first.items():
-            if s.syscall:
-                w.fd_waits[(tid, s.syscall)] = _fd_wait(pid, s.syscall, w.mem, w.resolver)
+        w.deadline = start + max(timeout_s, 1.0)
+        w.resolver = FdResolver(pid, w.deadline)
+        syscalls = {tid: sample.syscall for tid, sample in first.items() if sample.syscall}
+        waits = _fd_waits(pid, syscalls, w.mem, w.resolver)
+        w.fd_waits = {tid: (syscalls[tid], found) for tid, found in waits.items()}
         return w
 
     def finish(self, w: ProcWindow, raw_dir: Path) -> BackendResult:
@@ -439,14 +441,16 @@ class ProcBackend:
             proc.log_files = w.logs
             findings: list[Finding] = []
             threads = self._threads(pid, first, second, second_sys, mem, gil)
-            resolver = w.resolver or FdResolver(pid)
+            # Inside the window each thread's fds were resolved from the first sample; a thread whose syscall
+            # line differs now (it was running then) is resolved here, all of them at once.
+            resolver = w.resolver or FdResolver(pid, w.deadline)
+            late = {th.tid: th.syscall for th in threads
+                    if th.syscall and (th.tid not in w.fd_waits or w.fd_waits[th.tid][0] != th.syscall)}
+            waits = {tid: found for tid, (_, found) in w.fd_waits.items()}
+            waits.update(_fd_waits(pid, late, mem, resolver))
             for th in threads:
-                if not th.syscall:
-                    continue
-                key = (th.tid, th.syscall)
-                found = w.fd_waits[key] if key in w.fd_waits else _fd_wait(pid, th.syscall, mem, resolver)
-                if found is not None:
-                    th.blocked_fds, th.wait_timeout_ms = found
+                if th.syscall and th.tid in waits:
+                    th.blocked_fds, th.wait_timeout_ms = waits[th.tid]
         finally:
             mem.close()
         if not w.mem_ok:
@@ -577,34 +581,46 @@ def _int_timeout(register: int) -> int:
     return -1 if t >= 1 << 31 else t
 
 
-def _fd_wait(pid: int, syscall: str, mem: TargetMemory,
-             resolver: FdResolver) -> tuple[list[FdInfo], int | None] | None:
-    """For a thread blocked in read/recv/epoll/poll (its raw syscall line): which fds, their peers, and
-    the wait's timeout. None when the syscall waits on no fd."""
-    nr, args = parse_syscall(syscall)
-    if nr is None or nr < 0 or not args:
-        return None
-    fds: list[int] = []
-    timeout: int | None = None
-    if nr in _READ_FD_NRS:
-        fds = [args[0]]
-    elif nr in _EPOLL_NRS and len(args) >= 4:
-        fds = epoll_targets(pid, args[0])
-        timeout = _int_timeout(args[3])
-    elif nr in _POLL_NRS and len(args) >= 3:
-        nfds = min(args[1], _MAX_POLL_FDS)
-        raw = mem.read(args[0], 8 * nfds) if mem.ok and nfds else None
-        if raw is not None:
-            fds = [struct.unpack_from("<i", raw, 8 * i)[0] for i in range(nfds)]
-            fds = [fd for fd in fds if fd >= 0]
-        idx = _POLL_NRS[nr]
-        if idx >= 0:
-            timeout = _int_timeout(args[idx])
+def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
+              resolver: FdResolver) -> dict[int, tuple[list[FdInfo], int | None]]:
+    """For threads blocked in read/recv/epoll/poll (tid -> raw syscall line): which fds, their peers and
+    the wait's timeout; threads whose syscall waits on no fd are left out.
+
+    All threads' fds are resolved together: one host-wide socket table and one /proc/*/fd scan."""
+    timeouts: dict[int, int | None] = {}
+    wanted: dict[int, list[int]] = {}
+    for tid, syscall in syscalls.items():
+        nr, args = parse_syscall(syscall)
+        if nr is None or nr < 0 or not args:
+            continue
+        fds: list[int] = []
+        timeout: int | None = None
+        if nr in _READ_FD_NRS:
+            fds = [args[0]]
+        elif nr in _EPOLL_NRS and len(args) >= 4:
+            fds = epoll_targets(pid, args[0])
+            timeout = _int_timeout(args[3])
+        elif nr in _POLL_NRS and len(args) >= 3:
+            nfds = min(args[1], _MAX_POLL_FDS)
+            raw = mem.read(args[0], 8 * nfds) if mem.ok and nfds else None
+            if raw is not None:
+                fds = [struct.unpack_from("<i", raw, 8 * i)[0] for i in range(nfds)]
+                fds = [fd for fd in fds if fd >= 0]
+            idx = _POLL_NRS[nr]
+            if idx >= 0:
+                timeout = _int_timeout(args[idx])
+            else:
+                timeout = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
         else:
-            timeout = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
-    else:
-        return None
-    return (resolver.describe(fds[:_MAX_POLL_FDS]) if fds else []), timeout
+            continue
+        timeouts[tid] = timeout
+        if fds:
+            wanted[tid] = fds[:_MAX_POLL_FDS]
+    infos: dict[int, FdInfo] = {}
+    if wanted:
+        infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
+    return {tid: ([infos[fd].model_copy() for fd in wanted.get(tid, []) if fd in infos], timeout)
+            for tid, timeout in timeouts.items()}
 
 
 def _state_findings(pid: int, proc: ProcessEvidence, threads: list[ThreadEvidence]) -> list[Finding]:

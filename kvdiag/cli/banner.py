@@ -8,7 +8,8 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.errors import ExitCode, UsageError
+from kvdiag.cli.common import read_log_lines
+from kvdiag.errors import ExitCode
 from kvdiag.watch.banner import assess_risk, parse_banners
 
 
@@ -27,13 +28,7 @@ def banner_cmd(
         lines = sys.stdin.read().splitlines()
         source = "<stdin>"
     else:
-        path = Path(logfile)
-        try:
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except FileNotFoundError:
-            raise UsageError(f"{logfile}: file not found") from None
-        except OSError as exc:
-            raise UsageError(f"{logfile}: cannot read: {exc.strerror}") from None
+        lines = read_log_lines(Path(logfile))
         source = logfile
     banners = parse_banners(lines, source)
     risks = [assess_risk(b) for b in banners]

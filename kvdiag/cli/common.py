@@ -1,13 +1,17 @@
-"""Small helpers shared by command modules (console, summary printing)."""
+"""Small helpers shared by command modules (console, summary printing, reading a log)."""
 
 from __future__ import annotations
 
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from rich.console import Console
 
-from kvdiag.runner import RunArtifacts
+from kvdiag.errors import UsageError
+
+if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
+    from kvdiag.runner import RunArtifacts
 
 
 def console() -> Console:
@@ -15,12 +19,22 @@ def console() -> Console:
     return Console(stderr=True, highlight=False, soft_wrap=True)
 
 
+def read_log_lines(path: Path) -> list[str]:
+    """The lines of a log the user named; a UsageError saying why when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
+
+
 def print_summary(arts: RunArtifacts, con: Console) -> None:
     from kvdiag.report import build_report, render_terminal
 
     # The stored diagnosis, as every renderer reads it.
     diag = arts.bundle.diagnosis
-    ab = diag.ab.model_dump(mode="json") if diag is not None and diag.ab is not None else None
+    ab = diag.ab if diag is not None else None
     report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
                           verdicts_by_engine=arts.verdicts_by_engine, ab=ab)
     render_terminal(report, con)

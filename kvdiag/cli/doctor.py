@@ -13,6 +13,7 @@ import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
@@ -21,10 +22,14 @@ from rich.text import Text
 
 from kvdiag import __version__
 from kvdiag.analyze.doctor import DEFAULT_KVCACHED_UTIL, EnginePlan, doctor_checks
-from kvdiag.errors import ExitCode, UsageError
+from kvdiag.cli.common import read_log_lines
+from kvdiag.errors import ExitCode
 from kvdiag.model import BannerInfo, DoctorReport, EnvironmentRecord, RiskStatus
 from kvdiag.scenario import EngineSpec, Scenario, load_scenario
 from kvdiag.watch.banner import parse_banners
+
+if TYPE_CHECKING:
+    from kvdiag.launch.interpreters import EngineInterpreter
 
 BUILTIN_NAMES = ("two-engine", "default")
 _STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",
@@ -123,13 +128,7 @@ def _load(scenario: str) -> tuple[Scenario, str]:
 def _banners(logs: list[Path]) -> list[BannerInfo]:
     out: list[BannerInfo] = []
     for log in logs:
-        try:
-            lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
-        except FileNotFoundError:
-            raise UsageError(f"{log}: file not found") from None
-        except OSError as exc:
-            raise UsageError(f"{log}: cannot read: {exc.strerror}") from None
-        out += parse_banners(lines, str(log))
+        out += parse_banners(read_log_lines(log), str(log))
     return out
 
 
@@ -140,12 +139,19 @@ def headline(env: EnvironmentRecord) -> list[str]:
               f"{env.cuda_driver or '?'}"
     else:
         gpu = f"GPU: none ({(env.gpu_note or 'no GPU').removeprefix('no GPU: ')})"
+    lines = [gpu]
+    for ip in env.engine_packages:
+        k = ip.kvcached
+        if k is not None:
+            lines.append(f"kvcached of {ip.who} ({ip.python}): "
+                         + (f"{k.version or '?'} at {k.location}: {k.summary}" if k.installed else "not installed"))
     k = env.kvcached
+    mine = " (kvdiag's Python)" if env.engine_packages else ""
     if k.installed:
-        kv = f"kvcached: {k.version or '?'} at {k.location}: {k.summary}"
+        lines.append(f"kvcached{mine}: {k.version or '?'} at {k.location}: {k.summary}")
     else:
-        kv = "kvcached: not installed here, so there is no kvcached build or live state to check"
-    return [gpu, kv]
+        lines.append(f"kvcached{mine}: not installed here, so there is no kvcached build or live state to check")
+    return lines
 
 
 def render(report: DoctorReport, console: Console) -> None:
@@ -199,11 +205,20 @@ def doctor_cmd(
 
     scen_name: str | None = None
     plans: list[EnginePlan] = []
+    interpreters: list[EngineInterpreter] = []
     if scenario is not None:
+        from kvdiag.launch.interpreters import engine_interpreters
+
         scen, scen_name = _load(scenario)
         plans = engine_plans(scen, dict(os.environ))
+        interpreters = engine_interpreters(scen)
     banners = _banners(list(logs))
     env = collect_environment()
+    if interpreters:
+        # The kvcached build (and versions) each engine's own interpreter imports, not only kvdiag's.
+        from kvdiag.environment import add_engine_packages
+
+        add_engine_packages(env, interpreters)
     checks = doctor_checks(env, plans, banners)
     risky = any(c.status is RiskStatus.RISK for c in checks)
     report = redact_obj(DoctorReport(kvdiag_version=__version__, scenario=scen_name, environment=env, checks=checks,

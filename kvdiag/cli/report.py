@@ -36,7 +36,7 @@ def report_cmd(
     paths: dict[str, Path]
     report = build_report(loaded, diag.verdict, command=loaded.command or "report", exit_code=diag.exit_code,
                           verdicts_by_engine=diag.verdicts_by_engine,
-                          ab=diag.ab.model_dump(mode="json") if diag.ab is not None else None,
+                          ab=diag.ab,
                           bundle_path=str(bundle_dir))
     try:
         if html is not None:

@@ -32,7 +32,7 @@ from kvdiag.environment.host import (
 from kvdiag.environment.kvcached import fingerprint_tree, installed_kvcached
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.environment.runtime import collect_runtime
-from kvdiag.model import EnvironmentRecord, GpuInfo
+from kvdiag.model import EnvironmentRecord, GpuInfo, InterpreterPackages
 
 __all__ = ["add_engine_packages", "collect_environment", "engine_version", "fingerprint_tree", "installed_kvcached",
            "probe_ptrace"]
@@ -62,11 +62,21 @@ def engine_version(rec: EnvironmentRecord, name: str) -> str | None:
     return rec.packages.get(name)
 
 
-def add_engine_packages(rec: EnvironmentRecord, engines: Sequence[tuple[str, str]]) -> None:
-    """Record the versions the engines' interpreters see; ``engines``: (engine name, interpreter path)."""
+def add_engine_packages(rec: EnvironmentRecord,
+                        engines: Sequence[tuple[str, str] | tuple[str, str, Sequence[str]]]) -> None:
+    """Record the versions (and kvcached build) the engines' interpreters see; ``engines``: (engine name,
+    interpreter path[, folders first on its sys.path]). An interpreter already recorded gains the names."""
     from kvdiag.environment.interpreter import engines_packages
 
-    rec.engine_packages.extend(_safe(rec.errors, "engine packages", lambda: engines_packages(engines), []))
+    none: list[InterpreterPackages] = []
+    for new in _safe(rec.errors, "engine packages", lambda: engines_packages(engines), none):
+        same = next((ip for ip in rec.engine_packages if ip.python == new.python and ip.packages == new.packages
+                     and ip.kvcached == new.kvcached), None)
+        if same is None:
+            rec.engine_packages.append(new)
+        else:
+            same.engines += [n for n in new.engines if n not in same.engines]
+            same.who = "engine " + ", ".join(same.engines)
     if rec.cuda_runtime is None or rec.cuda_runtime.endswith("(torch build)"):
         rec.cuda_runtime = _runtime_of_torch(engine_version(rec, "torch")) or rec.cuda_runtime
 

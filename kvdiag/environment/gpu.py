@@ -16,7 +16,6 @@ import importlib
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -130,37 +129,21 @@ def query() -> dict[str, Any]:
     return {"driver": None, "runtime": None, "gpus": [], "note": f"{note} (/dev/nvidia0 {dev})"}
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        proc.communicate(timeout=5)
-    except (subprocess.TimeoutExpired, ValueError, OSError):
-        pass
-
-
 def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | None, list[GpuInfo], str]:
     """(driver, runtime, gpus, note), queried in a child process bounded by ``timeout_s``."""
+    from kvdiag.environment.child import ChildTimeout, run_bounded  # here: this file also runs as a script
+
     try:
         # Its own process group, so that a timeout also ends an nvidia-smi it started.
-        proc = subprocess.Popen([sys.executable, "-I", _SCRIPT], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                stdin=subprocess.DEVNULL, text=True, start_new_session=True)
+        code, out, err = run_bounded([sys.executable, "-I", _SCRIPT], timeout_s)
     except OSError as exc:
         return None, None, [], f"GPU query could not start: {exc}"
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
+    except ChildTimeout:
         return None, None, [], f"GPU query did not answer within {timeout_s:g}s (driver busy or wedged?)"
-    except BaseException:
-        _kill_group(proc)
-        raise
     try:
         data = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
-        return None, None, [], f"GPU query failed (exit {proc.returncode}): {err.strip()[-200:]}"
+        return None, None, [], f"GPU query failed (exit {code}): {err.strip()[-200:]}"
     from kvdiag.model import GpuInfo
 
     gpus = [GpuInfo.model_validate(g) for g in data.get("gpus", [])]

@@ -1,18 +1,23 @@
-"""Package versions of the Python an engine runs, not of kvdiag's own interpreter.
+"""Package versions and the kvcached build of the Python an engine runs, not of kvdiag's own interpreter.
 
 A real vLLM engine runs in its own virtual environment (vLLM CPU pins its own
-torch), so kvdiag's ``importlib.metadata`` says nothing about it. The versions
-are read from the engine's interpreter:
+torch), so kvdiag's ``importlib.metadata`` says nothing about it. The versions,
+and where kvcached would be imported from, are read from the engine's interpreter:
 
 - :func:`query_interpreter` runs that interpreter as ``python -I -c <script>``
-  (standard library only: ``importlib.metadata``, nothing heavy imported), in its
-  own process group, killed on timeout; results are cached per interpreter;
+  (standard library only: ``importlib.metadata`` and ``find_spec``, nothing heavy
+  imported), in its own process group, killed on timeout; results are cached per
+  interpreter;
 - :func:`site_versions` reads ``*.dist-info/METADATA`` under given site folders
   directly (no child at all), the fallback when the interpreter cannot run;
+- :func:`packages_of` adds the fingerprint of the kvcached found there
+  (environment/kvcached.py reads its files);
 - :func:`interpreter_of_pid` finds a running process's interpreter: the path it
   was started as (argv[0], which keeps a venv's identity; ``/proc/PID/exe`` is the
   venv's base python) when that is the same binary as ``/proc/PID/exe``, plus the
-  target's ``PYTHONPATH``.
+  head of its ``sys.path`` (the script's folder or the working folder, then its
+  ``PYTHONPATH``); :func:`pid_packages` prefers a kvcached extension the process
+  has already loaded (``/proc/PID/maps``).
 """
 
 from __future__ import annotations
@@ -20,12 +25,11 @@ from __future__ import annotations
 import json
 import os
 import re
-import signal
-import subprocess
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvdiag.environment.child import ChildTimeout, run_bounded
 from kvdiag.environment.host import PACKAGES, process_environ
 
 if TYPE_CHECKING:
@@ -43,10 +47,23 @@ _SCRIPT = (
     "        out[n] = metadata.version(n)\n"
     "    except Exception:\n"
     "        out[n] = None\n"
-    "print(json.dumps({'python': '%d.%d.%d' % sys.version_info[:3], 'packages': out}))\n"
+    # Where kvcached would be imported from (find_spec of a top-level package runs none of its code)
+    # and the git commit pip recorded: the fingerprint reads the files there.
+    "kv = {'locations': [], 'commit': None}\n"
+    "try:\n"
+    "    import importlib.util\n"
+    "    spec = importlib.util.find_spec('kvcached')\n"
+    "    kv['locations'] = list(spec.submodule_search_locations or []) if spec else []\n"
+    "    raw = metadata.distribution('kvcached').read_text('direct_url.json')\n"
+    "    kv['commit'] = (json.loads(raw or '{}').get('vcs_info') or {}).get('commit_id')\n"
+    "except Exception:\n"
+    "    pass\n"
+    "print(json.dumps({'python': '%d.%d.%d' % sys.version_info[:3], 'packages': out, 'kvcached': kv}))\n"
 )
 
-_cache: dict[tuple[str, tuple[str, ...], tuple[str, ...]], tuple[str | None, dict[str, str | None]]] = {}
+_Versions = tuple[str | None, dict[str, str | None]]
+_Answer = tuple[_Versions, list[str], str | None]
+_cache: dict[tuple[str, tuple[str, ...], tuple[str, ...]], _Answer] = {}
 
 
 class InterpreterQueryError(Exception):
@@ -57,46 +74,36 @@ def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def query_interpreter(python: str, extra_path: Sequence[str] = (), names: Sequence[str] = PACKAGES,
-                      timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, dict[str, str | None]]:
-    """(Python version, {distribution: version or None}) as ``python`` sees them; cached per interpreter."""
+def _ask(python: str, extra_path: Sequence[str], names: Sequence[str], timeout_s: float) -> _Answer:
+    """One bounded child per interpreter (cached): ((Python version, versions), kvcached folders, its git commit)."""
     key = (python, tuple(extra_path), tuple(names))
     if key in _cache:
         return _cache[key]
     try:
-        proc = subprocess.Popen([python, "-I", "-c", _SCRIPT, json.dumps(list(extra_path)), json.dumps(list(names))],
-                                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, start_new_session=True)
+        code, out, err = run_bounded([python, "-I", "-c", _SCRIPT, json.dumps(list(extra_path)),
+                                      json.dumps(list(names))], timeout_s)
     except OSError as exc:
         raise InterpreterQueryError(f"cannot run {python}: {exc.strerror or exc}") from None
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
+    except ChildTimeout:
         raise InterpreterQueryError(f"{python} did not answer within {timeout_s:g}s") from None
-    except BaseException:
-        _kill_group(proc)
-        raise
     try:
         data = json.loads(out.strip().splitlines()[-1])
         version = data.get("python")
         pkgs = {str(k): (str(v) if v else None) for k, v in dict(data["packages"]).items()}
+        kv = dict(data.get("kvcached") or {})
+        locations = [str(p) for p in kv.get("locations") or []]
+        commit = str(kv["commit"]) if kv.get("commit") else None
     except (ValueError, IndexError, KeyError, TypeError, AttributeError):
-        raise InterpreterQueryError(f"{python} gave no versions (exit {proc.returncode}): "
+        raise InterpreterQueryError(f"{python} gave no versions (exit {code}): "
                                     f"{err.strip()[-200:]}") from None
-    _cache[key] = (str(version) if version else None, pkgs)
+    _cache[key] = ((str(version) if version else None, pkgs), locations, commit)
     return _cache[key]
 
 
-def _kill_group(proc: subprocess.Popen[str]) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except OSError:
-        pass
-    try:
-        proc.communicate(timeout=5)
-    except (subprocess.TimeoutExpired, ValueError, OSError):
-        pass
+def query_interpreter(python: str, extra_path: Sequence[str] = (), names: Sequence[str] = PACKAGES,
+                      timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, dict[str, str | None]]:
+    """(Python version, {distribution: version or None}) as ``python`` sees them; cached per interpreter."""
+    return _ask(python, extra_path, names, timeout_s)[0]
 
 
 def _metadata_version(path: Path) -> tuple[str, str] | None:
@@ -151,7 +158,8 @@ def venv_site_dirs(python: str) -> list[Path]:
     return sorted(prefix.glob("lib/python3*/site-packages")) + sorted(prefix.glob("lib64/python3*/site-packages"))
 
 
-def _exe_of(cand: str, cwd: str, path_var: str) -> str | None:
+def resolve_command(cand: str, cwd: str, path_var: str) -> str | None:
+    """The file ``cand`` names, as a shell with ``PATH=path_var`` in ``cwd`` would run it; None if none."""
     if "/" in cand:
         p = cand if os.path.isabs(cand) else os.path.join(cwd, cand)
         return p if os.path.isfile(p) else None
@@ -173,52 +181,116 @@ def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, 
     except OSError:
         cwd = "/"
     try:
-        argv0 = (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0", 1)[0].decode(errors="replace")
+        argv = [a.decode(errors="replace") for a in (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0")]
     except OSError:
-        argv0 = ""
+        argv = []
+    argv0 = argv[0] if argv else ""
     if not re.match(r"(python|pypy)", os.path.basename(exe)):
         raise OSError(f"pid {pid} runs {exe}, not a Python interpreter")
     python = exe
     if argv0:
-        cand = _exe_of(argv0, cwd, env.get("PATH", os.defpath))
+        cand = resolve_command(argv0, cwd, env.get("PATH", os.defpath))
         try:
             if cand is not None and os.path.samefile(cand, exe):
                 python = os.path.abspath(cand)  # the venv's bin/python, not the base it links to
         except OSError:
             pass
-    extra = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    extra = [p if os.path.isabs(p) else os.path.join(cwd, p) for p in extra]
-    return python, extra
+    return python, sys_path_head(argv[1:], cwd, env.get("PYTHONPATH", ""))
+
+
+def sys_path_head(args: Sequence[str], cwd: str, pythonpath: str) -> list[str]:
+    """The folders ``python ARGS`` puts before its site-packages: ``sys.path[0]``, then ``PYTHONPATH``
+    (left out under ``-E``/``-I``)."""
+    first = _path0(args, cwd)
+    options = [a for a in args[:3] if a.startswith("-") and not a.startswith("--")]
+    ignored = any("E" in o[1:] or "I" in o[1:] for o in options if o[1:2] not in ("m", "c", "W", "X"))
+    extra = [] if ignored else [p for p in pythonpath.split(os.pathsep) if p]
+    return ([first] if first else []) + [p if os.path.isabs(p) else os.path.join(cwd, p) for p in extra]
+
+
+def _path0(args: Sequence[str], cwd: str) -> str | None:
+    """``sys.path[0]`` of ``python ARGS``: the script's folder, the working folder for ``-m``/``-c``;
+    None under ``-P``/``-I`` (which leave it out)."""
+    short: list[str] = []   # the single-dash options before the script or -m/-c
+    takes_value = False
+    for arg in args:
+        if takes_value:
+            takes_value = False
+            continue
+        if arg.startswith("--"):
+            continue
+        if arg.startswith("-") and len(arg) > 1:
+            short.append(arg)
+            if arg[1] in "mc":
+                break
+            takes_value = arg in ("-W", "-X")
+            continue
+        if any("P" in o or "I" in o for o in short):
+            return None
+        return os.path.dirname(os.path.realpath(arg if os.path.isabs(arg) else os.path.join(cwd, arg)))
+    if short and short[-1][1] in "mc" and not any("P" in o or "I" in o for o in short):
+        return cwd
+    return None
 
 
 def packages_of(who: str, python: str, extra_path: Sequence[str] = ()) -> InterpreterPackages:
-    """The record of one interpreter: asked by running it, else read from its venv's site-packages."""
+    """The record of one interpreter: asked by running it, else read from its venv's site-packages.
+
+    It carries the fingerprint of the kvcached build that interpreter imports (not kvdiag's own)."""
+    from kvdiag.environment.kvcached import build_at, site_kvcached
     from kvdiag.model import InterpreterPackages
 
     rec = InterpreterPackages(who=who, python=python)
     try:
-        rec.python_version, rec.packages = query_interpreter(python, extra_path)
+        (rec.python_version, rec.packages), locations, commit = _ask(python, extra_path, PACKAGES, QUERY_TIMEOUT_S)
         rec.source = "asked the interpreter"
     except InterpreterQueryError as exc:
         dirs = [Path(p) for p in extra_path] + venv_site_dirs(python)
         rec.packages = site_versions(dirs)
+        locations, commit = site_kvcached(dirs), None
         rec.source = "read from site-packages"
         rec.note = str(exc)
+    rec.kvcached = build_at(locations, rec.packages.get("kvcached"), commit,
+                            installed=rec.packages.get("kvcached") is not None)
     return rec
 
 
+def _mapped_kvcached(pid: int, proc_root: Path = Path("/proc")) -> str | None:
+    """The kvcached package folder whose extension module the process has loaded (what really runs)."""
+    try:
+        maps = (proc_root / str(pid) / "maps").read_text(errors="replace")
+    except OSError:
+        return None
+    m = re.search(r"(/\S*/kvcached)/[^/\s]+\.so$", maps, re.MULTILINE)
+    return m.group(1) if m else None
+
+
 def pid_packages(pid: int) -> InterpreterPackages:
-    """The versions the Python of a running process (``kvdiag capture --pid``) sees."""
+    """The versions the Python of a running process (``kvdiag capture --pid``) sees, and its kvcached."""
+    from kvdiag.environment.kvcached import build_at
+
     python, extra = interpreter_of_pid(pid)
-    return packages_of(f"pid {pid}", python, extra)
+    rec = packages_of(f"pid {pid}", python, extra)
+    loaded = _mapped_kvcached(pid)
+    if loaded is not None and (rec.kvcached is None or rec.kvcached.location != loaded):
+        # The process already loaded a kvcached extension: that build runs, whatever the path says now.
+        rec.kvcached = build_at([loaded], rec.packages.get("kvcached"), None)
+    return rec
 
 
-def engines_packages(engines: Sequence[tuple[str, str]]) -> list[InterpreterPackages]:
-    """One record per distinct interpreter of ``(engine name, interpreter path)`` pairs."""
-    by_python: dict[str, InterpreterPackages] = {}
-    for name, python in engines:
-        if python in by_python:
-            by_python[python].who += f", {name}"
+EngineInterpreterLike = tuple[str, str] | tuple[str, str, Sequence[str]]
+
+
+def engines_packages(engines: Sequence[EngineInterpreterLike]) -> list[InterpreterPackages]:
+    """One record per distinct interpreter of ``(engine name, interpreter path[, sys.path head])``."""
+    by_python: dict[tuple[str, tuple[str, ...]], InterpreterPackages] = {}
+    for item in engines:
+        name, python = item[0], item[1]
+        extra = tuple(item[2]) if len(item) > 2 else ()
+        key = (python, extra)
+        if key in by_python:
+            by_python[key].who += f", {name}"
         else:
-            by_python[python] = packages_of(f"engine {name}", python)
+            by_python[key] = packages_of(f"engine {name}", python, extra)
+        by_python[key].engines.append(name)
     return list(by_python.values())

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import re
+from collections.abc import Iterable, Sequence
 from importlib import metadata
 from pathlib import Path
 from typing import Literal
@@ -266,8 +267,37 @@ def _direct_url_commit(dist: metadata.Distribution) -> str | None:
     return str(commit) if commit else None
 
 
+def build_at(locations: Sequence[str], version: str | None, commit: str | None, *,
+             installed: bool = True) -> KvcachedBuild:
+    """The fingerprint of the kvcached package found at ``locations`` (an import spec's folders).
+
+    ``installed`` says whether package metadata was found; no folder and no metadata is "absent".
+    Fingerprints are cached per folder: every engine sharing an interpreter reads its files once.
+    """
+    if not locations:
+        if not installed:
+            return KvcachedBuild(installed=False, verdict="absent", summary="kvcached is not installed")
+        return KvcachedBuild(installed=True, version=version, git_commit=commit, verdict="unknown",
+                             summary="kvcached metadata found but not its package folder")
+    key = (str(Path(locations[0]).resolve()), version, commit)
+    if key not in _fingerprints:
+        _fingerprints[key] = fingerprint_tree(Path(locations[0]), version=version, git_commit=commit)
+    return _fingerprints[key].model_copy(deep=True)
+
+
+_fingerprints: dict[tuple[str, str | None, str | None], KvcachedBuild] = {}
+
+
+def site_kvcached(site_dirs: Iterable[Path]) -> list[str]:
+    """The kvcached package folder an interpreter with these site folders would import (first on the path)."""
+    for d in site_dirs:
+        if (d / "kvcached" / "__init__.py").is_file():
+            return [str(d / "kvcached")]
+    return []
+
+
 def installed_kvcached() -> KvcachedBuild:
-    """Fingerprint the kvcached this interpreter would import (without importing it)."""
+    """Fingerprint the kvcached this interpreter (kvdiag's own) would import (without importing it)."""
     version: str | None = None
     commit: str | None = None
     try:
@@ -281,9 +311,4 @@ def installed_kvcached() -> KvcachedBuild:
     except (ImportError, ValueError):
         spec = None
     locations = list(spec.submodule_search_locations or []) if spec is not None else []
-    if not locations:
-        if dist is None:
-            return KvcachedBuild(installed=False, verdict="absent", summary="kvcached is not installed")
-        return KvcachedBuild(installed=True, version=version, git_commit=commit, verdict="unknown",
-                             summary="kvcached metadata found but not its package folder")
-    return fingerprint_tree(Path(locations[0]), version=version, git_commit=commit)
+    return build_at(locations, version, commit, installed=dist is not None)

@@ -14,7 +14,7 @@ import os
 from pathlib import Path
 
 from kvdiag.bundle_io import atomic_write_text
-from kvdiag.model import Bundle, Finding, Report, Verdict
+from kvdiag.model import ABComparison, Bundle, Finding, Report, Verdict
 from kvdiag.redact import redact_bundle
 from kvdiag.report.html import render_html
 from kvdiag.report.json import build_report, render_json
@@ -48,7 +48,7 @@ def _relative(path: Path, start: Path) -> str:
 
 def write_outputs(out_dir: Path, bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
                   verdicts_by_engine: dict[str, Verdict] | None = None,
-                  ab: dict[str, object] | None = None, bundle_dir: Path | None = None) -> dict[str, Path]:
+                  ab: ABComparison | None = None, bundle_dir: Path | None = None) -> dict[str, Path]:
     """Write out_dir/report.json, report.html and report.md (redacted, each atomically).
 
     Works on a partial bundle (an interrupted run). A renderer that fails gets
@@ -96,4 +96,4 @@ def render_run(out_dir: Path, bundle: Bundle, bundle_dir: Path | None = None) ->
         raise ValueError("the bundle holds no diagnosis: analyze it first (kvdiag.analyze.diagnose)")
     return write_outputs(out_dir, bundle, diag.verdict, command=bundle.command, exit_code=diag.exit_code,
                          verdicts_by_engine=diag.verdicts_by_engine,
-                         ab=diag.ab.model_dump(mode="json") if diag.ab is not None else None, bundle_dir=bundle_dir)
+                         ab=diag.ab, bundle_dir=bundle_dir)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag.model import EnvironmentRecord
+from kvdiag.model import EnvironmentRecord, KvcachedBuild
 
 
 def _mb(value: int | None) -> str:
@@ -25,8 +25,23 @@ def package_summary(env: EnvironmentRecord) -> str:
     """vLLM/kvcached/torch versions saying whose they are: each engine interpreter's, else kvdiag's."""
     if not env.engine_packages:
         return f"{_three(env.packages, env.kvcached.verdict)} (kvdiag's Python)"
-    return "; ".join(f"{_three(ip.packages)} ({ip.who}: Python {ip.python_version or '?'} {ip.python})"
-                     for ip in env.engine_packages)
+    return "; ".join(f"{_three(ip.packages, _verdict(ip.kvcached))} ({ip.who}: Python {ip.python_version or '?'} "
+                     f"{ip.python})" for ip in env.engine_packages)
+
+
+def _verdict(build: KvcachedBuild | None) -> str | None:
+    return build.verdict if build is not None and build.installed else None
+
+
+def kvcached_lines(build: KvcachedBuild, whose: str) -> list[str]:
+    """The kvcached build one interpreter imports: verdict, summary, one line per known defect."""
+    if not build.installed:
+        return [f"kvcached ({whose}): {build.summary or 'not installed'}"]
+    ver = f" {build.version}" if build.version else ""
+    git = f" (git {build.git_commit[:12]})" if build.git_commit else ""
+    at = f" at {build.location}" if build.location else ""
+    return [f"kvcached{ver}{git} ({whose}){at}: {build.verdict}: {build.summary}",
+            *(f"  {c.defect}: {c.status.value} ({c.upstream})" for c in build.checks)]
 
 
 def environment_lines(env: EnvironmentRecord) -> list[str]:
@@ -53,15 +68,10 @@ def environment_lines(env: EnvironmentRecord) -> list[str]:
     lines.append(f"ptrace: yama ptrace_scope {scope}, CAP_SYS_PTRACE {'yes' if p.cap_sys_ptrace else 'no'}, "
                  f"container {p.container or 'none'}: "
                  + (f"capture refused: {p.problem}; fix: {p.fix}" if p.problem else "attach allowed"))
-    k = env.kvcached
-    if k.installed:
-        ver = f" {k.version}" if k.version else ""
-        git = f" (git {k.git_commit[:12]})" if k.git_commit else ""
-        lines.append(f"kvcached{ver}{git}: {k.verdict}: {k.summary}")
-        for c in k.checks:
-            lines.append(f"  {c.defect}: {c.status.value} ({c.upstream})")
-    else:
-        lines.append(f"kvcached: {k.summary or 'not installed'}")
+    for ip in env.engine_packages:
+        if ip.kvcached is not None:
+            lines += kvcached_lines(ip.kvcached, f"{ip.who}: {ip.python}")
+    lines += kvcached_lines(env.kvcached, "kvdiag's Python")
     rt = env.kvcached_runtime
     if rt is not None:
         for s in rt.segments:

@@ -96,6 +96,41 @@ def frame_cited(frame: Frame, cited: list[str]) -> bool:
     return any(c == text or _names_match(frame.name, frame_key(c)) for c in cited)
 
 
+_WHERE = re.compile(r"^(?P<name>.*?) \((?P<where>[^()]*)\)$")
+_FILE_LINE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
+
+
+def frame_is(frame: Frame, text: str) -> bool:
+    """Whether an evidence line (``alloc_page (gil_cycle.c:66)``, ``read (libc.so.6)``) is this frame:
+    the name, and the file and line (or library) when the line gives them."""
+    m = _WHERE.match(text)
+    name, where = (m.group("name"), m.group("where")) if m else (text, "")
+    fl = _FILE_LINE.match(where)
+    if fl is not None:
+        if posixpath.basename(frame.file or "") != posixpath.basename(fl.group("file")) \
+                or str(frame.line) != fl.group("line"):
+            return False
+        # a long C++ name is cited without its template and parameter lists
+        return _names_match(frame.name, frame_key(text)) or frame.name == name or len(frame.name) > 100
+    if where and posixpath.basename(frame.library or "") != where:
+        return False
+    return frame.name == name or _names_match(frame.name, frame_key(text))
+
+
+def key_positions(frames: list[Frame], items: list[EvidenceItem]) -> set[int]:
+    """Indices into a thread's stack of the frames its evidence items name as key frames (each key
+    line marks the innermost frame it matches that no other key line took)."""
+    out: set[int] = set()
+    for item in items:
+        for k in item.key_frames or []:
+            if not 0 <= k < len(item.frames):
+                continue
+            hit = next((i for i, f in enumerate(frames) if i not in out and frame_is(f, item.frames[k])), None)
+            if hit is not None:
+                out.add(hit)
+    return out
+
+
 # ---------------------------------------------------------------- the wait-for cycle diagram
 
 @dataclass
@@ -319,9 +354,9 @@ def _evidence_index(evidence: list[EvidenceItem]) -> dict[tuple[int, int], list[
 def _thread_view(proc: ProcessEvidence, th: ThreadEvidence,
                  index: dict[tuple[int, int], list[EvidenceItem]]) -> dict[str, Any]:
     items = index.get((proc.pid, th.tid), [])
-    cited_frames = [f for item in items for f in item.frames]
+    keys = key_positions(th.frames, items)   # only the frames the rule rests on, as the analyzer said
     frames = [{"text": clean_text(format_frame(f)), "kind": f.kind, "source": clean_text(f.source or ""),
-               "cited": bool(items) and frame_cited(f, cited_frames)} for f in th.frames]
+               "key": i in keys} for i, f in enumerate(th.frames)]
     return {
         "tid": th.tid,
         "name": clean_text(th.name or ""),
@@ -452,7 +487,6 @@ def bundle_href(rel: str | None, bundle_path: str | None) -> str | None:
 
 # ---------------------------------------------------------------- A/B
 
-AB_SIDES = ("stock", "fixed")
 _SIDE_BUNDLE = re.compile(r"^(?:\.\./)?[A-Za-z0-9_.-]+/bundle/?$")
 
 
@@ -468,25 +502,20 @@ def _page_href(path: str | None, base: str) -> str | None:
 def ab_view(report: Report) -> dict[str, Any] | None:
     """Both runs of ``kvdiag ab`` side by side, from the stored comparison (``report.ab``).
 
-    Reads either shape of the comparison (each side's verdict, summary, exit code, engines and
-    report/bundle paths); per-engine verdicts come from ``verdicts_by_engine`` keyed "side/engine",
-    else from the side's verdict when that names the engine.
+    Each side's verdict, summary, exit code, engines and report/bundle paths; per-engine verdicts
+    come from ``verdicts_by_engine`` keyed "side/engine", else from the side's verdict when that
+    names the engine.
     """
     ab = report.ab
-    if not isinstance(ab, dict):
+    if ab is None:
         return None
     # The A/B output folder as seen from the page: the folder holding the A/B bundle.
     base = posixpath.dirname((report.bundle_path or "bundle").replace("\\", "/").rstrip("/"))
     sides: list[dict[str, Any]] = []
-    for label in AB_SIDES:
-        side = ab.get(label)
-        if not isinstance(side, dict):
-            continue
+    for label, side in (("stock", ab.stock), ("fixed", ab.fixed)):
         side_verdict = report.verdicts_by_engine.get(label)
         engines: list[dict[str, Any]] = []
-        raw_engines = side.get("engines")
-        for name, info in (raw_engines.items() if isinstance(raw_engines, dict) else []):
-            info = info if isinstance(info, dict) else {}
+        for name, info in side.engines.items():
             own = report.verdicts_by_engine.get(f"{label}/{name}")
             if own is not None:
                 kind: str | None = own.kind.value
@@ -496,27 +525,22 @@ def ab_view(report: Report) -> dict[str, Any] | None:
                 kind = "healthy"  # a healthy run: every engine in it is
             else:
                 kind = None
-            engines.append({"name": str(name), "phase": info.get("phase"), "healthy": info.get("healthy"),
-                            "startup_s": info.get("startup_s"), "verdict": kind})
-        report_rel = side.get("report") if isinstance(side.get("report"), str) else f"{label}/report.html"
-        bundle_rel = side.get("bundle")
-        if isinstance(bundle_rel, str) and _SIDE_BUNDLE.match(bundle_rel):
+            engines.append({"name": name, "phase": info.phase.value, "healthy": info.healthy,
+                            "startup_s": info.startup_s, "verdict": kind})
+        report_rel = side.report or f"{label}/report.html"
+        if _SIDE_BUNDLE.match(side.bundle):
             # stored relative to the A/B bundle folder ("../stock/bundle")
-            bundle_rel = posixpath.normpath(posixpath.join("bundle", bundle_rel))
+            bundle_rel = posixpath.normpath(posixpath.join("bundle", side.bundle))
         else:
-            bundle_rel = posixpath.join(posixpath.dirname(str(report_rel)), "bundle")
+            bundle_rel = posixpath.join(posixpath.dirname(report_rel), "bundle")
         sides.append({
-            "label": label, "verdict": str(side.get("verdict") or "unknown"),
-            "summary": str(side.get("summary") or ""), "exit_code": side.get("exit_code"),
-            "report": report_rel, "report_href": _page_href(str(report_rel), base),
+            "label": label, "verdict": side.verdict.value, "summary": side.summary, "exit_code": side.exit_code,
+            "report": report_rel, "report_href": _page_href(report_rel, base),
             "bundle": bundle_rel, "bundle_href": _page_href(bundle_rel + "/bundle.json", base),
             "engines": engines,
         })
-    if not sides:
-        return None
-    separated = bool(ab.get("separated"))
-    return {"separated": separated, "sides": sides, "base": base,
-            "title": "A/B separated" if separated else "A/B did not separate"}
+    return {"separated": ab.separated, "sides": sides, "base": base,
+            "title": "A/B separated" if ab.separated else "A/B did not separate"}
 
 
 # ---------------------------------------------------------------- page
@@ -545,7 +569,7 @@ def _fmt_num(value: object, digits: int = 2) -> str:
 def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> str:
     """Render the self-contained HTML page for ``report``.
 
-    ``bundle`` adds per-process, per-thread stacks (cited frames highlighted);
+    ``bundle`` adds per-process, per-thread stacks (the evidence's key frames highlighted);
     ``bundle_dir`` adds the raw tool outputs and logs found in it.
     """
     safe_bundle = bundle   # redacted where its data entered (bundle writer / loader / write_outputs)

@@ -13,6 +13,7 @@ from typing import Any
 from kvdiag import __version__
 from kvdiag.analyze.health import engine_health
 from kvdiag.model import (
+    ABComparison,
     BannerRisk,
     Bundle,
     EnginePids,
@@ -79,7 +80,7 @@ def _merge_findings(*groups: list[Finding]) -> list[Finding]:
 
 def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
                  verdicts_by_engine: dict[str, Verdict] | None = None,
-                 ab: dict[str, object] | None = None, bundle_path: str | None = None) -> Report:
+                 ab: ABComparison | None = None, bundle_path: str | None = None) -> Report:
     """Assemble the (redacted) report for ``bundle`` judged as ``verdict``.
 
     Pure: no I/O, no clock (``created_at`` is the bundle's). Works on a partial

@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import Bundle, Report, ReportEngine
-from kvdiag.report.html import ab_view, clean_text, format_frame
+from kvdiag.model import Bundle, EvidenceItem, Report, ReportEngine
+from kvdiag.report.html import ab_view, clean_text, format_frame, key_positions
 from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
+KEY_MARK = "→ "       # in front of a frame the verdict rests on (code blocks cannot be bolded)
 
 
 def _cell(value: object) -> str:
@@ -82,11 +83,13 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
 
     if v.evidence:
         out += ["", "#### Evidence"]
+        if any(item.key_frames for item in v.evidence):
+            out += ["", f"`{KEY_MARK.strip()}` marks the frames the verdict rests on."]
         for item in v.evidence:
             where = f"pid {item.pid}, tid {item.tid}" + (f", engine {_code(item.engine)}" if item.engine else "")
             out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
             if item.frames:
-                out += ["", _fence(list(item.frames))]
+                out += ["", _fence(evidence_lines(item))]
 
     findings = report.findings
     if findings:
@@ -162,6 +165,14 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     return "\n".join(out)
 
 
+def evidence_lines(item: EvidenceItem) -> list[str]:
+    """The cited frames, the key ones marked; a report without key frames lists them unmarked."""
+    if item.key_frames is None:
+        return list(item.frames)
+    pad = " " * len(KEY_MARK)
+    return [(KEY_MARK if item.is_key(n) else pad) + f for n, f in enumerate(item.frames)]
+
+
 def _healthy(e: ReportEngine) -> str:
     """The engine's health line (derived from its verdict and probes by kvdiag.analyze.health)."""
     return e.health or ("yes" if e.healthy else "no")
@@ -184,7 +195,11 @@ def _cited_stacks(report: Report, bundle: Bundle | None) -> list[tuple[str, list
             role = cited.get((proc.pid, th.tid))
             if role is None or not th.frames:
                 continue
-            lines = [format_frame(f) for f in th.frames[:MAX_THREAD_FRAMES]]
+            items = [i for i in report.verdict.evidence if (i.pid, i.tid) == (proc.pid, th.tid)]
+            keys = key_positions(th.frames, items)
+            pad = " " * len(KEY_MARK) if keys else ""
+            lines = [(KEY_MARK if n in keys else pad) + format_frame(f)
+                     for n, f in enumerate(th.frames[:MAX_THREAD_FRAMES])]
             if len(th.frames) > MAX_THREAD_FRAMES:
                 lines.append(f"… {len(th.frames) - MAX_THREAD_FRAMES} outer frames")
             name = f' "{th.name}"' if th.name else ""

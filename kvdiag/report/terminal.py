@@ -67,10 +67,17 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
             title.append(f" [{item.engine}]", style="dim")
         title.append("  " + item.role, style="cyan")
         console.print(title)
-        for frame in item.frames[:KEY_FRAMES]:
-            console.print(Text("    " + frame))
-        if len(item.frames) > KEY_FRAMES:
-            console.print(Text(f"    … {len(item.frames) - KEY_FRAMES} more frames", style="dim"))
+        # The frames the rule rests on in bold (always shown), the rest of the citation dimmed.
+        shown = [n for n in range(len(item.frames)) if n < KEY_FRAMES or item.is_key(n)]
+        for n in shown:
+            if item.key_frames is None:
+                console.print(Text("    " + item.frames[n]))
+            elif item.is_key(n):
+                console.print(Text("  → " + item.frames[n], style="bold"))
+            else:
+                console.print(Text("    " + item.frames[n], style="dim"))
+        if len(item.frames) > len(shown):
+            console.print(Text(f"    … {len(item.frames) - len(shown)} more frames", style="dim"))
 
     if report.engines:
         table = Table(title="engines", title_justify="left", show_edge=False, pad_edge=False)

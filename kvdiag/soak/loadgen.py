@@ -167,6 +167,15 @@ class StreamReader:
                 continue
             self._event(ev.data, now)
 
+    def close(self) -> None:
+        """The body ended: the request is OK when ``[DONE]`` came, else an error saying it did not."""
+        self.parser.close()
+        if self.done:
+            self.record.status = RequestStatus.OK
+        else:
+            self.record.status = RequestStatus.ERROR
+            self.record.error = "stream ended without [DONE]"
+
     def _event(self, data: str, now: float) -> None:
         rec = self.record
         try:
@@ -477,12 +486,7 @@ class LoadGenerator:
                 else:
                     async for chunk in resp.aiter_bytes():
                         reader.feed(chunk, self.clock())
-                    reader.parser.close()
-                    if reader.done:
-                        rec.status = RequestStatus.OK
-                    else:
-                        rec.status = RequestStatus.ERROR
-                        rec.error = "stream ended without [DONE]"
+                    reader.close()
         except asyncio.CancelledError:
             rec.status = RequestStatus.CANCELLED
             self._finish(rec)
@@ -524,12 +528,7 @@ class LoadGenerator:
                 clock = self.clock
                 async for chunk in body:
                     reader.feed(chunk, clock())
-                reader.parser.close()
-                if reader.done:
-                    rec.status = RequestStatus.OK
-                else:
-                    rec.status = RequestStatus.ERROR
-                    rec.error = "stream ended without [DONE]"
+                reader.close()
         except asyncio.CancelledError:
             conn.close()
             rec.status = RequestStatus.CANCELLED

@@ -258,6 +258,7 @@ class SoakRun:
                 self.t0 = run.t0
                 try:
                     result = run.run()
+                    launched.note_interpreters()
                     self.timeline.extend(run.timeline)
                     self.metrics.extend(result.metrics)
                     watch = result.watches[0] if result.watches else None

@@ -9,6 +9,17 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 
+# A `kind: command` engine that only answers /health with 200 (argv[1]: the port), standard library only.
+HEALTH_SERVER = """
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
+    def log_message(self, *args):
+        pass
+http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+"""
+
 
 def run_kvdiag(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
     """``python -m kvdiag ARGS`` from the repo root, output captured, bounded by ``timeout``."""

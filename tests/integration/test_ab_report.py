@@ -13,7 +13,7 @@ from urllib.parse import unquote
 import pytest
 from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
-from kvdiag.model import Report
+from kvdiag.model import ABComparison, Report
 from kvdiag.report.html import ab_view
 
 pytestmark = pytest.mark.timeout(400)
@@ -110,7 +110,7 @@ def test_ab_view_reads_the_stored_comparison_shape() -> None:
     assert stock_side["bundle_href"] == "stock/bundle/bundle.json" and stock_side["report_href"] == "stock/report.html"
     assert stock_side["engines"][0]["verdict"] == "gil_cycle" and fixed_side["engines"][0]["verdict"] == "healthy"
     evil = dict(side, report="../../etc/passwd", bundle="/etc")
-    report.ab = {"stock": evil, "fixed": fixed, "separated": False}
+    report.ab = ABComparison.model_validate({"stock": evil, "fixed": fixed, "separated": False})
     view = ab_view(report)
     assert view is not None and view["sides"][0]["report_href"] is None and not view["separated"]
 
@@ -122,3 +122,34 @@ def test_report_rerenders_the_same_ab_page_from_the_bundle(ab_run: Path) -> None
     after = (ab_run / "report.html").read_text()
     for name in ("verdict", "ab", "engines", "processes"):
         assert _section(after, name) == _section(before, name), name
+
+
+def test_ab_engines_keep_their_field_names_and_older_bundles_still_load(ab_run: Path, tmp_path: Path) -> None:
+    """The typed A/B engines (ABEngine) write the same report.json/bundle.json fields as the dicts did, and
+    a bundle written before the health line was stored (engines: phase, healthy, startup_s) re-renders."""
+    import json
+    import shutil
+
+    report = read_report(ab_run)
+    assert report["schema_version"] == "1"
+    for label in ("stock", "fixed"):
+        for info in report["ab"][label]["engines"].values():   # type: ignore[index]
+            assert set(info) == {"phase", "healthy", "health", "startup_s"}, info
+    old = tmp_path / "old"
+    shutil.copytree(ab_run, old)
+    data = json.loads((old / "bundle" / "bundle.json").read_text())
+    for label in ("stock", "fixed"):
+        for info in data["diagnosis"]["ab"][label]["engines"].values():
+            del info["health"]            # the older shape
+    (old / "bundle" / "bundle.json").write_text(json.dumps(data))
+    proc = run_kvdiag("report", str(old), timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    before = (ab_run / "report.html").read_text()
+    after = (old / "report.html").read_text()
+    assert _section(after, "ab") == _section(before, "ab")
+    # A report.json from before the side's bundle folder was kept (no "bundle") still parses and renders.
+    doc = read_report(ab_run)
+    for label in ("stock", "fixed"):
+        del doc["ab"][label]["bundle"]    # type: ignore[index]
+    view = ab_view(Report.model_validate(doc))
+    assert view is not None and [s["bundle"] for s in view["sides"]] == ["stock/bundle", "fixed/bundle"]

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from kvcli import run_kvdiag
+from kvcli import HEALTH_SERVER, run_kvdiag
 
 from kvdiag.launch.process import free_port
 
@@ -25,15 +25,6 @@ BANNER = ("Init C++ PageAllocator: num_layers=28, mem_size_per_layer=11MB, total
           "group_id=0, min_reserved_pages=5, max_reserved_pages=5")
 TAIL = "enable_prealloc=1, num_kv_buffers=2, group_id=0, min_reserved_pages=5, max_reserved_pages=5"
 
-HEALTH_SERVER = """
-import http.server, sys
-class H(http.server.BaseHTTPRequestHandler):
-    def do_GET(self):
-        self.send_response(200); self.end_headers(); self.wfile.write(b"ok")
-    def log_message(self, *args):
-        pass
-http.server.HTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
-"""
 HANGS_AFTER_BANNER = """
 import sys, time
 print("loading weights", flush=True)

@@ -145,3 +145,28 @@ def test_cli_capture_exit_codes(kind: str, code: int, word: str, tmp_path: Path)
     assert rc == code, out
     assert f"verdict: {word}" in out
     assert before == after          # a stopped target stays stopped, a running one keeps running
+
+
+@pytest.mark.parametrize("kind", ["stopped", "traced"])
+def test_stopped_or_traced_captured_without_proc_is_never_healthy(kind: str, tmp_path: Path) -> None:
+    """A real capture without the /proc backend: the preflight's reading of the target as found (its
+    state, its tracer) still says it cannot be judged; a traced target's tools are refused outright."""
+    with hk.running(kind, bound_s=90) as h:
+        bundle = capture_tree(h.root_pid, tmp_path / "bundle", timeout_s=10.0, backends=["py-spy", "pystack", "gdb"])
+    assert all(t.tool != "proc" for p in bundle.processes for t in p.tools)
+    verdict = analyze(bundle)
+    assert verdict.kind.value == kind and exit_code_for(verdict) == 5, verdict.summary
+
+
+@pytest.mark.parametrize("kind", ["ipc_read_http_client", "ipc_read_socketpair", "healthy_http_keepalive"])
+def test_service_shapes_without_proc_are_never_a_false_deadlock_or_a_missed_one(kind: str, tmp_path: Path) -> None:
+    """Without /proc, a client's reply wait is judged only when its frames say so (http.client); a read
+    whose role the frames do not show is inconclusive (exit 6); an idle http.server stays healthy."""
+    with hk.running(kind, bound_s=90) as h:
+        bundle = capture_tree(h.root_pid, tmp_path / "bundle", timeout_s=10.0, backends=["py-spy", "pystack"])
+    verdict = analyze(bundle)
+    expect = {"ipc_read_http_client": "blocked_ipc_read", "ipc_read_socketpair": "inconclusive",
+              "healthy_http_keepalive": "healthy"}[kind]
+    assert verdict.kind.value == expect, verdict.summary
+    if expect == "inconclusive":
+        assert exit_code_for(verdict) == 6 and "/proc was not read" in verdict.summary

@@ -27,6 +27,7 @@ from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
 from kvdiag.launch.engines import sim_argv
 from kvdiag.launch.process import free_port
+from kvdiag.redact import REDACTED
 from kvdiag.scenario.models import EngineSpec, SimParams
 from kvdiag.sim.harness import remove_device_files
 
@@ -153,13 +154,13 @@ def test_capture_of_a_python_process_writes_no_secret(python_target: subprocess.
     assert proc.returncode in (0, 10), proc.stdout + proc.stderr
     # py-spy printed the command line, and it was captured redacted
     raw = (out / "bundle" / "raw" / str(python_target.pid))
-    assert "--api-key ***REDACTED***" in (raw / "py-spy.txt").read_text()
-    assert "--api-key ***REDACTED***" in (raw / "proc.txt").read_text()
+    assert f"--api-key {REDACTED}" in (raw / "py-spy.txt").read_text()
+    assert f"--api-key {REDACTED}" in (raw / "proc.txt").read_text()
     assert assert_one_raw_layout(out / "bundle") >= 2
     assert assert_no_secret_bytes(out, secret_values) >= 8
     env = json.loads((out / "bundle" / "bundle.json").read_text())["environment"]["env"]
     # the target's kvcached/vLLM variables are recorded (environment record), their secrets redacted
-    assert env["HF_TOKEN"] == env["VLLM_API_KEY"] == "***REDACTED***" and "KVCACHED_NOTE" in env, env
+    assert env["HF_TOKEN"] == env["VLLM_API_KEY"] == REDACTED and "KVCACHED_NOTE" in env, env
     for needle in _needles(secret_values).values():
         assert needle.decode() not in proc.stdout + proc.stderr
     _check_summary(out)
@@ -219,7 +220,7 @@ def test_repro_of_a_launched_engine_writes_no_secret(tmp_path: Path, secret_valu
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     captured = [p for p in bundle["processes"] if "--api-key" in p["cmdline"]]
     assert captured, "the engine's own process was not captured"
-    assert captured[0]["cmdline"][captured[0]["cmdline"].index("--api-key") + 1] == "***REDACTED***"
+    assert captured[0]["cmdline"][captured[0]["cmdline"].index("--api-key") + 1] == REDACTED
     assert any((out / "bundle" / "raw").rglob("py-spy.txt"))
     assert assert_one_raw_layout(out / "bundle") >= 2   # raw/<pid>/, as `kvdiag capture` writes
     assert (out / "bundle" / "scenario.yaml").is_file() and any((out / "bundle" / "logs").glob("*.log"))

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from kvdiag.model import (
+    ABComparison,
     BannerInfo,
     Bundle,
     Confidence,
@@ -162,16 +163,24 @@ def _assert_nothing_ran(dump: _Dump, log: str) -> None:
     assert not any(name.startswith("on") for _, attrs in dump.tags for name in attrs)
 
 
+
+def _ab_carrying(text: str) -> ABComparison:
+    """Both A/B sides with ``text`` as their summary, an engine's name and its health line."""
+    side = {"verdict": "gil_cycle", "summary": text, "exit_code": 10, "report": "stock/report.html",
+            "engines": {text: {"phase": "stalled", "health": text}}}
+    return ABComparison.model_validate({"stock": side, "fixed": dict(side, verdict="healthy"), "separated": True})
+
+
 def test_injected_markup_is_text_and_never_runs(tmp_path: Path) -> None:
     browser = _chromium()
     if browser is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
     bundle, verdict = _bundle(tmp_path / "bundle")
     paths = write_outputs(tmp_path, bundle, verdict, command=f"repro {PAYLOADS[1]}", exit_code=10,
-                          verdicts_by_engine={f"eng {PAYLOADS[0]}": verdict}, ab={"model": PAYLOADS[2]})
+                          verdicts_by_engine={f"eng {PAYLOADS[0]}": verdict}, ab=_ab_carrying(PAYLOADS[2]))
     dump, log = _load_in_chromium(browser, paths["report.html"], tmp_path)
     _assert_nothing_ran(dump, log)
-    assert dump.title == "kvdiag report: gil_cycle"
+    assert dump.title == "kvdiag A/B: separated"
     text = "".join(dump.text)
     for payload in PAYLOADS:
         assert text.count(payload) >= 2, f"payload not shown as text: {payload!r}"

@@ -218,3 +218,20 @@ def test_vllm_engine_liveness_monitor_is_idle_by_design() -> None:
     _park(api, monitor.tid, [_conn("pipe", core)])
     view = next(t for t in classify_process(api, None) if t.tid == monitor.tid)
     assert view.idle_by_design
+
+
+def test_a_read_only_the_stacks_saw_is_never_a_deadlock() -> None:
+    """healthy_blocking_server (a ping-pong client and its server), captured while kvdiag's own tools paused
+    the server: /proc saw the client asleep between pings, py-spy and gdb later found it in recv() waiting
+    for the pong. Without pystack (whose stack shows the sleep) the stacks show a read /proc did not see:
+    the thread moved between the two readings, so it is no deadlock. Without /proc too, nothing says
+    which end it is: inconclusive, naming the missing evidence."""
+    from kvdiag.capture.merge import bundle_without_tool
+
+    bundle = load("healthy_blocking_server_paused_peer")
+    assert analyze(bundle).kind is VerdictKind.HEALTHY
+    verdict = analyze(bundle_without_tool(bundle, "pystack"))
+    assert verdict.kind is VerdictKind.HEALTHY, verdict.summary
+    verdict = analyze(bundle_without_tool(bundle_without_tool(bundle, "pystack"), "proc"))
+    assert verdict.kind is VerdictKind.INCONCLUSIVE, verdict.summary
+    assert "/proc was not read" in verdict.summary and exit_code_for(verdict) == 6

@@ -14,7 +14,7 @@ import pytest
 
 from kvdiag.analyze import analyze, exit_code_for
 from kvdiag.bundle_io import load_bundle
-from kvdiag.capture.merge import without_tool
+from kvdiag.capture.merge import bundle_without_tool
 from kvdiag.model import Bundle, VerdictKind
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
@@ -48,20 +48,50 @@ def test_corpus_bundle_gets_its_expected_outcome(name: str) -> None:
                                                                           10 if verdict.kind.is_hang else 0)
 
 
-# /proc is never "not installed": it is the sample window, the signal masks and the fd peers. Without it, a
-# worker waiting for its parent's next command looks like a client waiting for a reply (see the benchmark).
-NEEDS_PROC = frozenset({"healthy_pipe_worker", "healthy_blocking_server"})
-
-
 @pytest.mark.parametrize("tool", TOOLS)
 @pytest.mark.parametrize("name", [n for n in NAMES if hk.KINDS[n].expect in ("healthy", "slow_start")])
 def test_a_progressing_program_is_never_a_deadlock_whatever_tool_is_missing(name: str, tool: str) -> None:
-    if tool == "proc" and name in NAMES and name in NEEDS_PROC:
-        pytest.skip("the read's role (reply vs next request) comes from /proc's fd peers")
-    bundle = load(name)
-    bundle = bundle.model_copy(update={"processes": [without_tool(p, tool) for p in bundle.processes]})
-    verdict = analyze(bundle)
+    verdict = analyze(bundle_without_tool(load(name), tool))
     assert not verdict.kind.is_hang, verdict.summary
+
+
+@pytest.mark.parametrize("tool", TOOLS)
+@pytest.mark.parametrize("name", [n for n in NAMES if VerdictKind(hk.KINDS[n].expect).is_hang])
+def test_a_hanging_program_is_never_called_healthy_whatever_tool_is_missing(name: str, tool: str) -> None:
+    verdict = analyze(bundle_without_tool(load(name), tool))
+    assert verdict.kind not in (VerdictKind.HEALTHY, VerdictKind.SLOW_START), verdict.summary
+
+
+@pytest.mark.parametrize("name", ["healthy_blocking_server", "ipc_read_tcp", "ipc_read_asyncio", "healthy_asyncio"])
+def test_without_proc_an_unresolved_wait_is_inconclusive_and_says_what_is_missing(name: str) -> None:
+    """An idle server and a client whose peer stopped answering have the same stacks: only /proc's fd
+    peers tell them apart. Without them: neither a deadlock nor healthy, exit 6, the missing evidence named."""
+    verdict = analyze(bundle_without_tool(load(name), "proc"))
+    assert verdict.kind is VerdictKind.INCONCLUSIVE and exit_code_for(verdict) == 6
+    assert "/proc was not read" in verdict.summary and "fd" in verdict.summary
+
+
+def test_without_proc_frames_that_show_the_role_still_decide() -> None:
+    """A multiprocessing worker reading its parent's pipe waits for orders; a parent reading its workers'
+    queue waits for their results (from the Python frames alone)."""
+    assert analyze(bundle_without_tool(load("healthy_pipe_worker"), "proc")).kind is VerdictKind.HEALTHY
+    verdict = analyze(bundle_without_tool(load("ipc_read_mpqueue"), "proc"))
+    assert verdict.kind is VerdictKind.BLOCKED_IPC_READ and verdict.confidence.value == "low"
+
+
+def test_traced_without_proc_is_inferred_from_every_attach_refused() -> None:
+    bundle = bundle_without_tool(load("traced"), "proc")
+    assert all(t.tracer_pid is None and not t.threads for t in bundle.processes)
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.TRACED and "Operation not permitted" in verdict.summary
+
+
+def test_removing_proc_drops_what_only_proc_wrote() -> None:
+    bundle = bundle_without_tool(load("stopped"), "proc")
+    assert not any(f.kind == "target_stopped" for f in bundle.findings)
+    p = bundle.processes[0]
+    assert p.progress is None and p.state.value == "unknown" and p.access is not None
+    assert all(not t.blocked_fds and t.cpu_ticks_delta is None and t.wchan is None for t in p.threads)
 
 
 def _only(name: str) -> Bundle:
@@ -120,3 +150,16 @@ def test_blocked_read_names_the_peer_process() -> None:
     peer = next(f for p in bundle.processes for t in p.threads for f in t.blocked_fds if f.kind == "socket")
     assert peer.peer_pids and f"peer: pid {peer.peer_pids[0]}" in verdict.summary
     assert any(p.pid == peer.peer_pids[0] for p in bundle.processes)   # the silent server, in the same tree
+
+
+def test_a_stack_only_reply_wait_next_to_an_idle_server_is_inconclusive() -> None:
+    """Without /proc, a reply wait judged from stacks stands only when no other captured process waits for
+    requests: kvdiag pauses every process of the tree in turn, and a server paused at the instants the
+    client was sampled leaves the client waiting for its answer. Here the mpqueue reader (a real reply
+    wait) is captured next to an idle socketserver (healthy_idle's process)."""
+    bundle = bundle_without_tool(load("ipc_read_mpqueue"), "proc")
+    assert analyze(bundle).kind is VerdictKind.BLOCKED_IPC_READ
+    server = bundle_without_tool(load("healthy_idle"), "proc").processes[0]
+    bundle.processes.append(server.model_copy(update={"pid": 4_000_000}))
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.INCONCLUSIVE and "pid 4000000" in verdict.summary, verdict.summary

@@ -19,6 +19,9 @@ from rich.console import Console
 from kvdiag.bundle_io import save_bundle
 from kvdiag.cli.main import main
 from kvdiag.model import (
+    ABComparison,
+    ABEngine,
+    ABSide,
     BannerInfo,
     Bundle,
     Confidence,
@@ -43,6 +46,14 @@ from kvdiag.report import build_report, render_html, render_json, render_markdow
 from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, frame_cited, script_json
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "report.schema.json"
+
+
+def ab_carrying(text: str) -> ABComparison:
+    """An A/B comparison whose summaries, engine name and health lines are ``text`` (a payload to render)."""
+    side = ABSide(verdict=VerdictKind.GIL_CYCLE, summary=text, exit_code=10, bundle="../stock/bundle",
+                  report="stock/report.html", engines={text: ABEngine(phase=EnginePhase.STALLED, health=text)})
+    return ABComparison(stock=side, fixed=side.model_copy(update={"verdict": VerdictKind.HEALTHY, "exit_code": 0,
+                                                                  "bundle": "../fixed/bundle"}), separated=True)
 BANNER_RAW = ("Init C++ PageAllocator: num_layers=28, mem_size_per_layer=11MB, total_mem_size=667MB, page_size=2MB, "
               "world_size=1, pp_rank=0, async_sched=1, contiguous_layout=1, enable_prealloc=1, num_kv_buffers=2, "
               "group_id=0, min_reserved_pages=5, max_reserved_pages=5")
@@ -157,7 +168,8 @@ def test_report_json_validates_and_round_trips(tmp_path: Path, validator: jsonsc
     assert data["schema_version"] == "1" and data["command"] == "repro two-engine" and data["exit_code"] == 10
     assert data["verdict"]["kind"] == "gil_cycle"
     assert data["verdict"]["evidence"][0] == {"pid": 200, "tid": 200, "role": "alloc_page caller (holds GIL)",
-                                              "engine": "eng2", "frames": verdict.evidence[0].frames}
+                                              "engine": "eng2", "frames": verdict.evidence[0].frames,
+                                              "key_frames": None}   # hand-made evidence: no key frames
     eng2 = data["engines"][1]
     assert eng2["name"] == "eng2" and eng2["phase"] == "stalled" and eng2["verdict"] == "gil_cycle"
     assert eng2["pids"] == {"api_server": 199, "engine_core": 200}
@@ -241,19 +253,40 @@ def test_html_is_self_contained_and_embeds_the_report(tmp_path: Path) -> None:
     assert "file not in the bundle" in text
 
 
-def test_html_highlights_cited_frames_and_threads(tmp_path: Path) -> None:
+def test_html_highlights_only_the_key_frames_and_opens_cited_threads(tmp_path: Path) -> None:
     bundle, verdict, by_engine = seed_bundle(tmp_path / "bundle")
+    verdict.evidence[0].key_frames = [1]          # alloc_page, not the STL condvar wait above it
+    verdict.evidence[1].key_frames = [0, 1]       # take_gil, map_pages
     report = build_report(bundle, verdict, command="repro two-engine", exit_code=10, verdicts_by_engine=by_engine)
     page = render_html(report, bundle, tmp_path / "bundle")
-    cited = re.findall(r'<li class="(?:native|python) cited">([^<]*)', page)
-    assert "std::condition_variable::wait [libstdc++.so.6]" in cited
-    assert "kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)" in cited
-    assert "take_gil (Python/ceval_gil.c:300) [libpython3.11.so]" in cited
-    assert "kvcached::PageAllocator::map_pages (csrc/page_allocator.cpp:401)" in cited
-    assert not any("futex_wait" in c or "prealloc_worker" in c or "poll" in c for c in cited)
+    stacks = page[page.index('id="processes"'):]
+    keyed = re.findall(r'<li class="(?:native|python) key">([^<]*)', stacks)
+    assert keyed == ["kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)",
+                     "take_gil (Python/ceval_gil.c:300) [libpython3.11.so]",
+                     "kvcached::PageAllocator::map_pages (csrc/page_allocator.cpp:401)"]
+    evidence = page[page.index('<section id="evidence">'):page.index('<section id="engines">')]
+    assert re.findall(r'<li class="key">([^<]*)', evidence) == [
+        "kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)", "take_gil", "PageAllocator::map_pages"]
+    assert re.findall(r'<li class="ctx">([^<]*)', evidence) == ["std::condition_variable::wait"]
     threads = re.findall(r'<details class="thread( cited)?"( open)?>\s*<summary><b>tid (\d+)', page)
     assert [(c, o, t) for c, o, t in threads] == [(" cited", " open", "200"), (" cited", " open", "201"),
                                                   ("", "", "202")]
+
+
+def test_html_of_a_report_without_key_frames_highlights_no_frame(tmp_path: Path) -> None:
+    """A report written before key frames were recorded still renders: its threads are cited, no frame
+    is singled out (the renderer does not guess which ones the rule rested on)."""
+    bundle, verdict, by_engine = seed_bundle(tmp_path / "bundle")
+    data = json.loads(render_json(build_report(bundle, verdict, command="repro two-engine", exit_code=10,
+                                               verdicts_by_engine=by_engine)))
+    for item in data["verdict"]["evidence"]:
+        item.pop("key_frames", None)
+    old = Report.model_validate(data)
+    assert old.verdict.evidence[0].key_frames is None
+    page = render_html(old, bundle, tmp_path / "bundle")
+    assert not re.findall(r'<li class="[^"]*\b(key|ctx)\b', page)
+    assert "kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)" in page
+    assert re.findall(r'<details class="thread cited" open>', page)
 
 
 @pytest.mark.parametrize(("evidence", "frame", "cited"), [
@@ -307,7 +340,7 @@ def test_html_escapes_injected_markup_everywhere(tmp_path: Path) -> None:
     verdict.cycle = [xss, "GIL"]
     verdict.evidence[0].role = xss
     report = build_report(bundle, verdict, command=xss, exit_code=10, verdicts_by_engine={xss: verdict},
-                          ab={"model": xss}, bundle_path=xss)
+                          ab=ab_carrying(xss), bundle_path=xss)
     page = render_html(report, bundle, tmp_path / "bundle")
     dom = _dom(page)
     assert [t for t, _ in dom.tags if t in ("img", "script")] == ["script", "script"]
@@ -387,7 +420,7 @@ def test_planted_secrets_reach_no_output_file(tmp_path: Path, validator: jsonsch
     by_engine[bundle.engines[1].name] = verdict
     out_dir = tmp_path / "out"
     write_outputs(out_dir, bundle, verdict, command=f"repro --api-key {secrets['apikey']}", exit_code=10,
-                  verdicts_by_engine=by_engine, ab={"note": leak}, bundle_dir=bundle_dir)
+                  verdicts_by_engine=by_engine, ab=ab_carrying(leak), bundle_dir=bundle_dir)
     files = [p for p in out_dir.rglob("*") if p.is_file()]
     assert {p.name for p in files} == {"report.json", "report.html", "report.md"}
     for path in files:
@@ -396,7 +429,7 @@ def test_planted_secrets_reach_no_output_file(tmp_path: Path, validator: jsonsch
             assert secret not in content, f"{label} secret leaked into {path.name}"
         assert "REDACTED" in content
     page = (out_dir / "report.html").read_text()
-    assert "scenario.yaml" in page and "HF_TOKEN: ***REDACTED***" in page
+    assert "scenario.yaml" in page and "HF_TOKEN: REDACTED" in page
     validator.validate(json.loads((out_dir / "report.json").read_text()))  # with soak and ab filled in
 
 

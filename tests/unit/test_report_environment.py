@@ -11,7 +11,7 @@ from kvdiag.analyze import analyze
 from kvdiag.bundle_io import load_bundle
 from kvdiag.environment import collect_environment
 from kvdiag.environment.kvcached import fingerprint_tree
-from kvdiag.model import IpcSocket, KvcachedRuntime, ShmSegment
+from kvdiag.model import InterpreterPackages, IpcSocket, KvcachedBuild, KvcachedRuntime, ShmSegment
 from kvdiag.report import write_outputs
 from kvdiag.report.json import build_report
 from kvdiag.report.terminal import render_terminal
@@ -50,3 +50,24 @@ def test_environment_and_signature_in_json_html_md_and_terminal(tmp_path: Path) 
     out = con.export_text()
     assert f"signature: {verdict.signature}" in out and "known: kvcached#371" in out
     assert "environment:" in out and "(pre_fix)" in out
+
+
+def test_each_engine_interpreters_kvcached_build_is_rendered_labelled(tmp_path: Path) -> None:
+    bundle, _ = load_bundle(FIXTURES / "bundles" / "gil_cycle")
+    env = collect_environment(gpus=False, runtime=False, environ={})
+    env.kvcached = KvcachedBuild(installed=False, verdict="absent", summary="kvcached is not installed")
+    engine_build = fingerprint_tree(FIXTURES / "kvcached_prefix", version="0.1.5")
+    env.engine_packages = [InterpreterPackages(who="engine vlm", python="/venvs/vllm/bin/python", engines=["vlm"],
+                                               packages={"vllm": "0.32.0", "kvcached": "0.1.5"},
+                                               kvcached=engine_build)]
+    bundle.environment = env
+    paths = write_outputs(tmp_path, bundle, analyze(bundle), command="repro", exit_code=10)
+    data = json.loads(paths["report.json"].read_text())
+    assert data["environment"]["engine_packages"][0]["kvcached"]["verdict"] == "pre_fix"
+    page, md = paths["report.html"].read_text(), paths["report.md"].read_text()
+    assert "kvcached build of engine vlm" in page and "kvcached build (kvdiag's Python)" in page
+    assert "kvcached 0.1.5 (engine vlm: /venvs/vllm/bin/python)" in md and "pre_fix" in md
+    assert "kvcached (kvdiag's Python): kvcached is not installed" in md
+    con = Console(record=True, width=300)
+    render_terminal(build_report(bundle, analyze(bundle), command="repro", exit_code=10), con)
+    assert "kvcached 0.1.5 (pre_fix)" in con.export_text()   # the terminal's package line: the engine's verdict

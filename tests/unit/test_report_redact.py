@@ -47,7 +47,7 @@ SK = "sk-proj-" + "Q1w2E3r4T5y6U7i8" * 2
 def test_secret_removed(text: str, secret: str) -> None:
     out = redact_text(text)
     assert secret not in out
-    assert "REDACTED" in out or "***@" in out
+    assert REDACTED in out
     assert redact_text(out) == out  # idempotent
 
 

@@ -121,12 +121,15 @@ def test_soak_names_a_stall_injected_into_the_engine_core(vllm_setup: VllmSetup,
 def test_soak_and_vllm_bench_count_the_same_tokens(vllm_setup: VllmSetup, tmp_path: Path) -> None:
     """Same server, same request mix: bench and kvdiag's client both finish every request, kvdiag's SSE
     reader fails on nothing, and both take the token count from usage (speed figures: the benchmark)."""
-    proc = subprocess.run([sys.executable, "benchmarks/soak_accuracy.py",
-                           "--vllm", "--rounds", "1", "--num-prompts", "40", "--concurrency", "4"],
+    proc = subprocess.run([sys.executable, "benchmarks/soak_accuracy.py", "--vllm", "--rounds", "1",
+                           "--num-prompts", "40", "--concurrency", "4", "--layers", "2", "--hidden", "128"],
                           capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     lines = proc.stdout.splitlines()
-    counts = [ln for ln in lines if "requests ok/failed" in ln]
-    assert counts and "kvdiag 40/0 (SSE parse failures 0), bench 40/0" in counts[0], counts
-    assert "output tokens kvdiag 1280 bench 1280" in counts[0], counts
+    runs = [ln.split() for ln in lines if ln.startswith("0 ")]
+    assert sorted(r[1] for r in runs) == ["bench", "bench2", "kvdiag"], lines
+    assert all(r[7] == "40/0" and r[8] == "1280" for r in runs), runs
+    counts = [ln for ln in lines if ln.startswith("failures:")]
+    assert counts and "kvdiag 0 (SSE parse failures 0), bench 0" in counts[0], counts
+    assert "output tokens per run kvdiag [1280], bench [1280]" in counts[0], counts
     assert lines[-1].startswith("RESULT ") and "parse_failures=0" in lines[-1]
