@@ -380,13 +380,15 @@ VLLM_ARGS = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "512", 
 # Three clients per cycle, the order rotated so that none always runs first, after kvdiag, or last.
 ORDERS = (("bench", "kvdiag", "bench2"), ("kvdiag", "bench2", "bench"), ("bench2", "bench", "kvdiag"))
 SAME_READ_S = 0.0005   # an ITL gap this short: two token events the client took from one socket read
+TAIL_S = 0.025         # a bucket bound of vLLM's ITL histogram: the share of gaps above it, client vs server
 
 
 def _stats(ttft: list[float], itl: list[float]) -> dict[str, float | None]:
     return {"ttft_p50": _pct(ttft, 50), "ttft_p99": _pct(ttft, 99), "itl_p50": _pct(itl, 50),
             "itl_p99": _pct(itl, 99), "ttft_mean": statistics.fmean(ttft) if ttft else None,
             "itl_mean": statistics.fmean(itl) if itl else None,
-            "same_read": sum(1 for g in itl if g < SAME_READ_S) / len(itl) if itl else None}
+            "same_read": sum(1 for g in itl if g < SAME_READ_S) / len(itl) if itl else None,
+            "tail": sum(1 for g in itl if g > TAIL_S) / len(itl) if itl else None}
 
 
 _SUMCOUNT = re.compile(r"^vllm:(?P<name>time_to_first_token|inter_token_latency)_seconds_(?P<kind>sum|count)"
@@ -402,6 +404,9 @@ def _server_totals(url: str) -> dict[str, float]:
     for m in _SUMCOUNT.finditer(text):
         key = f"{m.group('name')}_{m.group('kind')}"
         out[key] = out.get(key, 0.0) + float(m.group("v"))
+    for le, count in _buckets(text, "vllm:inter_token_latency_seconds"):
+        if le == TAIL_S:
+            out["itl_le_tail"] = count
     return out
 
 
@@ -410,6 +415,9 @@ def _server_means(before: dict[str, float], after: dict[str, float]) -> dict[str
     for name, key in (("time_to_first_token", "srv_ttft_mean"), ("inter_token_latency", "srv_itl_mean")):
         n = after.get(f"{name}_count", 0.0) - before.get(f"{name}_count", 0.0)
         res[key] = (after.get(f"{name}_sum", 0.0) - before.get(f"{name}_sum", 0.0)) / n if n > 0 else None
+    n = after.get("inter_token_latency_count", 0.0) - before.get("inter_token_latency_count", 0.0)
+    under = after.get("itl_le_tail", 0.0) - before.get("itl_le_tail", 0.0)
+    res["srv_tail"] = 1.0 - under / n if n > 0 else None
     return res
 
 
@@ -588,15 +596,16 @@ def main_vllm(args: argparse.Namespace) -> int:
     print()
     print(f"{'run':<10} {'TTFT p50':>8} {'TTFT p99':>8} {'ITL p50':>8} {'ITL p99':>8} {'same-read':>9} "
           f"{'ok/fail':>8} {'tokens':>6} {'CPU/req':>8} {'ITL mean':>8} {'srv ITL':>8} {'TTFT mean':>9} "
-          f"{'srv TTFT':>8}   (ms; srv: the server's own mean)")
+          f"{'srv TTFT':>8} {'>25ms cli/srv':>13}   (ms; srv: the server's own figure, same run)")
     for cycle in range(cycles):
         for who in ORDERS[cycle % len(ORDERS)]:
             r = runs[who][cycle]
             print(f"{cycle} {who:<8} {ms(r['ttft_p50'])} {ms(r['ttft_p99'])} {ms(r['itl_p50'])} {ms(r['itl_p99'])} "
                   f"{r['same_read'] * 100:8.1f}% {str(r['ok']) + '/' + str(r['failed']):>8} {r['tokens']:>6} "
                   f"{ms(r['cpu_per_req'])} {ms(r['itl_mean'])} {ms(r['srv_itl_mean'])} {ms(r['ttft_mean']):>9} "
-                  f"{ms(r['srv_ttft_mean'])}")
-    med = {who: {key: statistics.median(r[key] for r in rs) for key in (*ALL_KEYS, "same_read", "cpu_per_req")}
+                  f"{ms(r['srv_ttft_mean'])} {r['tail'] * 100:6.2f}/{(r['srv_tail'] or 0) * 100:5.2f}%")
+    med = {who: {key: statistics.median(r[key] for r in rs)
+                 for key in (*ALL_KEYS, "same_read", "cpu_per_req", "tail", "srv_tail")}
            for who, rs in runs.items()}
     # How far each client's mean is from the server's own mean over the same run: the client's measurement error,
     # free of the server's run-to-run variation (vLLM's ITL is per token, the clients' per event: equal when no
@@ -625,6 +634,10 @@ def main_vllm(args: argparse.Namespace) -> int:
           f"{med['bench2']['itl_vs_srv']:+8.3f}   (client mean / the server's own mean over the same run - 1)")
     print(f"{'TTFT mean vs server mean':<26} {med['kvdiag']['ttft_vs_srv']:+8.3f} {med['bench']['ttft_vs_srv']:+8.3f} "
           f"{med['bench2']['ttft_vs_srv']:+8.3f}")
+    print(f"{'ITL gaps > 25 ms, client':<26} {med['kvdiag']['tail'] * 100:7.2f}% {med['bench']['tail'] * 100:7.2f}% "
+          f"{med['bench2']['tail'] * 100:7.2f}%   (the tail, against the server's own histogram below)")
+    print(f"{'ITL > 25 ms, server':<26} {med['kvdiag']['srv_tail'] * 100:7.2f}% "
+          f"{med['bench']['srv_tail'] * 100:7.2f}% {med['bench2']['srv_tail'] * 100:7.2f}%")
     print(f"{'same-read ITL gaps':<26} {med['kvdiag']['same_read'] * 100:7.1f}% "
           f"{med['bench']['same_read'] * 100:7.1f}% {med['bench2']['same_read'] * 100:7.1f}%   "
           f"(gaps < {SAME_READ_S * 1000:g} ms: events taken from one read)")
