@@ -15,7 +15,10 @@ Metrics per mode: accuracy; false deadlocks = runs of progressing programs (heal
 given a hang verdict; missed deadlocks = runs of hanging programs (a hang kind expected) called
 healthy or slow_start.
 
-    python benchmarks/accuracy.py [--runs 3] [--keep-bundles tests/fixtures/bundles/corpus]
+The next program is started (and waits until it has parked) while the current one is captured; captures
+never overlap. ``--no-overlap`` starts each program only after the previous capture.
+
+    python benchmarks/accuracy.py [--runs 3] [--no-overlap] [--keep-bundles tests/fixtures/bundles/corpus]
 """
 
 from __future__ import annotations

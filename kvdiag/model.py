@@ -170,6 +170,9 @@ class Frame(_Model):
     line: int | None = None
     library: str | None = None      # shared object for native frames
     source: str | None = None       # the source line pystack prints under Python frames
+    # Lock-typed locals of a Python frame (pystack-locals): name -> address of the threading.Lock/RLock.
+    # Nothing else of a frame's locals is ever kept.
+    locks: dict[str, int] = Field(default_factory=dict)
 
 
 class ToolRun(_Model):

@@ -79,6 +79,8 @@ class ThreadView:
     proc_saw_read: bool = False        # /proc itself (wchan or syscall) found the thread in a read
     proc_saw_other: bool = False       # /proc found it in something else (a sleep, another syscall, running)
     samples_moved: bool = False        # another stack tool found it in a different wait: it moved meanwhile
+    # Python frames that carry lock-typed locals (pystack-locals), innermost first.
+    lock_frames: list[Frame] = field(default_factory=list)
 
     @property
     def label(self) -> str:
@@ -289,6 +291,7 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         kinds = [_sample_kind(fs) for fs in th.frames_by_tool.values()]
         view.samples_in_wait = sum(1 for k in kinds if k is kind)
         view.samples_moved = any(k is not None and k is not kind for k in kinds)
+    view.lock_frames = [f for fs in th.frames_by_tool.values() for f in fs if f.kind == "python" and f.locks]
     view.asyncio_loop = any(f.kind == "python" and ("asyncio" in (f.file or "") or f.name.endswith("_run_once"))
                             for f in frames_all)
     if th.ctx_switches_delta is not None and th.cpu_ticks_delta is not None:

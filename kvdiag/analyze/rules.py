@@ -391,6 +391,47 @@ def _possible_signallers(views: list[ThreadView], exclude: list[ThreadView],
     return out
 
 
+_ACQUIRE_LINE = re.compile(r"^\s*(?:async\s+)?with\s+([A-Za-z_]\w*)\s*(?:[:,]|as\b)|\b([A-Za-z_]\w*)\.acquire\(")
+
+
+def _awaited_lock(t: ThreadView) -> int | None:
+    """Address of the lock ``t`` waits to acquire: the name its innermost lock-taking line acquires
+    (``with second:``, ``second.acquire()``), looked up in that frame's lock-typed locals."""
+    for f in t.lock_frames:
+        m = _ACQUIRE_LINE.search(f.source or "")
+        name = (m.group(1) or m.group(2)) if m else None
+        if name and name in f.locks:
+            return f.locks[name]
+    return None
+
+
+def _lock_reference_cycle(waiters: list[ThreadView], views: list[ThreadView]) -> list[tuple[ThreadView, int, int]]:
+    """[(waiter, lock it waits for, lock it holds)] around a cycle, when each waiter's lock is referenced
+    (pystack-locals) by exactly one other thread that does not itself wait for it: that thread holds it,
+    as far as references tell. Empty when the references do not close a cycle."""
+    awaited = {t.tid: a for t in waiters if (a := _awaited_lock(t)) is not None}
+    if len(awaited) < 2:
+        return []
+    by_tid = {t.tid: t for t in views}
+    holder: dict[int, int] = {}
+    for t in waiters:
+        want = awaited.get(t.tid)
+        if want is None:
+            continue
+        refs = [u.tid for u in views if u.tid != t.tid and awaited.get(u.tid) != want
+                and any(want in f.locks.values() for f in u.lock_frames)]
+        if len(refs) == 1:
+            holder[t.tid] = refs[0]
+    for start in holder:
+        path, tid = [start], holder[start]
+        while tid in holder and tid not in path:
+            path.append(tid)
+            tid = holder[tid]
+        if tid == start and len(path) >= 2:
+            return [(by_tid[x], awaited[x], awaited[path[i - 1]]) for i, x in enumerate(path)]
+    return []
+
+
 def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
                                engine: str | None) -> Verdict | None:
     """Python locks record no owner: when two or more threads block, untimed, acquiring different locks
@@ -403,6 +444,28 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
         return None
     if _possible_signallers(views, waiters, proc) or any(t.kind is WaitKind.GIL_WAIT for t in views):
         return None
+    ring = _lock_reference_cycle(waiters, views)
+    if ring:
+        g = WaitGraph()
+        for t, want, has in ring:
+            _tnode(g, t, f"holds lock {has:#x} (referenced in its frames), waits for lock {want:#x}{where(t, 1)}")
+        for t, want, _ in ring:
+            owner = next(u for u, _, has in ring if has == want)
+            obj = g.node(f"PYLOCK{proc.pid}:{want:x}", f"Python lock {want:#x}")
+            g.edge(_tnode(g, t), obj, "waits for")
+            g.edge(obj, _tnode(g, owner), "held by (inferred from references)", inferred=True)
+        cycle = min(g.cycles(), key=len) if g.cycles() else []
+        desc = "; ".join(f"{t.label} holds lock {has:#x} and waits for {want:#x}{where(t, 1)}" for t, want, has in ring)
+        evidence = [_item(t, f"waits for Python lock {want:#x}; holds {has:#x} (its frames reference it and it "
+                             "does not wait for it)", engine, BLOCKED_KEYS) for t, want, has in ring[:4]]
+        return Verdict(kind=VerdictKind.LOCK_ORDER_INVERSION, confidence=Confidence.MEDIUM, engine=engine,
+                       evidence=evidence, cycle=g.describe_cycle(cycle) if cycle else [],
+                       confidence_reasons=["+ each lock's holder named by its references (pystack --locals, lock "
+                                           "objects only)", "- Python locks record no owner: holding is inferred "
+                                           "from references, not read"],
+                       summary=(f"lock-order inversion between Python locks in {_where(proc)}: {desc}. Python locks "
+                                f"record no owner; each holder is the one other thread whose frames reference the "
+                                f"lock without waiting for it (pystack --locals), and no other thread can run"))
     lines = []
     for t in waiters:
         i = _user_lock_frame(t)

@@ -48,7 +48,14 @@ from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, ProcWindow, list_tids, read_status
-from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend, gdb_all_symbols, pyspy_nonblocking
+from kvdiag.capture.tools import (
+    GdbBackend,
+    PyspyBackend,
+    PystackBackend,
+    gdb_all_symbols,
+    pyspy_nonblocking,
+    pystack_lock_locals,
+)
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
 from kvdiag.proc import read_stat
 
@@ -56,8 +63,8 @@ CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
 DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
 _FACTORIES: dict[str, Callable[[], CaptureBackend]] = {
     "proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
-    "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "gdb": GdbBackend,
-    "gdb-full": gdb_all_symbols}
+    "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "pystack-locals": pystack_lock_locals,
+    "gdb": GdbBackend, "gdb-full": gdb_all_symbols}
 # Order of the ptrace chain, whatever order the tools were named in: verdict-critical evidence first.
 _CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # gdb is optional evidence: it gets at most this long per process (the chains run in parallel, so this
@@ -497,7 +504,7 @@ def _minor(backends: list[CaptureBackend]) -> list[CaptureBackend]:
     out: list[CaptureBackend] = []
     for b in backends:
         if isinstance(b, PystackBackend):
-            b = copy.copy(b)
+            b = copy.copy(b)   # native frames and lock locals as asked; only its CPU priority differs
         elif isinstance(b, PyspyBackend) and b.native:
             b = pyspy_nonblocking(b.binary)
         elif isinstance(b, GdbBackend):

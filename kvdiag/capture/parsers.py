@@ -44,6 +44,38 @@ def _pystack_status(rest: str) -> tuple[str | None, GilState, list[str]]:
     return name, gil, status_words
 
 
+_PYSTACK_LOCALS_HEAD = re.compile(r"^\s+(Arguments|Locals):\s*$")
+_PYSTACK_LOCAL = re.compile(r"^(\s+)([A-Za-z_]\w*): (.*)$")
+# pystack's summary of a threading.Lock / RLock object: the type and the address, nothing of its state.
+_LOCK_VALUE = re.compile(r"^<(?:_thread\.)?(lock|RLock)(?: object)? at (0x[0-9a-fA-F]+)>$")
+
+
+def keep_lock_locals(text: str) -> str:
+    """``pystack --locals`` output with every local dropped but the lock-typed ones (``name: <_thread.lock
+    at 0x...>``): the values of other locals (tokens, prompts, user data) never reach the bundle."""
+    out: list[str] = []
+    header: str | None = None       # an Arguments:/Locals: header not written yet
+    in_locals = False
+    for line in text.splitlines():
+        if _PYSTACK_LOCALS_HEAD.match(line):
+            in_locals, header = True, line
+            continue
+        if in_locals:
+            entry = _PYSTACK_LOCAL.match(line)
+            if entry and not _PYSTACK_FRAME.match(line) and not _PYSTACK_HEAD.match(line):
+                if _LOCK_VALUE.match(entry.group(3).strip()):
+                    if header is not None:
+                        out.append(header)
+                        header = None
+                    out.append(f"{entry.group(1)}{entry.group(2)}: {entry.group(3).strip()}")
+                continue
+            if not (_PYSTACK_FRAME.match(line) or _PYSTACK_HEAD.match(line) or not line.strip()):
+                continue     # a continuation of a dropped value
+            in_locals, header = False, None
+        out.append(line)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
 def parse_pystack(text: str) -> tuple[list[ThreadEvidence], str | None]:
     """Threads from ``pystack remote --native`` output, frames innermost first."""
     threads: list[ThreadEvidence] = []
@@ -51,6 +83,7 @@ def parse_pystack(text: str) -> tuple[list[ThreadEvidence], str | None]:
     current: ThreadEvidence | None = None
     outer_first: list[Frame] = []
     last_python: Frame | None = None
+    in_locals = False      # inside an Arguments:/Locals: block (pystack --locals)
 
     def flush() -> None:
         if current is not None:
@@ -65,6 +98,7 @@ def parse_pystack(text: str) -> tuple[list[ThreadEvidence], str | None]:
             current = ThreadEvidence(tid=int(head.group(1)), name=name, gil=gil)
             outer_first = []
             last_python = None
+            in_locals = False
             continue
         if current is None:
             vm = _PYSTACK_VERSION.search(line)
@@ -83,7 +117,18 @@ def parse_pystack(text: str) -> tuple[list[ThreadEvidence], str | None]:
                               line=int(lineno) or None, library=library)
                 last_python = None
             outer_first.append(frame)
+            in_locals = False
             continue
+        if _PYSTACK_LOCALS_HEAD.match(line):
+            in_locals = True
+            continue
+        entry = _PYSTACK_LOCAL.match(line) if in_locals else None
+        if entry is not None:
+            lock = _LOCK_VALUE.match(entry.group(3).strip())
+            if lock and last_python is not None:
+                last_python.locks[entry.group(2)] = int(lock.group(2), 16)
+            continue
+        in_locals = False
         stripped = line.strip()
         if last_python is not None and stripped and line.startswith("        "):
             last_python.source = stripped[:300]

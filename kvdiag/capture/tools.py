@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -25,7 +26,7 @@ from kvdiag.capture.base import (
     run_tool,
     write_raw,
 )
-from kvdiag.capture.parsers import parse_gdb, parse_pyspy, parse_pystack
+from kvdiag.capture.parsers import keep_lock_locals, parse_gdb, parse_pyspy, parse_pystack
 from kvdiag.model import ThreadEvidence, ToolRun
 from kvdiag.redact import Tally
 
@@ -58,6 +59,10 @@ class _ToolBackend:
     def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
         raise NotImplementedError
 
+    def filter_output(self, text: str) -> str:
+        """What of the tool's stdout may be kept (written raw and parsed); default: all of it."""
+        return text
+
     def usable(self, outcome: ToolOutcome, threads: list[ThreadEvidence]) -> bool:
         return not outcome.timed_out and outcome.returncode == 0 and bool(threads)
 
@@ -67,6 +72,7 @@ class _ToolBackend:
             return BackendResult(tool=ToolRun(tool=self.name, ok=False, error=missing_reason(self.binary)))
         argv = self.argv(exe, pid)
         outcome = run_tool(argv, timeout_s, nice=self.nice)
+        outcome = dataclasses.replace(outcome, stdout=self.filter_output(outcome.stdout))
         tally = Tally()
         raw = write_raw(raw_dir, self.raw_name, argv, outcome, tally)
         threads, version = self.parse(outcome.stdout) if not outcome.error else ([], None)
@@ -90,15 +96,26 @@ class PystackBackend(_ToolBackend):
     stops_target = True
     raw_name = "pystack.txt"
 
-    def __init__(self, binary: str | None = None, native: bool = True) -> None:
+    def __init__(self, binary: str | None = None, native: bool = True, lock_locals: bool = False) -> None:
         super().__init__(binary)
         self.native = native
+        # --locals, keeping only lock-typed locals (name and address): who may hold a Python lock.
+        self.lock_locals = lock_locals
 
     def argv(self, exe: str, pid: int) -> list[str]:
-        return [exe, "remote", str(pid), *(["--native-all"] if self.native else []), "--no-color"]
+        return [exe, "remote", str(pid), *(["--native-all"] if self.native else []),
+                *(["--locals"] if self.lock_locals else []), "--no-color"]
+
+    def filter_output(self, text: str) -> str:
+        return keep_lock_locals(text) if self.lock_locals else text
 
     def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
         return parse_pystack(text)
+
+
+def pystack_lock_locals(binary: str | None = None) -> PystackBackend:
+    """pystack with ``--locals``, of which only lock-typed locals are kept (``pystack-locals``)."""
+    return PystackBackend(binary, lock_locals=True)
 
 
 class PyspyBackend(_ToolBackend):

@@ -9,6 +9,7 @@ expected outcome comes from how each program was written, never from the analyze
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -170,3 +171,20 @@ def test_service_shapes_without_proc_are_never_a_false_deadlock_or_a_missed_one(
     assert verdict.kind.value == expect, verdict.summary
     if expect == "inconclusive":
         assert exit_code_for(verdict) == 6 and "/proc was not read" in verdict.summary
+
+
+@pytest.mark.parametrize("kind,n", [("lock_inversion_py2", 2), ("lock_inversion_py3", 3)])
+def test_pystack_lock_locals_name_each_python_lock_holder(kind: str, n: int, tmp_path: Path) -> None:
+    """`pystack-locals`: pystack --locals, only lock objects kept. Each waiter's lock is referenced by exactly
+    one other thread that does not wait for it: the holders close a cycle, drawn lock by lock; nothing but
+    lock-typed locals reaches the raw output."""
+    with hk.running(kind, bound_s=90) as h:
+        bundle = capture_tree(h.root_pid, tmp_path / "bundle", timeout_s=10.0,
+                              backends=["proc", "py-spy", "pystack-locals"])
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.LOCK_ORDER_INVERSION and verdict.confidence.value == "medium"
+    assert "referenced" in " ".join(verdict.cycle) and len([c for c in verdict.cycle if "Python lock" in c]) == n
+    raw = "".join(p.read_text() for p in (tmp_path / "bundle").rglob("pystack.txt"))
+    assert "Arguments:" in raw and "<Thread at" not in raw
+    entries = [ln for ln in raw.splitlines() if re.match(r"^\s+[A-Za-z_]\w*: <", ln)]
+    assert entries and all(re.search(r": <(_thread\.)?(lock|RLock) at 0x[0-9a-f]+>$", ln) for ln in entries), entries

@@ -197,3 +197,23 @@ def test_log_prefix_pids() -> None:
     pids = log_prefix_pids(lines)
     assert pids == {"api_server": 6790, "engine_core": 6898, "worker": 6946, "EngineCore_DP1": 7001}
     assert _log_role("EngineCore_DP1") is ProcessRole.ENGINE_CORE
+
+
+def test_pystack_locals_keep_only_lock_objects() -> None:
+    """Real `pystack remote --locals --native-all` output of two threads taking two locks in opposite
+    orders (tests/fixtures/raw/pystack_locals.txt; one frame has a `password` argument): only the
+    lock-typed locals survive, name and address, and the frames' source lines are still read."""
+    from kvdiag.capture.parsers import keep_lock_locals
+
+    text = (Path(__file__).resolve().parents[1] / "fixtures" / "raw" / "pystack_locals.txt").read_text()
+    assert "hunter2" in text and "<Thread at" in text
+    kept = keep_lock_locals(text)
+    assert "hunter2" not in kept and "password" not in kept and "<Thread at" not in kept and "self:" not in kept
+    threads, _ = parse_pystack(kept)
+    workers = [t for t in threads if any(f.name == "t1" for f in t.frames)]
+    assert len(workers) == 2
+    frames = [next(f for f in t.frames if f.name == "t1") for t in workers]
+    assert all(f.source == "with second:" and set(f.locks) == {"first", "second"} for f in frames)
+    a, b = frames
+    assert a.locks["first"] == b.locks["second"] and a.locks["second"] == b.locks["first"]
+    assert all(not f.locks for t in threads for f in t.frames if f.name != "t1")

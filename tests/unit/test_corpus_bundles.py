@@ -79,11 +79,23 @@ def test_without_proc_frames_that_show_the_role_still_decide() -> None:
     assert verdict.kind is VerdictKind.BLOCKED_IPC_READ and verdict.confidence.value == "low"
 
 
-def test_traced_without_proc_is_inferred_from_every_attach_refused() -> None:
+def test_traced_without_proc_is_named_by_the_preflight_or_inferred_from_every_attach_refused() -> None:
     bundle = bundle_without_tool(load("traced"), "proc")
     assert all(t.tracer_pid is None and not t.threads for t in bundle.processes)
+    access = bundle.processes[0].access
+    assert access is not None and access.tracer_pid
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.TRACED and f"pid {access.tracer_pid}" in verdict.summary
+    access.tracer_pid = None      # a preflight that did not read TracerPid: the tools' refusals still tell
     verdict = analyze(bundle)
     assert verdict.kind is VerdictKind.TRACED and "Operation not permitted" in verdict.summary
+    assert verdict.confidence.value == "medium"
+
+
+def test_stopped_without_proc_is_named_by_the_preflight() -> None:
+    for name in ("stopped", "stopped_gil_cycle"):
+        verdict = analyze(bundle_without_tool(load(name), "proc"))
+        assert verdict.kind is VerdictKind.STOPPED and exit_code_for(verdict) == 5, verdict.summary
 
 
 def test_removing_proc_drops_what_only_proc_wrote() -> None:
