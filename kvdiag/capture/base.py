@@ -135,12 +135,30 @@ def kill_active_tools() -> int:
     return len(procs)
 
 
+def _raise_priority(nice: int) -> None:
+    """In the tool's child (its own session): a higher CPU priority where permitted, silently not otherwise.
+
+    The tool pauses its target while it reads, so the sooner it ends the shorter the pause. With the
+    scheduler's autogroups (a session is one group) a process's own nice only ranks it inside its session,
+    so the session's group is raised too."""
+    try:
+        with open("/proc/self/autogroup", "w", encoding="ascii") as fh:
+            fh.write(str(nice))
+    except OSError:
+        pass
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, nice)
+    except OSError:
+        pass
+
+
 def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = None, nice: int = 0) -> ToolOutcome:
     """Run ``argv`` in its own process group with a hard wall-clock bound.
 
     On timeout the whole group is terminated (TERM, then KILL) and the partial
     output is returned. Never raises for tool failures. ``nice`` > 0 runs the tool
-    at a lower CPU priority (evidence that can wait yields to what the verdict needs).
+    at a lower CPU priority (evidence that can wait yields to what the verdict needs); < 0 at a higher
+    one where kvdiag may raise it (root / CAP_SYS_NICE; otherwise unchanged).
     """
     start = time.monotonic()
 
@@ -148,6 +166,8 @@ def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = Non
         _die_with_kvdiag()
         if nice > 0:
             os.nice(nice)
+        elif nice < 0:
+            _raise_priority(nice)
 
     # Started and registered under the lock: a tool that attaches before this thread gets to register it
     # would escape kill_active_tools (an interrupt arriving right then left its target traced and stopped).

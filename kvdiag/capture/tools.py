@@ -38,7 +38,7 @@ class _ToolBackend:
     binary = ""
     stops_target = False
     raw_name = ""
-    nice = 0          # > 0: the tool runs at lower CPU priority (a process outside the capture's focus)
+    nice = 0          # > 0: lower CPU priority (a process outside the capture's focus); < 0: higher (the focus)
 
     def __init__(self, binary: str | None = None) -> None:
         # An explicit path (or a name to look up) overrides the default tool name.

@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 
 from kvdiag.capture.base import BackendResult
-from kvdiag.capture.orchestrate import _minor, _ProcessJob, _ToolSlots, _window_pyspy, make_backends
+from kvdiag.capture.orchestrate import _focus, _minor, _ProcessJob, _ToolSlots, _window_pyspy, make_backends
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
 from kvdiag.model import Frame, ThreadEvidence, ToolRun
 
@@ -81,6 +81,10 @@ def test_pyspy_pauses_the_target_only_where_pystack_cannot_read_native_frames() 
     minor = _minor(chosen)
     assert all(getattr(b, "nice", 0) > 0 for b in minor if b.stops_target)
     assert any(isinstance(b, PystackBackend) and b.native for b in minor)
+    # the focus's ptrace tools ask for a higher priority (granted where permitted), on copies
+    focus = _focus(_window_pyspy(chosen, {}, None))
+    assert all(getattr(b, "nice", 0) < 0 for b in focus if b.stops_target)
+    assert all(getattr(b, "nice", 0) == 0 for b in chosen)
 
 
 def test_other_processes_wait_for_the_focus_processes_first_tool() -> None:
