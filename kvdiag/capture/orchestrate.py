@@ -12,7 +12,8 @@ Schedule (parallel capture):
    py-spy --native only where pystack cannot read native frames;
 3. across processes, at most one ptrace tool per CPU at a time (:class:`_ToolSlots`), most urgent
    first; the focus processes' pystack (the EngineCore's) runs with the machine to itself, the other
-   processes' tools wait for it and run at a lower CPU priority.
+   processes' tools wait for it; every ptrace tool runs at a higher CPU priority where permitted
+   (:data:`_PTRACE_NICE`: it pauses its target while it reads).
 Each tool runs in its own process group and is killed at the deadline; a backend thread that is still
 stuck then is abandoned (daemon) and reported.
 
@@ -70,11 +71,11 @@ _CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # gdb is optional evidence: it gets at most this long per process (the chains run in parallel, so this
 # bounds the whole capture's gdb time whatever the number of processes).
 GDB_BUDGET_S = 4.0
-_MINOR_NICE = 10
-# The focus processes' ptrace tools (the verdict-critical pystack) run at a higher CPU priority where kvdiag may
-# raise it: on a busy machine they end sooner and pause the target for less (on 2 cores with 4 busy sessions
-# beside it, the EngineCore's pystack took 0.8-1.0 s at the default priority).
-_FOCUS_NICE = -5
+# Every ptrace tool pauses its target while it reads: it runs at a higher CPU priority where kvdiag may raise
+# it (root / CAP_SYS_NICE), so on a busy machine it ends sooner and the pause is shorter (on 2 cores with 4
+# busy sessions beside it, the EngineCore's verdict came in 1.42 s at the default priority, 0.90 s at -5).
+# The focus processes' pystack still goes first: the others wait for it (_ToolSlots).
+_PTRACE_NICE = -5
 # A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung
 # pystack still leaves gdb time to run.
 _CHAIN_SHARE = 0.35
@@ -502,30 +503,19 @@ class _ToolSlots:
 
 
 def _minor(backends: list[CaptureBackend]) -> list[CaptureBackend]:
-    """The backends for a process outside the focus: the same tools at a lower CPU priority (its chain also
-    waits behind the focus processes' for a tool slot), and py-spy without pausing the target, inside the
-    /proc window (pystack, or gdb where pystack cannot, reads the native frames)."""
-    out: list[CaptureBackend] = []
-    for b in backends:
-        if isinstance(b, PystackBackend):
-            b = copy.copy(b)   # native frames and lock locals as asked; only its CPU priority differs
-        elif isinstance(b, PyspyBackend) and b.native:
-            b = pyspy_nonblocking(b.binary)
-        elif isinstance(b, GdbBackend):
-            b = copy.copy(b)
-        if isinstance(b, (PystackBackend, PyspyBackend, GdbBackend)):
-            b.nice = _MINOR_NICE   # the focus processes' tools get the CPU first
-        out.append(b)
-    return out
+    """The backends for a process outside the focus: the same tools (its chain waits behind the focus
+    processes' pystack for a tool slot), with py-spy reading Python frames without pausing the target,
+    inside the /proc window (pystack, or gdb where pystack cannot, reads the native frames)."""
+    return [pyspy_nonblocking(b.binary) if isinstance(b, PyspyBackend) and b.native else b for b in backends]
 
 
-def _focus(backends: list[CaptureBackend]) -> list[CaptureBackend]:
-    """The backends for a focus process: its ptrace tools at a higher CPU priority (:data:`_FOCUS_NICE`)."""
+def _raised(backends: list[CaptureBackend]) -> list[CaptureBackend]:
+    """The ptrace tools (copies) at a higher CPU priority (:data:`_PTRACE_NICE`)."""
     out: list[CaptureBackend] = []
     for b in backends:
         if isinstance(b, (PystackBackend, PyspyBackend, GdbBackend)) and b.stops_target:
             b = copy.copy(b)
-            b.nice = _FOCUS_NICE
+            b.nice = _PTRACE_NICE
         out.append(b)
     return out
 
@@ -615,7 +605,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 findings.append(Finding(kind="process_gone", pid=pid, message=f"process {pid} does not exist"))
                 continue
             minor = focus_set is not None and pid not in focus_set
-            mine = _minor(chosen) if minor else _focus(_window_pyspy(chosen, unavailable, accesses.get(pid)))
+            mine = _raised(_minor(chosen) if minor else _window_pyspy(chosen, unavailable, accesses.get(pid)))
             job = _ProcessJob(pid, mine, unavailable, raw_dir, timeout_s,
                               deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
                               slots=slots, rank=int(minor), t0=start)
