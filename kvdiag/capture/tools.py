@@ -6,9 +6,11 @@
 - py-spy runs ``--native`` (Python and native frames interleaved, as the seed's
   author ran it). That pauses the target for the dump like pystack and gdb do,
   so it joins their one-tracer-at-a-time chain. ``py-spy-nonblocking`` never
-  pauses the target, but py-spy cannot combine that with ``--native``.
+  pauses the target, but py-spy cannot combine that with ``--native``; the
+  orchestrator uses it wherever pystack reads the native frames.
 - gdb runs in batch mode, reads all native stacks and detaches; auto-loading
   and debuginfod are off so it never reaches the network or runs target scripts.
+  The orchestrator runs it where pystack read no native frame.
 """
 
 from __future__ import annotations
