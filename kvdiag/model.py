@@ -185,6 +185,7 @@ class ToolRun(_Model):
     raw_path: str | None = None      # raw output file, relative to the bundle folder
     command: list[str] = Field(default_factory=list)
     redactions: dict[str, int] = Field(default_factory=dict)   # secrets removed from what it read, per kind
+    started_s: float | None = None   # when it started, seconds after the capture began (None: not recorded)
 
 
 class RedactionSummary(_Model):

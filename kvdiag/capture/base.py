@@ -123,7 +123,7 @@ def _die_with_kvdiag() -> None:
 
 
 _ACTIVE: set[subprocess.Popen[bytes]] = set()
-_ACTIVE_LOCK = threading.Lock()
+_ACTIVE_LOCK = threading.RLock()   # re-entrant: an interrupt may land while this thread holds it
 
 
 def kill_active_tools() -> int:
@@ -149,13 +149,15 @@ def run_tool(argv: list[str], timeout_s: float, env: dict[str, str] | None = Non
         if nice > 0:
             os.nice(nice)
 
-    try:
-        proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, start_new_session=True, close_fds=True, env=env,
-                                preexec_fn=child_setup)
-    except OSError as exc:
-        return ToolOutcome(None, "", "", time.monotonic() - start, False, f"cannot start {argv[0]}: {exc}")
+    # Started and registered under the lock: a tool that attaches before this thread gets to register it
+    # would escape kill_active_tools (an interrupt arriving right then left its target traced and stopped).
     with _ACTIVE_LOCK:
+        try:
+            proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, start_new_session=True, close_fds=True, env=env,
+                                    preexec_fn=child_setup)
+        except OSError as exc:
+            return ToolOutcome(None, "", "", time.monotonic() - start, False, f"cannot start {argv[0]}: {exc}")
         _ACTIVE.add(proc)
     timed_out = False
     out_b = err_b = b""

@@ -1,17 +1,19 @@
 """Run every capture backend against every process, in parallel, within one wall-clock bound.
 
-Scheduling per process:
-1. /proc first (state, syscalls, CPU sampled over a short interval) so the
-   kernel-side picture is taken before anything attaches (``py-spy-nonblocking``,
-   which never pauses the target, would run alongside);
-2. then the ptrace-based tools one after the other (Linux allows one tracer at a
-   time, so running them together would make one of them fail), verdict-critical
-   first: pystack (the interpreter's own GIL flags, Python + native frames), then
-   py-spy --native, then gdb, which is optional and capped at GDB_BUDGET_S per
-   process (gdb loads only the symbols of the interpreter, libc and the allocators:
-   see tools.GDB_LIBRARIES).
-Different processes are captured concurrently. Each tool runs in its own
-process group and is killed at the deadline; a backend thread that is still
+Schedule (parallel capture):
+1. one /proc progress window for every process at once (:meth:`ProcBackend.begin`, focus processes
+   first; 0.4 s): the first sample, then inside the window what needs no second sample (identity, the
+   GIL's place, the fds blocked threads wait on) and the tools that never pause a target
+   (``py-spy --nonblocking``); nothing pauses a target while its window is open;
+2. as each window closes, that process's ptrace tools one after the other (Linux allows one tracer
+   at a time), verdict-critical first: pystack --native-all (the interpreter's own GIL flags, Python
+   and native frames); gdb only where pystack read no native frame (missing, refused, failed, timed
+   out), capped at GDB_BUDGET_S per process and loading the symbols of tools.GDB_LIBRARIES only;
+   py-spy --native only where pystack cannot read native frames;
+3. across processes, at most one ptrace tool per CPU at a time (:class:`_ToolSlots`), most urgent
+   first; the focus processes' pystack (the EngineCore's) runs with the machine to itself, the other
+   processes' tools wait for it and run at a lower CPU priority.
+Each tool runs in its own process group and is killed at the deadline; a backend thread that is still
 stuck then is abandoned (daemon) and reported.
 
 Read-only guarantee: the state, tracer and task list of every target are
@@ -31,6 +33,8 @@ has its own chain and the chains run at once, the time does not grow with the nu
 from __future__ import annotations
 
 import copy
+import heapq
+import itertools
 import os
 import signal
 import threading
@@ -43,7 +47,7 @@ from kvdiag.bundle import raw_dir as bundle_raw_dir
 from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
-from kvdiag.capture.procfs import ProcBackend, list_tids, read_status
+from kvdiag.capture.procfs import ProcBackend, ProcWindow, list_tids, read_status
 from kvdiag.capture.tools import (
     GdbBackend,
     PyspyBackend,
@@ -221,12 +225,15 @@ class _ProcessJob:
 
     def __init__(self, pid: int, backends: list[CaptureBackend], unavailable: dict[str, str],
                  raw_dir: Path, timeout_s: float, deadline: float, access: TargetAccess | None = None,
-                 after: _AllSet | None = None, after_proc: _AllSet | None = None) -> None:
+                 slots: _ToolSlots | None = None, rank: int = 0, t0: float | None = None) -> None:
         self.pid = pid
         self.backends = backends
-        self.after = after              # the chain waits for this (the focus processes' first tool)
-        self.after_proc = after_proc    # /proc waits for this (the focus processes' /proc reading)
-        self.first_done = threading.Event()
+        self.slots = slots              # shared by every process's chain: ptrace tools at once, most urgent first
+        self.rank = rank                # 0: a focus process (its tools go first), 1: the others
+        self._released_focus = False
+        if slots is not None and rank == 0:
+            slots.add_focus()
+        self.t0 = t0 if t0 is not None else time.monotonic()   # the capture's start (ToolRun.started_s)
         self.access = access
         self.unavailable = dict(unavailable)
         if access is not None:   # the preflight's refusals: quick, and said in the report
@@ -249,56 +256,126 @@ class _ProcessJob:
         return max(0.0, self.deadline - time.monotonic())
 
     def _run_one(self, b: CaptureBackend, budget: float) -> None:
+        began = time.monotonic()
         with self._lock:
-            self.started[b.name] = time.monotonic()
+            self.started[b.name] = began
         try:
             res = b.capture(self.pid, budget, self.raw_dir)
         except Exception as exc:  # a backend bug must not cost the other evidence
             res = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=f"{type(exc).__name__}: {exc}"))
+        self.set_result(b.name, res, began)
+
+    def set_result(self, name: str, res: BackendResult, began: float) -> None:
+        res.tool.started_s = round(began - self.t0, 3)
         with self._lock:
-            self.results[b.name] = res
+            self.started.setdefault(name, began)
+            self.results[name] = res
 
     def _quiet(self, b: CaptureBackend) -> None:
         try:
-            if self.after_proc is not None and b.name == "proc":
-                # kvdiag's own threads share one GIL: the focus processes' /proc reading goes first.
-                self.after_proc.wait(timeout=min(1.0, self._remaining()))
             self._run_one(b, self._remaining())
         finally:
             if b.name == "proc":
                 self._proc_done.set()
 
+    def proc_backend(self) -> ProcBackend | None:
+        """The /proc backend when it runs on this process (the shared progress window drives it)."""
+        return next((b for b in self.backends if isinstance(b, ProcBackend) and b.name not in self.unavailable),
+                    None)
+
+    def open_window(self, pb: ProcBackend) -> ProcWindow | None:
+        """First half of /proc (see :meth:`ProcBackend.begin`); None when it already ended."""
+        began = time.monotonic()
+        try:
+            opened = pb.begin(self.pid, self._remaining())
+        except Exception as exc:  # a backend bug must not cost the other evidence
+            opened = BackendResult(tool=ToolRun(tool=pb.name, ok=False, error=f"{type(exc).__name__}: {exc}"))
+        if isinstance(opened, BackendResult):
+            self.set_result(pb.name, opened, began)
+            self._proc_done.set()
+            return None
+        with self._lock:
+            self.started.setdefault(pb.name, began)
+        return opened
+
+    def close_window(self, pb: ProcBackend, window: ProcWindow) -> None:
+        try:
+            res = pb.finish(window, self.raw_dir)
+        except Exception as exc:  # a backend bug must not cost the other evidence
+            res = BackendResult(tool=ToolRun(tool=pb.name, ok=False, error=f"{type(exc).__name__}: {exc}"))
+        self.set_result(pb.name, res, window.start)
+        self._proc_done.set()
+
     def _chain(self, chain: list[CaptureBackend]) -> None:
         try:
             self._chain_inner(chain)
         finally:
-            self.first_done.set()
+            self._focus_done()
+
+    def _focus_done(self) -> None:
+        """This focus process's verdict-critical tool has ended: the other processes' tools may start."""
+        if self.rank == 0 and self.slots is not None and not self._released_focus:
+            self._released_focus = True
+            self.slots.focus_done()
 
     def _chain_inner(self, chain: list[CaptureBackend]) -> None:
         self._proc_done.wait(timeout=self._remaining())
-        if self.after is not None:
-            self.after.wait(timeout=self._remaining())
         for i, b in enumerate(chain):
             if i == 1:
-                self.first_done.set()
-            budget = self._remaining()
-            if i < len(chain) - 1:
-                budget = min(budget, max(_MIN_TOOL_S, self.timeout_s * _CHAIN_SHARE))
-            if b.name == "gdb":
-                budget = min(budget, GDB_BUDGET_S)
-            if budget <= 0.05:
-                with self._lock:
+                self._focus_done()
+            if self.slots is not None:
+                if not self.slots.acquire((_CHAIN_ORDER.get(b.name, 9), self.rank), self._remaining()):
                     spent = f"{b.name} skipped: capture budget of {self.timeout_s:.1f}s spent"
-                    self.results[b.name] = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=spent))
-                continue
-            self._run_one(b, budget)
-            if self.before is not None and self.resumed is None:
-                # A tool killed mid-attach leaves the target stopped: resume it now, not after the chain.
-                with self._lock:
-                    res = self.results.get(b.name)
-                killed = res is None or not res.tool.ok
-                self.resumed = resume_if_left_stopped(self.pid, self.before, settle_s=1.0,
-                                                      watch_s=0.5 if killed else 0.0)
+                    with self._lock:
+                        self.results[b.name] = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=spent))
+                    continue
+                try:
+                    self._chain_step(i, b, chain)
+                finally:
+                    self.slots.release()
+            else:
+                self._chain_step(i, b, chain)
+
+    def _chain_step(self, i: int, b: CaptureBackend, chain: list[CaptureBackend]) -> None:
+        covered = self._native_covered() if isinstance(b, GdbBackend) and not b.all_symbols else None
+        if covered is not None:
+            with self._lock:
+                self.unavailable[b.name] = covered
+            return
+        budget = self._remaining()
+        if i < len(chain) - 1:
+            budget = min(budget, max(_MIN_TOOL_S, self.timeout_s * _CHAIN_SHARE))
+        if b.name == "gdb":
+            budget = min(budget, GDB_BUDGET_S)
+        if budget <= 0.05:
+            with self._lock:
+                spent = f"{b.name} skipped: capture budget of {self.timeout_s:.1f}s spent"
+                self.results[b.name] = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=spent))
+            return
+        self._run_one(b, budget)
+        if self.before is not None and self.resumed is None:
+            # A tool killed mid-attach leaves the target stopped: resume it now, not after the chain.
+            with self._lock:
+                res = self.results.get(b.name)
+            killed = res is None or not res.tool.ok
+            self.resumed = resume_if_left_stopped(self.pid, self.before, settle_s=1.0,
+                                                  watch_s=0.5 if killed else 0.0)
+
+    def _native_covered(self) -> str | None:
+        """Why gdb need not run here: pystack already read every thread's native frames (None: run gdb).
+
+        One debugger per process when it succeeds: gdb would stop the target a second time to read the same
+        native stacks (several seconds of the capture on a vLLM tree); it stays the fallback wherever pystack
+        is missing, refused, failed, timed out or read no native frame."""
+        with self._lock:
+            res = self.results.get("pystack")
+        tool = next((b for b in self.backends if isinstance(b, PystackBackend)), None)
+        if res is None or tool is None or not tool.native or not res.tool.ok or not res.threads:
+            return None
+        if not any(f.kind == "native" for t in res.threads for f in t.frames):
+            return None
+        return (f"gdb skipped: pystack read the native frames of all {len(res.threads)} threads "
+                "(gdb runs where pystack cannot)")
 
     def usable_backends(self) -> tuple[list[CaptureBackend], list[CaptureBackend]]:
         ready = [b for b in self.backends if b.name not in self.unavailable]
@@ -308,18 +385,29 @@ class _ProcessJob:
             self._proc_done.set()
         return quiet, chain
 
-    def start(self) -> None:
-        quiet, chain = self.usable_backends()
+    def start_quiet(self, skip: CaptureBackend | None = None) -> None:
+        """Start the backends that never pause the target (``skip``: run by the caller)."""
+        quiet, _ = self.usable_backends()
         for b in quiet:
-            self.threads.append(threading.Thread(target=self._quiet, args=(b,), daemon=True,
-                                                 name=f"kvdiag-capture-{b.name}-{self.pid}"))
+            if b is not skip:
+                self._spawn(self._quiet, b, f"kvdiag-capture-{b.name}-{self.pid}")
+
+    def start_chain(self) -> None:
+        """Start the ptrace chain (it waits for /proc and for the focus processes' first tool)."""
+        _, chain = self.usable_backends()
         if chain:
-            self.threads.append(threading.Thread(target=self._chain, args=(chain,), daemon=True,
-                                                 name=f"kvdiag-capture-chain-{self.pid}"))
+            self._spawn(self._chain, chain, f"kvdiag-capture-chain-{self.pid}")
         else:
-            self.first_done.set()   # nothing to attach here: processes waiting on this one go ahead
-        for t in self.threads:
-            t.start()
+            self._focus_done()   # nothing to attach here: the other processes need not wait for it
+
+    def _spawn(self, target: Callable[..., None], arg: object, name: str) -> None:
+        t = threading.Thread(target=target, args=(arg,), daemon=True, name=name)
+        self.threads.append(t)
+        t.start()
+
+    def start(self) -> None:
+        self.start_quiet()
+        self.start_chain()
 
     def run_serially(self) -> None:
         quiet, chain = self.usable_backends()
@@ -355,24 +443,68 @@ def _relative(path: str | None, bundle_dir: Path | None) -> str | None:
         return path
 
 
-class _AllSet:
-    """Set once every given event is set (waits bounded by the caller)."""
+class _ToolSlots:
+    """At most ``n`` ptrace tools run at once, across all processes (one per CPU: more only makes each
+    slower); a free slot goes to the most urgent waiting tool: (tool order, focus first), then first come.
 
-    def __init__(self, events: list[threading.Event]) -> None:
-        self.events = events
+    The processes outside the focus wait until every focus process's first ptrace tool (pystack: the
+    verdict-critical one) has ended: it gets the machine to itself (on 2 cores that brought the EngineCore's
+    verdict in 0.15 s sooner and cost the whole capture 0.4 s)."""
 
-    def wait(self, timeout: float) -> bool:
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.busy = 0
+        self.focus_left = 0     # focus processes whose first ptrace tool has not ended yet
+        self._cond = threading.Condition()
+        self._waiting: list[tuple[tuple[int, int], int]] = []
+        self._seq = itertools.count()
+
+    def add_focus(self) -> None:
+        with self._cond:
+            self.focus_left += 1
+
+    def focus_done(self) -> None:
+        with self._cond:
+            self.focus_left = max(0, self.focus_left - 1)
+            self._cond.notify_all()
+
+    def _free(self, ticket: tuple[tuple[int, int], int]) -> bool:
+        minor = ticket[0][1] > 0
+        return (self.busy < self.n and self._waiting[0] == ticket) and not (minor and self.focus_left)
+
+    def acquire(self, priority: tuple[int, int], timeout: float) -> bool:
+        """Wait for a slot (bounded); False when ``timeout`` passed first. ``priority``: (tool order, rank)."""
         end = time.monotonic() + timeout
-        return all(e.wait(timeout=max(0.0, end - time.monotonic())) for e in self.events)
+        with self._cond:
+            ticket = (priority, next(self._seq))
+            heapq.heappush(self._waiting, ticket)
+            while not self._free(ticket):
+                left = end - time.monotonic()
+                if left <= 0:
+                    self._waiting.remove(ticket)
+                    heapq.heapify(self._waiting)
+                    self._cond.notify_all()
+                    return False
+                self._cond.wait(left)
+            heapq.heappop(self._waiting)
+            self.busy += 1
+            self._cond.notify_all()
+            return True
+
+    def release(self) -> None:
+        with self._cond:
+            self.busy -= 1
+            self._cond.notify_all()
 
 
-def _python_only(backends: list[CaptureBackend]) -> list[CaptureBackend]:
-    """The backends for a process outside the focus: pystack reads Python frames and GIL flags only, and
-    py-spy runs without pausing the target next to /proc (its native frames are gdb's job there)."""
+def _minor(backends: list[CaptureBackend]) -> list[CaptureBackend]:
+    """The backends for a process outside the focus: the same tools at a lower CPU priority (its chain also
+    waits behind the focus processes' for a tool slot), and py-spy without pausing the target, inside the
+    /proc window (pystack, or gdb where pystack cannot, reads the native frames)."""
     out: list[CaptureBackend] = []
     for b in backends:
-        if isinstance(b, PystackBackend) and b.native:
-            b = PystackBackend(b.binary, native=False, lock_locals=b.lock_locals)
+        if isinstance(b, PystackBackend):
+            b = copy.copy(b)   # native frames and lock locals as asked; only its CPU priority differs
         elif isinstance(b, PyspyBackend) and b.native:
             b = pyspy_nonblocking(b.binary)
         elif isinstance(b, GdbBackend):
@@ -381,6 +513,45 @@ def _python_only(backends: list[CaptureBackend]) -> list[CaptureBackend]:
             b.nice = _MINOR_NICE   # the focus processes' tools get the CPU first
         out.append(b)
     return out
+
+
+def _window_pyspy(backends: list[CaptureBackend], unavailable: dict[str, str],
+                  access: TargetAccess | None) -> list[CaptureBackend]:
+    """The backends for a focus process. Where pystack reads its native frames, py-spy --native would only
+    repeat them while pausing the target once more: py-spy then reads the Python frames without pausing,
+    inside the /proc progress window, and the ptrace chain is pystack then gdb. Without pystack (not
+    installed, refused, or not asked for) py-spy keeps --native in the chain."""
+    native_pystack = any(isinstance(b, PystackBackend) and b.native and b.name not in unavailable
+                         and (access is None or _skip_reason(access, b) is None) for b in backends)
+    if not native_pystack:
+        return backends
+    return [pyspy_nonblocking(b.binary) if isinstance(b, PyspyBackend) and b.native else b for b in backends]
+
+
+def _shared_window(jobs: list[_ProcessJob]) -> None:
+    """One /proc progress window for every process at once (focus processes first), with the tools that
+    never pause a target (py-spy --nonblocking) running inside it; each process's ptrace chain starts the
+    moment its own window closes (the focus processes' first). Nothing pauses a target while its window is
+    open, and the windows overlap instead of following one another."""
+    opened: list[tuple[_ProcessJob, ProcBackend, ProcWindow]] = []
+    try:
+        for job in jobs:
+            pb = job.proc_backend()
+            window = job.open_window(pb) if pb is not None else None
+            if pb is not None and window is not None:
+                opened.append((job, pb, window))
+            job.start_quiet(skip=pb)
+        closing = {id(job) for job, _, _ in opened}
+        for job in jobs:   # no /proc here: the chain may start at once
+            if id(job) not in closing:
+                job.start_chain()
+        for job, pb, window in opened:
+            time.sleep(max(0.0, window.window_end - time.monotonic()))
+            job.close_window(pb, window)
+            job.start_chain()
+    finally:   # interrupted inside the window: no /proc/PID/mem left open
+        for _, _, window in opened:
+            window.mem.close()
 
 
 def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.0,
@@ -419,10 +590,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     # Preflight before attaching: may we read it, is it a kernel thread, a zombie, Python at all?
     accesses = {pid: check_target(pid) for pid in dict.fromkeys(pids) if befores[pid].exists}
     jobs: list[_ProcessJob] = []
-    focus_events: list[threading.Event] = []
-    focus_gate = _AllSet(focus_events)
-    focus_proc_events: list[threading.Event] = []
-    focus_proc_gate = _AllSet(focus_proc_events)
+    slots = _ToolSlots(max(1, os.cpu_count() or 1)) if parallel else None
     caller_order = list(pids)
     if focus_set is not None:  # focus processes first, so their chains start before the others wait
         pids = [p for p in pids if p in focus_set] + [p for p in pids if p not in focus_set]
@@ -432,20 +600,16 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 findings.append(Finding(kind="process_gone", pid=pid, message=f"process {pid} does not exist"))
                 continue
             minor = focus_set is not None and pid not in focus_set
-            job = _ProcessJob(pid, _python_only(chosen) if minor else chosen, unavailable, raw_dir, timeout_s,
+            mine = _minor(chosen) if minor else _window_pyspy(chosen, unavailable, accesses.get(pid))
+            job = _ProcessJob(pid, mine, unavailable, raw_dir, timeout_s,
                               deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
-                              after=focus_gate if minor and parallel else None,
-                              after_proc=focus_proc_gate if minor and parallel else None)
+                              slots=slots, rank=int(minor), t0=start)
             job.before = befores[pid]
-            if not minor:
-                focus_events.append(job.first_done)
-                focus_proc_events.append(job._proc_done)
             jobs.append(job)
-            if parallel:
-                job.start()
-            else:
+            if not parallel:
                 job.run_serially()
         if parallel:
+            _shared_window(jobs)
             for job in jobs:
                 job.join(deadline + CAPTURE_SLACK_S - 1.0)
     except BaseException as exc:

@@ -27,7 +27,16 @@ from kvdiag.capture.base import BackendResult
 from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.capture.fds import FdResolver, epoll_targets
 from kvdiag.capture.parsers import parse_kernel_stack
-from kvdiag.model import Finding, GilState, ProcessEvidence, ProgressSample, ThreadEvidence, ThreadState, ToolRun
+from kvdiag.model import (
+    FdInfo,
+    Finding,
+    GilState,
+    ProcessEvidence,
+    ProgressSample,
+    ThreadEvidence,
+    ThreadState,
+    ToolRun,
+)
 from kvdiag.proc import read_text as _read
 from kvdiag.redact import Tally, redact_argv, write_redacted
 
@@ -334,6 +343,30 @@ def futex_owner(mem: TargetMemory, addr: int, cmd: int, tids: set[int], waiter: 
     return owner if owner in tids and owner != waiter else None
 
 
+@dataclass
+class ProcWindow:
+    """A progress window opened by :meth:`ProcBackend.begin`: the first sample and what was read inside it."""
+
+    pid: int
+    start: float
+    window_start: float
+    window_end: float
+    status: dict[str, str]
+    logs: list[str]
+    io_before: dict[str, int]
+    sizes_before: dict[str, int]
+    first: dict[int, TaskSample]
+    mem: TargetMemory
+    mem_ok: bool = False
+    gil: GilInfo | None = None
+    proc: ProcessEvidence | None = None
+    tally: Tally = field(default_factory=Tally)
+    resolver: FdResolver | None = None
+    deadline: float | None = None   # the fd resolver's bound
+    # tid -> (raw syscall line, (fds, wait timeout)), resolved inside the window from the first sample
+    fd_waits: dict[int, tuple[str, tuple[list[FdInfo], int | None]]] = field(default_factory=dict)
+
+
 class ProcBackend:
     """Reads /proc (and, read-only, /proc/PID/mem). Never stops the target."""
 
@@ -347,6 +380,20 @@ class ProcBackend:
         return None if os.path.isdir("/proc/self/task") else "/proc is not mounted"
 
     def capture(self, pid: int, timeout_s: float, raw_dir: Path) -> BackendResult:
+        opened = self.begin(pid, timeout_s)
+        if isinstance(opened, BackendResult):
+            return opened
+        time.sleep(max(0.0, opened.window_end - time.monotonic()))
+        return self.finish(opened, raw_dir)
+
+    def begin(self, pid: int, timeout_s: float) -> ProcWindow | BackendResult:
+        """Open the progress window: the first reading of everything that can move, then (inside the
+        window, while the target runs untouched) the readings that need no second sample: the process's
+        identity, the GIL's place, the fds blocked threads wait on. A BackendResult: nothing to read.
+
+        The caller waits until ``window_end`` (other processes' windows and non-pausing tools may run
+        meanwhile; nothing may pause the target) and then calls :meth:`finish`.
+        """
         start = time.monotonic()
         argv = [f"/proc/{pid}"]
         status = read_status(pid)
@@ -358,34 +405,55 @@ class ProcBackend:
         logs = log_files(pid)
         io_before, sizes_before = read_io(pid), _sizes(pid, logs)
         first = snapshot(pid, full=True)
-        tids = list(first)
-        mem = TargetMemory(pid)
-        mem_ok = mem.ok
-        gil = locate_gil(pid, mem, tids) if mem_ok else None
         window_start = time.monotonic()
         interval = max(0.0, min(self.cpu_interval_s, timeout_s / 4))
-        time.sleep(interval)
-        second = snapshot(pid, full=False)
-        second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
-        io_after, sizes_after = read_io(pid), _sizes(pid, logs)
-        window = time.monotonic() - window_start
-        holder_after: int | None = None
-        if gil is not None and mem_ok:
-            _, holder_after = read_gil_holder(mem, gil, tids)
-        elapsed = max(time.monotonic() - start, 1e-6)
+        w = ProcWindow(pid=pid, start=start, window_start=window_start, window_end=window_start + interval,
+                       status=status, logs=logs, io_before=io_before, sizes_before=sizes_before, first=first,
+                       mem=TargetMemory(pid))
+        w.mem_ok = w.mem.ok
+        # Inside the window: what needs no second sample.
+        w.gil = locate_gil(pid, w.mem, list(first)) if w.mem.ok else None
+        w.proc = self._process(pid, status, w.tally)
+        w.deadline = start + max(timeout_s, 1.0)
+        w.resolver = FdResolver(pid, w.deadline)
+        syscalls = {tid: sample.syscall for tid, sample in first.items() if sample.syscall}
+        waits = _fd_waits(pid, syscalls, w.mem, w.resolver)
+        w.fd_waits = {tid: (syscalls[tid], found) for tid, found in waits.items()}
+        return w
 
-        tally = Tally()
-        proc = self._process(pid, status, tally)
-        tracer = status.get("TracerPid", "0")
-        proc.tracer_pid = int(tracer) if tracer.isdigit() and int(tracer) > 0 else None
-        proc.log_files = logs
-        findings: list[Finding] = []
+    def finish(self, w: ProcWindow, raw_dir: Path) -> BackendResult:
+        """Close the window (second sample) and build the evidence."""
+        pid, first, mem, gil = w.pid, w.first, w.mem, w.gil
+        tids = list(first)
         try:
+            second = snapshot(pid, full=False)
+            second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
+            io_after, sizes_after = read_io(pid), _sizes(pid, w.logs)
+            window = time.monotonic() - w.window_start
+            holder_after: int | None = None
+            if gil is not None and mem.ok:
+                _, holder_after = read_gil_holder(mem, gil, tids)
+            elapsed = max(time.monotonic() - w.start, 1e-6)
+            proc, tally, status = w.proc, w.tally, w.status
+            assert proc is not None
+            tracer = status.get("TracerPid", "0")
+            proc.tracer_pid = int(tracer) if tracer.isdigit() and int(tracer) > 0 else None
+            proc.log_files = w.logs
+            findings: list[Finding] = []
             threads = self._threads(pid, first, second, second_sys, mem, gil)
-            _blocked_fds(pid, threads, mem, start + max(timeout_s, 1.0))
+            # Inside the window each thread's fds were resolved from the first sample; a thread whose syscall
+            # line differs now (it was running then) is resolved here, all of them at once.
+            resolver = w.resolver or FdResolver(pid, w.deadline)
+            late = {th.tid: th.syscall for th in threads
+                    if th.syscall and (th.tid not in w.fd_waits or w.fd_waits[th.tid][0] != th.syscall)}
+            waits = {tid: found for tid, (_, found) in w.fd_waits.items()}
+            waits.update(_fd_waits(pid, late, mem, resolver))
+            for th in threads:
+                if th.syscall and th.tid in waits:
+                    th.blocked_fds, th.wait_timeout_ms = waits[th.tid]
         finally:
             mem.close()
-        if not mem_ok:
+        if not w.mem_ok:
             findings.append(Finding(kind="tool_failed", pid=pid,
                                     message=f"/proc/{pid}/mem unreadable: no GIL or mutex-owner inference"))
         findings += _state_findings(pid, proc, threads)
@@ -398,13 +466,13 @@ class ProcBackend:
         proc.threads = threads
         proc.progress = ProgressSample(
             window_s=round(window, 3), cpu_ticks=total,
-            io_delta={k: io_after[k] - io_before[k] for k in ("rchar", "wchar", "syscr", "syscw")
-                      if k in io_after and k in io_before},
-            log_growth={p: sizes_after[p] - sizes_before[p] for p in sizes_after if p in sizes_before},
+            io_delta={k: io_after[k] - w.io_before[k] for k in ("rchar", "wchar", "syscr", "syscw")
+                      if k in io_after and k in w.io_before},
+            log_growth={p: sizes_after[p] - w.sizes_before[p] for p in sizes_after if p in w.sizes_before},
             gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [])
         raw = self._write_raw(raw_dir, proc, gil, tally)
-        run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - start, 3),
-                      raw_path=str(raw) if raw else None, command=argv, redactions=tally.as_dict())
+        run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - w.start, 3),
+                      raw_path=str(raw) if raw else None, command=[f"/proc/{pid}"], redactions=tally.as_dict())
         return BackendResult(tool=run, threads=threads, process=proc, findings=findings,
                              python_version=proc.python_version)
 
@@ -513,22 +581,25 @@ def _int_timeout(register: int) -> int:
     return -1 if t >= 1 << 31 else t
 
 
-def _blocked_fds(pid: int, threads: list[ThreadEvidence], mem: TargetMemory, deadline: float | None = None) -> None:
-    """For threads blocked in read/recv/epoll/poll: which fds, their peers and the wait's timeout.
+def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
+              resolver: FdResolver) -> dict[int, tuple[list[FdInfo], int | None]]:
+    """For threads blocked in read/recv/epoll/poll (tid -> raw syscall line): which fds, their peers and
+    the wait's timeout; threads whose syscall waits on no fd are left out.
 
     All threads' fds are resolved together: one host-wide socket table and one /proc/*/fd scan."""
-    resolver = FdResolver(pid, deadline)
+    timeouts: dict[int, int | None] = {}
     wanted: dict[int, list[int]] = {}
-    for th in threads:
-        nr, args = parse_syscall(th.syscall)
+    for tid, syscall in syscalls.items():
+        nr, args = parse_syscall(syscall)
         if nr is None or nr < 0 or not args:
             continue
         fds: list[int] = []
+        timeout: int | None = None
         if nr in _READ_FD_NRS:
             fds = [args[0]]
         elif nr in _EPOLL_NRS and len(args) >= 4:
             fds = epoll_targets(pid, args[0])
-            th.wait_timeout_ms = _int_timeout(args[3])
+            timeout = _int_timeout(args[3])
         elif nr in _POLL_NRS and len(args) >= 3:
             nfds = min(args[1], _MAX_POLL_FDS)
             raw = mem.read(args[0], 8 * nfds) if mem.ok and nfds else None
@@ -537,17 +608,19 @@ def _blocked_fds(pid: int, threads: list[ThreadEvidence], mem: TargetMemory, dea
                 fds = [fd for fd in fds if fd >= 0]
             idx = _POLL_NRS[nr]
             if idx >= 0:
-                th.wait_timeout_ms = _int_timeout(args[idx])
+                timeout = _int_timeout(args[idx])
             else:
-                th.wait_timeout_ms = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
+                timeout = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
+        else:
+            continue
+        timeouts[tid] = timeout
         if fds:
-            wanted[th.tid] = fds[:_MAX_POLL_FDS]
-    if not wanted:
-        return
-    infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
-    for th in threads:
-        if th.tid in wanted:
-            th.blocked_fds = [infos[fd].model_copy() for fd in wanted[th.tid] if fd in infos]
+            wanted[tid] = fds[:_MAX_POLL_FDS]
+    infos: dict[int, FdInfo] = {}
+    if wanted:
+        infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
+    return {tid: ([infos[fd].model_copy() for fd in wanted.get(tid, []) if fd in infos], timeout)
+            for tid, timeout in timeouts.items()}
 
 
 def _state_findings(pid: int, proc: ProcessEvidence, threads: list[ThreadEvidence]) -> list[Finding]:
