@@ -629,7 +629,6 @@ def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -
     waits for a reply and at least two stack tools found it in that read; otherwise inconclusive, naming
     what is missing."""
     missing = _missing_evidence(proc)
-    frames = " ← ".join(cite(r, 6)) or "no frames"
     if r.read_role == "reply" and r.samples_in_wait >= 2 and not r.samples_moved:
         return Verdict(kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.LOW, engine=engine,
                        evidence=[_item(r, "blocked reading with no timeout, waiting for a reply (from its frames; "
@@ -648,7 +647,7 @@ def _unresolved_read(proc: ProcessEvidence, r: ThreadView, engine: str | None) -
                    summary=(f"inconclusive: in {_where(proc)}, {r.label} blocks reading with no timeout{where(r)} "
                             f"and nothing else of the process runs, but {what}: an idle server and a client whose "
                             f"peer stopped answering look the same here. Missing: {missing}. Capture again with "
-                            f"/proc readable (kvdiag's proc backend) to decide. Frames: {frames}"))
+                            f"/proc readable (kvdiag's proc backend) to decide"))
 
 
 def rule_unresolved_wait(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
