@@ -10,7 +10,8 @@ bottleneck:
 - ``client``: kvdiag could not keep the requested streams in flight, or its load loop used
   (nearly) a whole core: the client, not the server, set the pace;
 - ``server``: the client kept its streams in flight but the engine ran far fewer of them and
-  queued none (its front end fell behind; typically CPU-starved);
+  queued none while CPU was short (the server's processes near a core, or the machine busy): its
+  front end fell behind;
 - ``load``: client and server both kept up and the load was still too small for the pool
   (raise --concurrency or --max-tokens).
 
@@ -35,6 +36,8 @@ KV_SATURATED = 0.9
 CLIENT_IN_FLIGHT_SHORT = 0.9     # client kept fewer than this share of its streams in flight
 CLIENT_CPU_BOUND = 0.85          # kvdiag's load loop used this share of one core or more
 SERVER_BEHIND = 0.75             # server running+waiting below this share of the client's in flight
+SERVER_CPU_BOUND = 0.85          # ... and its processes used this many cores or more
+MACHINE_BUSY = 0.5               # ... or the machine's CPUs were at least this busy
 
 
 def machine_cpu_times() -> tuple[int, int] | None:
@@ -131,6 +134,17 @@ class Saturation:
     note: str                       # one sentence for the verdict line and the report
 
 
+def _cpu_pressed(server_cpu: float | None, machine_busy: float | None) -> bool:
+    """Could the server's front end have fallen behind for want of CPU? With the machine mostly idle and
+    the server's processes far from a core, fewer running than the client holds in flight is each request's
+    turnaround outside the engine (HTTP, admission) at a small load, not a server that could not keep up.
+    Unknown readings do not rule it out."""
+    if server_cpu is None and machine_busy is None:
+        return True
+    return ((server_cpu is not None and server_cpu >= SERVER_CPU_BOUND)
+            or (machine_busy is not None and machine_busy >= MACHINE_BUSY))
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
@@ -178,7 +192,7 @@ def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
     elif ccpu is not None and ccpu >= CLIENT_CPU_BOUND:
         side, why = "client", f"kvdiag's load loop used {_pct(ccpu)} of a core"
     elif (inflight is not None and run_mean is not None
-          and run_mean + wait_mean < SERVER_BEHIND * inflight):
+          and run_mean + wait_mean < SERVER_BEHIND * inflight and _cpu_pressed(scpu, busy)):
         side, why = "server", (f"it ran {run_mean:.1f} of the {inflight:.1f} requests in flight and queued none: "
                                "its front end fell behind")
     else:

@@ -61,6 +61,16 @@ def test_a_server_that_runs_few_of_the_requests_in_flight_is_the_bottleneck() ->
     assert "server processes 0.40 cores" in sat.note
 
 
+def test_few_running_on_an_idle_machine_is_the_load_not_the_server() -> None:
+    """Seen in CI: 2 streams, the server ran 1.3 on average with the machine 3 % busy and the server at
+    0.06 cores: the gap is each request's turnaround outside the engine, not a starved front end."""
+    sat = judge(_snaps([0.05, 0.11], running=1.3), _sampler(2, 2.0, client_cpu=0.02, server_cpu=0.06, busy=0.03))
+    assert sat.bottleneck == "load", sat.note
+    # the same gap with the server's processes at a core is the server's
+    sat = judge(_snaps([0.05, 0.11], running=1.3), _sampler(2, 2.0, client_cpu=0.02, server_cpu=0.95, busy=0.3))
+    assert sat.bottleneck == "server", sat.note
+
+
 def test_a_load_too_small_for_the_pool() -> None:
     sat = judge(_snaps([0.05, 0.07], running=2), _sampler(2, 2.0))
     assert sat.bottleneck == "load" and "raise --concurrency or --max-tokens" in sat.note
