@@ -79,7 +79,8 @@ def frame_key(text: str) -> str:
     return _EVIDENCE_SUFFIX.sub("", text).strip()
 
 
-def _names_match(a: str, b: str) -> bool:
+def names_match(a: str, b: str) -> bool:
+    """Whether two function names are the same function (one may lack the other's namespace or class)."""
     if not a or not b:
         return False
     if a == b:
@@ -88,12 +89,6 @@ def _names_match(a: str, b: str) -> bool:
         if a.endswith(sep + b) or b.endswith(sep + a):
             return True
     return False
-
-
-def frame_cited(frame: Frame, cited: list[str]) -> bool:
-    """Whether the analyzer's evidence names this frame."""
-    text = format_frame(frame)
-    return any(c == text or _names_match(frame.name, frame_key(c)) for c in cited)
 
 
 _WHERE = re.compile(r"^(?P<name>.*?) \((?P<where>[^()]*)\)$")
@@ -111,10 +106,10 @@ def frame_is(frame: Frame, text: str) -> bool:
                 or str(frame.line) != fl.group("line"):
             return False
         # a long C++ name is cited without its template and parameter lists
-        return _names_match(frame.name, frame_key(text)) or frame.name == name or len(frame.name) > 100
+        return names_match(frame.name, frame_key(text)) or frame.name == name or len(frame.name) > 100
     if where and posixpath.basename(frame.library or "") != where:
         return False
-    return frame.name == name or _names_match(frame.name, frame_key(text))
+    return frame.name == name or names_match(frame.name, frame_key(text))
 
 
 def key_positions(frames: list[Frame], items: list[EvidenceItem]) -> set[int]:

@@ -43,7 +43,7 @@ from kvdiag.model import (
     VerdictKind,
 )
 from kvdiag.report import build_report, render_html, render_json, render_markdown, render_terminal, write_outputs
-from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, frame_cited, script_json
+from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, frame_key, names_match, script_json
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "report.schema.json"
 
@@ -299,7 +299,7 @@ def test_html_of_a_report_without_key_frames_highlights_no_frame(tmp_path: Path)
     ("map_pages", Frame(name="unmap_pages"), False),
 ])
 def test_frame_citation_matching(evidence: str, frame: Frame, cited: bool) -> None:
-    assert frame_cited(frame, [evidence]) is cited
+    assert names_match(frame.name, frame_key(evidence)) is cited
 
 
 def test_cycle_diagram_shapes() -> None:
