@@ -1,0 +1,140 @@
+"""The typed model that flows between pipeline stages.
+
+Capture produces a :class:`Bundle`; analyzers read a bundle and return a
+:class:`Verdict`; reporters render a :class:`Report` (bundle + verdict). Every
+model here round-trips through JSON (``model_dump(mode="json")`` /
+``model_validate``) so a bundle attached to someone else's bug can be
+re-analyzed offline.
+
+Conventions:
+- frames are listed innermost first (index 0 is the frame executing now), like
+  gdb and py-spy; pystack's outermost-first order is reversed on parse;
+- times in the timeline are seconds since the run started (monotonic);
+- paths inside a bundle are relative to the bundle folder.
+
+One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report.
+"""
+
+from __future__ import annotations
+
+from kvdiag.model.bundle import (
+    Bundle,
+)
+from kvdiag.model.doctor import (
+    DoctorCheck,
+    DoctorReport,
+    RiskStatus,
+)
+from kvdiag.model.environment import (
+    DefectCheck,
+    DefectStatus,
+    EnvironmentRecord,
+    GpuInfo,
+    InterpreterPackages,
+    IpcSocket,
+    KvcachedBuild,
+    KvcachedRuntime,
+    PtraceAccess,
+    ShmSegment,
+)
+from kvdiag.model.evidence import (
+    FdInfo,
+    Frame,
+    ProcessEvidence,
+    ProgressSample,
+    RedactionSummary,
+    TargetAccess,
+    ThreadEvidence,
+    ToolRun,
+)
+from kvdiag.model.kinds import (
+    KIND_SPECS,
+    NO_EVIDENCE_KINDS,
+    SCHEMA_VERSION,
+    TARGET_STATE_KINDS,
+    Confidence,
+    EnginePhase,
+    GilState,
+    KindSpec,
+    ProcessRole,
+    ThreadState,
+    VerdictKind,
+)
+from kvdiag.model.report import (
+    EnginePids,
+    Report,
+    ReportBanner,
+    ReportEngine,
+)
+from kvdiag.model.run import (
+    BannerInfo,
+    BannerRisk,
+    EngineRecord,
+    Finding,
+    MetricsSnapshot,
+    SoakStats,
+    TimelineEvent,
+)
+from kvdiag.model.verdict import (
+    ABComparison,
+    ABEngine,
+    ABSide,
+    Diagnosis,
+    EvidenceItem,
+    KnownDefect,
+    Verdict,
+)
+
+__all__ = [
+    "ABComparison",
+    "ABEngine",
+    "ABSide",
+    "BannerInfo",
+    "BannerRisk",
+    "Bundle",
+    "Confidence",
+    "DefectCheck",
+    "DefectStatus",
+    "Diagnosis",
+    "DoctorCheck",
+    "DoctorReport",
+    "EnginePhase",
+    "EnginePids",
+    "EngineRecord",
+    "EnvironmentRecord",
+    "EvidenceItem",
+    "FdInfo",
+    "Finding",
+    "Frame",
+    "GilState",
+    "GpuInfo",
+    "InterpreterPackages",
+    "IpcSocket",
+    "KIND_SPECS",
+    "KindSpec",
+    "KnownDefect",
+    "KvcachedBuild",
+    "KvcachedRuntime",
+    "MetricsSnapshot",
+    "NO_EVIDENCE_KINDS",
+    "ProcessEvidence",
+    "ProcessRole",
+    "ProgressSample",
+    "PtraceAccess",
+    "RedactionSummary",
+    "Report",
+    "ReportBanner",
+    "ReportEngine",
+    "RiskStatus",
+    "SCHEMA_VERSION",
+    "ShmSegment",
+    "SoakStats",
+    "TARGET_STATE_KINDS",
+    "TargetAccess",
+    "ThreadEvidence",
+    "ThreadState",
+    "TimelineEvent",
+    "ToolRun",
+    "Verdict",
+    "VerdictKind",
+]

@@ -1,0 +1,150 @@
+"""What capture read of one process: threads, frames, fds, tool runs, access."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvdiag.model.kinds import GilState, ProcessRole, ThreadState, _Model
+
+
+class Frame(_Model):
+    """One stack frame. ``kind`` tells Python frames from native ones."""
+
+    name: str
+    kind: Literal["python", "native"] = "native"
+    file: str | None = None
+    line: int | None = None
+    library: str | None = None      # shared object for native frames
+    source: str | None = None       # the source line pystack prints under Python frames
+    # Lock-typed locals of a Python frame (pystack-locals): name -> address of the threading.Lock/RLock.
+    # Nothing else of a frame's locals is ever kept.
+    locks: dict[str, int] = Field(default_factory=dict)
+
+
+class ToolRun(_Model):
+    """What one capture backend did for one process."""
+
+    tool: str                        # "pystack", "py-spy", "gdb", "proc"
+    ok: bool
+    duration_s: float = 0.0
+    error: str | None = None         # one line: "gdb not installed", "timed out after 10s", ...
+    raw_path: str | None = None      # raw output file, relative to the bundle folder
+    command: list[str] = Field(default_factory=list)
+    redactions: dict[str, int] = Field(default_factory=dict)   # secrets removed from what it read, per kind
+    started_s: float | None = None   # when it started, seconds after the capture began (None: not recorded)
+
+
+class RedactionSummary(_Model):
+    """What the redactor removed before anything was written: kinds and counts, never values."""
+
+    total: int = 0
+    by_kind: dict[str, int] = Field(default_factory=dict)      # "secret_flag", "github", "url_userinfo", ...
+    files: dict[str, dict[str, int]] = Field(default_factory=dict)  # bundle-relative path -> kind -> count
+
+
+class FdInfo(_Model):
+    """One open file descriptor of a target, as /proc and sock_diag describe it (read-only)."""
+
+    fd: int
+    kind: Literal["socket", "pipe", "file", "anon", "other"] = "other"
+    target: str = ""                 # readlink of /proc/PID/fd/N: "socket:[123]", "pipe:[9]", a path
+    inode: int | None = None
+    proto: str | None = None         # "unix", "tcp", "tcp6", "udp" for sockets
+    listening: bool = False          # a listening socket: waits for new clients, not for a peer
+    accepted: bool = False           # the server end of an accepted connection (waits for the next request)
+    peer_inode: int | None = None
+    peer_pids: list[int] = Field(default_factory=list)   # other processes holding the other end
+    peer_comm: str | None = None
+    address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
+    partial: str | None = None       # why peer_inode/peer_pids may be incomplete (capture deadline, netlink)
+
+
+class ProgressSample(_Model):
+    """What changed in the target over a short window before any tool paused it."""
+
+    window_s: float = 0.0
+    cpu_ticks: int = 0               # all threads, utime+stime
+    io_delta: dict[str, int] = Field(default_factory=dict)     # /proc/PID/io: rchar, wchar, syscr, syscw
+    log_growth: dict[str, int] = Field(default_factory=dict)   # log file path -> bytes written in the window
+    gil_holders: list[int | None] = Field(default_factory=list)  # GIL holder TID at each sample (/proc mem)
+
+    @property
+    def advanced(self) -> bool:
+        """The process wrote to its log or did I/O during the window."""
+        return any(v > 0 for v in self.log_growth.values()) or any(
+            self.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw", "rchar", "syscr"))
+
+
+class ThreadEvidence(_Model):
+    tid: int
+    name: str | None = None
+    state: ThreadState = ThreadState.UNKNOWN
+    wchan: str | None = None
+    kernel_stack: list[str] = Field(default_factory=list)
+    syscall: str | None = None       # raw /proc/<pid>/task/<tid>/syscall
+    syscall_nr: int | None = None
+    futex_addr: int | None = None    # first syscall argument when blocked in futex(2)
+    gil: GilState = GilState.UNKNOWN
+    in_gil_struct: bool | None = None   # futex address lies in the interpreter's GIL (via _PyRuntime)
+    futex_owner_tid: int | None = None  # owner TID of the mutex this thread's futex wait is on (read-only mem read)
+    utime_ticks: int | None = None
+    stime_ticks: int | None = None
+    cpu_ticks_delta: int | None = None  # over the capture's CPU sampling interval
+    ctx_switches_delta: int | None = None  # voluntary + involuntary switches over the same interval
+    wait_timeout_ms: int | None = None  # poll/epoll/select timeout argument; -1 waits forever
+    blocked_fds: list[FdInfo] = Field(default_factory=list)   # the fd(s) a read/poll is blocked on
+    frames: list[Frame] = Field(default_factory=list)      # best merged stack, innermost first
+    frames_by_tool: dict[str, list[Frame]] = Field(default_factory=dict)
+    gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
+
+
+class TargetAccess(_Model):
+    """What the preflight (kvdiag.capture.access) found about reading one process, before attaching."""
+
+    uid: int | None = None           # the target's real uid (None: could not read /proc/PID/status)
+    our_uid: int | None = None
+    ptrace_ok: bool = True           # /proc/PID/mem opened: kvdiag may read the target's memory
+    tracers_ok: bool = True          # py-spy, pystack and gdb (kvdiag's children) may attach too
+    refused: list[str] = Field(default_factory=list)   # what was refused and why, one line each
+    fixes: list[str] = Field(default_factory=list)     # the fixes that fit, most direct first
+    kernel_thread: bool = False
+    zombie: bool = False
+    exit_status: str | None = None   # "exit code 3", "killed by SIGKILL" when known (zombie)
+    python: bool | None = None       # a Python interpreter is in the process; None: could not tell
+    ptrace_scope: int | None = None  # /proc/sys/kernel/yama/ptrace_scope (None: no Yama)
+    cap_sys_ptrace: bool = False     # CAP_SYS_PTRACE in kvdiag's effective capabilities
+    container: str | None = None     # "docker", "podman", "kubernetes", ... when kvdiag runs in one
+    seccomp: int | None = None       # kvdiag's own seccomp mode (0 none, 1 strict, 2 filter)
+    # The target as found, before anything attached (read by the preflight whichever backends run):
+    # a stopped or traced target is never judged healthy, even when the /proc backend is missing.
+    state: str | None = None         # /proc/PID/stat state letter: "S", "R", "T" (stopped), "t" (tracing stop)
+    tracer_pid: int | None = None    # TracerPid (0: none)
+
+
+class ProcessEvidence(_Model):
+    pid: int
+    # The host the process ran on, for bundles merged from several hosts (fleet capture, ``kvdiag merge``):
+    # a pid is unique only within its node. None: a single-host bundle.
+    node: str | None = None
+    ppid: int | None = None
+    pgid: int | None = None
+    comm: str | None = None
+    cmdline: list[str] = Field(default_factory=list)
+    role: ProcessRole = ProcessRole.OTHER
+    engine: str | None = None        # scenario engine name this process belongs to
+    state: ThreadState = ThreadState.UNKNOWN
+    wchan: str | None = None
+    exe: str | None = None
+    python_version: str | None = None
+    cpu_percent: float | None = None
+    alive: bool = True
+    threads: list[ThreadEvidence] = Field(default_factory=list)
+    tools: list[ToolRun] = Field(default_factory=list)
+    gil_futex_range: tuple[int, int] | None = None   # [start, end) address of the GIL struct
+    access: TargetAccess | None = None   # the preflight's findings; None: captured without one
+    tracer_pid: int | None = None    # TracerPid when another debugger holds the process
+    progress: ProgressSample | None = None
+    log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
+    signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)

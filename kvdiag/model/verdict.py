@@ -1,0 +1,103 @@
+"""What analyze concluded: verdicts with their evidence, the A/B comparison, the diagnosis."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from kvdiag.model.kinds import Confidence, EnginePhase, VerdictKind, _Model
+from kvdiag.model.run import Finding
+
+
+class KnownDefect(_Model):
+    """A verdict matched to a known upstream defect."""
+
+    id: str                          # "kvcached#371"
+    title: str
+    fixed_by: str | None = None      # "PR #422 (666671b)"
+    fixed_in: str | None = None      # first release with the fix: "0.1.6"
+    workaround: str | None = None
+    url: str | None = None
+    match: Literal["signature", "pattern"] = "pattern"
+
+    def text(self) -> str:
+        """``kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        text = f"{self.id} ({self.title})"
+        if self.fixed_by:
+            text += f"; fixed by {self.fixed_by}"
+        if self.fixed_in:
+            text += f", first in {self.fixed_in}"
+        return text
+
+    def line(self) -> str:
+        """``known: kvcached#371 (...); fixed by PR #422, first in 0.1.6``."""
+        return f"known: {self.text()}"
+
+class EvidenceItem(_Model):
+    pid: int
+    tid: int
+    role: str                        # "alloc_page caller (holds GIL)", "prealloc worker (waits for GIL)"
+    frames: list[str] = Field(default_factory=list)
+    engine: str | None = None
+    # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
+    # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
+    # report written before the field existed (nothing is highlighted).
+    key_frames: list[int] | None = None
+
+    def is_key(self, index: int) -> bool:
+        return self.key_frames is not None and index in self.key_frames
+
+
+class Verdict(_Model):
+    kind: VerdictKind
+    summary: str
+    confidence: Confidence = Confidence.MEDIUM
+    evidence: list[EvidenceItem] = Field(default_factory=list)
+    engine: str | None = None
+    cycle: list[str] = Field(default_factory=list)   # node labels of the wait-for cycle, in order
+    findings: list[Finding] = Field(default_factory=list)
+    # A stable hash of the kind and the cited project frames (kvdiag.analyze.signature), and the
+    # known upstream defect it matches.
+    signature: str | None = None
+    known: KnownDefect | None = None
+    # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
+    # evidence only, never timing noise (issue 17 item 6).
+    confidence_reasons: list[str] = Field(default_factory=list)
+
+
+class ABEngine(_Model):
+    """One engine of one A/B side (``ab.<side>.engines[name]`` in bundle.json and report.json)."""
+
+    phase: EnginePhase = EnginePhase.NOT_STARTED
+    healthy: bool = False            # its verdict is healthy (kvdiag.analyze.health)
+    health: str = ""                 # the health line: "yes", "no (decode stall; /health still answered)"
+    startup_s: float | None = None
+
+
+class ABSide(_Model):
+    """One side of an A/B run, as the comparison reads it from that side's bundle."""
+
+    verdict: VerdictKind
+    summary: str
+    exit_code: int
+    # The side's bundle folder, relative to the A/B bundle folder ("" in reports written before it was kept).
+    bundle: str = ""
+    report: str | None = None        # the side's report.html, relative to the A/B output folder
+    engines: dict[str, ABEngine] = Field(default_factory=dict)
+
+
+class ABComparison(_Model):
+    stock: ABSide
+    fixed: ABSide
+    separated: bool                  # stock reproduced a hang and fixed is healthy
+
+
+class Diagnosis(_Model):
+    """analyze(bundle): everything the run concluded. Stored in the bundle; renderers read only this."""
+
+    verdict: Verdict
+    verdicts_by_engine: dict[str, Verdict] = Field(default_factory=dict)
+    exit_code: int = 0
+    ab: ABComparison | None = None
+    notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
