@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report.
+One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -84,6 +84,18 @@ from kvdiag.model.verdict import (
     KnownDefect,
     Verdict,
 )
+from kvdiag.model.waits import (
+    EdgeEvidence,
+    EdgeKind,
+    FrameRef,
+    NodeRef,
+    PeerProcess,
+    SharedMapping,
+    WaitChain,
+    WaitEdge,
+    WaitGraphRecord,
+    WaitNode,
+)
 
 __all__ = [
     "ABComparison",
@@ -98,6 +110,8 @@ __all__ = [
     "Diagnosis",
     "DoctorCheck",
     "DoctorReport",
+    "EdgeEvidence",
+    "EdgeKind",
     "EnginePhase",
     "EnginePids",
     "EngineRecord",
@@ -106,6 +120,7 @@ __all__ = [
     "FdInfo",
     "Finding",
     "Frame",
+    "FrameRef",
     "GilState",
     "GpuInfo",
     "InterpreterPackages",
@@ -117,6 +132,8 @@ __all__ = [
     "KvcachedRuntime",
     "MetricsSnapshot",
     "NO_EVIDENCE_KINDS",
+    "NodeRef",
+    "PeerProcess",
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
@@ -127,6 +144,7 @@ __all__ = [
     "ReportEngine",
     "RiskStatus",
     "SCHEMA_VERSION",
+    "SharedMapping",
     "ShmSegment",
     "SoakStats",
     "TARGET_STATE_KINDS",
@@ -137,4 +155,8 @@ __all__ = [
     "ToolRun",
     "Verdict",
     "VerdictKind",
+    "WaitChain",
+    "WaitEdge",
+    "WaitGraphRecord",
+    "WaitNode",
 ]

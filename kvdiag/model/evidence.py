@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field
 
 from kvdiag.model.kinds import GilState, ProcessRole, ThreadState, _Model
+from kvdiag.model.waits import PeerProcess, SharedMapping
 
 
 class Frame(_Model):
@@ -59,6 +60,9 @@ class FdInfo(_Model):
     peer_comm: str | None = None
     address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
     partial: str | None = None       # why peer_inode/peer_pids may be incomplete (capture deadline, netlink)
+    # A pipe's other processes by the end they hold (fdinfo flags); None: not read.
+    reader_pids: list[int] | None = None
+    writer_pids: list[int] | None = None
 
 
 class ProgressSample(_Model):
@@ -98,6 +102,10 @@ class ThreadEvidence(_Model):
     frames: list[Frame] = Field(default_factory=list)      # best merged stack, innermost first
     frames_by_tool: dict[str, list[Frame]] = Field(default_factory=dict)
     gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
+    # What a blocked syscall waits on beyond a read (None/empty: not such a wait, or not read):
+    write_fds: list[FdInfo] = Field(default_factory=list)   # write/send blocked on these fds
+    waited_pid: int | None = None    # wait4/waitid's pid argument (-1: any child)
+    futex_mapping: SharedMapping | None = None   # the MAP_SHARED file mapping the futex address lies in
 
 
 class TargetAccess(_Model):
@@ -148,3 +156,9 @@ class ProcessEvidence(_Model):
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
     signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
+    shared_maps: list[SharedMapping] | None = None   # MAP_SHARED file mappings (None: not read)
+    children: list[int] | None = None   # child pids (/proc/PID/task/*/children; None: not read)
+    # Why this process was captured although outside the requested tree: the wait edge that led to it.
+    followed_from: str | None = None
+    # Processes outside the tree a captured thread waits on: captured too, or named with why not.
+    peers_outside: list[PeerProcess] = Field(default_factory=list)

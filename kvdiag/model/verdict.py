@@ -8,6 +8,7 @@ from pydantic import Field
 
 from kvdiag.model.kinds import Confidence, EnginePhase, VerdictKind, _Model
 from kvdiag.model.run import Finding
+from kvdiag.model.waits import WaitChain, WaitGraphRecord
 
 
 class KnownDefect(_Model):
@@ -64,6 +65,9 @@ class Verdict(_Model):
     # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
     # evidence only, never timing noise (issue 17 item 6).
     confidence_reasons: list[str] = Field(default_factory=list)
+    # The cross-process wait chain the verdict followed, first waiter to root (kvdiag.analyze.xproc);
+    # None: judged inside one process.
+    waits: WaitChain | None = None
 
 
 class ABEngine(_Model):
@@ -101,3 +105,5 @@ class Diagnosis(_Model):
     exit_code: int = 0
     ab: ABComparison | None = None
     notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
+    # Every wait edge found across the captured processes (None: not built, or a bundle from before it).
+    wait_graph: WaitGraphRecord | None = None
