@@ -63,6 +63,9 @@ class FdInfo(_Model):
     # A pipe's other processes by the end they hold (fdinfo flags); None: not read.
     reader_pids: list[int] | None = None
     writer_pids: list[int] | None = None
+    # A TCP connection no process holds the other end of: it waits unaccepted in the listen queue of the
+    # processes holding the listening socket of that port (they would have to accept it).
+    listener_pids: list[int] | None = None
 
 
 class ProgressSample(_Model):
@@ -73,6 +76,10 @@ class ProgressSample(_Model):
     io_delta: dict[str, int] = Field(default_factory=dict)     # /proc/PID/io: rchar, wchar, syscr, syscw
     log_growth: dict[str, int] = Field(default_factory=dict)   # log file path -> bytes written in the window
     gil_holders: list[int | None] = Field(default_factory=list)  # GIL holder TID at each sample (/proc mem)
+    # Shared file mappings (ProcessEvidence.shared_maps) whose first bytes (a ring's indices, a counter)
+    # changed during the window: "dev:inode" -> changed. Not part of ``advanced`` (a spinning reader
+    # of a ring that does not move changes nothing of its own).
+    shared_changed: dict[str, bool] = Field(default_factory=dict)
 
     @property
     def advanced(self) -> bool:
