@@ -14,11 +14,13 @@ from kvdiag.analyze.diagnosis import diagnose, exit_code_for
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.analyze.xproc import judge_across, merge_across
 from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
-    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "severity", "sign",
+    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "judge_across",
+    "merge_across", "severity", "sign",
 ]
 
 
@@ -66,4 +68,6 @@ def analyze(bundle: Bundle) -> Verdict:
                 seen.add((f.kind, f.message))
                 extra.append(f)
     overall.findings += extra
+    # The processes judged as a whole: a wait that crosses a process boundary is named at its root.
+    overall = merge_across(overall, judge_across(bundle)[0])
     return sign(overall, bundle)

@@ -114,6 +114,11 @@ class WaitChain(_Model):
     # Every process parked waiting for work while one waits for a reply nobody produces.
     lost_message: bool = False
     labels: dict[str, str] = Field(default_factory=dict)   # NodeRef.key() -> label, for renderers
+    # The root thread's cited frames (innermost first, as EvidenceItem.frames) and the indices among them
+    # the conclusion rests on: the chain carries them whether or not the verdict's evidence lists the root.
+    root_role: str = ""
+    root_frames: list[str] = Field(default_factory=list)
+    root_key_frames: list[int] = Field(default_factory=list)
 
     def nodes(self) -> list[NodeRef]:
         """The chain's nodes in order (the root last unless it is a cycle)."""
