@@ -38,13 +38,19 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
     """Verdict per engine name (insertion order: the bundle's engine order)."""
     engines = {e.name: e for e in bundle.engines}
     out: dict[str, Verdict] = {}
+    # The processes judged as a whole: a wait that crosses a process boundary is named at its root, in the
+    # verdict of the engine whose process waits first.
+    cross = judge_across(bundle)[0]
     for name, procs in _groups(bundle):
         pids = {p.pid for p in procs}
         if name in engines:
             relevant = [f for f in bundle.findings if f.engine == name or (f.pid is not None and f.pid in pids)]
         else:
             relevant = [f for f in bundle.findings if f.engine is None and (f.pid is None or f.pid in pids)]
-        out[name] = sign(engine_verdict(name, engines.get(name), procs, bundle, relevant), bundle)
+        verdict = engine_verdict(name, engines.get(name), procs, bundle, relevant)
+        if cross is not None and cross.waits is not None and cross.waits.edges[0].src.pid in pids:
+            verdict = merge_across(verdict, cross)
+        out[name] = sign(verdict, bundle)
     return out
 
 
@@ -68,6 +74,4 @@ def analyze(bundle: Bundle) -> Verdict:
                 seen.add((f.kind, f.message))
                 extra.append(f)
     overall.findings += extra
-    # The processes judged as a whole: a wait that crosses a process boundary is named at its root.
-    overall = merge_across(overall, judge_across(bundle)[0])
     return sign(overall, bundle)

@@ -33,7 +33,6 @@ from kvdiag.model import (
     EdgeKind,
     EvidenceItem,
     FdInfo,
-    Finding,
     FrameRef,
     NodeRef,
     ProcessEvidence,
@@ -169,7 +168,18 @@ class CrossProcess:
                                   mapping=m.line(), address=f"{th.futex_addr:#x}", inode=m.inode))
         return [d for d in out if d is not None]
 
+    def _own_engine(self, p: ProcessEvidence, peers: list[int]) -> bool:
+        """Every peer is another part (API server, EngineCore, worker) of ``p``'s own engine: its parts wait on
+        each other by design (an output reader, an input loop), so the wait is as stuck as the peer, no more."""
+        if p.role.value == "other" or not p.engine or not peers:
+            return False
+        return all(q in self.procs and self.procs[q].engine == p.engine and self.procs[q].role.value != "other"
+                   for q in peers)
+
     def _read_purpose(self, p: ProcessEvidence, view: ThreadView, f: FdInfo) -> str:
+        peers = f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids
+        if self._own_engine(p, [q for q in peers if q != p.pid]):
+            return "depends"
         if view.read_role == "request" or f.accepted or (p.ppid is not None and (
                 f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids) == [p.ppid]):
             return "work"
@@ -181,7 +191,9 @@ class CrossProcess:
         conns = [f for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
                  if f.kind == "socket" and not f.listening and (f.peer_pids or f.listener_pids)]
         peers = [q for f in conns for q in (f.peer_pids or f.listener_pids or [])]
-        if names & set(_ZMQ_SEND):
+        if self._own_engine(p, [q for q in peers if q != p.pid]):
+            purpose = "depends"
+        elif names & set(_ZMQ_SEND):
             purpose = "blocked"
         elif names & set(_ZMQ_RECV) and conns and not any(f.accepted for f in conns):
             purpose = "reply"        # it connected (a client) and waits for what it asked
@@ -239,8 +251,12 @@ class CrossProcess:
         live = [t for t in views if not t.idle_by_design]
         blocked = [t for t in live if t.kind in _BLOCKING and not t.timed and not t.shared_futex
                    and (pid, t.tid) not in self.deps]
-        others_act = [t for t in live if t not in blocked and (pid, t.tid) not in self.deps and (
-            t.running or t.woke or t.timed or t.kind in (WaitKind.SLEEP, WaitKind.UNKNOWN))]
+        # A thread that waits for the outside world (a read, a poll) may be the one to wake it, unless its
+        # own wait is stuck on something (a reply, a full pipe).
+        others_act = [t for t in live if t not in blocked and not any(
+            d.purpose in ("reply", "blocked") for d in self.deps.get((pid, t.tid), [])) and (
+            t.running or t.woke or t.timed or t.kind in (WaitKind.SLEEP, WaitKind.UNKNOWN, WaitKind.EVENT_WAIT,
+                                                          WaitKind.IO_READ))]
         if blocked and not others_act:
             return Root(pid=pid, state="blocked", view=sorted(blocked, key=lambda t: (not t.is_main, t.tid))[0])
         main = next((t for t in views if t.is_main), views[0] if views else None)
@@ -437,8 +453,7 @@ def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verd
         reasons.append("- an edge rests on a possibility (any mapper of a shared file, any holder of a pipe end)")
     cycle = [labels.get(d.edge.src.key(), d.edge.src.key()) for d in chain.deps] if chain.cycle else []
     return Verdict(kind=kind, summary=summary, confidence=conf, evidence=evidence, waits=waits, cycle=cycle,
-                   confidence_reasons=reasons,
-                   findings=[Finding(kind="wait_chain", pid=chain.deps[0].edge.src.pid, message=summary)])
+                   confidence_reasons=reasons)
 
 
 def merge_across(overall: Verdict, cross: Verdict | None) -> Verdict:
@@ -450,7 +465,7 @@ def merge_across(overall: Verdict, cross: Verdict | None) -> Verdict:
     if overall.kind in (VerdictKind.HEALTHY, VerdictKind.INCONCLUSIVE):
         out = cross.model_copy(deep=True)
         out.engine = overall.engine
-        out.findings += [f for f in overall.findings if f.kind != "wait_chain"]
+        out.findings += overall.findings
         return out
     cited = {e.pid for e in overall.evidence}
     on_chain = {n.pid for n in cross.waits.nodes()} if cross.waits is not None else set()

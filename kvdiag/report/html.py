@@ -27,6 +27,7 @@ from markupsafe import Markup
 
 from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence, VerdictKind
 from kvdiag.redact import redact_text
+from kvdiag.report.chain import chain_view
 from kvdiag.report.json import report_dict
 
 TEMPLATES = Path(__file__).parent / "templates"
@@ -599,6 +600,7 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
         kind=report.verdict.kind.value,
         hang=report.verdict.kind.is_hang,
         diagram=cycle_diagram(report.verdict.cycle),
+        chain=chain_view(report.verdict),
         timeline=timeline_diagram(report),
         processes=processes_view(safe_bundle, report),
         # An A/B bundle holds no raw files of its own (each run's bundle does): list only what is here.
