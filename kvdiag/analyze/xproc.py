@@ -209,7 +209,17 @@ class CrossProcess:
             return "depends"
         if view.read_role == "request" or f.accepted or (p.ppid is not None and peers == [p.ppid]):
             return "work"
-        if view.kind is WaitKind.EVENT_WAIT and not f.peer_pids:
+        # A background thread's read while another thread of the process still acts is a receive loop (a
+        # pool's result handler, an engine's output reader), as the process-level rules judge it.
+        if not view.is_main and any(t.tid != view.tid and not t.idle_by_design and (
+                t.running or t.woke or t.timed or t.kind in (WaitKind.SLEEP, WaitKind.EVENT_WAIT, WaitKind.UNKNOWN))
+                for t in self.views[pkey(p)]):
+            return "work"
+        if view.read_role == "reply":
+            return "reply"
+        # A poll over several sources is a loop waiting for whatever comes, unless its frames say it waits
+        # for an answer.
+        if view.kind is WaitKind.EVENT_WAIT:
             return "work"
         return "reply"
 
