@@ -24,6 +24,7 @@ from kvdiag.analyze.evidence import (
     cite_item,
     where,
 )
+from kvdiag.analyze.gpu import rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
@@ -762,8 +763,9 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
                             f"a wait"))
 
 
-PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
+# A thread parked on a busy GPU goes first: the host waits around it are its consequences.
+PROCESS_RULES = (rule_gpu_kernel_hang, rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read,
+                 rule_lost_wakeup, rule_gpu_idle_wait, rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
 
 
 def _first_verdict(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:

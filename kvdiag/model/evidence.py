@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvdiag.model.gpu import GpuReadings
 from kvdiag.model.kinds import GilState, ProcessRole, ThreadState, _Model
 
 
@@ -148,3 +149,5 @@ class ProcessEvidence(_Model):
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
     signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
+    # The GPUs of the host it ran on, sampled over the capture window (None: not sampled, e.g. no GPU).
+    gpu: GpuReadings | None = None
