@@ -25,7 +25,7 @@ from kvdiag.analyze.evidence import (
     cite_item,
     where,
 )
-from kvdiag.analyze.gpu import rule_gpu_idle_wait, rule_gpu_kernel_hang
+from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
@@ -1036,6 +1036,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             verdict.summary += "; the PageAllocator banner predicts it (see banner_risk)"
         return verdict
 
+    if hang is not None and (moving := gpu_wait_progressed(name, hang, e)) is not None:
+        return done(moving)   # a long kernel in a loop whose log still advances
     if e is not None:
         text = _engine_text(e)
         exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)
