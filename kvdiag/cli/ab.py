@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console
+from kvdiag.launch.preflight import check_launchable
 from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab
 from kvdiag.scenario import load_scenario
 
@@ -24,6 +25,7 @@ def ab_cmd(
     1 the A/B did not separate, 2 bad usage, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
+    check_launchable(scen, name, text)   # before any folder or engine exists
     out_dir = prepare_out_dir(out, "ab")
     con = console()
 

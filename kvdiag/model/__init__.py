@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report, waits.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -46,6 +46,12 @@ from kvdiag.model.evidence import (
     TargetAccess,
     ThreadEvidence,
     ToolRun,
+)
+from kvdiag.model.gpu import (
+    GpuDeviceReading,
+    GpuProcessUse,
+    GpuReadings,
+    GpuSnapshot,
 )
 from kvdiag.model.kinds import (
     KIND_SPECS,
@@ -122,7 +128,11 @@ __all__ = [
     "Frame",
     "FrameRef",
     "GilState",
+    "GpuDeviceReading",
     "GpuInfo",
+    "GpuProcessUse",
+    "GpuReadings",
+    "GpuSnapshot",
     "InterpreterPackages",
     "IpcSocket",
     "KIND_SPECS",

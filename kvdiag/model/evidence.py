@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvdiag.model.gpu import GpuReadings
 from kvdiag.model.kinds import GilState, ProcessRole, ThreadState, _Model
 from kvdiag.model.waits import PeerProcess, SharedMapping
 
@@ -169,3 +170,5 @@ class ProcessEvidence(_Model):
     followed_from: str | None = None
     # Processes outside the tree a captured thread waits on: captured too, or named with why not.
     peers_outside: list[PeerProcess] = Field(default_factory=list)
+    # The GPUs of the host it ran on, sampled over the capture window (None: not sampled, e.g. no GPU).
+    gpu: GpuReadings | None = None
