@@ -77,32 +77,8 @@ def _plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario) -> EnginePl
     prealloc = True if prealloc_raw is None else prealloc_raw.strip().lower() == "true"
     util = _num(env.get("KVCACHED_GPU_UTILIZATION"), float, errors, "KVCACHED_GPU_UTILIZATION")
     page_env = _num(env.get("KVCACHED_PAGE_SIZE_MB"), int, errors, "KVCACHED_PAGE_SIZE_MB")
-    if spec.kind == "sim":
-        s = spec.sim
-        from kvdiag.sim.config import SimConfig
-
-        defaults = SimConfig()
-        page = int(page_env) if page_env is not None else s.page_size_mb
-        pages = int(s.kv_per_layer_mb) // page if page > 0 else 0
-        min_res = _num(env.get("KVCACHED_MIN_RESERVED_PAGES"), int, errors, "KVCACHED_MIN_RESERVED_PAGES")
-        max_res = _num(env.get("KVCACHED_MAX_RESERVED_PAGES"), int, errors, "KVCACHED_MAX_RESERVED_PAGES")
-        banner = BannerInfo(
-            num_layers=s.layers, mem_size_per_layer_mb=int(s.kv_per_layer_mb),
-            total_mem_size_mb=2 * s.layers * int(s.kv_per_layer_mb), page_size_mb=page, world_size=1, pp_rank=0,
-            async_sched=True, contiguous_layout=True, enable_prealloc=prealloc, num_kv_buffers=2, group_id=0,
-            min_reserved_pages=min(int(min_res if min_res is not None else s.min_reserved_pages), pages),
-            max_reserved_pages=min(int(max_res if max_res is not None else s.max_reserved_pages), pages),
-            source=f"scenario engine {spec.name} (expected)")
-        tpp = _num(_flag(s.extra_args, "--tokens-per-page"), int, errors, "--tokens-per-page")
-        bs = _num(_flag(s.extra_args, "--block-size"), int, errors, "--block-size")
-        device = f"modelled device {scenario.device.name or '(this run)'} ({scenario.device.size_gb:g} GB)"
-        return EnginePlan(name=spec.name, kind="sim", kvcached=True, prealloc=prealloc, device=device,
-                          allocator=spec.allocator if spec.allocator != "external" else "stock", banner=banner,
-                          gpu_memory_utilization=s.gpu_memory_utilization,
-                          kvcached_util=float(util) if util is not None else DEFAULT_KVCACHED_UTIL,
-                          page_size_mb=page,
-                          tokens_per_page=int(tpp) if tpp is not None else defaults.tokens_per_page,
-                          block_size=int(bs) if bs is not None else defaults.block_size, env_errors=errors)
+    if spec.kind == "sim" or (spec.kind == "vllm" and spec.allocator != "external"):
+        return _pool_plan(spec, env, scenario, prealloc, util, page_env, errors)
     argv = list(spec.command)
     kvcached = _true(env.get("ENABLE_KVCACHED")) or _true(env.get("KVCACHED_AUTOPATCH"))
     visible = env.get("CUDA_VISIBLE_DEVICES")
@@ -114,6 +90,41 @@ def _plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario) -> EnginePl
                       kvcached_util=float(util) if util is not None else DEFAULT_KVCACHED_UTIL,
                       page_size_mb=int(page_env) if page_env is not None else 2,
                       block_size=int(bs) if bs is not None else None, env_errors=errors)
+
+
+def _pool_plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario, prealloc: bool,
+               util: float | int | None, page_env: float | int | None, errors: list[str]) -> EnginePlan:
+    """An engine whose KV pool is kvdiag's allocator: a simulated engine, or a real vLLM engine with
+    kvdiag's plugin (its ``vllm.pool``); both live on the run's modelled device."""
+    from kvdiag.sim.config import SimConfig
+
+    defaults = SimConfig()
+    pool = spec.sim if spec.kind == "sim" else spec.vllm.pool
+    page = int(page_env) if page_env is not None else pool.page_size_mb
+    pages = int(pool.kv_per_layer_mb) // page if page > 0 else 0
+    min_res = _num(env.get("KVCACHED_MIN_RESERVED_PAGES"), int, errors, "KVCACHED_MIN_RESERVED_PAGES")
+    max_res = _num(env.get("KVCACHED_MAX_RESERVED_PAGES"), int, errors, "KVCACHED_MAX_RESERVED_PAGES")
+    what = "scenario engine" if spec.kind == "sim" else "vLLM engine (kvdiag's plugin)"
+    banner = BannerInfo(
+        num_layers=pool.layers, mem_size_per_layer_mb=int(pool.kv_per_layer_mb),
+        total_mem_size_mb=2 * pool.layers * int(pool.kv_per_layer_mb), page_size_mb=page, world_size=1, pp_rank=0,
+        async_sched=True, contiguous_layout=True, enable_prealloc=prealloc, num_kv_buffers=2, group_id=0,
+        min_reserved_pages=min(int(min_res if min_res is not None else pool.min_reserved_pages), pages),
+        max_reserved_pages=min(int(max_res if max_res is not None else pool.max_reserved_pages), pages),
+        source=f"{what} {spec.name} (expected)")
+    extra = spec.sim.extra_args if spec.kind == "sim" else spec.vllm.args
+    tpp = _num(_flag(extra, "--tokens-per-page"), int, errors, "--tokens-per-page")
+    bs = _num(_flag(extra, "--block-size"), int, errors, "--block-size")
+    device = f"modelled device {scenario.device.name or '(this run)'} ({scenario.device.size_gb:g} GB)"
+    return EnginePlan(name=spec.name, kind=spec.kind, kvcached=True, prealloc=prealloc, device=device,
+                      allocator=spec.allocator if spec.allocator != "external" else "stock", banner=banner,
+                      gpu_memory_utilization=spec.sim.gpu_memory_utilization if spec.kind == "sim" else None,
+                      kvcached_util=float(util) if util is not None else DEFAULT_KVCACHED_UTIL,
+                      page_size_mb=page,
+                      tokens_per_page=(int(tpp) if tpp is not None else defaults.tokens_per_page)
+                      if spec.kind == "sim" else None,
+                      block_size=(int(bs) if bs is not None else defaults.block_size)
+                      if spec.kind == "sim" else None, env_errors=errors)
 
 
 def _load(scenario: str) -> tuple[Scenario, str]:
