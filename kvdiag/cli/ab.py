@@ -7,7 +7,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console
-from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab
+from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab, switchable
 from kvdiag.scenario import load_scenario
 
 
@@ -24,6 +24,7 @@ def ab_cmd(
     1 the A/B did not separate, 2 bad usage, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
+    switchable(scen, "kvdiag ab")
     out_dir = prepare_out_dir(out, "ab")
     con = console()
 

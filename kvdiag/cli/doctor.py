@@ -31,7 +31,6 @@ from kvdiag.watch.banner import parse_banners
 if TYPE_CHECKING:
     from kvdiag.launch.interpreters import EngineInterpreter
 
-BUILTIN_NAMES = ("two-engine", "default")
 _STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",
                  RiskStatus.UNKNOWN: "yellow", RiskStatus.NOT_APPLICABLE: "dim"}
 
@@ -128,11 +127,7 @@ def _pool_plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario, preall
 
 
 def _load(scenario: str) -> tuple[Scenario, str]:
-    path = Path(scenario)
-    if not path.exists() and scenario in BUILTIN_NAMES:
-        scen, name, _ = load_scenario(None)
-    else:
-        scen, name, _ = load_scenario(path)
+    scen, name, _ = load_scenario(Path(scenario))
     return scen, name
 
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
-from kvdiag.runner import prepare_out_dir, run_scenario
+from kvdiag.runner import prepare_out_dir, run_scenario, switchable
 from kvdiag.scenario import load_scenario
 
 
@@ -35,6 +35,8 @@ def two_engine(
     2 bad usage or scenario, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
+    if allocator is not None:
+        switchable(scen, f"--allocator {allocator.value}")
     out_dir = prepare_out_dir(out, "repro two-engine")
     con = console()
     con.print(f"kvdiag repro two-engine: scenario {name}, output {out_dir}")
