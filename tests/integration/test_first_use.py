@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -54,3 +55,12 @@ def test_scenario_names_work_from_any_folder(tmp_path: Path) -> None:
     missing = run_kvdiag("repro", "two-engine", "--scenario", "no-such-thing", "--out", str(tmp_path / "o"),
                          timeout=60)
     assert missing.returncode == 2 and "two-engine-vllm-cpu" in missing.stderr    # the hint names them
+
+
+def test_a_renamed_bundle_file_is_analyzed_and_named(tmp_path: Path) -> None:
+    renamed = tmp_path / "some-name.json"
+    shutil.copy(ROOT / "tests" / "fixtures" / "bundles" / "gil_cycle" / "bundle.json", renamed)
+    run = run_kvdiag("analyze", str(renamed), timeout=60)
+    assert run.returncode == 10, run.stderr
+    assert "verdict: gil_cycle" in run.stdout and f"bundle: {renamed}" in run.stdout
+    assert "bundle.json" not in run.stdout + run.stderr
