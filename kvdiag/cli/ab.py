@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console
+from kvdiag.cli.common import console, result_console
 from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab, switchable
 from kvdiag.scenario import load_scenario
 
@@ -32,9 +32,10 @@ def ab_cmd(
         con.print(f"{side}: {arts.verdict.kind.value} — {arts.verdict.summary}")
 
     arts = run_ab(scen, name, text, out_dir, con, on_side=said)
-    con.print(arts.verdict.summary)
-    con.print(f"  report: {out_dir / 'report.html'}")
-    con.print(f"exit code {arts.exit_code}")
+    result = result_console()
+    result.print(arts.verdict.summary)
+    result.print(f"  report: {out_dir / 'report.html'}")
+    result.print(f"exit code {arts.exit_code}")
     return arts.exit_code
 
 

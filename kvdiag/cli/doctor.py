@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.padding import Padding
 from rich.text import Text
 
 from kvdiag import __version__
@@ -174,13 +174,20 @@ def render(report: DoctorReport, console: Console) -> None:
     console.print(Text("environment", style="bold"))
     for line in environment_lines(report.environment):
         console.print(Text("  " + line))
-    table = Table(title="known risks", title_justify="left", show_lines=True)
-    for col in ("check", "subject", "verdict", "what was found", "what to change"):
-        table.add_column(col, overflow="fold")
+    # One block per row, not a five-column table: at 80 columns a table breaks identifiers and the
+    # environment assignments a reader copies (KVCACHED_PAGE_PREALLOC_ENABLED=false); here text wraps
+    # only at spaces, under a hanging indent.
+    console.print(Text("known risks", style="bold"))
+    width = max(len(s.value) for s in RiskStatus) + 2
     for c in report.checks:
-        table.add_row(Text(c.check), Text(c.subject), Text(c.status.value, style=_STATUS_STYLE[c.status]),
-                      Text(c.detail + (f" [{c.upstream}]" if c.upstream else "")), Text(c.fix or "—"))
-    console.print(table)
+        head = Text()
+        head.append(f"{c.status.value:<{width}}", style=_STATUS_STYLE[c.status])
+        head.append(c.check, style="bold")
+        head.append(f"  {c.subject}")
+        console.print(head)
+        console.print(Padding(Text(c.detail + (f" [{c.upstream}]" if c.upstream else "")), (0, 0, 0, width)))
+        if c.fix:
+            console.print(Padding(Text(f"change: {c.fix}"), (0, 0, 0, width)))
     for c in report.checks:
         if c.status is RiskStatus.WARN:
             console.print(Text(f"warning: {c.check}: {c.detail}" + (f"; fix: {c.fix}" if c.fix else ""),
@@ -233,7 +240,7 @@ def doctor_cmd(
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2, ensure_ascii=False))
     else:
         # Piped into a file or a bug report: wide enough for the table to stay readable.
-        render(report, Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 140))
+        render(report, Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120))
     return report.exit_code
 
 

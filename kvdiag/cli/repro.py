@@ -42,7 +42,7 @@ def two_engine(
     con.print(f"kvdiag repro two-engine: scenario {name}, output {out_dir}")
     arts = run_scenario(scen, name, text, out_dir, "repro two-engine", con,
                         allocator=allocator.value if allocator else None)
-    print_summary(arts, con)
+    print_summary(arts)
     return arts.exit_code
 
 

@@ -80,9 +80,12 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
             console.print(Text(f"    … {len(item.frames) - len(shown)} more frames", style="dim"))
 
     if report.engines:
-        table = Table(title="engines", title_justify="left", show_edge=False, pad_edge=False)
-        for col in ("engine", "allocator", "phase", "healthy", "verdict", "engine_core", "banner"):
-            table.add_column(col, overflow="fold")
+        # Identifiers (names, kinds, pids) are never broken across lines, at any width: only the
+        # health sentence wraps, at its spaces. No column rules, so seven columns fit in 80.
+        table = Table(title="engines", title_justify="left", box=None, pad_edge=False, header_style="bold")
+        for col in ("engine", "allocator", "phase", "healthy", "verdict", "EngineCore", "banner"):
+            table.add_column(col, no_wrap=col != "healthy", overflow="ellipsis" if col == "healthy" else "crop",
+                             min_width=8 if col == "healthy" else None)
         for e in report.engines:
             if e.banner_risk is not None:
                 risk_text = Text("RISK", style="bold red") if e.banner_risk.risky else Text("ok", style="green")
