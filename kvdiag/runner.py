@@ -348,6 +348,7 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
         if on_side is not None:
             on_side(allocator, sides[allocator])
     bundle = new_bundle("ab")
+    bundle.scenario = scenario.model_dump(mode="json")
     bundle.scenario_path = scenario_name
     bundle.stall_window_s = scenario.windows.stall_s
     bundle.runs = {side: f"../{side}/bundle" for side in AB_SIDES}

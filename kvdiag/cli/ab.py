@@ -33,6 +33,9 @@ def ab_cmd(
 
     arts = run_ab(scen, name, text, out_dir, con, on_side=said)
     result = result_console()
+    ab = arts.bundle.diagnosis.ab if arts.bundle.diagnosis is not None else None
+    if ab is not None:
+        result.print(f"outcome: {ab.headline()}")
     result.print(arts.verdict.summary)
     result.print(f"  report: {out_dir / 'report.html'}")
     result.print(f"exit code {arts.exit_code}")

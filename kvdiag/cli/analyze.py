@@ -30,7 +30,8 @@ def analyze_cmd(
     stored = run.bundle.diagnosis
     agrees = None if stored is None else (stored.verdict.kind, stored.exit_code) == (diag.verdict.kind, diag.exit_code)
     if as_json:
-        typer.echo(json.dumps({"verdict": diag.verdict.model_dump(mode="json"),
+        typer.echo(json.dumps({"outcome": diag.ab.outcome if diag.ab is not None else diag.verdict.kind.value,
+                               "verdict": diag.verdict.model_dump(mode="json"),
                                "verdicts_by_engine": {k: v.model_dump(mode="json")
                                                       for k, v in diag.verdicts_by_engine.items()},
                                "ab": diag.ab.model_dump(mode="json") if diag.ab is not None else None,
@@ -38,7 +39,7 @@ def analyze_cmd(
                                "exit_code": diag.exit_code,
                                "agrees_with_run": agrees}, indent=2))
     else:
-        typer.echo(format_verdict(diag.verdict, diag.verdicts_by_engine))
+        typer.echo(format_verdict(diag.verdict, diag.verdicts_by_engine, ab=diag.ab))
         for note in diag.notes:
             typer.echo(f"note: {note}")
         if agrees is False and stored is not None:

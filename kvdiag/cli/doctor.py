@@ -240,7 +240,8 @@ def doctor_cmd(
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2, ensure_ascii=False))
     else:
         # Piped into a file or a bug report: wide enough for the table to stay readable.
-        render(report, Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 120))
+        wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
+        render(report, Console(highlight=False, soft_wrap=False, width=None if wide else 120))
     return report.exit_code
 
 

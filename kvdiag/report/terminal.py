@@ -31,16 +31,28 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
     v = report.verdict
     kind = v.kind.value
     head = Text()
-    head.append("verdict: ", style="bold")
-    head.append(kind, style=_kind_style(kind))
-    head.append(f"  ({v.confidence.value} confidence)", style="dim")
-    if v.engine:
-        head.append("  engine ", style="dim")
-        head.append(v.engine, style="bold")
+    if report.ab is not None:
+        # An A/B's one outcome is the comparison; the stock side's verdict is its evidence.
+        style = "bold green" if report.ab.separated else "bold red"
+        head.append(report.ab.headline(), style=style)
+        head.append(f"  exit {report.exit_code}", style="dim")
+    else:
+        style = _kind_style(kind)
+        head.append("verdict: ", style="bold")
+        head.append(kind, style=style)
+        head.append(f"  ({v.confidence.value} confidence)", style="dim")
+        if v.engine:
+            head.append("  engine ", style="dim")
+            head.append(v.engine, style="bold")
     # Plain lines, not a Panel: callers print with soft_wrap, which would crop text inside a box.
-    console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
+    console.rule(Text("kvdiag", style="bold"), style=style.split()[-1])
     console.print(head)
+    if report.simulated_engines:
+        console.print(Text(f"simulated engines: {', '.join(report.simulated_engines)} (kvdiag's simulated "
+                           "vLLM-shaped engine, not a real vLLM)", style="yellow"))
     console.print(Text(v.summary))
+    if report.ab is not None and v.evidence:
+        console.print(Text(f"the stock side's verdict: {kind} ({v.confidence.value} confidence)", style="bold"))
     if v.confidence_reasons:
         console.print(Text(f"confidence {v.confidence.value}: " + "; ".join(v.confidence_reasons), style="dim"))
     if v.signature:
