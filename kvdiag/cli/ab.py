@@ -6,9 +6,9 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console
+from kvdiag.cli.common import console, result_console
 from kvdiag.launch.preflight import check_launchable
-from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab
+from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab, switchable
 from kvdiag.scenario import load_scenario
 
 
@@ -26,6 +26,7 @@ def ab_cmd(
     """
     scen, name, text = load_scenario(scenario)
     check_launchable(scen, name, text)   # before any folder or engine exists
+    switchable(scen, "kvdiag ab")
     out_dir = prepare_out_dir(out, "ab")
     con = console()
 
@@ -33,9 +34,13 @@ def ab_cmd(
         con.print(f"{side}: {arts.verdict.kind.value} — {arts.verdict.summary}")
 
     arts = run_ab(scen, name, text, out_dir, con, on_side=said)
-    con.print(arts.verdict.summary)
-    con.print(f"  report: {out_dir / 'report.html'}")
-    con.print(f"exit code {arts.exit_code}")
+    result = result_console()
+    ab = arts.bundle.diagnosis.ab if arts.bundle.diagnosis is not None else None
+    if ab is not None:
+        result.print(f"outcome: {ab.headline()}")
+    result.print(arts.verdict.summary)
+    result.print(f"  report: {out_dir / 'report.html'}")
+    result.print(f"exit code {arts.exit_code}")
     return arts.exit_code
 
 

@@ -36,6 +36,14 @@ class ToolRun(_Model):
     command: list[str] = Field(default_factory=list)
     redactions: dict[str, int] = Field(default_factory=dict)   # secrets removed from what it read, per kind
     started_s: float | None = None   # when it started, seconds after the capture began (None: not recorded)
+    # Not run on purpose (``error`` says why: gdb where pystack already read the native frames, a zombie,
+    # a kernel thread, a process without Python): neither a result nor a failure. Older bundles: False.
+    skipped: bool = False
+
+    @property
+    def state(self) -> str:
+        """``ok``, ``skipped`` or ``failed``: what every tool table shows."""
+        return "ok" if self.ok else "skipped" if self.skipped else "failed"
 
 
 class RedactionSummary(_Model):

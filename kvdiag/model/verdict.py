@@ -96,6 +96,19 @@ class ABComparison(_Model):
     fixed: ABSide
     separated: bool                  # stock reproduced a hang and fixed is healthy
 
+    @property
+    def outcome(self) -> str:
+        """An A/B's one outcome, as report.json's ``outcome`` names it."""
+        return "ab_separated" if self.separated else "ab_not_separated"
+
+    @property
+    def title(self) -> str:
+        return "A/B separated" if self.separated else "A/B did not separate"
+
+    def headline(self) -> str:
+        """``A/B separated (stock: gil_cycle, fixed: healthy)``: what heads every rendering of an A/B."""
+        return f"{self.title} (stock: {self.stock.verdict.value}, fixed: {self.fixed.verdict.value})"
+
 
 class Diagnosis(_Model):
     """analyze(bundle): everything the run concluded. Stored in the bundle; renderers read only this."""
