@@ -47,6 +47,13 @@ from kvdiag.model.evidence import (
     ThreadEvidence,
     ToolRun,
 )
+from kvdiag.model.fleet import (
+    FleetRecord,
+    NodeOutcome,
+    NodeRecord,
+    RayActorRecord,
+    RayTaskRecord,
+)
 from kvdiag.model.kinds import (
     KIND_SPECS,
     NO_EVIDENCE_KINDS,
@@ -86,6 +93,11 @@ from kvdiag.model.verdict import (
 )
 
 __all__ = [
+    "FleetRecord",
+    "NodeOutcome",
+    "NodeRecord",
+    "RayActorRecord",
+    "RayTaskRecord",
     "ABComparison",
     "ABEngine",
     "ABSide",
