@@ -47,6 +47,13 @@ from kvdiag.model.evidence import (
     ThreadEvidence,
     ToolRun,
 )
+from kvdiag.model.fleet import (
+    FleetRecord,
+    NodeOutcome,
+    NodeRecord,
+    RayActorRecord,
+    RayTaskRecord,
+)
 from kvdiag.model.gpu import (
     GpuDeviceReading,
     GpuProcessUse,
@@ -119,6 +126,11 @@ from kvdiag.model.waits import (
 )
 
 __all__ = [
+    "FleetRecord",
+    "NodeOutcome",
+    "NodeRecord",
+    "RayActorRecord",
+    "RayTaskRecord",
     "ABComparison",
     "ABEngine",
     "ABRates",

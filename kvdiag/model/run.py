@@ -122,3 +122,4 @@ class Finding(_Model):
     message: str
     pid: int | None = None
     engine: str | None = None
+    node: str | None = None          # the host ``pid`` lives on, in a bundle merged from several hosts

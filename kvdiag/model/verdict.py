@@ -41,6 +41,7 @@ class EvidenceItem(_Model):
     role: str                        # "alloc_page caller (holds GIL)", "prealloc worker (waits for GIL)"
     frames: list[str] = Field(default_factory=list)
     engine: str | None = None
+    node: str | None = None          # the host ``pid`` lives on, in a bundle merged from several hosts
     # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
     # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
     # report written before the field existed (nothing is highlighted).
