@@ -26,6 +26,7 @@ from kvdiag.analyze.evidence import (
     where,
 )
 from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
+from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
@@ -72,9 +73,10 @@ def _where(proc: ProcessEvidence) -> str:
     """``pid N`` plus which process of which engine it is, when known: the report says which process of a
     vLLM tree holds the hang (the EngineCore, not the API server the user launched)."""
     role = _ROLE_TEXT.get(proc.role)
+    at = f" on node {proc.node}" if proc.node else ""
     if role is None:
-        return f"pid {proc.pid}"
-    return f"pid {proc.pid} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
+        return f"pid {proc.pid}{at}"
+    return f"pid {proc.pid}{at} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
 
 
 
@@ -444,7 +446,9 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
     if len(waiters) < 2 or (addrs and len(addrs) < 2):
         return None
-    if _possible_signallers(views, waiters, proc) or any(t.kind is WaitKind.GIL_WAIT for t in views):
+    # Only a thread that can run Python releases a Python lock (kvdiag.analyze.runtime: a runtime's native threads).
+    if any(may_release_python_lock(t, waiters) for t in _possible_signallers(views, waiters, proc)) or any(
+            t.kind is WaitKind.GIL_WAIT for t in views):
         return None
     ring = _lock_reference_cycle(waiters, views)
     if ring:

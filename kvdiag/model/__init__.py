@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ from kvdiag.model.evidence import (
     TargetAccess,
     ThreadEvidence,
     ToolRun,
+)
+from kvdiag.model.fleet import (
+    FleetRecord,
+    NodeOutcome,
+    NodeRecord,
+    RayActorRecord,
+    RayTaskRecord,
 )
 from kvdiag.model.gpu import (
     GpuDeviceReading,
@@ -81,6 +88,21 @@ from kvdiag.model.run import (
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.model.sweep import (
+    SWEEP_SCHEMA_VERSION,
+    ABRates,
+    BannerCheck,
+    BannerDisagreement,
+    Distribution,
+    Interval,
+    RateLine,
+    Scalar,
+    SweepAxis,
+    SweepCell,
+    SweepReport,
+    SweepRule,
+    SweepRun,
+)
 from kvdiag.model.verdict import (
     ABComparison,
     ABEngine,
@@ -90,11 +112,31 @@ from kvdiag.model.verdict import (
     KnownDefect,
     Verdict,
 )
+from kvdiag.model.waits import (
+    EdgeEvidence,
+    EdgeKind,
+    FrameRef,
+    NodeRef,
+    PeerProcess,
+    SharedMapping,
+    WaitChain,
+    WaitEdge,
+    WaitGraphRecord,
+    WaitNode,
+)
 
 __all__ = [
+    "FleetRecord",
+    "NodeOutcome",
+    "NodeRecord",
+    "RayActorRecord",
+    "RayTaskRecord",
     "ABComparison",
     "ABEngine",
+    "ABRates",
     "ABSide",
+    "BannerCheck",
+    "BannerDisagreement",
     "BannerInfo",
     "BannerRisk",
     "Bundle",
@@ -102,8 +144,11 @@ __all__ = [
     "DefectCheck",
     "DefectStatus",
     "Diagnosis",
+    "Distribution",
     "DoctorCheck",
     "DoctorReport",
+    "EdgeEvidence",
+    "EdgeKind",
     "EnginePhase",
     "EnginePids",
     "EngineRecord",
@@ -112,6 +157,7 @@ __all__ = [
     "FdInfo",
     "Finding",
     "Frame",
+    "FrameRef",
     "GilState",
     "GpuDeviceReading",
     "GpuInfo",
@@ -119,6 +165,7 @@ __all__ = [
     "GpuReadings",
     "GpuSnapshot",
     "InterpreterPackages",
+    "Interval",
     "IpcSocket",
     "KIND_SPECS",
     "KindSpec",
@@ -127,18 +174,29 @@ __all__ = [
     "KvcachedRuntime",
     "MetricsSnapshot",
     "NO_EVIDENCE_KINDS",
+    "NodeRef",
+    "PeerProcess",
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
     "PtraceAccess",
+    "RateLine",
     "RedactionSummary",
     "Report",
     "ReportBanner",
     "ReportEngine",
     "RiskStatus",
     "SCHEMA_VERSION",
+    "Scalar",
+    "SWEEP_SCHEMA_VERSION",
+    "SharedMapping",
     "ShmSegment",
     "SoakStats",
+    "SweepAxis",
+    "SweepCell",
+    "SweepReport",
+    "SweepRule",
+    "SweepRun",
     "TARGET_STATE_KINDS",
     "TargetAccess",
     "ThreadEvidence",
@@ -147,4 +205,8 @@ __all__ = [
     "ToolRun",
     "Verdict",
     "VerdictKind",
+    "WaitChain",
+    "WaitEdge",
+    "WaitGraphRecord",
+    "WaitNode",
 ]
