@@ -544,8 +544,10 @@ def _awaits_orders(t: ThreadView, proc: ProcessEvidence) -> bool:
     is the server end of an accepted connection, or leads to the process's parent (a worker waiting
     for its next task)."""
     conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
-    return bool(conns) and all(f.accepted or (proc.ppid is not None and f.peer_pids == [proc.ppid])
-                               for f in conns)
+    # A pipe's writers, when read, say it better than every holder of either end.
+    return bool(conns) and all(f.accepted or (proc.ppid is not None and (
+        f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids) == [proc.ppid])
+        for f in conns)
 
 
 def _loop_parked(t: ThreadView, pid: int) -> list[FdInfo] | None:

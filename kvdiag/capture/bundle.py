@@ -12,6 +12,7 @@ from kvdiag import __version__
 from kvdiag.bundle import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.follow import note_followed, peers_outside
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole
@@ -26,25 +27,27 @@ def host_info() -> dict[str, str]:
 def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  backends: Sequence[str | CaptureBackend] | None = None,
                  log_pids: dict[str, int] | None = None, command: str = "",
-                 pids: Sequence[int] | None = None) -> Bundle:
+                 pids: Sequence[int] | None = None, follow: bool = True) -> Bundle:
     """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/<pid>/).
 
     ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
-    (see :func:`kvdiag.capture.select.capture_scope`).
+    (see :func:`kvdiag.capture.select.capture_scope`). ``follow``: the processes outside it that a
+    blocked thread waits on are captured too (bounded; kvdiag.capture.follow).
     """
     pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
     return capture_pids(pids, bundle_dir, roots=[root_pid], timeout_s=timeout_s, backends=backends,
-                        log_pids=log_pids, command=command or f"capture --pid {root_pid}")
+                        log_pids=log_pids, command=command or f"capture --pid {root_pid}", follow=follow)
 
 
 def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] | None = None,
                  timeout_s: float = 10.0, backends: Sequence[str | CaptureBackend] | None = None,
-                 log_pids: dict[str, int] | None = None, command: str = "") -> Bundle:
+                 log_pids: dict[str, int] | None = None, command: str = "", follow: bool = True) -> Bundle:
     """Capture ``pids`` read-only into ``bundle_dir``: what ``kvdiag capture --pid`` does, for processes that
     need not form one tree (the selected workers of one node of a Ray cluster).
 
     ``roots`` (default: every pid): the processes whose trees name the engine roles and whose log files
     stand in for a run's log follower. One root: every captured process belongs to its log's record.
+    ``follow``: the processes outside ``pids`` that a blocked thread waits on are captured too (bounded).
     """
     pids = list(pids)
     roots = list(roots) if roots else pids
@@ -52,14 +55,17 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     for root in roots:
         for role, role_pids in find_engine_processes(root, log_pids).items():
             roles.setdefault(role, []).extend(p for p in role_pids if p not in roles.get(role, []))
-    evidence, findings = capture_processes(pids, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
-                                           bundle_dir=bundle_dir)
+    followed, named = peers_outside(pids) if follow else ([], [])
+    evidence, findings = capture_processes(pids + [p.pid for p in followed], raw_root(bundle_dir),
+                                           timeout_s=timeout_s, backends=backends, bundle_dir=bundle_dir)
+    findings += note_followed(evidence, followed, named)
     for ev in evidence:
         for role, role_pids in roles.items():
             if ev.pid in role_pids:
                 ev.role = role
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
-    evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
+    evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids
+                                 else len(pids)))
     from kvdiag.environment import collect_environment
 
     engines = []

@@ -82,6 +82,8 @@ def capture_cmd(
     tools: str = typer.Option(",".join(DEFAULT_BACKENDS), "--tools",
                               help="Comma-separated capture backends to run."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
+    follow: bool = typer.Option(True, "--follow/--no-follow", help="Also capture the processes outside the "
+                                "tree that a blocked thread waits on (at most 4; the others are named)."),
 ) -> int:
     """Read-only capture of a live engine (stacks, GIL state, /proc), analyzed.
 
@@ -131,7 +133,8 @@ def capture_cmd(
         typer.echo(f"capturing pid {target} and its children with {', '.join(names)} "
                    f"(read-only, at most {timeout + CAPTURE_SLACK_S:.0f}s)", err=True)
     bundle = _interruptible(lambda: capture_tree(target, bundle_dir, timeout_s=timeout, backends=names,
-                                                 command=f"capture --pid {target}", pids=scope.pids))
+                                                 command=f"capture --pid {target}", pids=scope.pids,
+                                                 follow=follow and not kthread))
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle)
     return print_outcome(arts, bundle_dir, as_json)
