@@ -27,6 +27,7 @@ from kvdiag.launch.reaper import run_device_name
 from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
+    Diagnosis,
     TimelineEvent,
     Verdict,
 )
@@ -112,11 +113,13 @@ def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | No
 
 
 def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
-           verdict_t: float | None = None) -> RunArtifacts:
+           verdict_t: float | None = None, diagnosis: Diagnosis | None = None) -> RunArtifacts:
     """The one tail of every run: redact → analyze → store the diagnosis → write bundle → render.
 
     ``runs``: the nested runs' bundles (``kvdiag ab``); ``verdict_t``: run time of the verdict
-    event added to the timeline. Renderers read only the diagnosis stored in the bundle.
+    event added to the timeline; ``diagnosis``: already computed from this bundle's evidence (a
+    capture that said its verdict before the environment record was in: the rules read no
+    environment). Renderers read only the diagnosis stored in the bundle.
     """
     from kvdiag.analyze import diagnose
     from kvdiag.analyze.soak import stall_to_verdict_s
@@ -125,7 +128,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     from kvdiag.report import render_run
 
     red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
-    diag = diagnose(red, runs)
+    diag = diagnosis if diagnosis is not None else diagnose(red, runs)
     if verdict_t is not None:
         red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)   # issue 17 item 7
         red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
