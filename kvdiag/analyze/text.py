@@ -25,7 +25,8 @@ def format_verdict(verdict: Verdict, by_engine: dict[str, Verdict] | None = None
         lines.append("  evidence (→ the frames the verdict rests on):" if any(i.key_frames for i in verdict.evidence)
                      else "  evidence:")
         for item in verdict.evidence:
-            lines.append(f"    pid {item.pid} tid {item.tid}: {item.role}")
+            at = f"node {item.node} " if item.node else ""
+            lines.append(f"    {at}pid {item.pid} tid {item.tid}: {item.role}")
             shown = [n for n in range(len(item.frames)) if n < max_frames or item.is_key(n)]
             lines += [f"      {'→ ' if item.is_key(n) else '  '}{item.frames[n]}" for n in shown]
             if len(item.frames) > len(shown):

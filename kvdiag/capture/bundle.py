@@ -33,22 +33,42 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/<pid>/).
 
     ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
-    (see :func:`kvdiag.capture.select.capture_scope`). The environment record is collected while the
-    tools run; ``on_evidence`` gets the bundle as soon as the evidence is in, before the environment
-    (so a caller can say the verdict at once). ``save=False``: the caller writes the bundle.
-    ``decides``: capture the engine core first and the rest of the tree with every tool only when
-    that does not decide (:mod:`kvdiag.capture.staged`); None: every process with every tool.
+    (see :func:`kvdiag.capture.select.capture_scope`); the rest as :func:`capture_pids`.
+    """
+    pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
+    return capture_pids(pids, bundle_dir, roots=[root_pid], timeout_s=timeout_s, backends=backends,
+                        log_pids=log_pids, command=command or f"capture --pid {root_pid}", save=save,
+                        on_evidence=on_evidence, decides=decides)
+
+
+def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] | None = None,
+                 timeout_s: float = 10.0, backends: Sequence[str | CaptureBackend] | None = None,
+                 log_pids: dict[str, int] | None = None, command: str = "", save: bool = True,
+                 on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None) -> Bundle:
+    """Capture ``pids`` read-only into ``bundle_dir``: what ``kvdiag capture --pid`` does, for processes that
+    need not form one tree (the selected workers of one node of a Ray cluster).
+
+    ``roots`` (default: every pid): the processes whose trees name the engine roles and whose log files
+    stand in for a run's log follower. One root: every captured process belongs to its log's record.
+    The environment record is collected while the tools run; ``on_evidence`` gets the bundle as soon as
+    the evidence is in, before the environment (so a caller can say the verdict at once). ``save=False``:
+    the caller writes the bundle. ``decides``: capture the engine cores first and the rest with every
+    tool only when that does not decide (:mod:`kvdiag.capture.staged`); None: every process, every tool.
     """
     from kvdiag.environment import collect_environment
 
-    roles = find_engine_processes(root_pid, log_pids)
-    pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
-    # The environment of the engine core (what runs the engine), else of the root.
+    pids = list(pids)
+    roots = list(roots) if roots else pids
+    roles: dict[ProcessRole, list[int]] = {}
+    for root in roots:
+        for role, role_pids in find_engine_processes(root, log_pids).items():
+            roles.setdefault(role, []).extend(p for p in role_pids if p not in roles.get(role, []))
+    # The environment of the engine core (what runs the engine), else of the first root.
     cores = [p for p in roles.get(ProcessRole.ENGINE_CORE, []) if p in pids]
-    env_pid = cores[0] if cores else root_pid
+    env_pid = cores[0] if cores else (pids[0] if pids else roots[0])
     env_box: list[EnvironmentRecord] = []
-    # Files, a few short children (the engine's own interpreter asked for its versions): off the
-    # critical path, beside the capture tools, not after them.
+    # Files and a few short children (the engine's own interpreter asked for its versions): beside the
+    # capture tools, not after them.
     env_thread = threading.Thread(target=lambda: env_box.append(collect_environment(target_pid=env_pid)),
                                   name="kvdiag-environment", daemon=True)
     env_thread.start()
@@ -74,12 +94,15 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     engines = []
     if log_pids is None:
         # A bare process: its log file (found through /proc/PID/fd) stands in for a run's log follower.
-        record = log_record(root_pid, f"pid-{root_pid}")
-        if record is not None:
+        for root in roots:
+            record = log_record(root, f"pid-{root}")
+            if record is None:
+                continue
             engines.append(record)
             for ev in evidence:
-                ev.engine = record.name
-    bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
+                if len(roots) == 1 or ev.pid == root:
+                    ev.engine = record.name
+    bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {roots[0]}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     host=host_info(), processes=evidence, findings=findings, engines=engines)
     if on_evidence is not None:
@@ -121,4 +144,4 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
     return evidence, findings
 
 
-__all__ = ["capture_engine", "capture_tree", "host_info"]
+__all__ = ["capture_engine", "capture_pids", "capture_tree", "host_info"]

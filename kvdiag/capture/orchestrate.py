@@ -58,6 +58,7 @@ from kvdiag.capture.tools import (
     pystack_lock_locals,
 )
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
+from kvdiag.osread.nvml import GpuSampler, gpu_present
 from kvdiag.proc import read_stat
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
@@ -597,6 +598,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             findings.append(Finding(kind="tool_missing", message=reason))
     start = time.monotonic()
     deadline = start + timeout_s
+    # The GPUs are sampled over the same window as the stacks (a child process, killed at its bound).
+    gpus = GpuSampler() if gpu_present() else None
     befores = {pid: _observe(pid) for pid in pids}
     # Preflight before attaching: may we read it, is it a kernel thread, a zombie, Python at all?
     accesses = {pid: check_target(pid) for pid in dict.fromkeys(pids) if befores[pid].exists}
@@ -624,6 +627,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             for job in jobs:
                 job.join(deadline + CAPTURE_SLACK_S - 1.0)
     except BaseException as exc:
+        if gpus is not None:
+            gpus.stop()
         # Ctrl-C / SIGTERM mid-capture: no debugger may stay attached to the target after we are gone,
         # and none may stay stopped by one we killed. The exception carries what was resumed.
         kill_active_tools()
@@ -663,6 +668,11 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 findings.append(Finding(kind=kind, pid=job.pid, message=f"pid {job.pid}: {run.error}"))
         findings.extend(verify_untouched(job.pid, befores[job.pid], resumed=job.resumed))
         evidence.append(ev)
+    if gpus is not None:
+        readings = gpus.result(wait_s=max(1.0, deadline + CAPTURE_SLACK_S - time.monotonic()))
+        for ev in evidence:
+            if ev.alive:
+                ev.gpu = readings
     order = {pid: i for i, pid in enumerate(caller_order)}
     evidence.sort(key=lambda e: order.get(e.pid, len(order)))
     return evidence, findings

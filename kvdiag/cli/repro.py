@@ -8,6 +8,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
+from kvdiag.launch.preflight import check_launchable
 from kvdiag.runner import prepare_out_dir, run_scenario, switchable
 from kvdiag.scenario import load_scenario
 
@@ -37,6 +38,7 @@ def two_engine(
     scen, name, text = load_scenario(scenario)
     if allocator is not None:
         switchable(scen, f"--allocator {allocator.value}")
+    check_launchable(scen, name, text)   # before any folder or engine exists
     out_dir = prepare_out_dir(out, "repro two-engine")
     con = console()
     con.print(f"kvdiag repro two-engine: scenario {name}, output {out_dir}")

@@ -99,6 +99,19 @@ def _raise(msg: str, file: str, line: int | None, field: str | None) -> Scenario
     raise ScenarioError(msg, file, line, field)
 
 
+def field_line(text: str, loc: Loc) -> int | None:
+    """The 1-based line of field ``loc`` (``("engines", 0, "model")``) in scenario ``text``, or of the
+    nearest enclosing field that is written there (a field left to its default has no line of its own)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        lines: dict[Loc, int] = {}
+        if node is not None:
+            _to_python(node, (), lines, "<scenario>")
+    except (yaml.YAMLError, ScenarioError):
+        return None
+    return _line_for(loc, lines)
+
+
 # The repository's scenarios/*.yaml travel in the package (CMakeLists.txt installs them here), so the
 # names the README uses work from an installed wheel too; a checkout has them beside the package.
 SHIPPED_DIR = "shipped"
