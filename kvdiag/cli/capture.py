@@ -22,8 +22,8 @@ from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
 from kvdiag.fleet.ray import capture_cluster
 from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
+from kvdiag.outputs import RunArtifacts, finish, prepare_out_dir
 from kvdiag.redact import redact_bundle
-from kvdiag.runner import RunArtifacts, finish, prepare_out_dir
 
 
 def _target(pid: int | None, engine_core_of: int | None) -> int:
@@ -94,7 +94,9 @@ def capture_cmd(
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds the capture tools may take in all; "
                                   "analysis and the report follow."),
     tools: str = typer.Option(",".join(DEFAULT_BACKENDS), "--tools",
-                              help="Comma-separated capture backends to run."),
+                              help="Comma-separated capture backends: proc, py-spy, pystack, gdb (the default: "
+                                   "all four); py-spy-nonblocking (never pauses the target), pystack-locals, "
+                                   "gdb-full (every library's symbols)."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
 ) -> int:
     """Read-only capture of a live engine (stacks, GIL state, /proc), analyzed.
@@ -106,9 +108,11 @@ def capture_cmd(
     A capture that never pauses: --tools proc,py-spy-nonblocking.
     Before attaching, kvdiag checks that it may read the target (owner, ptrace_scope,
     CAP_SYS_PTRACE, container); when it may not, it says why and the fix (no_access).
-    Exit codes: 0 no hang evidence, 10 deadlock found, 4 crash or OOM,
-    3 no access (the fix is printed), 5 nothing to judge (the target exited, is a
-    zombie, runs no Python or is a kernel thread), 2 bad usage or a refused pid.
+    Exit codes: 0 no hang evidence, 10 deadlock or stall found, 4 crash or OOM in its log,
+    3 no access (the fix is printed) or no thread could be read, 5 nothing to judge (the
+    target exited, is a zombie, is stopped or traced, runs no Python or is a kernel thread),
+    6 inconclusive (the evidence that decides is missing, named), 2 bad usage or a refused
+    pid, 130 interrupted.
     With --ray, every node of a Ray cluster: one task pinned to each node runs this same capture
     there, and one report covers them all (a node that could not be captured is named, with why).
     """
