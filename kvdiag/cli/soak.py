@@ -25,7 +25,8 @@ def soak(
     url: str | None = typer.Option(None, "--url", help="Drive an already running OpenAI-compatible server "
                                    "(e.g. http://127.0.0.1:8000) instead of launching one."),
     scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML whose first engine is "
-                                         "launched (default: embedded soak-hybrid: one engine whose KV pool fills under load, kvcached #371's runtime stall)."),
+                                         "launched (default: embedded soak-hybrid: one engine whose KV pool "
+                                         "fills under load, kvcached #371's runtime stall)."),
     duration: float = typer.Option(60.0, "--duration", "-d", help="Seconds of load when nothing stalls; then no "
                                    "new request is sent."),
     drain_grace: float = typer.Option(5.0, "--drain-grace", help="After --duration, requests in flight get up to "
