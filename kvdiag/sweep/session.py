@@ -73,7 +73,6 @@ def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
     if cfg.stall_window_s is not None:
         base.windows.stall_s = cfg.stall_window_s
     plan = SweepPlan(axes)
-    _check_folder(cfg)
 
     def make_cell(params: Params) -> CellSpec:
         cell = cell_scenario(base, axes, params)
@@ -83,6 +82,7 @@ def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
     if plan.bisect_axis is None:
         for params in SweepPlan(axes).take():
             make_cell(params)
+    _check_folder(cfg)
     store = SweepStore(cfg.out_dir)
     executor = SweepExecutor(plan, make_cell, store, repeat=cfg.repeat, jobs=cfg.jobs, progress=progress,
                              run_timeout_s=base.windows.timeout_s + 120.0)
