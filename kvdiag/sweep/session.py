@@ -17,7 +17,7 @@ from kvdiag.model import SweepReport
 from kvdiag.report.sweep import render_sweep_html, render_sweep_text
 from kvdiag.scenario.models import Scenario
 from kvdiag.sweep.axes import Axis, cell_scenario, parse_vary, unique_labels
-from kvdiag.sweep.execute import CellSpec, Progress, SweepExecutor, SweepStore
+from kvdiag.sweep.execute import RUN_SLACK_S, CellSpec, Progress, SweepExecutor, SweepStore
 from kvdiag.sweep.plan import Params, SweepPlan, cell_key
 from kvdiag.sweep.rule import cell_features
 from kvdiag.sweep.summarize import conclude
@@ -85,7 +85,7 @@ def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
     _check_folder(cfg)
     store = SweepStore(cfg.out_dir)
     executor = SweepExecutor(plan, make_cell, store, repeat=cfg.repeat, jobs=cfg.jobs, progress=progress,
-                             run_timeout_s=base.windows.timeout_s + 120.0)
+                             run_timeout_s=base.windows.timeout_s + RUN_SLACK_S)
     started = time.monotonic()
     progress(f"{cfg.command}: {plan.planned()} cell(s) x {cfg.repeat} run(s), {cfg.jobs} at a time, "
              f"stall window {base.windows.stall_s:g}s; output {cfg.out_dir}")
