@@ -41,6 +41,10 @@ def sweep_cmd(
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/sweep-<timestamp>)."),
     resume: bool = typer.Option(False, "--resume",
                                 help="Continue the sweep stored in --out (its fields, values and scenario)."),
+    engines: str | None = typer.Option(None, "--engines", metavar="NAME,...",
+                                       help="Start only these engines of the scenario in every cell (a "
+                                            "start_after on a left-out engine is dropped): faster cells when the "
+                                            "others do not take part in the hang."),
     stall_window: float | None = typer.Option(None, "--stall-window", min=0.2, max=3600,
                                               help=f"Each cell's stall window in seconds (default "
                                                    f"{D.SWEEP_STALL_WINDOW_S:g}, or the scenario's if shorter)."),
@@ -66,6 +70,8 @@ def sweep_cmd(
         window = stored.get("stall_window_s")
         stall_window = float(window) if isinstance(window, (int, float)) else None
         name = str(stored.get("scenario") or "")
+        kept = stored.get("engines")
+        engines = ",".join(str(e) for e in kept) if isinstance(kept, list) else None
         scenario = None if name.startswith("<builtin>") else Path(name)
     elif not vary and bisect is None:
         raise UsageError("nothing to vary", hint="give --vary FIELD=VALUES, e.g. "
@@ -75,7 +81,9 @@ def sweep_cmd(
         stall_window = min(D.SWEEP_STALL_WINDOW_S, scen.windows.stall_s)
     out_dir = out if out is not None else default_out_dir("sweep")
     cfg = SweepConfig(scenario=scen, scenario_name=name, scenario_text=text, out_dir=out_dir, vary=list(vary),
-                      bisect=bisect, repeat=repeat, jobs=jobs or default_jobs(), stall_window_s=stall_window)
+                      bisect=bisect, repeat=repeat,
+                      engines=[e.strip() for e in engines.split(",") if e.strip()] if engines else None,
+                      jobs=jobs or default_jobs(), stall_window_s=stall_window)
     report = run_sweep(cfg, stderr_progress)
     print_result(report, out_dir)
     return report.exit_code
