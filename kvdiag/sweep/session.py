@@ -148,5 +148,24 @@ def write_reports(out_dir: Path, report: SweepReport) -> dict[str, Path]:
     return paths
 
 
+def is_sweep_folder(path: Path) -> bool:
+    return path.is_dir() and (path / PLAN_FILE).is_file() and (path / "report.json").is_file()
+
+
+def rerender_sweep(folder: Path, html: Path | None, out: Path | None) -> dict[str, Path]:
+    """`kvdiag report SWEEP_FOLDER`: the HTML again from the stored report.json (nothing re-judged)."""
+    try:
+        report = SweepReport.model_validate_json((folder / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{folder}: unreadable sweep report.json: {exc}") from None
+    target = html if html is not None else (out or folder) / "report.html"
+    try:
+        atomic_write_text(target, render_sweep_html(report))
+    except OSError as exc:
+        raise UsageError(f"cannot write the report: {exc.strerror or exc}",
+                         hint="pass --out DIR or --html FILE pointing at a writable place") from None
+    return {"report.html": target}
+
+
 def summary_text(report: SweepReport) -> str:
     return render_sweep_text(report)

@@ -100,6 +100,10 @@ def test_a_small_sweep_recovers_the_seed_rule_and_the_fix(tmp_path: Path) -> Non
     assert not re.search(r"""(src|href)=["']https?:""", html)   # self-contained
     assert "hangs ⇔" in proc.stdout and "report.html" in proc.stdout   # the verdict on stdout
     assert "left" in proc.stderr and "hung so far" in proc.stderr       # progress on stderr
+    (out / "report.html").unlink()
+    again = subprocess.run([sys.executable, "-m", "kvdiag", "report", str(out)], capture_output=True, text=True,
+                           timeout=60, cwd=ROOT)
+    assert again.returncode == 0 and (out / "report.html").read_text() == html   # rendered from report.json
     _assert_nothing_left(out, tmp_path, marker)
 
 
