@@ -54,3 +54,21 @@ def test_html_is_escaped_self_contained_and_draws_every_cell() -> None:
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
     assert page.count('class="c') >= 4 and "pages per layer ≤ min_reserved_pages" in page
     assert 'href="cells/c11/run-0/report.html"' in page
+
+
+def test_ab_repeat_reports_each_side_as_a_rate_with_its_bound() -> None:
+    def side(alloc: str, outcome: str, n: int) -> SweepCell:
+        runs = [SweepRun(index=i, outcome=outcome, exit_code=10 if outcome == "hang" else 0,  # type: ignore[arg-type]
+                         verdict="gil_cycle" if outcome == "hang" else "healthy") for i in range(n)]
+        return SweepCell(key=alloc, params={"allocator": alloc}, runs=runs, repeat=n)
+
+    axes = [SweepAxis(field="allocator", values=["stock", "fixed"], label="allocator")]
+    report = conclude(SweepReport(command="ab", axes=axes, repeat=10, finished=True,
+                                  cells=[side("stock", "hang", 10), side("fixed", "healthy", 10)]))
+    assert report.ab is not None and report.ab.separated and report.ab.intervals_disjoint
+    assert report.ab.fixed.text == "fixed 0/10 hung, 95 % bound ≤ 31 %"
+    assert report.ab.stock.text == "stock 10/10 hung, 95 % bound ≥ 69 %"
+    assert report.exit_code == 0 and report.summary.startswith("stock 10/10 hung")
+    flaky = conclude(SweepReport(command="ab", axes=axes, repeat=10, finished=True,
+                                 cells=[side("stock", "hang", 10), side("fixed", "hang", 10)]))
+    assert flaky.ab is not None and not flaky.ab.separated and flaky.exit_code == 1
