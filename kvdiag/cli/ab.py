@@ -6,8 +6,10 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console
-from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab
+from kvdiag.cli.common import console, result_console
+from kvdiag.cli.sweep import run_ab_repeat
+from kvdiag.launch.preflight import check_launchable
+from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab, switchable
 from kvdiag.scenario import load_scenario
 
 
@@ -30,9 +32,9 @@ def ab_cmd(
     1 the A/B did not separate, 2 bad usage, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
+    check_launchable(scen, name, text)   # before any folder or engine exists
+    switchable(scen, "kvdiag ab")
     if repeat > 1:
-        from kvdiag.cli.sweep import run_ab_repeat
-
         return run_ab_repeat(scen, name, text, out, repeat, jobs)
     out_dir = prepare_out_dir(out, "ab")
     con = console()
@@ -41,9 +43,13 @@ def ab_cmd(
         con.print(f"{side}: {arts.verdict.kind.value} — {arts.verdict.summary}")
 
     arts = run_ab(scen, name, text, out_dir, con, on_side=said)
-    con.print(arts.verdict.summary)
-    con.print(f"  report: {out_dir / 'report.html'}")
-    con.print(f"exit code {arts.exit_code}")
+    result = result_console()
+    ab = arts.bundle.diagnosis.ab if arts.bundle.diagnosis is not None else None
+    if ab is not None:
+        result.print(f"outcome: {ab.headline()}")
+    result.print(arts.verdict.summary)
+    result.print(f"  report: {out_dir / 'report.html'}")
+    result.print(f"exit code {arts.exit_code}")
     return arts.exit_code
 
 

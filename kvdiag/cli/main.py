@@ -16,7 +16,7 @@ from kvdiag.errors import ExitCode, KvdiagError, Terminated
 
 # Each module defines ``register(app)`` adding its command(s).
 _COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact",
-                    "sweep")
+                    "watch", "sweep", "merge")
 
 app = typer.Typer(
     name="kvdiag",

@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -46,6 +46,19 @@ from kvdiag.model.evidence import (
     TargetAccess,
     ThreadEvidence,
     ToolRun,
+)
+from kvdiag.model.fleet import (
+    FleetRecord,
+    NodeOutcome,
+    NodeRecord,
+    RayActorRecord,
+    RayTaskRecord,
+)
+from kvdiag.model.gpu import (
+    GpuDeviceReading,
+    GpuProcessUse,
+    GpuReadings,
+    GpuSnapshot,
 )
 from kvdiag.model.kinds import (
     KIND_SPECS,
@@ -99,8 +112,25 @@ from kvdiag.model.verdict import (
     KnownDefect,
     Verdict,
 )
+from kvdiag.model.waits import (
+    EdgeEvidence,
+    EdgeKind,
+    FrameRef,
+    NodeRef,
+    PeerProcess,
+    SharedMapping,
+    WaitChain,
+    WaitEdge,
+    WaitGraphRecord,
+    WaitNode,
+)
 
 __all__ = [
+    "FleetRecord",
+    "NodeOutcome",
+    "NodeRecord",
+    "RayActorRecord",
+    "RayTaskRecord",
     "ABComparison",
     "ABEngine",
     "ABRates",
@@ -117,6 +147,8 @@ __all__ = [
     "Distribution",
     "DoctorCheck",
     "DoctorReport",
+    "EdgeEvidence",
+    "EdgeKind",
     "EnginePhase",
     "EnginePids",
     "EngineRecord",
@@ -125,8 +157,13 @@ __all__ = [
     "FdInfo",
     "Finding",
     "Frame",
+    "FrameRef",
     "GilState",
+    "GpuDeviceReading",
     "GpuInfo",
+    "GpuProcessUse",
+    "GpuReadings",
+    "GpuSnapshot",
     "InterpreterPackages",
     "Interval",
     "IpcSocket",
@@ -137,6 +174,8 @@ __all__ = [
     "KvcachedRuntime",
     "MetricsSnapshot",
     "NO_EVIDENCE_KINDS",
+    "NodeRef",
+    "PeerProcess",
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
@@ -150,6 +189,7 @@ __all__ = [
     "SCHEMA_VERSION",
     "Scalar",
     "SWEEP_SCHEMA_VERSION",
+    "SharedMapping",
     "ShmSegment",
     "SoakStats",
     "SweepAxis",
@@ -165,4 +205,8 @@ __all__ = [
     "ToolRun",
     "Verdict",
     "VerdictKind",
+    "WaitChain",
+    "WaitEdge",
+    "WaitGraphRecord",
+    "WaitNode",
 ]
