@@ -6,7 +6,7 @@ allocator, prealloc on. Every cell must come out as the seed's rule says (hang e
 layer <= min_reserved_pages) and the sweep must state that rule. The sweep runs with its own TMPDIR; after
 it, no process of it, no file in that TMPDIR and no new kvdiag file in /dev/shm may be left.
 
-    python benchmarks/sweep.py [--pages 4] [--reserved 4] [--jobs 0] [--full]
+    python benchmarks/sweep.py [--pages 4] [--reserved 4] [--jobs 0] [--engines vlm] [--full]
 
 ``--full``: the 100-cell grid (10 x 10). Without it: a 4 x 4 grid, with the projected 100-cell time.
 Run under `flock /tmp/kvdiag-bench.lock`.
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -35,8 +36,10 @@ def kvdiag(args: list[str], env: dict[str, str], timeout: float) -> tuple[int, f
     return proc.returncode, time.monotonic() - start, proc.stdout + proc.stderr
 
 
-def leftovers(tmp: Path, shm_before: set[str]) -> list[str]:
-    out: list[str] = []
+def leftovers(tmp: Path, out: Path) -> list[str]:
+    """Processes started under the sweep's TMPDIR, files left in it, and the modelled-device files in
+    /dev/shm of the devices its runs used (named in the engines' logs)."""
+    found: list[str] = []
     for pid_dir in Path("/proc").iterdir():
         if not pid_dir.name.isdigit():
             continue
@@ -44,12 +47,15 @@ def leftovers(tmp: Path, shm_before: set[str]) -> list[str]:
             environ = (pid_dir / "environ").read_bytes()
         except OSError:
             continue
-        if str(tmp).encode() in environ:
-            out.append(f"process {pid_dir.name}")
-    out += [f"tmp {p}" for p in tmp.iterdir()] if tmp.exists() else []
-    shm = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(("kvdiag", "psm_"))}
-    out += [f"/dev/shm/{n}" for n in sorted(shm - shm_before)]
-    return out
+        if f"TMPDIR={tmp}".encode() in environ.split(b"\0"):
+            found.append(f"process {pid_dir.name}")
+    found += [f"tmp {p}" for p in tmp.iterdir() if p.name != "out"] if tmp.exists() else []
+    devices = {m for log in out.glob("cells/*/run-*/bundle/logs/*.log")
+               for m in re.findall(r"device=(\S+?),", log.read_text(errors="replace"))}
+    for name in sorted(devices):
+        found += [str(p) for p in (Path(f"/dev/shm/kvdiag-dev-{name}.acct"), Path(f"/dev/shm/kvdiag-vmm-{name}.lock"))
+                  if p.exists()]
+    return found
 
 
 def main() -> int:
@@ -58,14 +64,15 @@ def main() -> int:
     ap.add_argument("--reserved", type=int, default=4, help="min_reserved_pages 1..N")
     ap.add_argument("--jobs", type=int, default=0)
     ap.add_argument("--full", action="store_true", help="the 100-cell grid (10 x 10)")
+    ap.add_argument("--engines", default=None, help="pass --engines NAMES to the sweep (e.g. vlm)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the sweep's output folder here")
     args = ap.parse_args()
     if args.full:
         args.pages, args.reserved = 10, 10
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-sweep-"))
+    keep = True
     env = {**os.environ, "TMPDIR": str(tmp), "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = args.keep or (tmp.parent / f"{tmp.name}-out")
-    shm_before = {p.name for p in Path("/dev/shm").iterdir() if p.name.startswith(("kvdiag", "psm_"))}
     load0 = os.getloadavg()[0]
     try:
         # Baseline: the by-hand way, one repro per setting with the scenario's own window (a hang and a healthy one).
@@ -93,6 +100,8 @@ def main() -> int:
                       "--vary", f"engines.vlm.sim.min_reserved_pages=1..{args.reserved}", "--out", str(out)]
         if args.jobs:
             sweep_args += ["--jobs", str(args.jobs)]
+        if args.engines:
+            sweep_args += ["--engines", args.engines]
         rc, wall, text = kvdiag(sweep_args, env, 3600)
         report = json.loads((out / "report.json").read_text())
         wrong = []
@@ -104,10 +113,13 @@ def main() -> int:
         rule = report["rule"]["text"]
         rule_ok = "pages per layer ≤ min_reserved_pages" in rule and report["rule"]["fits"]
         time.sleep(1.0)
-        left = leftovers(tmp, shm_before)
+        left = leftovers(tmp, out)
+        keep = args.keep is not None or bool(wrong) or not rule_ok or rc != 10
     finally:
-        if args.keep is None:
+        if not keep:
             shutil.rmtree(out, ignore_errors=True)
+        else:
+            print(f"output kept in {out}")
         shutil.rmtree(tmp, ignore_errors=True)
     per_min = cells / wall * 60
     projected = 100 / per_min * 60
@@ -115,6 +127,7 @@ def main() -> int:
     hang_wall = sorted(r["wall_s"] for r in runs if r["outcome"] == "hang")
     ok_wall = sorted(r["wall_s"] for r in runs if r["outcome"] == "healthy")
     print(f"grid: {args.pages} pages x {args.reserved} min_reserved = {cells} cells ({hang_cells} hang), "
+          f"engines {args.engines or 'all'}, "
           f"jobs {report['jobs']}, stall window {report['stall_window_s']} s, "
           f"load {load0:.1f} -> {os.getloadavg()[0]:.1f}")
     print(f"{'':24}{'wall s':>10}{'cells/min':>12}{'100 cells':>12}")
@@ -122,7 +135,7 @@ def main() -> int:
     print(f"{'kvdiag sweep':24}{wall:>10.1f}{per_min:>12.1f}{projected:>11.0f}s")
     print(f"baseline runs: hang {base['hang']:.1f} s, healthy {base['healthy']:.1f} s; sweep runs: hang median "
           f"{hang_wall[len(hang_wall) // 2] if hang_wall else 0:.1f} s, healthy median "
-          f"{ok_wall[len(ok_wall) // 2] if ok_wall else 0:.1f} s")
+          f"{ok_wall[len(ok_wall) // 2] if ok_wall else 0:.1f} s (one run's wall, {report['jobs']} at a time)")
     print(f"rule: {rule} ({'recovered' if rule_ok else 'NOT recovered'}); wrong cells: {len(wrong)} {wrong[:5]}")
     print(f"banner check: {report['banner_check']['text']}")
     print(f"sweep exit code {rc}; leftovers: {left or 'none'}")
