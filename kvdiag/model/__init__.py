@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report, waits.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -47,6 +47,19 @@ from kvdiag.model.evidence import (
     ThreadEvidence,
     ToolRun,
 )
+from kvdiag.model.fleet import (
+    FleetRecord,
+    NodeOutcome,
+    NodeRecord,
+    RayActorRecord,
+    RayTaskRecord,
+)
+from kvdiag.model.gpu import (
+    GpuDeviceReading,
+    GpuProcessUse,
+    GpuReadings,
+    GpuSnapshot,
+)
 from kvdiag.model.kinds import (
     KIND_SPECS,
     NO_EVIDENCE_KINDS,
@@ -75,6 +88,21 @@ from kvdiag.model.run import (
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.model.sweep import (
+    SWEEP_SCHEMA_VERSION,
+    ABRates,
+    BannerCheck,
+    BannerDisagreement,
+    Distribution,
+    Interval,
+    RateLine,
+    Scalar,
+    SweepAxis,
+    SweepCell,
+    SweepReport,
+    SweepRule,
+    SweepRun,
+)
 from kvdiag.model.verdict import (
     ABComparison,
     ABEngine,
@@ -98,9 +126,17 @@ from kvdiag.model.waits import (
 )
 
 __all__ = [
+    "FleetRecord",
+    "NodeOutcome",
+    "NodeRecord",
+    "RayActorRecord",
+    "RayTaskRecord",
     "ABComparison",
     "ABEngine",
+    "ABRates",
     "ABSide",
+    "BannerCheck",
+    "BannerDisagreement",
     "BannerInfo",
     "BannerRisk",
     "Bundle",
@@ -108,6 +144,7 @@ __all__ = [
     "DefectCheck",
     "DefectStatus",
     "Diagnosis",
+    "Distribution",
     "DoctorCheck",
     "DoctorReport",
     "EdgeEvidence",
@@ -122,8 +159,13 @@ __all__ = [
     "Frame",
     "FrameRef",
     "GilState",
+    "GpuDeviceReading",
     "GpuInfo",
+    "GpuProcessUse",
+    "GpuReadings",
+    "GpuSnapshot",
     "InterpreterPackages",
+    "Interval",
     "IpcSocket",
     "KIND_SPECS",
     "KindSpec",
@@ -138,15 +180,23 @@ __all__ = [
     "ProcessRole",
     "ProgressSample",
     "PtraceAccess",
+    "RateLine",
     "RedactionSummary",
     "Report",
     "ReportBanner",
     "ReportEngine",
     "RiskStatus",
     "SCHEMA_VERSION",
+    "Scalar",
+    "SWEEP_SCHEMA_VERSION",
     "SharedMapping",
     "ShmSegment",
     "SoakStats",
+    "SweepAxis",
+    "SweepCell",
+    "SweepReport",
+    "SweepRule",
+    "SweepRun",
     "TARGET_STATE_KINDS",
     "TargetAccess",
     "ThreadEvidence",

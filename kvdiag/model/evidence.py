@@ -6,6 +6,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvdiag.model.gpu import GpuReadings
 from kvdiag.model.kinds import GilState, ProcessRole, ThreadState, _Model
 from kvdiag.model.waits import PeerProcess, SharedMapping
 
@@ -35,6 +36,14 @@ class ToolRun(_Model):
     command: list[str] = Field(default_factory=list)
     redactions: dict[str, int] = Field(default_factory=dict)   # secrets removed from what it read, per kind
     started_s: float | None = None   # when it started, seconds after the capture began (None: not recorded)
+    # Not run on purpose (``error`` says why: gdb where pystack already read the native frames, a zombie,
+    # a kernel thread, a process without Python): neither a result nor a failure. Older bundles: False.
+    skipped: bool = False
+
+    @property
+    def state(self) -> str:
+        """``ok``, ``skipped`` or ``failed``: what every tool table shows."""
+        return "ok" if self.ok else "skipped" if self.skipped else "failed"
 
 
 class RedactionSummary(_Model):
@@ -169,3 +178,5 @@ class ProcessEvidence(_Model):
     followed_from: str | None = None
     # Processes outside the tree a captured thread waits on: captured too, or named with why not.
     peers_outside: list[PeerProcess] = Field(default_factory=list)
+    # The GPUs of the host it ran on, sampled over the capture window (None: not sampled, e.g. no GPU).
+    gpu: GpuReadings | None = None

@@ -41,6 +41,7 @@ class EvidenceItem(_Model):
     role: str                        # "alloc_page caller (holds GIL)", "prealloc worker (waits for GIL)"
     frames: list[str] = Field(default_factory=list)
     engine: str | None = None
+    node: str | None = None          # the host ``pid`` lives on, in a bundle merged from several hosts
     # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
     # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
     # report written before the field existed (nothing is highlighted).
@@ -95,6 +96,19 @@ class ABComparison(_Model):
     stock: ABSide
     fixed: ABSide
     separated: bool                  # stock reproduced a hang and fixed is healthy
+
+    @property
+    def outcome(self) -> str:
+        """An A/B's one outcome, as report.json's ``outcome`` names it."""
+        return "ab_separated" if self.separated else "ab_not_separated"
+
+    @property
+    def title(self) -> str:
+        return "A/B separated" if self.separated else "A/B did not separate"
+
+    def headline(self) -> str:
+        """``A/B separated (stock: gil_cycle, fixed: healthy)``: what heads every rendering of an A/B."""
+        return f"{self.title} (stock: {self.stock.verdict.value}, fixed: {self.fixed.verdict.value})"
 
 
 class Diagnosis(_Model):

@@ -156,6 +156,9 @@ class Diagram:
     edges: list[DiagramEdge] = field(default_factory=list)
 
 
+_NODE_LINES = 7   # a box of the cycle diagram holds this many lines of 30 characters
+
+
 def _wrap(label: str, width: int = 30, max_lines: int = 3) -> list[str]:
     words = label.split()
     lines: list[str] = []
@@ -200,8 +203,8 @@ def _boundary(cx: float, cy: float, hw: float, hh: float, dx: float, dy: float) 
 def cycle_diagram(labels: list[str]) -> Diagram | None:
     """Lay out the wait-for cycle: nodes on a circle, edge A→B meaning "A waits for B".
 
-    An edge leaving a GIL node reads "held by" (the GIL waits for its holder to
-    release it). Returns None when there is nothing (or too much) to draw.
+    An edge leaving a GIL node reads "held by" (whoever wants the GIL waits for its holder); the
+    page's legend says both. Returns None when there is nothing (or too much) to draw.
     """
     nodes_labels = [lab for lab in labels if lab]
     if len(nodes_labels) > 1 and nodes_labels[0] == nodes_labels[-1]:
@@ -209,12 +212,16 @@ def cycle_diagram(labels: list[str]) -> Diagram | None:
     n = len(nodes_labels)
     if n == 0 or n > MAX_CYCLE_NODES:
         return None
-    nw, nh = 230.0, 58.0
+    nw = 230.0
+    # Every word of a label stays in its box (the function a thread waits in is its last words): the
+    # box grows a line at a time instead of cutting the label.
+    wrapped = [_wrap(label, max_lines=_NODE_LINES) for label in nodes_labels]
+    nh = max(58.0, 18.0 + 14.0 * max(len(lines) for lines in wrapped))
     if n <= 2:
-        width, height = 760, 250
-        centers = [(150.0, 125.0), (610.0, 125.0)][:n]
+        width, height = 760, int(192 + nh)
+        centers = [(150.0, height / 2), (610.0, height / 2)][:n]
     else:
-        radius = 95.0 + 16.0 * n
+        radius = 95.0 + 16.0 * n + (nh - 58.0) / 2
         ring = [(radius * math.sin(2 * math.pi * i / n), -radius * math.cos(2 * math.pi * i / n))
                 for i in range(n)]
         # Crop to the nodes (plus room for bent edges): a triangle leaves the bottom of its circle empty.
@@ -225,10 +232,10 @@ def cycle_diagram(labels: list[str]) -> Diagram | None:
         height = int(max(y for _, y in ring) + nh / 2 + pad - min_y)
         centers = [(x - min_x, y - min_y) for x, y in ring]
     diagram = Diagram(width=width, height=height)
-    for (x, y), label in zip(centers, nodes_labels, strict=True):
+    for (x, y), label, lines in zip(centers, nodes_labels, wrapped, strict=True):
         gil = _is_gil(label)
         w = 120.0 if gil else nw
-        diagram.nodes.append(DiagramNode(x=x - w / 2, y=y - nh / 2, w=w, h=nh, lines=_wrap(label),
+        diagram.nodes.append(DiagramNode(x=x - w / 2, y=y - nh / 2, w=w, h=nh, lines=lines,
                                          title=label, kind="gil" if gil else "thread"))
     if n == 1:
         x, y = centers[0]
@@ -386,7 +393,7 @@ def processes_view(bundle: Bundle | None, report: Report) -> list[dict[str, Any]
             "comm": proc.comm, "cmdline": clean_text(shlex.join(proc.cmdline)) if proc.cmdline else "",
             "state": proc.state.value, "wchan": proc.wchan, "cpu_percent": proc.cpu_percent,
             "alive": proc.alive, "python_version": proc.python_version, "exe": proc.exe,
-            "tools": [t.model_dump(mode="json") for t in proc.tools],
+            "tools": [{**t.model_dump(mode="json"), "state": t.state} for t in proc.tools],
             "threads": threads,
             "cited": any(t["cited"] for t in threads),
             "_order": _ROLE_ORDER.get(proc.role, 9),
@@ -536,7 +543,7 @@ def ab_view(report: Report) -> dict[str, Any] | None:
             "engines": engines,
         })
     return {"separated": ab.separated, "sides": sides, "base": base,
-            "title": "A/B separated" if ab.separated else "A/B did not separate"}
+            "title": ab.title}
 
 
 # ---------------------------------------------------------------- page
