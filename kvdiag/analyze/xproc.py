@@ -159,7 +159,7 @@ class CrossProcess:
             return []
         out: list[Dep | None] = []
         names = {f.name for f in view.frames[:16]}
-        zmq = bool(names & set(_ZMQ_SEND + _ZMQ_RECV)) or "zmq_poll" in names
+        zmq = bool(names & set(_ZMQ_SEND + _ZMQ_RECV)) or "zmq_poll" in names or self._zmq_by_proc(p, view)
         if zmq:
             out.append(self._zmq(p, view, names))
         elif view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) and not view.running:
@@ -203,11 +203,19 @@ class CrossProcess:
         parts = [self.procs.get((p.node, q)) for q in peers]
         return all(x is not None and x.engine == p.engine and x.role.value != "other" for x in parts)
 
+    def _from_parent(self, p: ProcessEvidence, peers: list[int]) -> bool:
+        """The channel is the parent's: it writes, and every other writer is one of its children (a pool's
+        workers inherit the write end of the task queue with it): a worker waiting for its next order."""
+        if p.ppid is None or p.ppid not in peers:
+            return False
+        return all(q in (p.ppid, p.pid) or (x := self.procs.get((p.node, q))) is not None and x.ppid == p.ppid
+                   for q in peers)
+
     def _read_purpose(self, p: ProcessEvidence, view: ThreadView, f: FdInfo) -> str:
         peers = f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids
         if self._own_engine(p, [q for q in peers if q != p.pid]):
             return "depends"
-        if view.read_role == "request" or f.accepted or (p.ppid is not None and peers == [p.ppid]):
+        if view.read_role == "request" or f.accepted or self._from_parent(p, peers):
             return "work"
         # A background thread's read while another thread of the process still acts is a receive loop (a
         # pool's result handler, an engine's output reader), as the process-level rules judge it.
@@ -223,6 +231,15 @@ class CrossProcess:
             return "work"
         return "reply"
 
+    @staticmethod
+    def _zmq_by_proc(p: ProcessEvidence, view: ThreadView) -> bool:
+        """Without frames, /proc alone shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
+        socket's signaler) in a process whose ZMQ I/O thread holds the connections."""
+        fds = view.blocked_fds
+        return not view.has_frames and view.wait_forever and bool(fds) and all(
+            f.kind == "anon" and "eventfd" in f.target for f in fds) and any(
+            (t.name or "").startswith(_ZMQ_IO_THREAD) for t in p.threads)
+
     def _zmq(self, p: ProcessEvidence, view: ThreadView, names: set[str]) -> Dep | None:
         conns = [f for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
                  if f.kind == "socket" and not f.listening and (f.peer_pids or f.listener_pids)]
@@ -231,8 +248,8 @@ class CrossProcess:
             purpose = "depends"
         elif names & set(_ZMQ_SEND):
             purpose = "blocked"
-        elif names & set(_ZMQ_RECV) and conns and not any(f.accepted for f in conns):
-            purpose = "reply"        # it connected (a client) and waits for what it asked
+        elif (names & set(_ZMQ_RECV) or not view.has_frames) and conns and not any(f.accepted for f in conns):
+            purpose = "reply"        # it connected (a client) and waits for what it asked (or, frameless, to send)
         else:
             purpose = "work"         # it bound: a server waiting for its next request, or a poll loop
         sig = next((f for f in view.blocked_fds if f.kind == "anon"), None)

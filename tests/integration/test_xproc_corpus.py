@@ -24,25 +24,6 @@ from kvcli import run_kvdiag  # noqa: E402
 pytestmark = pytest.mark.timeout(180)
 
 XPROC = [k for k, spec in hk.KINDS.items() if spec.xproc]
-# What each chain must show: its edge kinds in order, and how it ends.
-CHAINS: dict[str, tuple[list[str], str]] = {
-    "xproc_zmq_req_rep": (["zmq"], "lost"),
-    "xproc_zmq_outside": (["zmq"], "lost"),
-    "xproc_zmq_dealer_router": (["zmq"], "lost"),
-    "xproc_zmq_push_pull": (["zmq"], "blocked"),
-    "xproc_barrier": (["child_wait", "shared_futex", "pipe_read"], "lost"),
-    "xproc_popen_pipe": (["child_wait", "pipe_write_full"], "cycle"),
-    "xproc_pipe_writer": (["pipe_write_full"], "hung"),
-    "xproc_shm_ring": (["shm_ring"], "hung"),
-    "xproc_chain3": (["socket_read", "socket_read"], "hung"),
-    "xproc_socket_cycle": (["socket_read", "socket_read"], "cycle"),
-}
-# The frame the root is parked in, as the program was written.
-ROOT_FRAME = {"xproc_zmq_req_rep": "zmq_poll", "xproc_zmq_dealer_router": "zmq_msg_recv",
-              "xproc_zmq_push_pull": "Event.wait", "xproc_barrier": "loader", "xproc_pipe_writer": "Event.wait",
-              "xproc_shm_ring": "Event.wait", "xproc_chain3": "c_handle", "xproc_zmq_outside": "zmq_poll"}
-
-
 def capture(kind: str, tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
     why = hk.available(kind)
     if why is not None:
@@ -65,7 +46,7 @@ def test_cross_process_program_is_named_at_the_root_of_its_chain(kind: str, tmp_
         assert waits is None, verdict["summary"]
         return
     assert waits is not None and waits["edges"], verdict["summary"]
-    kinds, end = CHAINS[kind]
+    kinds, end = list(spec.chain), spec.ends
     assert [e["kind"] for e in waits["edges"]][-len(kinds):] == kinds, waits["edges"]
     for a, b in zip(waits["edges"], waits["edges"][1:], strict=False):
         assert a["dst"]["pid"] == b["src"]["pid"]                  # one chain, process to process
@@ -80,7 +61,7 @@ def test_cross_process_program_is_named_at_the_root_of_its_chain(kind: str, tmp_
         assert "message was lost" in verdict["summary"]
     frames = waits["root_frames"]
     assert frames and waits["root_key_frames"], waits
-    assert any(ROOT_FRAME[kind] in f for f in frames), frames
+    assert any(spec.root_frame in f for f in frames), frames
 
 
 def test_a_peer_outside_the_tree_is_followed_or_named(tmp_path: Path) -> None:
