@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
-from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item
+from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
 from kvdiag.analyze.rules import analyze_process, peer_phrase
 from kvdiag.model import (
     Bundle,
@@ -427,37 +427,45 @@ def judge_across(bundle: Bundle) -> tuple[Verdict | None, WaitGraphRecord]:
 def _step(g: CrossProcess, d: Dep) -> str:
     src = g.label(pkey(d.edge.src), d.edge.src.tid)
     dst = g.label(pkey(d.edge.dst))
-    text = f"{src} {_WORDS.get(d.edge.kind, 'waits for')} {dst}"
+    view = next((t for t in g.views.get(pkey(d.edge.src), []) if t.tid == d.edge.src.tid), None)
+    text = f"{src}{where(view) if view is not None else ''} {_WORDS.get(d.edge.kind, 'waits for')} {dst}"
     if d.edge.kind is EdgeKind.ZMQ and d.purpose in ("reply", "blocked"):
         text += " (a reply)" if d.purpose == "reply" else " (send blocked, queue full)"
     return text
 
 
-def _root_text(g: CrossProcess, chain: Chain, how: str) -> str:
+def _place(item: EvidenceItem | None) -> str:
+    """`` in zmq_poll ← poll ← server``: the frames the root's citation rests on (its key frames)."""
+    if item is None or not item.key_frames:
+        return ""
+    names = [v.short_name(item.frames[k].split(" (")[0], components=2).removesuffix("()") for k in item.key_frames
+             if k < len(item.frames)]
+    return f" in {' ← '.join(dict.fromkeys(names))}" if names else ""
+
+
+def _root_text(g: CrossProcess, chain: Chain, how: str, item: EvidenceItem | None) -> str:
     root = chain.root
     if chain.cycle:
         return "and so back to the start: each waits on the next, nobody moves"
     assert root is not None
-    where = g.label(root.key, root.view.tid if root.view else None)
+    who = g.label(root.key, root.view.tid if root.view else None)
+    at = f" ({_place(item).strip()})" if _place(item) else ""
     if how == "lost message":
-        return (f"{where} is parked waiting for work: the message was lost between processes (every process "
+        return (f"{who} is parked waiting for work{at}: the message was lost between processes (every process "
                 f"waits for work while one waits for a reply nobody produces)")
     if how == "peer not captured":
         why = next((p.why_not for ev in g.bundle.processes for p in ev.peers_outside
                     if (p.node, p.pid) == root.key and p.why_not), None)
         why = why or "outside the captured tree; capture it with --pid, or let capture follow edges"
-        return f"{where} was not captured ({why}): the wait has no timeout and nothing of the waiting process runs"
+        return f"{who} was not captured ({why}): the wait has no timeout and nothing of the waiting process runs"
     if how in ("hung", "stopped") and root.verdict is not None:
-        return f"{where} is {root.verdict.kind.value}: {root.verdict.summary}"
+        return f"{who} is {root.verdict.kind.value}: {root.verdict.summary}"
     frame = root.view.wait_frame if root.view else None
-    return (f"{where} is blocked in {frame or 'a lock/condition wait'} with no timeout, and no thread of "
-            f"its process that could wake it runs")
+    return (f"{who} is blocked in {frame or 'a lock/condition wait'}{_place(item)} with no timeout, and no "
+            f"thread of its process that could wake it runs")
 
 
 def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verdict:
-    steps = "; ".join(_step(g, d) for d in chain.deps)
-    summary = f"{'request stuck across processes' if how != 'cross-process wait cycle' else how}: {steps}; "
-    summary += _root_text(g, chain, how)
     evidence: list[EvidenceItem] = []
     root = chain.root
     if root is not None and root.verdict is not None and how in ("hung", "stopped"):
@@ -465,6 +473,9 @@ def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verd
     elif root is not None and root.view is not None:
         evidence.append(cite_item(root.view, f"root ({how}): {root.view.kind.value}", g.procs[root.key].engine,
                                   BLOCKED_KEYS))
+    steps = "; ".join(_step(g, d) for d in chain.deps)
+    summary = f"{'request stuck across processes' if how != 'cross-process wait cycle' else how}: {steps}; "
+    summary += _root_text(g, chain, how, evidence[0] if evidence and root is not None else None)
     for d in chain.deps:
         view = next((t for t in g.views.get(pkey(d.edge.src), []) if t.tid == d.edge.src.tid), None)
         if view is not None and not any(e.pid == view.pid and e.tid == view.tid for e in evidence):
