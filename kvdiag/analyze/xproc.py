@@ -140,7 +140,7 @@ class CrossProcess:
             "address": fd.address if fd else None, "text": peer_phrase(fd) if fd else "",
             **{k: val for k, val in ev.items() if val is not None}})
         edge = WaitEdge(src=self.ref(pkey(p), view.tid), dst=self.ref(dsts[0]), kind=kind, evidence=evidence,
-                        inferred=inferred or len(dsts) > 1)
+                        inferred=inferred or len(dsts) > 1, purpose=purpose)
         return Dep(edge=edge, purpose=purpose, dsts=dsts)
 
     @staticmethod
@@ -364,8 +364,27 @@ class CrossProcess:
         return [self.chain_from(Dep(edge=d.edge.model_copy(), purpose=d.purpose, dsts=list(d.dsts)))
                 for ds in self.deps.values() for d in ds if d.purpose != "work"]
 
+    def _inside(self) -> list[WaitEdge]:
+        """Thread → thread edges inside each process, as the process-level rules read them: a mutex wait to
+        the owner read from the mutex, a GIL wait to the holder."""
+        out: list[WaitEdge] = []
+        for k, p in self.procs.items():
+            holder = next((t for t in self.views[k] if t.holds_gil), None)
+            for th, view in zip(p.threads, self.views[k], strict=True):
+                frames = [FrameRef(pid=p.pid, tid=th.tid, index=0, node=p.node)] if view.frames else []
+                if th.futex_owner_tid is not None and th.futex_owner_tid != th.tid:
+                    out.append(WaitEdge(src=self.ref(k, th.tid), dst=self.ref(k, th.futex_owner_tid),
+                                        kind=EdgeKind.MUTEX_OWNER, purpose="depends", evidence=EdgeEvidence(
+                                            frames=frames, address=f"{th.futex_addr:#x}" if th.futex_addr else None,
+                                            syscall=th.syscall, text="owner TID read from the mutex")))
+                if view.waits_gil and holder is not None and holder.tid != th.tid:
+                    out.append(WaitEdge(src=self.ref(k, th.tid), dst=self.ref(k, holder.tid),
+                                        kind=EdgeKind.GIL_HOLDER, purpose="depends", evidence=EdgeEvidence(
+                                            frames=frames, text="; ".join(view.gil_wait_signals))))
+        return out
+
     def record(self) -> WaitGraphRecord:
-        edges = [d.edge for ds in self.deps.values() for d in ds]
+        edges = [d.edge for ds in self.deps.values() for d in ds] + self._inside()
         refs = {e.src.key(): e.src for e in edges} | {e.dst.key(): e.dst for e in edges}
         return WaitGraphRecord(nodes=[WaitNode(ref=r, label=self.label(pkey(r), r.tid)) for r in refs.values()],
                                edges=edges)
