@@ -61,6 +61,21 @@ _WORDS = {
 }
 
 
+def _native(view: ThreadView) -> bool:
+    return any(f.kind == "native" for f in view.frames)
+
+
+def _zmq_python_calls(view: ThreadView) -> set[str]:
+    """pyzmq's own Python frames (zmq/sugar): a send or a receive, worded as libzmq's calls."""
+    out: set[str] = set()
+    for f in view.frames[:8]:
+        if f.kind == "python" and "/zmq/" in (f.file or ""):
+            name = f.name.rsplit(".", 1)[-1]
+            out |= {"zmq_msg_send"} if name.startswith("send") else {"zmq_msg_recv"} if name.startswith(
+                "recv") else {"zmq_poll"} if name == "poll" else set()
+    return out
+
+
 # A process is (node, pid): pids are unique only within a host, and a merged bundle holds several.
 PKey = tuple[str | None, int]
 
@@ -158,7 +173,7 @@ class CrossProcess:
         if view.timed or view.woke:
             return []
         out: list[Dep | None] = []
-        names = {f.name for f in view.frames[:16]}
+        names = {f.name for f in view.frames[:16]} | _zmq_python_calls(view)
         zmq = bool(names & set(_ZMQ_SEND + _ZMQ_RECV)) or "zmq_poll" in names or self._zmq_by_proc(p, view)
         if zmq:
             out.append(self._zmq(p, view, names))
@@ -233,10 +248,10 @@ class CrossProcess:
 
     @staticmethod
     def _zmq_by_proc(p: ProcessEvidence, view: ThreadView) -> bool:
-        """Without frames, /proc alone shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
+        """Without native frames, /proc shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
         socket's signaler) in a process whose ZMQ I/O thread holds the connections."""
         fds = view.blocked_fds
-        return not view.has_frames and view.wait_forever and bool(fds) and all(
+        return not _native(view) and view.wait_forever and bool(fds) and all(
             f.kind == "anon" and "eventfd" in f.target for f in fds) and any(
             (t.name or "").startswith(_ZMQ_IO_THREAD) for t in p.threads)
 
@@ -248,7 +263,7 @@ class CrossProcess:
             purpose = "depends"
         elif names & set(_ZMQ_SEND):
             purpose = "blocked"
-        elif (names & set(_ZMQ_RECV) or not view.has_frames) and conns and not any(f.accepted for f in conns):
+        elif (names & set(_ZMQ_RECV) or not _native(view)) and conns and not any(f.accepted for f in conns):
             purpose = "reply"        # it connected (a client) and waits for what it asked (or, frameless, to send)
         else:
             purpose = "work"         # it bound: a server waiting for its next request, or a poll loop
