@@ -9,6 +9,7 @@ named with why. Read-only and stop-free: /proc only, one host-wide fd scan.
 from __future__ import annotations
 
 import os
+import platform
 import time
 from collections.abc import Sequence
 
@@ -19,8 +20,10 @@ from kvdiag.osread.waitargs import blocked_call
 
 # Peers captured beyond the tree, at most: each costs a capture of its own.
 MAX_FOLLOWED = 4
-_READ_FD_NRS = {0, 17, 19, 45, 47, 295}          # read family (x86_64): the fd is the first argument
-_EPOLL_NRS = {232, 281}
+_MACHINE = platform.machine()
+# The read family (the fd is the first argument) and epoll waits, by architecture.
+_READ_FD_NRS = {"x86_64": {0, 17, 19, 45, 47, 295}, "aarch64": {63, 65, 67, 207, 212}}.get(_MACHINE, set())
+_EPOLL_NRS = {"x86_64": {232, 281}, "aarch64": {22}}.get(_MACHINE, set())
 _FOLLOW_S = 1.0
 
 
