@@ -36,8 +36,9 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
 import hanger_kit as hk  # noqa: E402
 
 from kvdiag.analyze import analyze  # noqa: E402
-from kvdiag.capture import capture_processes, find_engine_processes, process_tree  # noqa: E402
+from kvdiag.capture import capture_processes, find_engine_processes  # noqa: E402
 from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole  # noqa: E402
+from kvdiag.osread.ptable import process_tree  # noqa: E402
 
 TARGET_PARALLEL_S = 3.0
 TARGET_CRITICAL_S = 1.0

@@ -11,10 +11,11 @@ from pathlib import Path
 from kvdiag import __version__
 from kvdiag.bundle import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
-from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole
+from kvdiag.osread.ptable import process_tree
 
 
 def host_info() -> dict[str, str]:

@@ -48,7 +48,7 @@ from kvdiag.bundle import raw_dir as bundle_raw_dir
 from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
-from kvdiag.capture.procfs import ProcBackend, ProcWindow, list_tids, read_status
+from kvdiag.capture.procfs import ProcBackend, ProcWindow
 from kvdiag.capture.tools import (
     GdbBackend,
     PyspyBackend,
@@ -58,7 +58,9 @@ from kvdiag.capture.tools import (
     pystack_lock_locals,
 )
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
-from kvdiag.proc import read_stat
+from kvdiag.osread.stat import read_stat
+from kvdiag.osread.status import read_status
+from kvdiag.osread.tasks import list_tids
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
 DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
@@ -111,13 +113,12 @@ class _Before:
 
 def _observe(pid: int) -> _Before:
     st = read_status(pid)
-    if not st:
+    if st is None:
         return _Before(exists=False)
-    tracer = st.get("TracerPid", "0")
     tids = list_tids(pid)
     stopped = frozenset(tid for tid in tids
                         if (ts := read_stat(pid, tid)) is not None and _stopped(ts.state))
-    return _Before(True, st.get("State", "?")[:1], int(tracer) if tracer.isdigit() else 0, tids, stopped)
+    return _Before(True, st.state, st.tracer_pid or 0, tids, stopped)
 
 
 def _stopped(code: str) -> bool:

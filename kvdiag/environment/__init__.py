@@ -20,19 +20,13 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
 from kvdiag.environment.gpu import read_gpus
-from kvdiag.environment.host import (
-    cgroup_limits,
-    memory_total_mb,
-    os_name,
-    package_versions,
-    process_environ,
-    relevant_env,
-    usable_cpus,
-)
+from kvdiag.environment.host import os_name, package_versions, relevant_env
 from kvdiag.environment.kvcached import fingerprint_tree, installed_kvcached
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.environment.runtime import collect_runtime
 from kvdiag.model import EnvironmentRecord, GpuInfo, InterpreterPackages
+from kvdiag.osread.host import cgroup_limits, memory_total_mb, usable_cpus
+from kvdiag.osread.process import read_environ
 
 __all__ = ["add_engine_packages", "collect_environment", "engine_version", "fingerprint_tree", "installed_kvcached",
            "probe_ptrace"]
@@ -90,7 +84,7 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
     errors: list[str] = []
     source = "kvdiag" if environ is None else "given"
     if environ is None and target_pid is not None:
-        environ = process_environ(target_pid)
+        environ = read_environ(target_pid)
         if environ is None:
             errors.append(f"environment of pid {target_pid}: not readable; kvdiag's own is shown")
         else:

@@ -30,7 +30,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvdiag.environment.child import ChildTimeout, run_bounded
-from kvdiag.environment.host import PACKAGES, process_environ
+from kvdiag.environment.host import PACKAGES
+from kvdiag.osread.process import read_cmdline, read_cwd, read_environ, read_exe
 
 if TYPE_CHECKING:
     from kvdiag.model import InterpreterPackages
@@ -170,20 +171,16 @@ def resolve_command(cand: str, cwd: str, path_var: str) -> str | None:
     return None
 
 
-def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, list[str]]:
+def interpreter_of_pid(pid: int) -> tuple[str, list[str]]:
     """(interpreter path, PYTHONPATH entries) of a running process; OSError when /proc does not say."""
-    exe = os.readlink(proc_root / str(pid) / "exe")
+    exe = read_exe(pid)
+    if exe is None:
+        raise OSError(f"the executable of pid {pid} cannot be read")
     if exe.endswith(" (deleted)"):
         raise OSError(f"the executable of pid {pid} was deleted ({exe})")
-    env = process_environ(pid) or {}
-    try:
-        cwd = os.readlink(proc_root / str(pid) / "cwd")
-    except OSError:
-        cwd = "/"
-    try:
-        argv = [a.decode(errors="replace") for a in (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0")]
-    except OSError:
-        argv = []
+    env = read_environ(pid) or {}
+    cwd = read_cwd(pid) or "/"
+    argv = read_cmdline(pid) or []
     argv0 = argv[0] if argv else ""
     if not re.match(r"(python|pypy)", os.path.basename(exe)):
         raise OSError(f"pid {pid} runs {exe}, not a Python interpreter")

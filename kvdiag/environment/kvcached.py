@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvdiag.model import DefectCheck, DefectStatus, KvcachedBuild
-from kvdiag.proc import read_text as _read
+from kvdiag.osread.files import read_text as _read
 
 GIL_DEFECT = "gil_holding_alloc_page"
 IPC_DEFECT = "unbounded_ipc_read"

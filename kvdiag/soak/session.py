@@ -40,11 +40,13 @@ from kvdiag.model import (
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.osread.net import listening_pids
+from kvdiag.osread.ptable import process_tree
 from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
-from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
+from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.soak.progress import ProgressView
 from kvdiag.soak.saturation import Saturation, SaturationSampler, judge
 from kvdiag.soak.stats import SoakSummary
@@ -672,7 +674,6 @@ def _server_pids(s: _Subject) -> list[int]:
     """The server's processes whose CPU time the saturation judgement reads (API server and children)."""
     if s.root_pid is None:
         return []
-    from kvdiag.proc import process_tree
 
     return process_tree(s.root_pid) or [s.root_pid]
 
