@@ -11,14 +11,17 @@ from __future__ import annotations
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.diagnosis import diagnose, exit_code_for
+from kvdiag.analyze.fleet import across_nodes, by_node, is_merged
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.analyze.xproc import judge_across, merge_across
 from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
-    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "severity", "sign",
+    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "judge_across",
+    "merge_across", "severity", "sign",
 ]
 
 
@@ -33,7 +36,14 @@ def _groups(bundle: Bundle) -> list[tuple[str, list[ProcessEvidence]]]:
 
 
 def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
-    """Verdict per engine name (insertion order: the bundle's engine order)."""
+    """Verdict per engine name (insertion order: the bundle's engine order); in a bundle merged from
+    several hosts, per node and engine (``node/engine``), each node judged on its own processes."""
+    if is_merged(bundle):
+        return by_node(bundle, _by_engine)
+    return _by_engine(bundle)
+
+
+def _by_engine(bundle: Bundle) -> dict[str, Verdict]:
     engines = {e.name: e for e in bundle.engines}
     out: dict[str, Verdict] = {}
     for name, procs in _groups(bundle):
@@ -49,6 +59,12 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
 def analyze(bundle: Bundle) -> Verdict:
     """The overall verdict: the worst engine's, with the other engines named in the summary."""
     by = analyze_by_engine(bundle)
+    if is_merged(bundle):
+        return sign(across_nodes(_worst(by, bundle), bundle, by), bundle)
+    return _worst(by, bundle)
+
+
+def _worst(by: dict[str, Verdict], bundle: Bundle) -> Verdict:
     if not by:
         return Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.LOW,
                        summary="the bundle holds no engines and no captured processes: nothing to diagnose")
@@ -66,4 +82,6 @@ def analyze(bundle: Bundle) -> Verdict:
                 seen.add((f.kind, f.message))
                 extra.append(f)
     overall.findings += extra
+    # The processes judged as a whole: a wait that crosses a process boundary is named at its root.
+    overall = merge_across(overall, judge_across(bundle)[0])
     return sign(overall, bundle)

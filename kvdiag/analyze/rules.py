@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import evidence_outcome, found_state, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.evidence import (
     BLOCKED_KEYS,
     CONTEXT_KEYS,
@@ -24,6 +25,8 @@ from kvdiag.analyze.evidence import (
     cite_item,
     where,
 )
+from kvdiag.analyze.gpu import rule_gpu_idle_wait, rule_gpu_kernel_hang
+from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
@@ -70,9 +73,10 @@ def _where(proc: ProcessEvidence) -> str:
     """``pid N`` plus which process of which engine it is, when known: the report says which process of a
     vLLM tree holds the hang (the EngineCore, not the API server the user launched)."""
     role = _ROLE_TEXT.get(proc.role)
+    at = f" on node {proc.node}" if proc.node else ""
     if role is None:
-        return f"pid {proc.pid}"
-    return f"pid {proc.pid} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
+        return f"pid {proc.pid}{at}"
+    return f"pid {proc.pid}{at} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
 
 
 
@@ -442,7 +446,9 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
     if len(waiters) < 2 or (addrs and len(addrs) < 2):
         return None
-    if _possible_signallers(views, waiters, proc) or any(t.kind is WaitKind.GIL_WAIT for t in views):
+    # Only a thread that can run Python releases a Python lock (kvdiag.analyze.runtime: a runtime's native threads).
+    if any(may_release_python_lock(t, waiters) for t in _possible_signallers(views, waiters, proc)) or any(
+            t.kind is WaitKind.GIL_WAIT for t in views):
         return None
     ring = _lock_reference_cycle(waiters, views)
     if ring:
@@ -762,8 +768,9 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
                             f"a wait"))
 
 
-PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
+# A thread parked on a busy GPU goes first: the host waits around it are its consequences.
+PROCESS_RULES = (rule_gpu_kernel_hang, rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read,
+                 rule_lost_wakeup, rule_gpu_idle_wait, rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
 
 
 def _first_verdict(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
@@ -862,15 +869,7 @@ def decode_stalled_from_log(e: EngineRecord) -> str | None:
             f"throughput 0.0 tokens/s on the last {len(last)} stats lines of the log")
 
 
-_TELLING = re.compile(r"\b\w*(Error|Exception)\b: |Fatal Python error|killed by signal|died unexpectedly|"
-                      r"Killed process|initialization failed|Segmentation fault|Aborted|terminate called")
-
-
-def _telling_line(text: str, pattern: re.Pattern[str]) -> str:
-    """The line that says what happened: an exception or signal line over a bare 'Traceback'."""
-    lines = [ln.strip() for ln in text.splitlines() if pattern.search(ln)]
-    best = [ln for ln in lines if _TELLING.search(ln)]
-    return (best or lines or [""])[-1]
+_telling_line = telling_line   # the line a crash/OOM summary names (kvdiag.analyze.enginelog)
 
 
 def banner_findings(e: EngineRecord) -> list[Finding]:
@@ -1089,8 +1088,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         return done(Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW,
                             summary=f"{name}: stalled in phase {e.phase.value}; {what}"))
     if e is not None and e.phase in _STARTING and not e.healthy:
-        return done(Verdict(kind=VerdictKind.SLOW_START, confidence=Confidence.LOW,
-                            summary=f"{name}: still starting (phase {e.phase.value}), no hang evidence"))
+        return done(starting_verdict(name, e))
     conf, reasons = healthy_confidence(e, procs, bundle)
     if procs:
         detail = "threads are running" if _any_running(procs, machine) else "threads are idle in normal waits"

@@ -24,9 +24,10 @@ import os
 import re
 import signal
 
+from kvdiag.capture.elfsym import find_runtime_symbol
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.model import PtraceAccess, TargetAccess
-from kvdiag.osread.files import read_text
+from kvdiag.osread.maps import read_maps
 from kvdiag.osread.mem import mem_open_error
 from kvdiag.osread.process import read_comm, read_exe
 from kvdiag.osread.ptable import ancestors
@@ -74,13 +75,11 @@ def runs_python(pid: int) -> bool | None:
     exe = os.path.basename(read_exe(pid) or "")
     if _PYTHON_EXE.match(exe.replace(" (deleted)", "")):
         return True
-    maps = read_text(f"/proc/{pid}/maps")
+    maps = read_maps(pid)
     if maps is None:
         return None
-    if "libpython" in maps:
+    if any("libpython" in m.path for m in maps):
         return True
-    from kvdiag.capture.elfsym import find_runtime_symbol
-
     try:
         return find_runtime_symbol(pid) is not None
     except (OSError, ValueError):

@@ -33,8 +33,26 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
     (see :func:`kvdiag.capture.select.capture_scope`).
     """
-    roles = find_engine_processes(root_pid, log_pids)
     pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
+    return capture_pids(pids, bundle_dir, roots=[root_pid], timeout_s=timeout_s, backends=backends,
+                        log_pids=log_pids, command=command or f"capture --pid {root_pid}")
+
+
+def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] | None = None,
+                 timeout_s: float = 10.0, backends: Sequence[str | CaptureBackend] | None = None,
+                 log_pids: dict[str, int] | None = None, command: str = "") -> Bundle:
+    """Capture ``pids`` read-only into ``bundle_dir``: what ``kvdiag capture --pid`` does, for processes that
+    need not form one tree (the selected workers of one node of a Ray cluster).
+
+    ``roots`` (default: every pid): the processes whose trees name the engine roles and whose log files
+    stand in for a run's log follower. One root: every captured process belongs to its log's record.
+    """
+    pids = list(pids)
+    roots = list(roots) if roots else pids
+    roles: dict[ProcessRole, list[int]] = {}
+    for root in roots:
+        for role, role_pids in find_engine_processes(root, log_pids).items():
+            roles.setdefault(role, []).extend(p for p in role_pids if p not in roles.get(role, []))
     evidence, findings = capture_processes(pids, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
                                            bundle_dir=bundle_dir)
     for ev in evidence:
@@ -48,15 +66,18 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     engines = []
     if log_pids is None:
         # A bare process: its log file (found through /proc/PID/fd) stands in for a run's log follower.
-        record = log_record(root_pid, f"pid-{root_pid}")
-        if record is not None:
+        for root in roots:
+            record = log_record(root, f"pid-{root}")
+            if record is None:
+                continue
             engines.append(record)
             for ev in evidence:
-                ev.engine = record.name
-    bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
+                if len(roots) == 1 or ev.pid == root:
+                    ev.engine = record.name
+    bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {roots[0]}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
                     host=host_info(), processes=evidence, findings=findings, engines=engines,
-                    environment=collect_environment(target_pid=evidence[0].pid if evidence else root_pid))
+                    environment=collect_environment(target_pid=evidence[0].pid if evidence else roots[0]))
     save_bundle(bundle, bundle_dir)
     return bundle
 
@@ -91,4 +112,4 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
     return evidence, findings
 
 
-__all__ = ["capture_engine", "capture_tree", "host_info"]
+__all__ = ["capture_engine", "capture_pids", "capture_tree", "host_info"]

@@ -18,9 +18,10 @@ from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
+from kvdiag.fleet.ray import capture_cluster
 from kvdiag.model import Bundle
 from kvdiag.osread.stat import read_stat
-from kvdiag.runner import finish, prepare_out_dir
+from kvdiag.runner import RunArtifacts, finish, prepare_out_dir
 
 
 def _target(pid: int | None, engine_core_of: int | None) -> int:
@@ -61,6 +62,14 @@ def _interruptible(work: Callable[[], Bundle]) -> Bundle:
 
 
 def capture_cmd(
+    ray: str | None = typer.Option(None, "--ray", flag_value="auto", is_flag=False, metavar="[ADDRESS]",
+                                   help="Capture the selected processes on every node of a Ray cluster (default "
+                                   "address: the cluster `ray` would connect to); needs `pip install "
+                                   "'kvdiag[ray]'`.", show_default=False),
+    select: str = typer.Option("vllm", "--select", help="With --ray: vllm (vLLM's Ray actors and drivers; every "
+                               "actor when there is none), actors (every actor) or workers (every worker)."),
+    actor: list[str] = typer.Option([], "--actor", metavar="PATTERN", help="With --ray: only the actors whose "
+                                    "class or name matches this shell pattern (repeatable)."),
     pid: int | None = typer.Option(None, "--pid", help="Process to capture; its children are captured too.",
                                    show_default=False),
     engine_core_of: int | None = typer.Option(None, "--engine-core-of", metavar="API_SERVER_PID",
@@ -87,7 +96,13 @@ def capture_cmd(
     Exit codes: 0 no hang evidence, 10 deadlock found, 4 crash or OOM,
     3 no access (the fix is printed), 5 nothing to judge (the target exited, is a
     zombie, runs no Python or is a kernel thread), 2 bad usage or a refused pid.
+    With --ray, every node of a Ray cluster: one task pinned to each node runs this same capture
+    there, and one report covers them all (a node that could not be captured is named, with why).
     """
+    if ray is not None:
+        if pid is not None or engine_core_of is not None:
+            raise UsageError("--ray captures a cluster: leave out --pid and --engine-core-of")
+        return _capture_ray(ray, select, actor, out, timeout, tools, as_json)
     target = _target(pid, engine_core_of)
     if target == os.getpid():
         raise UsageError("--pid: refusing to capture kvdiag itself")
@@ -120,6 +135,10 @@ def capture_cmd(
                                                  command=f"capture --pid {target}", pids=scope.pids))
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle)
+    return print_outcome(arts, bundle_dir, as_json)
+
+
+def print_outcome(arts: RunArtifacts, bundle_dir: Path, as_json: bool) -> int:
     verdict, by_engine, code, paths = arts.verdict, arts.verdicts_by_engine, arts.exit_code, arts.paths
     if as_json:
         typer.echo(json.dumps({"verdict": verdict.model_dump(mode="json"),
@@ -133,6 +152,24 @@ def capture_cmd(
         typer.echo(f"{name}: {path}")
     typer.echo(f"exit code {code}")
     return code
+
+
+def _capture_ray(address: str, select: str, patterns: list[str], out: Path | None, timeout: float, tools: str,
+                 as_json: bool) -> int:
+    """``capture --ray``: the same capture on every node of a Ray cluster, merged into one bundle."""
+    if not 0 < timeout <= 600:
+        raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
+    names = [t.strip() for t in tools.split(",") if t.strip()]
+    try:
+        make_backends(names)
+    except ValueError as exc:
+        raise UsageError(f"--tools: {exc}") from None
+    out_dir = prepare_out_dir(out, "capture")
+    bundle_dir = out_dir / "bundle"
+    bundle = _interruptible(lambda: capture_cluster(address, bundle_dir, select=select, patterns=patterns,
+                                                    timeout_s=timeout, backends=names,
+                                                    progress=lambda m: typer.echo(m, err=True)))
+    return print_outcome(finish(out_dir, bundle), bundle_dir, as_json)
 
 
 def register(app: typer.Typer) -> None:

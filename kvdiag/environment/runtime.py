@@ -19,6 +19,7 @@ from pathlib import Path
 
 from kvdiag.model import IpcSocket, KvcachedRuntime, ShmSegment
 from kvdiag.osread.fds import fd_links, link_inode
+from kvdiag.osread.maps import read_maps
 from kvdiag.osread.net import unix_table
 from kvdiag.osread.sockdiag import TCP_LISTEN, UnixSocketDiag, unix_sockets
 from kvdiag.osread.stat import all_pids
@@ -41,11 +42,7 @@ def _read_segment(path: Path) -> tuple[int, int, int] | None:
 
 
 def _maps_paths(pid: int) -> set[str]:
-    try:
-        with open(f"/proc/{pid}/maps", encoding="utf-8", errors="replace") as fh:
-            return {line.split(None, 5)[5].strip() for line in fh if line.count(" ") >= 5 and "/dev/shm/" in line}
-    except (OSError, IndexError):
-        return set()
+    return {m.path for m in read_maps(pid) or [] if "/dev/shm/" in m.path}
 
 
 def _unix_sockets() -> tuple[dict[int, UnixSocketDiag], str | None]:

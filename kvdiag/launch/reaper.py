@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterable
 
 from kvdiag.osread.fds import fd_links
+from kvdiag.osread.maps import read_maps
 from kvdiag.osread.process import read_environ
 from kvdiag.osread.ptable import alive, group_alive
 from kvdiag.osread.stat import all_pids
@@ -79,18 +80,12 @@ def _shm_in_use() -> set[str]:
     """Names under /dev/shm some live process maps or holds open."""
     used: set[str] = set()
     marker = SHM_DIR + "/"
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps", "rb") as fh:
-                for line in fh:
-                    at = line.find(marker.encode())
-                    if at >= 0:
-                        used.add(line[at + len(marker):].split(b" ")[0].strip().decode(errors="replace"))
-        except OSError:
-            pass
-        used.update(link[len(marker):] for link in (fd_links(int(entry)) or {}).values() if link.startswith(marker))
+    for pid in all_pids():
+        for m in read_maps(pid) or []:
+            at = m.path.find(marker)
+            if at >= 0:
+                used.add(m.path[at + len(marker):].split(" ")[0])
+        used.update(link[len(marker):] for link in (fd_links(pid) or {}).values() if link.startswith(marker))
     return used
 
 

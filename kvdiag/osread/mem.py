@@ -41,6 +41,15 @@ class TargetMemory:
             return None
         return data if len(data) == size else None
 
+    def read_upto(self, addr: int, size: int) -> bytes | None:
+        """Up to ``size`` bytes at ``addr`` (fewer at the end of a mapping); None when refused."""
+        if self._fd is None:
+            return None
+        try:
+            return os.pread(self._fd, size, addr)
+        except (OSError, OverflowError, ValueError):
+            return None
+
     def close(self) -> None:
         if self._fd is not None:
             os.close(self._fd)

@@ -80,6 +80,11 @@ def tcp_table(proc_root: str = PROC) -> list[TcpEntry]:
     return out
 
 
+def tcp_listeners() -> dict[tuple[str, int], int]:
+    """(proto, port) -> inode of every listening TCP socket of the host."""
+    return {(e.proto, e.local_port): e.inode for e in tcp_table() if e.listening}
+
+
 def _listen_table() -> dict[int, int]:
     """Socket inode -> port of every listening TCP socket."""
     return {e.inode: e.local_port for e in tcp_table() if e.listening and e.inode}

@@ -11,11 +11,6 @@ def alive(pid: int) -> bool:
     return st is not None and st.state not in ("Z", "X")
 
 
-def children(pid: int) -> list[int]:
-    """Direct children of ``pid``."""
-    return [st.pid for st in all_stats() if st.ppid == pid]
-
-
 def ancestors(pid: int) -> list[int]:
     """The parent of ``pid``, its parent, ... up to (not including) pid 0."""
     out: list[int] = []

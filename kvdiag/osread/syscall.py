@@ -9,14 +9,19 @@ from __future__ import annotations
 import platform
 
 # meaning -> syscall numbers. read: the first argument is the fd read (read, pread64, readv, recvfrom, recvmsg,
-# preadv, recvmmsg); epoll: epoll_wait/epoll_pwait (first argument the epoll fd, fourth the timeout);
+# preadv, recvmmsg); write: the first argument is the fd written (write, pwrite64, writev, sendto, sendmsg,
+# pwritev, sendmmsg); wait4 (first argument the pid) and waitid (second argument the id);
+# epoll: epoll_wait/epoll_pwait (first argument the epoll fd, fourth the timeout);
 # event: any wait for an event source (poll, select, epoll, accept, pause, signals, io_uring); sleep:
 # nanosleep family; futex; yield: sched_yield.
 SYSCALLS: dict[str, dict[str, frozenset[int]]] = {
     "x86_64": {"read": frozenset({0, 17, 19, 45, 47, 295, 299}), "epoll": frozenset({232, 281}),
+               "write": frozenset({1, 18, 20, 44, 46, 296, 307}), "wait4": frozenset({61}), "waitid": frozenset({247}),
                "event": frozenset({7, 23, 232, 281, 270, 271, 288, 43, 441, 34, 130, 128}),
                "sleep": frozenset({35, 230}), "futex": frozenset({202}), "yield": frozenset({24})},
     "aarch64": {"read": frozenset({63, 65, 67, 69, 207, 212, 243}), "epoll": frozenset({22}),
+                "write": frozenset({64, 66, 68, 206, 211, 70, 269}), "wait4": frozenset({260}),
+                "waitid": frozenset({95}),
                 "event": frozenset({73, 72, 22, 242, 202, 133, 137, 441}),
                 "sleep": frozenset({101, 115}), "futex": frozenset({98}), "yield": frozenset({124})},
 }

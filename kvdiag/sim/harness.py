@@ -17,9 +17,9 @@ from types import TracebackType
 import httpx
 
 from kvdiag.allocator import remove_device_files
+from kvdiag.osread.children import children
 from kvdiag.osread.process import read_comm
 from kvdiag.osread.ptable import alive as process_alive
-from kvdiag.osread.ptable import children
 from kvdiag.ports import free_port
 from kvdiag.sim.cmdline import command
 
@@ -96,7 +96,7 @@ class SimProcess:
         """The EngineCore child (its comm is ``VLLM::EngineCor``)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            for child in children(self.pid):
+            for child in children(self.pid) or []:
                 if read_comm(child) == "VLLM::EngineCor":
                     return child
             if time.monotonic() >= deadline or self.returncode() is not None:
