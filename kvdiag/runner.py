@@ -24,13 +24,13 @@ from kvdiag import __version__
 from kvdiag.errors import Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
-from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
     TimelineEvent,
     Verdict,
 )
 from kvdiag.scenario.models import Scenario
+from kvdiag.scenariorun import EngineWatch, Outcome, RunResult, ScenarioRun
 
 
 def default_out_dir(command: str) -> Path:

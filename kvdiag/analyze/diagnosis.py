@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvdiag.analyze.health import engine_health
+from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.analyze.soak import saturation_verdict
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
@@ -28,6 +28,7 @@ from kvdiag.model import (
     EngineRecord,
     Verdict,
     VerdictKind,
+    engine_health,
 )
 
 AB_SIDES = ("stock", "fixed")
@@ -49,8 +50,6 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
                          exit_code=ExitCode.INTERRUPTED, notes=["the run was interrupted: no verdict"])
     if bundle.runs:
         return _diagnose_ab(bundle, runs or {})
-    from kvdiag.analyze import analyze, analyze_by_engine
-
     verdict, by_engine = analyze(bundle), analyze_by_engine(bundle)
     code = exit_code_for(verdict)
     notes: list[str] = []

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvdiag.logs.banner import assess_risk, pages_per_layer
 from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, KvcachedBuild, RiskStatus
-from kvdiag.watch.banner import assess_risk, pages_per_layer
 
 DEFAULT_KVCACHED_UTIL = 0.95
 FIX_BUILD = "install kvcached >= 0.1.6 (or a git build at or after 666671b, PR #422)"

@@ -29,6 +29,7 @@ from kvdiag.analyze.gpu import rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
+from kvdiag.logs.banner import assess_risk_for
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -44,7 +45,6 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
 # Worst first; each kind's rank is part of its one definition (KIND_SPECS in kvdiag.model).

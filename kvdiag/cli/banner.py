@@ -10,7 +10,7 @@ import typer
 
 from kvdiag.cli.common import read_log_lines
 from kvdiag.errors import ExitCode
-from kvdiag.watch.banner import assess_risk, parse_banners
+from kvdiag.logs.banner import assess_risk, parse_banners
 
 
 def banner_cmd(

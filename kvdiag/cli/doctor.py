@@ -24,9 +24,9 @@ from kvdiag import __version__
 from kvdiag.analyze.doctor import DEFAULT_KVCACHED_UTIL, EnginePlan, doctor_checks
 from kvdiag.cli.common import read_log_lines
 from kvdiag.errors import ExitCode
+from kvdiag.logs.banner import parse_banners
 from kvdiag.model import BannerInfo, DoctorReport, EnvironmentRecord, RiskStatus
 from kvdiag.scenario import EngineSpec, Scenario, load_scenario
-from kvdiag.watch.banner import parse_banners
 
 if TYPE_CHECKING:
     from kvdiag.launch.interpreters import EngineInterpreter

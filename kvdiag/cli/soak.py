@@ -46,7 +46,7 @@ def soak(
     """Saturate one engine with streaming requests; exit 0 if tokens keep flowing with the KV cache near full,
     10 if decode stalls, 6 if nothing stalled but the KV cache never got near full (inconclusive)."""
     from kvdiag.runner import prepare_out_dir
-    from kvdiag.soak.session import SoakOptions, SoakRun
+    from kvdiag.soakrun import SoakOptions, SoakRun
 
     opts = SoakOptions(model=model, url=url, scenario=scenario, duration_s=duration, concurrency=concurrency,
                        max_tokens=max_tokens, allocator=allocator.value if allocator else None,

@@ -75,7 +75,7 @@ class ABEngine(_Model):
     """One engine of one A/B side (``ab.<side>.engines[name]`` in bundle.json and report.json)."""
 
     phase: EnginePhase = EnginePhase.NOT_STARTED
-    healthy: bool = False            # its verdict is healthy (kvdiag.analyze.health)
+    healthy: bool = False            # its verdict is healthy (kvdiag.model.health)
     health: str = ""                 # the health line: "yes", "no (decode stall; /health still answered)"
     startup_s: float | None = None
 

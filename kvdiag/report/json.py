@@ -11,7 +11,7 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.analyze.health import engine_health
+from kvdiag.logs.banner import assess_risk_for
 from kvdiag.model import (
     ABComparison,
     BannerRisk,
@@ -23,8 +23,8 @@ from kvdiag.model import (
     ReportBanner,
     ReportEngine,
     Verdict,
+    engine_health,
 )
-from kvdiag.watch.banner import assess_risk_for
 
 
 def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> ReportEngine:
@@ -43,7 +43,7 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> ReportEng
         name=rec.name,
         allocator=rec.allocator,
         phase=rec.phase,
-        # Healthy means the engine's verdict is healthy (kvdiag.analyze.health): a stalled engine is
+        # Healthy means the engine's verdict is healthy (kvdiag.model.health): a stalled engine is
         # not, even when its /health still answers (vLLM's /health does not see a decode stall);
         # what /health said is kept apart and named in the health line.
         healthy=health.healthy,

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import re
 
+from kvdiag.logs.lines import MAX_LINE
 from kvdiag.model import Bundle, EvidenceItem, Report, ReportEngine
 from kvdiag.report.html import ab_view, clean_text, format_frame, key_positions
-from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
@@ -177,7 +177,7 @@ def evidence_lines(item: EvidenceItem) -> list[str]:
 
 
 def _healthy(e: ReportEngine) -> str:
-    """The engine's health line (derived from its verdict and probes by kvdiag.analyze.health)."""
+    """The engine's health line (derived from its verdict and probes by kvdiag.model.health)."""
     return e.health or ("yes" if e.healthy else "no")
 
 

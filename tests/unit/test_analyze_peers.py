@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvdiag.analyze import analyze, analyze_by_engine, analyze_process, exit_code_for
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.model import (
     Bundle,
     EnginePhase,

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvdiag.analyze.health import engine_health
-from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind
+from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind, engine_health
 from kvdiag.report import build_report, render_markdown, render_terminal, write_outputs
 
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvdiag.logs.lines import LogState, feed_line
 from kvdiag.model import EnginePhase
-from kvdiag.watch.logs import LogFollower, LogState, feed_line, scan_file
+from kvdiag.watch.logs import LogFollower, scan_file
 from kvdiag.watch.probe import parse_metrics
 from kvdiag.watch.stall import Observation, StallDetector
 

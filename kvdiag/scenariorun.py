@@ -14,11 +14,12 @@ import httpx
 from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
 from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
+from kvdiag.logs.lines import MAX_LINE, LogState, feed_line
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.osread.net import listening_ports
 from kvdiag.osread.ptable import process_tree
 from kvdiag.scenario.models import EngineSpec, Scenario
-from kvdiag.watch.logs import MAX_LINE, LogFollower, LogState, feed_line
+from kvdiag.watch.logs import LogFollower
 from kvdiag.watch.probe import (
     check_health,
     cpu_ticks,

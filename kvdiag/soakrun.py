@@ -28,7 +28,7 @@ from rich.console import Console
 from kvdiag.defaults import STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet
-from kvdiag.launch.session import EngineWatch, Outcome
+from kvdiag.logs.lines import feed_line
 from kvdiag.model import (
     Bundle,
     EnginePhase,
@@ -45,13 +45,13 @@ from kvdiag.osread.ptable import process_tree
 from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
+from kvdiag.scenariorun import EngineWatch, Outcome
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
 from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.soak.progress import ProgressView
 from kvdiag.soak.saturation import Saturation, SaturationSampler, judge
 from kvdiag.soak.stats import SoakSummary
-from kvdiag.soak.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
-from kvdiag.watch.logs import feed_line
+from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
 
 Clock = Callable[[], float]
 COMMAND = "soak"
