@@ -6,6 +6,7 @@ its package's public functions and the Bundle passed between them.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import platform
@@ -19,9 +20,19 @@ from pathlib import Path
 from types import TracebackType
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvdiag import __version__
+from kvdiag.allocator import remove_device_files
+from kvdiag.analyze import diagnose
+from kvdiag.analyze.soak import stall_to_verdict_s
+from kvdiag.bundle import write_bundle
+from kvdiag.capture.bundle import capture_engine
+from kvdiag.environment import add_engine_packages, collect_environment
+from kvdiag.environment.interpreter import interpreter_of_pid
+from kvdiag.environment.runtime import collect_runtime
 from kvdiag.errors import Interrupted, KvdiagError, UsageError
+from kvdiag.launch.interpreters import engine_interpreters
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
 from kvdiag.model import (
@@ -29,6 +40,8 @@ from kvdiag.model import (
     TimelineEvent,
     Verdict,
 )
+from kvdiag.redact import Tally, copy_redacted, note_file, redact_bundle, write_redacted
+from kvdiag.report import render_run
 from kvdiag.scenario.models import Scenario
 from kvdiag.scenariorun import EngineWatch, Outcome, RunResult, ScenarioRun
 
@@ -59,8 +72,6 @@ def host_info() -> dict[str, str]:
 
 
 def new_bundle(command: str) -> Bundle:
-    from kvdiag.environment import collect_environment
-
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   environment=collect_environment())
@@ -79,8 +90,6 @@ class RunArtifacts:
 def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[str], timeout_s: float,
                      bundle: Bundle) -> None:
     """Capture every process of each given engine into the bundle (read-only)."""
-    from kvdiag.capture.bundle import capture_engine
-
     for w in watches:
         if w.proc.pid is None:
             continue
@@ -90,8 +99,6 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
         bundle.findings.extend(findings)
     if bundle.environment is not None:
         # kvcached's segments and worker sockets as they are while the engines hang (not at launch).
-        from kvdiag.environment.runtime import collect_runtime
-
         try:
             bundle.environment.kvcached_runtime = collect_runtime()
         except OSError as exc:
@@ -100,8 +107,6 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
 
 def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | None = None) -> None:
     """Copy the engines' raw logs into bundle/logs/, redacted; what was removed goes into the summary."""
-    from kvdiag.redact import Tally, copy_redacted, note_file
-
     logs_dir = bundle_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     for src in sorted(raw_log_dir.glob("*.log")):
@@ -118,12 +123,6 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     ``runs``: the nested runs' bundles (``kvdiag ab``); ``verdict_t``: run time of the verdict
     event added to the timeline. Renderers read only the diagnosis stored in the bundle.
     """
-    from kvdiag.analyze import diagnose
-    from kvdiag.analyze.soak import stall_to_verdict_s
-    from kvdiag.bundle import write_bundle
-    from kvdiag.redact import redact_bundle
-    from kvdiag.report import render_run
-
     red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
     diag = diagnose(red, runs)
     if verdict_t is not None:
@@ -159,16 +158,11 @@ class LaunchedRun:
         self.run: ScenarioRun
 
     def __enter__(self) -> LaunchedRun:
-        from kvdiag.redact import Tally, note_file, write_redacted
-
         tally = Tally()
         write_redacted(self.bundle_dir / "scenario.yaml", self._text, tally)
         note_file(self.bundle.redaction, "scenario.yaml", tally.as_dict())
         if self.bundle.environment is not None and not self.bundle.environment.engine_packages:
             # The versions the engines' own interpreters see (a vLLM venv), not only kvdiag's.
-            from kvdiag.environment import add_engine_packages
-            from kvdiag.launch.interpreters import engine_interpreters
-
             add_engine_packages(self.bundle.environment, engine_interpreters(self.scenario))
         procs = ProcessSet(grace_s=self.scenario.windows.kill_grace_s)
         procs.__enter__()
@@ -191,9 +185,6 @@ class LaunchedRun:
         env = self.bundle.environment
         if env is None:
             return
-        from kvdiag.environment import add_engine_packages
-        from kvdiag.environment.interpreter import interpreter_of_pid
-
         known = {name for ip in env.engine_packages for name in ip.engines}
         found: list[tuple[str, str, list[str]]] = []
         for w in self.run.watches:
@@ -227,8 +218,6 @@ class LaunchedRun:
                 self._final_logs()
             if self.device is not None and self.scenario.device.name is None:
                 # The modelled device was this run's own: drop its shared lock/accounting files.
-                from kvdiag.allocator import remove_device_files
-
                 remove_device_files(self.device)
 
 
@@ -321,8 +310,6 @@ def _fill_bundle(bundle: Bundle, result: RunResult) -> None:
 
 
 def _esc(text: str) -> str:
-    from rich.markup import escape
-
     return escape(text)
 
 
@@ -336,8 +323,6 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
     The A/B bundle names both nested bundles (``runs``); its diagnosis (the comparison) is
     computed from them by analyze, so `kvdiag analyze/report` on the A/B folder says the same.
     """
-    import copy
-
     switchable(scenario, "kvdiag ab")
     sides: dict[str, RunArtifacts] = {}
     for allocator in AB_SIDES:

@@ -14,6 +14,7 @@ import httpx
 from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
 from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
+from kvdiag.launch.vllm import expand
 from kvdiag.logs.lines import MAX_LINE, LogState, feed_line
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.osread.net import listening_ports
@@ -200,8 +201,6 @@ class ScenarioRun:
 
     def _probe_completion(self, w: EngineWatch) -> None:
         """A real engine that is up must also serve: one short completion, its answer on the timeline."""
-        from kvdiag.launch.vllm import expand
-
         ok, detail = probe_completion(self._client, w.plan.url, expand(w.spec.model))
         self._event("completion answered" if ok else "completion failed", w.spec.name, detail)
         if not ok:

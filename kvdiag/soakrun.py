@@ -24,10 +24,13 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 
+from kvdiag.capture.bundle import capture_engine
 from kvdiag.defaults import STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet
+from kvdiag.launch.vllm import expand
 from kvdiag.logs.lines import feed_line
 from kvdiag.model import (
     Bundle,
@@ -43,6 +46,7 @@ from kvdiag.model import (
 from kvdiag.osread.net import listening_pids
 from kvdiag.osread.ptable import process_tree
 from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
+from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.scenariorun import EngineWatch, Outcome
@@ -119,16 +123,12 @@ def _request_model(spec: EngineSpec) -> str | None:
     if spec.kind == "sim":
         return None
     if spec.kind == "vllm":
-        from kvdiag.launch.vllm import expand
-
         return expand(spec.model)
     return spec.model
 
 
 def _local_model_dir(model: str) -> bool:
     """A Hugging Face style model folder here (config.json inside): `kvdiag soak --model DIR` serves it with vLLM."""
-    from kvdiag.launch.vllm import expand
-
     return (Path(expand(model)) / "config.json").is_file()
 
 
@@ -141,12 +141,8 @@ def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario,
         name = f"<builtin>/{builtin}"
         scen = parse_scenario(text, name)
         if model != "sim":
-            from kvdiag.launch.vllm import expand
-
             scen.engines[0].model = str(Path(expand(model)).resolve())
         return scen, name, text
-    from kvdiag.scenario import load_scenario
-
     return load_scenario(path)
 
 
@@ -223,8 +219,6 @@ class SoakRun:
         t = self._rel(self.clock() if at is None else at)
         self.timeline.append(TimelineEvent(t=t, event=event, engine=engine, detail=detail))
         if echo:
-            from rich.markup import escape
-
             msg = f"{engine + ': ' if engine else ''}{event}{' (' + detail + ')' if detail else ''}"
             self.console.print(f"[dim]{t:6.1f}s[/dim] {escape(msg)}", highlight=False)
 
@@ -546,8 +540,6 @@ class SoakRun:
     # -- capture -----------------------------------------------------------------------------------
     def _capture(self, s: _Subject) -> None:
         """Read-only capture of the engine's EngineCore, API server and workers into the bundle."""
-        from kvdiag.capture.bundle import capture_engine
-
         if s.root_pid is None:
             return
         log_pids = dict(s.watch.state.pids) if s.watch is not None else dict(s.log_pids)
@@ -626,8 +618,6 @@ class SoakRun:
         return arts
 
     def _echo(self, msg: str) -> None:
-        from rich.markup import escape
-
         self.console.print(f"[dim]{self.clock() - self.t0:6.1f}s[/dim] {escape(msg)}", highlight=False)
 
 

@@ -14,6 +14,7 @@ from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
+from kvdiag.environment import collect_environment
 from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole
 from kvdiag.osread.ptable import process_tree
 
@@ -61,8 +62,6 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                 ev.role = role
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
-    from kvdiag.environment import collect_environment
-
     engines = []
     if log_pids is None:
         # A bare process: its log file (found through /proc/PID/fd) stands in for a run's log follower.

@@ -9,7 +9,9 @@ import typer
 
 from kvdiag.analyze import diagnose
 from kvdiag.bundle import atomic_write_text, load_run
+from kvdiag.cli.common import result_console
 from kvdiag.errors import ExitCode, UsageError
+from kvdiag.report import build_report, render_html, render_run, render_terminal
 
 
 def report_cmd(
@@ -24,9 +26,6 @@ def report_cmd(
     said (the stored diagnosis); a bundle without one is analyzed first.
     Exit codes: 0 written, 2 no readable bundle or an unwritable output.
     """
-    from kvdiag.cli.common import result_console
-    from kvdiag.report import build_report, render_html, render_run, render_terminal
-
     run = load_run(bundle)
     loaded, bundle_dir = run.bundle, run.bundle_dir
     if loaded.diagnosis is None:  # a bundle written before diagnoses were stored, or by hand

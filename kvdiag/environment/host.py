@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
+from kvdiag.redact import REDACTED, is_secret_name, redact_text
+
 # The distributions a kvcached/vLLM bug report needs, by their PyPI names.
 PACKAGES = ("vllm", "kvcached", "torch", "cuda-python", "flashinfer-python", "sglang", "pystack", "py-spy")
 # Variables that change how kvcached or vLLM behave.
@@ -45,8 +47,6 @@ def package_versions(names: tuple[str, ...] = PACKAGES) -> dict[str, str | None]
 
 def relevant_env(environ: Mapping[str, str]) -> dict[str, str]:
     """The kvcached/vLLM/CUDA variables in ``environ``, secrets replaced (sorted by name)."""
-    from kvdiag.redact import REDACTED, is_secret_name, redact_text
-
     out: dict[str, str] = {}
     for key in sorted(environ):
         if key in ENV_NAMES or key.startswith(ENV_PREFIXES):

@@ -34,6 +34,8 @@ from typing import TYPE_CHECKING
 
 from kvdiag.environment.child import ChildTimeout, run_bounded
 from kvdiag.environment.host import PACKAGES
+from kvdiag.environment.kvcached import build_at, site_kvcached
+from kvdiag.model import InterpreterPackages
 from kvdiag.osread.maps import mapped_files
 from kvdiag.osread.process import read_cmdline, read_cwd, read_environ, read_exe
 
@@ -286,9 +288,6 @@ def packages_of(who: str, python: str, extra_path: Sequence[str] = ()) -> Interp
     """The record of one interpreter: asked by running it, else read from its venv's site-packages.
 
     It carries the fingerprint of the kvcached build that interpreter imports (not kvdiag's own)."""
-    from kvdiag.environment.kvcached import build_at, site_kvcached
-    from kvdiag.model import InterpreterPackages
-
     rec = InterpreterPackages(who=who, python=python)
     try:
         (rec.python_version, rec.packages), locations, commit = _ask(python, extra_path, PACKAGES, QUERY_TIMEOUT_S)
@@ -315,8 +314,6 @@ def _mapped_kvcached(pid: int) -> str | None:
 
 def pid_packages(pid: int) -> InterpreterPackages:
     """The versions the Python of a running process (``kvdiag capture --pid``) sees, and its kvcached."""
-    from kvdiag.environment.kvcached import build_at
-
     python, extra = interpreter_of_pid(pid)
     rec = packages_of(f"pid {pid}", python, extra)
     loaded = _mapped_kvcached(pid)

@@ -6,6 +6,7 @@ import re
 
 from kvdiag.logs.lines import MAX_LINE
 from kvdiag.model import Bundle, EvidenceItem, Report, ReportEngine
+from kvdiag.report.envtext import environment_lines
 from kvdiag.report.html import ab_view, clean_text, format_frame, key_positions
 
 MAX_TIMELINE = 40
@@ -157,8 +158,6 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
     if report.environment is not None:
-        from kvdiag.report.envtext import environment_lines
-
         env_lines += environment_lines(report.environment)
     red = report.redaction
     env_lines.append(f"redacted: {red.total} value(s)" + (

@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdiag.model import Report, VerdictKind
+from kvdiag.report.envtext import gpu_lines, package_summary
 
 KEY_FRAMES = 8
 _DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
@@ -126,8 +127,6 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
 
     env = report.environment
     if env is not None:
-        from kvdiag.report.envtext import gpu_lines, package_summary
-
         console.print(Text(f"  environment: {env.os}, kernel {env.kernel}, Python {env.python}, "
                            f"{package_summary(env)}; {'; '.join(gpu_lines(env))}", style="dim"))
         if env.ptrace.problem:

@@ -34,6 +34,8 @@ import threading
 import time
 from typing import Any
 
+from kvdiag.allocator import kvcached_env_kwargs, make_allocator
+
 ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
 MB = 1024 * 1024
 GB = 1024 * MB
@@ -62,6 +64,7 @@ def register() -> None:
     kind = os.environ.get(ENABLE_ENV, "").strip().lower()
     if kind not in ("stock", "fixed") or _installed or not _in_engine_core():
         return
+    # vLLM exists only inside its own processes, and is heavy: imported once the plugin is enabled
     from vllm.v1.core import block_pool
 
     _patch(block_pool.BlockPool, kind)
@@ -73,7 +76,7 @@ def register() -> None:
 def _native() -> Any:
     """kvdiag._native: importable from the package, else loaded from KVDIAG_NATIVE_PATH."""
     try:
-        import kvdiag._native as native
+        import kvdiag._native as native  # optional: an unbuilt extension is loaded from KVDIAG_NATIVE_PATH
 
         return native
     except ImportError:
@@ -97,9 +100,7 @@ def _always_false() -> bool:
 
 def build_allocator(kind: str, layers: int, mem_size_per_layer: int, ipc_suffix: str = "") -> Any:
     """kvdiag's allocator of ``kind`` as kvcached's KVCacheManager builds its PageAllocator (prints the banner)."""
-    _native()  # make kvdiag._native importable before kvdiag.allocator asks for it
-    from kvdiag.allocator import kvcached_env_kwargs, make_allocator
-
+    _native()  # make kvdiag._native importable before make_allocator asks for it
     kwargs: dict[str, Any] = {
         "num_layers": layers, "mem_size_per_layer": mem_size_per_layer, "page_size": 2 * MB,
         "world_size": 1, "pp_rank": 0, "async_sched": False, "contiguous_layout": True,
