@@ -168,7 +168,7 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
             if time.monotonic() > settle_end:
                 raise SystemExit("the EngineCore never showed the GIL cycle within 120 s")
             time.sleep(2)
-        # Before issue 14: every tool on every process at once, gdb reading every library's symbols.
+        # The baseline: every tool on every process at once, gdb reading every library's symbols.
         before_s, _, before_verdict = _timed(pids, Path(tmp) / "before", ["proc", "py-spy", "pystack", "gdb-full"])
         print(f"before (no focus, gdb reading all symbols): {before_s:.3f}s, verdict {before_verdict}")
         print(f"{'round':>5} {'core_s':>7} {'critical_s':>10} {'verdict':>10} {'full_s':>7} {'verdict':>10} "

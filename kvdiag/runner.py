@@ -126,7 +126,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
     diag = diagnose(red, runs)
     if verdict_t is not None:
-        red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)   # issue 17 item 7
+        red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)
         red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
     red.diagnosis = diag
     red = write_bundle(red, out_dir / "bundle")

@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvdiag.capture.bundle import capture_engine
-from kvdiag.defaults import STALL_WINDOW_S, TOOL_TIMEOUT_S
+from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet
 from kvdiag.launch.vllm import expand
@@ -204,7 +204,7 @@ class SoakRun:
         self.interrupted: Interrupted | None = None
         self.scenario: Scenario | None = None
         self.window_s = opts.stall_window_s or STALL_WINDOW_S
-        self.tools: list[str] = list(opts.tools or ["pystack", "py-spy", "gdb", "proc"])
+        self.tools: list[str] = list(opts.tools or DEFAULT_TOOLS)
         self.tool_timeout_s = TOOL_TIMEOUT_S
         self.loadgen: LoadGenerator | None = None
         self.result = _DriveResult()

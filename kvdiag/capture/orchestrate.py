@@ -57,6 +57,7 @@ from kvdiag.capture.tools import (
     pyspy_nonblocking,
     pystack_lock_locals,
 )
+from kvdiag.defaults import DEFAULT_TOOLS
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
 from kvdiag.osread.nvml import GpuSampler, gpu_present
 from kvdiag.osread.stat import read_stat
@@ -64,7 +65,7 @@ from kvdiag.osread.status import read_status
 from kvdiag.osread.tasks import list_tids
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
-DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
+DEFAULT_BACKENDS = DEFAULT_TOOLS
 _FACTORIES: dict[str, Callable[[], CaptureBackend]] = {
     "proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
     "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "pystack-locals": pystack_lock_locals,
@@ -75,8 +76,7 @@ _CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # bounds the whole capture's gdb time whatever the number of processes).
 GDB_BUDGET_S = 4.0
 # Every ptrace tool pauses its target while it reads: it runs at a higher CPU priority where kvdiag may raise
-# it (root / CAP_SYS_NICE), so on a busy machine it ends sooner and the pause is shorter (on 2 cores with 4
-# busy sessions beside it, the EngineCore's verdict came in 1.42 s at the default priority, 0.90 s at -5).
+# it (root / CAP_SYS_NICE), so on a busy machine it ends sooner and the pause is shorter.
 # The focus processes' pystack still goes first: the others wait for it (_ToolSlots).
 _PTRACE_NICE = -5
 # A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung

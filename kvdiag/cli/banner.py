@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import read_log_lines
+from kvdiag.defects import FIX_BUILD, GIL_HOLDING_ALLOC_PAGE
 from kvdiag.errors import ExitCode
 from kvdiag.logs.banner import assess_risk, parse_banners
 
@@ -47,7 +48,7 @@ def banner_cmd(
             if r.risky:
                 for reason in r.reasons:
                     typer.echo(f"  RISK: {reason}")
-                typer.echo("  workaround: KVCACHED_PAGE_PREALLOC_ENABLED=false, or a kvcached with the #422 fix")
+                typer.echo(f"  workaround: {GIL_HOLDING_ALLOC_PAGE.workaround}, or {FIX_BUILD}")
             else:
                 typer.echo("  no deadlock risk from this banner")
     return ExitCode.DEADLOCK if risky else ExitCode.OK

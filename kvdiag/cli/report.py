@@ -28,7 +28,7 @@ def report_cmd(
     """
     run = load_run(bundle)
     loaded, bundle_dir = run.bundle, run.bundle_dir
-    if loaded.diagnosis is None:  # a bundle written before diagnoses were stored, or by hand
+    if loaded.diagnosis is None:  # a bundle that stores no diagnosis (older, or made by hand)
         loaded.diagnosis = diagnose(loaded, run.run_bundles)
     diag = loaded.diagnosis
     con = result_console()

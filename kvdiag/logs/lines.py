@@ -30,11 +30,18 @@ _PHASE_PATTERNS: list[tuple[EnginePhase, re.Pattern[str]]] = [
 _ORDER = [EnginePhase.NOT_STARTED, EnginePhase.LAUNCHING, EnginePhase.LOADING, EnginePhase.PROFILING,
           EnginePhase.KV_INIT, EnginePhase.BANNER, EnginePhase.SERVING]
 
-_OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|Cannot allocate memory|"
-                  r"oom-kill|std::bad_alloc", re.IGNORECASE)
-_ERROR = re.compile(r"Traceback \(most recent call last\)|EngineDeadError|Engine core initialization failed|"
-                    r"Fatal Python error|Segmentation fault|core dumped|terminate called|std::abort|"
-                    r"RuntimeError: |AssertionError")
+# Words of an allocation failure (host or device), and of a process dying.
+_OOM_WORDS = (r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|Cannot allocate memory|oom[-_ ]kill|"
+              r"std::bad_alloc")
+_CRASH_WORDS = (r"Traceback \(most recent call last\)|EngineDeadError|Fatal Python error|Segmentation fault|"
+                r"core dumped|terminate called")
+# A log line that reports an allocation failure, or an error worth keeping as the engine's error line.
+OOM_LINE = re.compile(_OOM_WORDS, re.IGNORECASE)
+ERROR_LINE = re.compile(_CRASH_WORDS + r"|Engine core initialization failed|std::abort|RuntimeError: |AssertionError")
+# What names the cause once the process died: a live engine may print "OOM" in advice ("to avoid OOM"), so
+# these broader words count only at exit.
+OOM_AT_EXIT = re.compile(_OOM_WORDS + r"|\bOOM\b|Killed process \d+|MemoryError", re.IGNORECASE)
+CRASH_AT_EXIT = re.compile(_CRASH_WORDS + r"|Aborted|SIGSEGV|SIGABRT|failed in CUDA driver", re.IGNORECASE)
 
 
 @dataclass
@@ -83,9 +90,9 @@ def feed_line(state: LogState, line: str, source: str | None = None) -> list[str
             state.phase = phase
             state.events.append((phase, state.lines_seen))
             events.append(f"phase {phase.value}")
-    if _OOM.search(line):
+    if OOM_LINE.search(line):
         state.oom = True
         state.errors.append(line.strip()[:500])
-    elif _ERROR.search(line):
+    elif ERROR_LINE.search(line):
         state.errors.append(line.strip()[:500])
     return events

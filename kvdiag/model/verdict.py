@@ -43,8 +43,8 @@ class EvidenceItem(_Model):
     engine: str | None = None
     node: str | None = None          # the host ``pid`` lives on, in a bundle merged from several hosts
     # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
-    # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
-    # report written before the field existed (nothing is highlighted).
+    # first project frame, ...), decided by the analyzer; renderers highlight only these. None: not
+    # recorded (nothing is highlighted).
     key_frames: list[int] | None = None
 
     def is_key(self, index: int) -> bool:
@@ -64,7 +64,7 @@ class Verdict(_Model):
     signature: str | None = None
     known: KnownDefect | None = None
     # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
-    # evidence only, never timing noise (issue 17 item 6).
+    # evidence only, never timing noise (a verdict must not change with the machine's load).
     confidence_reasons: list[str] = Field(default_factory=list)
     # The cross-process wait chain the verdict followed, first waiter to root (kvdiag.analyze.xproc);
     # None: judged inside one process.
@@ -86,7 +86,7 @@ class ABSide(_Model):
     verdict: VerdictKind
     summary: str
     exit_code: int
-    # The side's bundle folder, relative to the A/B bundle folder ("" in reports written before it was kept).
+    # The side's bundle folder, relative to the A/B bundle folder ("" when not recorded).
     bundle: str = ""
     report: str | None = None        # the side's report.html, relative to the A/B output folder
     engines: dict[str, ABEngine] = Field(default_factory=dict)

@@ -25,15 +25,13 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvdiag.defaults import KV_FULL
 from kvdiag.model import MetricsSnapshot
 from kvdiag.osread.host import cpu_times
 from kvdiag.osread.stat import read_stat
 
 Clock = Callable[[], float]
 
-# KV usage the pool must reach for the soak to count as saturated: the level from which the
-# analyzer reads a flat token counter as a decode stall (kvdiag.analyze.rules.KV_NEAR_FULL).
-KV_SATURATED = 0.9
 CLIENT_IN_FLIGHT_SHORT = 0.9     # client kept fewer than this share of its streams in flight
 CLIENT_CPU_BOUND = 0.85          # kvdiag's load loop used this share of one core or more
 SERVER_BEHIND = 0.75             # server running+waiting below this share of the client's in flight
@@ -136,7 +134,7 @@ def _pct(v: float | None) -> str:
 
 
 def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
-          kv_threshold: float = KV_SATURATED) -> Saturation:
+          kv_threshold: float = KV_FULL) -> Saturation:
     """Saturation of one load phase from its /metrics snapshots and the sampler's readings."""
     kv = [s.kv_cache_usage for s in snaps if s.kv_cache_usage is not None]
     running = [s.running for s in snaps if s.running is not None]
@@ -195,4 +193,4 @@ def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
     return Saturation(False, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, side, note)
 
 
-__all__ = ["KV_SATURATED", "Saturation", "SaturationSampler", "judge"]
+__all__ = ["Saturation", "SaturationSampler", "judge"]

@@ -1,4 +1,4 @@
-"""Never a false deadlock across processes (issue 13): a blocked read is judged with its peer.
+"""Never a false deadlock across processes: a blocked read is judged with its peer.
 
 Bundles (real captures, tests/fixtures/bundles):
 - sim_idle_always: `kvdiag repro two-engine --allocator fixed` with `capture: {when: always}`, both

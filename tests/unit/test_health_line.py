@@ -1,4 +1,4 @@
-"""Issue 17 item 2: the health line is derived from the verdict and the probes, for every verdict kind.
+"""The health line is derived from the verdict and the probes, for every verdict kind.
 
 A report once said `healthy: no` beside the verdict `healthy`. Every rendering (report.json, the
 terminal table, report.md, report.html) must agree with the engine's verdict: "yes" exactly when
