@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, judged, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
