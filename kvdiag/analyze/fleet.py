@@ -63,6 +63,8 @@ def on_node(verdict: Verdict, node: str) -> Verdict:
     """``verdict`` (judged on ``node``'s bundle alone) with its evidence and findings naming the node."""
     for item in verdict.evidence:
         item.node = item.node or node
+        for ref in item.refs:
+            ref.node = ref.node or node
     for f in verdict.findings:
         if f.pid is not None:
             f.node = f.node or node
@@ -210,6 +212,8 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
             item: EvidenceItem = cite_item(w.thread, f"waits in {w.how} on {_target_label(w, bundle)}, which is hung",
                                            w.waiter.engine, ())
             item.node = w.waiter.node
+            for ref in item.refs:
+                ref.node = w.waiter.node
             out.evidence.append(item)
     if chains:
         out.summary += "; waited on across nodes: " + "; ".join(chains)
