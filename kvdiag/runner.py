@@ -232,14 +232,27 @@ class LaunchedRun:
                 remove_device_files(self.device)
 
 
+def switchable(scenario: Scenario, what: str) -> None:
+    """Refuse an allocator override (``repro --allocator``, ``ab``) when some engine's allocator is not
+    kvdiag's to switch: a `kind: command` engine, or `allocator: external` (vLLM's own or kvcached).
+    Both sides would run the same setup and the comparison would be of nothing."""
+    fixed = [f"{e.name} ({'kind: command' if e.kind == 'command' else 'allocator: external'})"
+             for e in scenario.engines if not (e.kind in ("sim", "vllm") and e.allocator != "external")]
+    if fixed:
+        raise UsageError(f"{what} switches kvdiag's allocator, which engine(s) {', '.join(fixed)} do not use: "
+                         "both sides would run the same setup",
+                         hint="use engines of kind sim, or kind vllm with allocator: stock|fixed (kvdiag's "
+                              "plugin); run the scenario without the switch to diagnose it as it is")
+
+
 def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, command: str,
                  console: Console, allocator: str | None = None,
                  on_event: Callable[[str], None] | None = None) -> RunArtifacts:
     """Run a co-location scenario end to end and write its report into ``out_dir``."""
     if allocator is not None:
+        switchable(scenario, f"--allocator {allocator}")
         for e in scenario.engines:
-            if e.kind == "sim" or (e.kind == "vllm" and e.allocator != "external"):
-                e.allocator = allocator  # type: ignore[assignment]
+            e.allocator = allocator  # type: ignore[assignment]
     bundle = new_bundle(command)
     bundle.scenario = scenario.model_dump(mode="json")
     bundle.scenario_path = scenario_name
@@ -325,6 +338,7 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
     """
     import copy
 
+    switchable(scenario, "kvdiag ab")
     sides: dict[str, RunArtifacts] = {}
     for allocator in AB_SIDES:
         console.rule(f"{allocator} allocator")
@@ -334,6 +348,7 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
         if on_side is not None:
             on_side(allocator, sides[allocator])
     bundle = new_bundle("ab")
+    bundle.scenario = scenario.model_dump(mode="json")
     bundle.scenario_path = scenario_name
     bundle.stall_window_s = scenario.windows.stall_s
     bundle.runs = {side: f"../{side}/bundle" for side in AB_SIDES}

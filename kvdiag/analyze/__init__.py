@@ -15,11 +15,13 @@ from kvdiag.analyze.fleet import across_nodes, by_node, is_merged
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
+from kvdiag.analyze.xproc import judge_across, merge_across
 from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
-    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "severity", "sign",
+    "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "judge_across",
+    "merge_across", "severity", "sign",
 ]
 
 
@@ -80,4 +82,6 @@ def _worst(by: dict[str, Verdict], bundle: Bundle) -> Verdict:
                 seen.add((f.kind, f.message))
                 extra.append(f)
     overall.findings += extra
+    # The processes judged as a whole: a wait that crosses a process boundary is named at its root.
+    overall = merge_across(overall, judge_across(bundle)[0])
     return sign(overall, bundle)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import evidence_outcome, found_state, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.evidence import (
     BLOCKED_KEYS,
     CONTEXT_KEYS,
@@ -24,6 +25,7 @@ from kvdiag.analyze.evidence import (
     cite_item,
     where,
 )
+from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
@@ -766,8 +768,9 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
                             f"a wait"))
 
 
-PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
+# A thread parked on a busy GPU goes first: the host waits around it are its consequences.
+PROCESS_RULES = (rule_gpu_kernel_hang, rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read,
+                 rule_lost_wakeup, rule_gpu_idle_wait, rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
 
 
 def _first_verdict(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
@@ -866,15 +869,7 @@ def decode_stalled_from_log(e: EngineRecord) -> str | None:
             f"throughput 0.0 tokens/s on the last {len(last)} stats lines of the log")
 
 
-_TELLING = re.compile(r"\b\w*(Error|Exception)\b: |Fatal Python error|killed by signal|died unexpectedly|"
-                      r"Killed process|initialization failed|Segmentation fault|Aborted|terminate called")
-
-
-def _telling_line(text: str, pattern: re.Pattern[str]) -> str:
-    """The line that says what happened: an exception or signal line over a bare 'Traceback'."""
-    lines = [ln.strip() for ln in text.splitlines() if pattern.search(ln)]
-    best = [ln for ln in lines if _TELLING.search(ln)]
-    return (best or lines or [""])[-1]
+_telling_line = telling_line   # the line a crash/OOM summary names (kvdiag.analyze.enginelog)
 
 
 def banner_findings(e: EngineRecord) -> list[Finding]:
@@ -1045,6 +1040,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             verdict.summary += "; the PageAllocator banner predicts it (see banner_risk)"
         return verdict
 
+    if hang is not None and (moving := gpu_wait_progressed(name, hang, e)) is not None:
+        return done(moving)   # a long kernel in a loop whose log still advances
     if e is not None:
         text = _engine_text(e)
         exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)
@@ -1093,8 +1090,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         return done(Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW,
                             summary=f"{name}: stalled in phase {e.phase.value}; {what}"))
     if e is not None and e.phase in _STARTING and not e.healthy:
-        return done(Verdict(kind=VerdictKind.SLOW_START, confidence=Confidence.LOW,
-                            summary=f"{name}: still starting (phase {e.phase.value}), no hang evidence"))
+        return done(starting_verdict(name, e))
     conf, reasons = healthy_confidence(e, procs, bundle)
     if procs:
         detail = "threads are running" if _any_running(procs, machine) else "threads are idle in normal waits"

@@ -15,7 +15,8 @@ from kvdiag import __version__
 from kvdiag.errors import ExitCode, KvdiagError, Terminated
 
 # Each module defines ``register(app)`` adding its command(s).
-_COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact", "merge")
+_COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact",
+                    "watch", "sweep", "merge")
 
 app = typer.Typer(
     name="kvdiag",

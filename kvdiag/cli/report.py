@@ -24,7 +24,7 @@ def report_cmd(
     said (the stored diagnosis); a bundle without one is analyzed first.
     Exit codes: 0 written, 2 no readable bundle or an unwritable output.
     """
-    from kvdiag.cli.common import console
+    from kvdiag.cli.common import result_console
     from kvdiag.report import build_report, render_html, render_run, render_terminal
 
     run = load_run(bundle)
@@ -32,7 +32,7 @@ def report_cmd(
     if loaded.diagnosis is None:  # a bundle written before diagnoses were stored, or by hand
         loaded.diagnosis = diagnose(loaded, run.run_bundles)
     diag = loaded.diagnosis
-    con = console()
+    con = result_console()
     paths: dict[str, Path]
     report = build_report(loaded, diag.verdict, command=loaded.command or "report", exit_code=diag.exit_code,
                           verdicts_by_engine=diag.verdicts_by_engine,

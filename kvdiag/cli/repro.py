@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
-from kvdiag.runner import prepare_out_dir, run_scenario
+from kvdiag.launch.preflight import check_launchable
+from kvdiag.runner import prepare_out_dir, run_scenario, switchable
 from kvdiag.scenario import load_scenario
 
 
@@ -35,12 +36,15 @@ def two_engine(
     2 bad usage or scenario, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
+    if allocator is not None:
+        switchable(scen, f"--allocator {allocator.value}")
+    check_launchable(scen, name, text)   # before any folder or engine exists
     out_dir = prepare_out_dir(out, "repro two-engine")
     con = console()
     con.print(f"kvdiag repro two-engine: scenario {name}, output {out_dir}")
     arts = run_scenario(scen, name, text, out_dir, "repro two-engine", con,
                         allocator=allocator.value if allocator else None)
-    print_summary(arts, con)
+    print_summary(arts)
     return arts.exit_code
 
 

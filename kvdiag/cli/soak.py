@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console, print_summary
+from kvdiag.cli.common import console, print_summary, result_console
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import SoakStats
 
@@ -63,10 +63,11 @@ def soak(
                if model == "sim" else f"vllm serve {model} (soak-vllm)")
     con.print(f"kvdiag soak: {subject}, {concurrency} streams, output {out_dir}", highlight=False)
     arts = SoakRun(opts, out_dir, con).run()
+    result = result_console()
     if arts.bundle.soak is not None:
         for line in soak_lines(arts.bundle.soak, arts.bundle.stall_to_verdict_s):
-            con.print(line, highlight=False, markup=False)
-    print_summary(arts, con)
+            result.print(line, highlight=False, markup=False)
+    print_summary(arts, result)
     return arts.exit_code
 
 

@@ -72,7 +72,7 @@ class EngineWatch:
             log_tail=list(self.state.tail)[-40:], last_log_line=self.state.last_line,
             banners=list(self.state.banners), pids=pids,
             startup_s=(self.ready_t - self.started_t) if self.ready_t and self.started_t else None,
-            error=self.state.errors[0] if self.state.errors else None,
+            error=self.state.errors[0] if self.state.errors else None, kind=self.spec.kind,
         )
 
 

@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -54,6 +54,12 @@ from kvdiag.model.fleet import (
     RayActorRecord,
     RayTaskRecord,
 )
+from kvdiag.model.gpu import (
+    GpuDeviceReading,
+    GpuProcessUse,
+    GpuReadings,
+    GpuSnapshot,
+)
 from kvdiag.model.kinds import (
     KIND_SPECS,
     NO_EVIDENCE_KINDS,
@@ -82,6 +88,21 @@ from kvdiag.model.run import (
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.model.sweep import (
+    SWEEP_SCHEMA_VERSION,
+    ABRates,
+    BannerCheck,
+    BannerDisagreement,
+    Distribution,
+    Interval,
+    RateLine,
+    Scalar,
+    SweepAxis,
+    SweepCell,
+    SweepReport,
+    SweepRule,
+    SweepRun,
+)
 from kvdiag.model.verdict import (
     ABComparison,
     ABEngine,
@@ -90,6 +111,18 @@ from kvdiag.model.verdict import (
     EvidenceItem,
     KnownDefect,
     Verdict,
+)
+from kvdiag.model.waits import (
+    EdgeEvidence,
+    EdgeKind,
+    FrameRef,
+    NodeRef,
+    PeerProcess,
+    SharedMapping,
+    WaitChain,
+    WaitEdge,
+    WaitGraphRecord,
+    WaitNode,
 )
 
 __all__ = [
@@ -100,7 +133,10 @@ __all__ = [
     "RayTaskRecord",
     "ABComparison",
     "ABEngine",
+    "ABRates",
     "ABSide",
+    "BannerCheck",
+    "BannerDisagreement",
     "BannerInfo",
     "BannerRisk",
     "Bundle",
@@ -108,8 +144,11 @@ __all__ = [
     "DefectCheck",
     "DefectStatus",
     "Diagnosis",
+    "Distribution",
     "DoctorCheck",
     "DoctorReport",
+    "EdgeEvidence",
+    "EdgeKind",
     "EnginePhase",
     "EnginePids",
     "EngineRecord",
@@ -118,9 +157,15 @@ __all__ = [
     "FdInfo",
     "Finding",
     "Frame",
+    "FrameRef",
     "GilState",
+    "GpuDeviceReading",
     "GpuInfo",
+    "GpuProcessUse",
+    "GpuReadings",
+    "GpuSnapshot",
     "InterpreterPackages",
+    "Interval",
     "IpcSocket",
     "KIND_SPECS",
     "KindSpec",
@@ -129,18 +174,29 @@ __all__ = [
     "KvcachedRuntime",
     "MetricsSnapshot",
     "NO_EVIDENCE_KINDS",
+    "NodeRef",
+    "PeerProcess",
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
     "PtraceAccess",
+    "RateLine",
     "RedactionSummary",
     "Report",
     "ReportBanner",
     "ReportEngine",
     "RiskStatus",
     "SCHEMA_VERSION",
+    "Scalar",
+    "SWEEP_SCHEMA_VERSION",
+    "SharedMapping",
     "ShmSegment",
     "SoakStats",
+    "SweepAxis",
+    "SweepCell",
+    "SweepReport",
+    "SweepRule",
+    "SweepRun",
     "TARGET_STATE_KINDS",
     "TargetAccess",
     "ThreadEvidence",
@@ -149,4 +205,8 @@ __all__ = [
     "ToolRun",
     "Verdict",
     "VerdictKind",
+    "WaitChain",
+    "WaitEdge",
+    "WaitGraphRecord",
+    "WaitNode",
 ]

@@ -8,6 +8,7 @@ from pydantic import Field
 
 from kvdiag.model.kinds import Confidence, EnginePhase, VerdictKind, _Model
 from kvdiag.model.run import Finding
+from kvdiag.model.waits import WaitChain, WaitGraphRecord
 
 
 class KnownDefect(_Model):
@@ -65,6 +66,9 @@ class Verdict(_Model):
     # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
     # evidence only, never timing noise (issue 17 item 6).
     confidence_reasons: list[str] = Field(default_factory=list)
+    # The cross-process wait chain the verdict followed, first waiter to root (kvdiag.analyze.xproc);
+    # None: judged inside one process.
+    waits: WaitChain | None = None
 
 
 class ABEngine(_Model):
@@ -93,6 +97,19 @@ class ABComparison(_Model):
     fixed: ABSide
     separated: bool                  # stock reproduced a hang and fixed is healthy
 
+    @property
+    def outcome(self) -> str:
+        """An A/B's one outcome, as report.json's ``outcome`` names it."""
+        return "ab_separated" if self.separated else "ab_not_separated"
+
+    @property
+    def title(self) -> str:
+        return "A/B separated" if self.separated else "A/B did not separate"
+
+    def headline(self) -> str:
+        """``A/B separated (stock: gil_cycle, fixed: healthy)``: what heads every rendering of an A/B."""
+        return f"{self.title} (stock: {self.stock.verdict.value}, fixed: {self.fixed.verdict.value})"
+
 
 class Diagnosis(_Model):
     """analyze(bundle): everything the run concluded. Stored in the bundle; renderers read only this."""
@@ -102,3 +119,5 @@ class Diagnosis(_Model):
     exit_code: int = 0
     ab: ABComparison | None = None
     notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
+    # Every wait edge found across the captured processes (None: not built, or a bundle from before it).
+    wait_graph: WaitGraphRecord | None = None

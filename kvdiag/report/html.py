@@ -385,7 +385,7 @@ def processes_view(bundle: Bundle | None, report: Report) -> list[dict[str, Any]
             "comm": proc.comm, "cmdline": clean_text(shlex.join(proc.cmdline)) if proc.cmdline else "",
             "state": proc.state.value, "wchan": proc.wchan, "cpu_percent": proc.cpu_percent,
             "alive": proc.alive, "python_version": proc.python_version, "exe": proc.exe,
-            "tools": [t.model_dump(mode="json") for t in proc.tools],
+            "tools": [{**t.model_dump(mode="json"), "state": t.state} for t in proc.tools],
             "threads": threads,
             "cited": any(t["cited"] for t in threads),
             "_order": _ROLE_ORDER.get(proc.role, 9),
@@ -535,7 +535,7 @@ def ab_view(report: Report) -> dict[str, Any] | None:
             "engines": engines,
         })
     return {"separated": ab.separated, "sides": sides, "base": base,
-            "title": "A/B separated" if ab.separated else "A/B did not separate"}
+            "title": ab.title}
 
 
 # ---------------------------------------------------------------- page

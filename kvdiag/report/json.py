@@ -108,8 +108,27 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         environment=bundle.environment,
         redaction=bundle.redaction.model_copy(deep=True),
         stall_to_verdict_s=bundle.stall_to_verdict_s,
+        outcome=ab.outcome if ab is not None else verdict.kind.value,
+        simulated_engines=simulated_engines(bundle),
     )
     return report
+
+
+def simulated_engines(bundle: Bundle) -> list[str]:
+    """The engines of ``bundle`` that were kvdiag's simulated engines: each record's kind, else (older
+    bundles) the kind its scenario copy gives it (the scenario default is ``sim``)."""
+    declared: dict[str, str] = {}
+    scenario = bundle.scenario if isinstance(bundle.scenario, dict) else {}
+    specs = scenario.get("engines")
+    for spec in specs if isinstance(specs, list) else []:
+        if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+            declared[spec["name"]] = str(spec.get("kind") or "sim")
+    out = []
+    for e in bundle.engines:
+        kind = e.kind or declared.get(e.name) or declared.get(e.name.split("/", 1)[-1])
+        if kind == "sim":
+            out.append(e.name)
+    return out
 
 
 def report_dict(report: Report) -> dict[str, Any]:

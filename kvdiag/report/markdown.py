@@ -53,6 +53,9 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     else:
         out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
     out.append("")
+    if report.simulated_engines:
+        out += [f"> **Simulated engines:** {', '.join(_code(n) for n in report.simulated_engines)} ran kvdiag's "
+                "simulated vLLM-shaped engine, not a real vLLM (model names are labels).", ""]
     out.append(f"**{_inline(clean_text(v.summary))}**")
     out.append("")
     facts = [f"command: {_code(report.command)}", f"exit code: {report.exit_code}"]

@@ -31,16 +31,28 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
     v = report.verdict
     kind = v.kind.value
     head = Text()
-    head.append("verdict: ", style="bold")
-    head.append(kind, style=_kind_style(kind))
-    head.append(f"  ({v.confidence.value} confidence)", style="dim")
-    if v.engine:
-        head.append("  engine ", style="dim")
-        head.append(v.engine, style="bold")
+    if report.ab is not None:
+        # An A/B's one outcome is the comparison; the stock side's verdict is its evidence.
+        style = "bold green" if report.ab.separated else "bold red"
+        head.append(report.ab.headline(), style=style)
+        head.append(f"  exit {report.exit_code}", style="dim")
+    else:
+        style = _kind_style(kind)
+        head.append("verdict: ", style="bold")
+        head.append(kind, style=style)
+        head.append(f"  ({v.confidence.value} confidence)", style="dim")
+        if v.engine:
+            head.append("  engine ", style="dim")
+            head.append(v.engine, style="bold")
     # Plain lines, not a Panel: callers print with soft_wrap, which would crop text inside a box.
-    console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
+    console.rule(Text("kvdiag", style="bold"), style=style.split()[-1])
     console.print(head)
+    if report.simulated_engines:
+        console.print(Text(f"simulated engines: {', '.join(report.simulated_engines)} (kvdiag's simulated "
+                           "vLLM-shaped engine, not a real vLLM)", style="yellow"))
     console.print(Text(v.summary))
+    if report.ab is not None and v.evidence:
+        console.print(Text(f"the stock side's verdict: {kind} ({v.confidence.value} confidence)", style="bold"))
     if v.confidence_reasons:
         console.print(Text(f"confidence {v.confidence.value}: " + "; ".join(v.confidence_reasons), style="dim"))
     if v.signature:
@@ -80,9 +92,12 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
             console.print(Text(f"    … {len(item.frames) - len(shown)} more frames", style="dim"))
 
     if report.engines:
-        table = Table(title="engines", title_justify="left", show_edge=False, pad_edge=False)
-        for col in ("engine", "allocator", "phase", "healthy", "verdict", "engine_core", "banner"):
-            table.add_column(col, overflow="fold")
+        # Identifiers (names, kinds, pids) are never broken across lines, at any width: only the
+        # health sentence wraps, at its spaces. No column rules, so seven columns fit in 80.
+        table = Table(title="engines", title_justify="left", box=None, pad_edge=False, header_style="bold")
+        for col in ("engine", "allocator", "phase", "healthy", "verdict", "EngineCore", "banner"):
+            table.add_column(col, no_wrap=col != "healthy", overflow="ellipsis" if col == "healthy" else "crop",
+                             min_width=8 if col == "healthy" else None)
         for e in report.engines:
             if e.banner_risk is not None:
                 risk_text = Text("RISK", style="bold red") if e.banner_risk.risky else Text("ok", style="green")

@@ -12,7 +12,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvdiag.model import MetricsSnapshot
 from kvdiag.proc import FUTEX_WCHANS, process_tree, read_stat
 
-__all__ = ["process_tree"]
+__all__ = ["metric_samples", "process_tree"]
 
 _WANTED = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
@@ -58,14 +58,14 @@ def probe_completion(client: httpx.Client, base_url: str, model: str | None, max
 def parse_metrics(text: str, t: float, engine: str | None = None) -> MetricsSnapshot:
     """Sum the vLLM gauges/counters we watch over all label sets (prometheus_client's parser)."""
     values: dict[str, float] = {}
-    for name, value in _samples(text):
+    for name, value in metric_samples(text):
         key = _WANTED.get(name)
         if key is not None and not math.isnan(value):
             values[key] = values.get(key, 0.0) + value
     return MetricsSnapshot(t=t, engine=engine, **values)
 
 
-def _samples(text: str) -> list[tuple[str, float]]:
+def metric_samples(text: str) -> list[tuple[str, float]]:
     """(sample name, value) of every sample in an exposition; a malformed line costs only itself."""
     try:
         return [(s.name, float(s.value)) for fam in text_string_to_metric_families(text) for s in fam.samples]

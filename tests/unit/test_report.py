@@ -169,7 +169,7 @@ def test_report_json_validates_and_round_trips(tmp_path: Path, validator: jsonsc
     assert data["verdict"]["kind"] == "gil_cycle"
     assert data["verdict"]["evidence"][0] == {"pid": 200, "tid": 200, "role": "alloc_page caller (holds GIL)",
                                               "engine": "eng2", "frames": verdict.evidence[0].frames,
-                                              "key_frames": None}   # hand-made evidence: no key frames
+                                              "key_frames": None, "node": None}   # hand-made evidence: no key frames
     eng2 = data["engines"][1]
     assert eng2["name"] == "eng2" and eng2["phase"] == "stalled" and eng2["verdict"] == "gil_cycle"
     assert eng2["pids"] == {"api_server": 199, "engine_core": 200}
@@ -461,7 +461,7 @@ def test_cli_report_rerenders_a_saved_bundle(tmp_path: Path, capsys: pytest.Capt
     data = json.loads((run / "report.json").read_text())
     validator.validate(data)
     assert data["command"] == "repro two-engine"
-    assert "verdict:" in capsys.readouterr().err
+    assert "verdict:" in capsys.readouterr().out   # the outcome on stdout, progress on stderr
     page = tmp_path / "elsewhere" / "page.html"
     assert main(["report", str(run / "bundle" / "bundle.json"), "--html", str(page)]) == 0
     assert "kvdiag report:" in page.read_text()
@@ -473,7 +473,7 @@ def test_cli_report_rerenders_a_saved_bundle(tmp_path: Path, capsys: pytest.Capt
 def test_cli_report_missing_bundle_is_a_usage_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path / "nope")]) == 2
     err = capsys.readouterr().err
-    assert "no bundle.json found" in err and "Traceback" not in err
+    assert "no such file or folder" in err and "Traceback" not in err
 
 
 def test_raw_outputs_are_capped_and_confined(tmp_path: Path) -> None:

@@ -1,0 +1,72 @@
+"""`kvdiag watch --url URL [--once]`: a passive sentinel beside running servers that names a stall."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+from kvdiag.defaults import WATCH_WINDOW_S
+from kvdiag.errors import ExitCode, UsageError
+from kvdiag.watchrun import RAY_NOT_YET, WatchOptions, run_watch
+
+
+def _human(line: str) -> None:
+    typer.echo(f"kvdiag watch: {line}", err=True)
+
+
+def watch_cmd(
+    url: list[str] = typer.Option(..., "--url", help="A running server's base URL (repeat for several), e.g. "
+                                  "http://127.0.0.1:8000.", show_default=False),
+    pid: list[int] = typer.Option([], "--pid", help="Its API server or EngineCore pid, one per --url in the same "
+                                  "order (default: the process listening on the URL's port, when local).",
+                                  show_default=False),
+    window: float = typer.Option(WATCH_WINDOW_S, "--window", help="Requests running or waiting and no "
+                                 "progress for this many seconds is a stall."),
+    once: bool = typer.Option(False, "--once", help="Exit at the first stall (10) instead of watching on."),
+    out: Path = typer.Option(Path("reports/watch"), "--out", "-o", help="Folder for the report folders of "
+                             "captured stalls (one stall-<engine>-<time>/ each)."),
+    keep: int = typer.Option(20, "--keep", help="Keep at most this many report folders under --out (oldest "
+                             "removed first)."),
+    metrics_port: int | None = typer.Option(None, "--metrics-port", help="Serve kvdiag_watch_* Prometheus metrics "
+                                            "on this port (0: any free port; default: none).", show_default=False),
+    metrics_addr: str = typer.Option("127.0.0.1", "--metrics-addr", help="Address of the metrics endpoint "
+                                     "(0.0.0.0 for a scraper in another pod)."),
+    period: float = typer.Option(1.0, "--period", help="Seconds between two looks at each server."),
+    cooldown: float = typer.Option(300.0, "--cooldown", help="After a capture, the same engine is not captured "
+                                   "again for this many seconds (its stalls are still reported)."),
+    duration: float | None = typer.Option(None, "--duration", help="Stop after this many seconds (default: run "
+                                          "until SIGTERM/SIGHUP).", show_default=False),
+    tools: str = typer.Option("proc,py-spy,pystack,gdb", "--tools", help="Capture backends, comma-separated."),
+    capture_timeout: float = typer.Option(10.0, "--capture-timeout", help="Bound on one capture, seconds."),
+    ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture through the Ray fleet path "
+                                   "(not in this build).", show_default=False),
+) -> int:
+    """Follow running vLLM servers passively (no load of its own) and name a stall.
+
+    Each period it reads /metrics (tokens generated, prompt tokens, requests finished,
+    running, waiting, KV usage, engine steps), /health, and, where the EngineCore is local,
+    its state, wchan and CPU. A stall is requests running or waiting and no progress for
+    --window seconds, whatever /health says; no requests is idle; a restarted server is an
+    event. A stall is captured once, read-only (as `kvdiag capture --engine-core-of`), into a
+    report folder under --out; then the watch goes on (--cooldown), or ends with --once.
+    Events are JSON lines on stdout (start, stall, verdict, restart, recovered, error, stop),
+    progress on stderr. The watched processes are never signalled or stopped.
+    SIGTERM/SIGHUP stop it cleanly. Exit codes: 0 stopped cleanly, 10 a stall named (--once),
+    2 bad usage.
+    """
+    if ray is not None:
+        raise UsageError(f"--ray: {RAY_NOT_YET}")
+    opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
+                        keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
+                        duration_s=duration, tools=[t.strip() for t in tools.split(",") if t.strip()],
+                        capture_timeout_s=capture_timeout)
+    opts.validate()
+    outcome = run_watch(opts, sys.stdout, _human)
+    _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")
+    return ExitCode.DEADLOCK if outcome.once_hit else ExitCode.OK
+
+
+def register(app: typer.Typer) -> None:
+    app.command("watch")(watch_cmd)

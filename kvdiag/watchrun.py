@@ -1,0 +1,238 @@
+"""`kvdiag watch` as a run: the sentinel stage wired to discovery, capture, analysis and the reports.
+
+The loop and the judgement live in :mod:`kvdiag.watch.sentinel`; this module supplies what it is
+injected with: the looks (HTTP + /proc), where each server's EngineCore is (the port's listener,
+the EngineCore under it), the capture of a stall (the same path as ``kvdiag capture
+--engine-core-of``: the EngineCore's tree, read-only, analyzed, a report folder), the events'
+outputs (JSON lines, stderr, Prometheus), retention of report folders, and clean stops on
+SIGTERM/SIGHUP. Nothing here signals or stops a watched process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from types import FrameType
+from typing import TextIO
+
+import httpx
+
+from kvdiag.capture.bundle import capture_tree
+from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
+from kvdiag.capture.select import capture_scope, engine_cores_of
+from kvdiag.defaults import WATCH_WINDOW_S
+from kvdiag.errors import UsageError
+from kvdiag.model import TimelineEvent
+from kvdiag.proc import alive
+from kvdiag.runner import finish
+from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
+from kvdiag.watch.events import ERROR, EventSink, WatchEvent
+from kvdiag.watch.exporter import WatchExporter
+from kvdiag.watch.local import LocalEngine, Located
+from kvdiag.watch.looker import ServerLooker
+from kvdiag.watch.reading import Look
+from kvdiag.watch.retention import capture_dir, prune
+from kvdiag.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel, WatchOutcome
+
+RAY_NOT_YET = ("a Ray deployment's engines are captured through `kvdiag capture --ray`, which this build "
+               "does not have yet: run kvdiag watch on each engine's node (or pod) instead")
+
+
+@dataclass
+class WatchOptions:
+    urls: list[str]
+    pids: list[int] = field(default_factory=list)
+    window_s: float = WATCH_WINDOW_S
+    period_s: float = 1.0
+    once: bool = False
+    out: Path = Path("reports/watch")
+    keep: int = 20
+    metrics_port: int | None = None
+    metrics_addr: str = "127.0.0.1"
+    cooldown_s: float = 300.0
+    duration_s: float | None = None
+    tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
+    capture_timeout_s: float = 10.0
+
+    def validate(self) -> None:
+        """Usage errors before anything starts."""
+        if not self.urls:
+            raise UsageError("give at least one --url URL of a running server")
+        clean: list[str] = []
+        for url in self.urls:
+            try:
+                url_host_port(url)
+            except ValueError as exc:
+                raise UsageError(f"--url {url}: {exc}", hint="e.g. --url http://127.0.0.1:8000") from None
+            clean.append(url.rstrip("/"))
+        if len(set(clean)) != len(clean):
+            raise UsageError("--url: the same server is named twice")
+        self.urls = clean
+        if self.pids and len(self.pids) != len(self.urls):
+            raise UsageError(f"--pid given {len(self.pids)} time(s) for {len(self.urls)} --url: give one --pid per "
+                             "--url, in the same order, or none (found from each URL's port)")
+        for pid in self.pids:
+            if pid <= 1 or not os.path.isdir(f"/proc/{pid}"):
+                raise UsageError(f"--pid {pid}: no such process",
+                                 hint="the API server (`vllm serve`) or its EngineCore")
+        if not 0 < self.window_s <= 3600:
+            raise UsageError(f"--window {self.window_s:g}: must be in (0, 3600] seconds")
+        if not 0.1 <= self.period_s <= self.window_s:
+            raise UsageError(f"--period {self.period_s:g}: must be between 0.1 s and the window")
+        if self.keep < 1:
+            raise UsageError(f"--keep {self.keep}: keep at least one report folder")
+        if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
+            raise UsageError(f"--metrics-port {self.metrics_port}: not a port")
+        if self.duration_s is not None and self.duration_s <= 0:
+            raise UsageError("--duration must be > 0")
+        if self.cooldown_s < 0:
+            raise UsageError("--cooldown must be >= 0")
+        if not 0 < self.capture_timeout_s <= 600:
+            raise UsageError(f"--capture-timeout {self.capture_timeout_s:g}: must be in (0, 600] seconds")
+        try:
+            make_backends(self.tools)
+        except ValueError as exc:
+            raise UsageError(f"--tools: {exc}") from None
+        try:
+            self.out.mkdir(parents=True, exist_ok=True)
+            probe = self.out / ".kvdiag-write-test"
+            probe.write_text("")
+            probe.unlink()
+        except OSError as exc:
+            raise UsageError(f"cannot write output folder {self.out}: {exc.strerror or exc}",
+                             hint="pass --out DIR pointing at a writable folder") from None
+
+
+def engine_name(url: str) -> str:
+    host, port = url_host_port(url)
+    return f"{host}:{port}"
+
+
+def locate(url: str, pid_hint: int | None = None) -> Located:
+    """The API server listening on ``url``'s port and its one EngineCore (``pid_hint``: --pid, either)."""
+    host, port = url_host_port(url)
+    root: int | None = None
+    if pid_hint is not None and alive(pid_hint):
+        root = pid_hint
+    elif not is_local_host(host):
+        return Located(None, None, f"{host} is not this machine: stalls are reported, not captured")
+    else:
+        root = server_pid(listening_pids(port))
+        if root is None:
+            return Located(None, None, f"no local process listens on port {port} (or it is another user's)")
+    cores = engine_cores_of(root)
+    server = None if root in cores else root
+    if not cores:
+        return Located(server, None, f"no VLLM::EngineCore process under pid {root}")
+    if len(cores) > 1:
+        return Located(server, None, f"{len(cores)} EngineCore processes under pid {root} "
+                       f"({', '.join(map(str, cores))}): name one with --pid")
+    return Located(server, cores[0])
+
+
+def capture_stall(req: CaptureRequest, opts: WatchOptions, t0: float, clock: Callable[[], float]) -> CaptureResult:
+    """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
+    --engine-core-of``), with the watch's metrics and timeline in the bundle; prune to --keep."""
+    scope = capture_scope(req.core_pid)
+    if scope.problems:
+        raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
+    out_dir = capture_dir(opts.out, req.engine)
+    bundle_dir = out_dir / "bundle"
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
+                          command=f"watch --url {req.url}", pids=scope.pids)
+    bundle.stall_detected = True
+    bundle.stall_window_s = req.window_s
+    # The engine's metrics as the watch read them; one engine per bundle, so they name none.
+    bundle.metrics = [s.model_copy(update={"engine": None}) for s in req.snapshots]
+    bundle.timeline += [
+        TimelineEvent(t=round(req.onset_t, 3), event="last progress", engine=req.engine,
+                      detail="the last look at which tokens, prefill or finished requests grew"),
+        TimelineEvent(t=round(req.detected_t, 3), event="stall detected", engine=req.engine,
+                      detail=f"requests in flight, no progress for {req.window_s:g}s"),
+    ]
+    arts = finish(out_dir, bundle, verdict_t=clock() - t0)
+    prune(opts.out, opts.keep)
+    v = arts.verdict
+    return CaptureResult(kind=v.kind.value, summary=v.summary, confidence=v.confidence.value,
+                         exit_code=arts.exit_code, out=str(out_dir), stall_to_verdict_s=arts.bundle.stall_to_verdict_s)
+
+
+class _StopFlag:
+    """SIGTERM and SIGHUP end the watch at its next wait (every wait is bounded), never mid-capture."""
+
+    def __init__(self) -> None:
+        self.event = threading.Event()
+        self.reason = ""
+
+    def handler(self, signum: int, frame: FrameType | None) -> None:
+        self.reason = f"received {signal.Signals(signum).name}"
+        self.event.set()
+
+
+@contextmanager
+def _signals(flag: _StopFlag) -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, flag.handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
+              clock: Callable[[], float] = time.monotonic) -> WatchOutcome:
+    """Watch until stopped (SIGTERM/SIGHUP, --duration) or, with --once, until a stall is named."""
+    flag = _StopFlag()
+    sink = EventSink(stdout, human)
+    t0 = clock()
+    trackers: list[EngineTracker] = []
+    lookers: dict[str, Callable[[], Look]] = {}
+    start_fields: dict[str, dict[str, object]] = {}
+    client = httpx.Client(trust_env=False, timeout=httpx.Timeout(2.0))
+    exporter: WatchExporter | None = None
+    try:
+        for i, url in enumerate(opts.urls):
+            name = engine_name(url)
+            hint = opts.pids[i] if opts.pids else None
+            local = LocalEngine(locate=partial(locate, url, hint), clock=clock)
+            local.refresh(force=True)
+            tr = EngineTracker(name, url, opts.window_s, period_s=opts.period_s, cooldown_s=opts.cooldown_s, t0=t0)
+            trackers.append(tr)
+            lookers[name] = ServerLooker(url, client, local, clock=clock)
+            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out)}
+        if opts.metrics_port is not None:
+            exporter = WatchExporter(trackers)
+            port = exporter.serve(opts.metrics_port, opts.metrics_addr)
+            sink.listeners.append(exporter.on_event)
+            human(f"kvdiag watch: Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics")
+            for f in start_fields.values():
+                f["metrics_port"] = port
+        sentinel = Sentinel(trackers=trackers, lookers=lookers,
+                            capture=lambda req: capture_stall(req, opts, t0, clock), sink=sink, clock=clock,
+                            wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
+                            duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
+                            stop_reason=lambda: flag.reason)
+        with _signals(flag):
+            outcome = sentinel.run()
+        return outcome
+    except OSError as exc:
+        sink.emit(WatchEvent(ERROR, None, time.time(), {"kind": "watch", "error": str(exc)}))
+        raise UsageError(f"kvdiag watch: {exc}") from None
+    finally:
+        client.close()
+        if exporter is not None:
+            exporter.close()
+
+
+__all__ = ["RAY_NOT_YET", "WatchOptions", "capture_stall", "engine_name", "locate", "run_watch"]

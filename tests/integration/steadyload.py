@@ -1,0 +1,96 @@
+"""A small steady streaming load on an OpenAI-compatible server (threads, standard SSE), for tests and
+benchmarks that need a server that is busy but not saturated: each of ``streams`` threads sends one
+streaming completion after another and counts the content events it receives."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+
+
+class SteadyLoad:
+    """``streams`` back-to-back streaming completions of ``max_tokens`` each until :meth:`stop`."""
+
+    def __init__(self, url: str, model: str | None, streams: int = 2, max_tokens: int = 32,
+                 read_timeout_s: float = 120.0) -> None:
+        self.url = url.rstrip("/")
+        self.model = model
+        self.streams = streams
+        self.max_tokens = max_tokens
+        self.read_timeout_s = read_timeout_s
+        self.tokens = 0
+        self.requests_ok = 0
+        self.errors = 0
+        self.last_token_wall: float | None = None
+        self.last_token_mono: float | None = None
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._clients: list[httpx.Client] = []
+
+    def start(self) -> SteadyLoad:
+        for i in range(self.streams):
+            client = httpx.Client(trust_env=False, timeout=httpx.Timeout(10.0, read=self.read_timeout_s))
+            self._clients.append(client)
+            t = threading.Thread(target=self._run, args=(client,), name=f"steady-load-{i}", daemon=True)
+            t.start()
+            self._threads.append(t)
+        return self
+
+    def _run(self, client: httpx.Client) -> None:
+        body: dict[str, object] = {"prompt": "steady load", "max_tokens": self.max_tokens, "stream": True,
+                                   "ignore_eos": True, "temperature": 0}
+        if self.model:
+            body["model"] = self.model
+        while not self._stop.is_set():
+            try:
+                with client.stream("POST", f"{self.url}/v1/completions", json=body) as resp:
+                    if resp.status_code != 200:
+                        with self._lock:
+                            self.errors += 1
+                        self._stop.wait(0.5)
+                        continue
+                    for line in resp.iter_lines():
+                        if self._stop.is_set():
+                            return
+                        if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                            continue
+                        try:
+                            json.loads(line[5:])
+                        except ValueError:
+                            continue
+                        with self._lock:
+                            self.tokens += 1
+                            self.last_token_wall = time.time()
+                            self.last_token_mono = time.monotonic()
+                with self._lock:
+                    self.requests_ok += 1
+            except (httpx.HTTPError, OSError):
+                with self._lock:
+                    self.errors += 1
+                self._stop.wait(0.5)
+
+    def stop(self) -> None:
+        self._stop.set()
+        for c in self._clients:
+            c.close()   # ends a stream parked on a silent server
+        for t in self._threads:
+            t.join(timeout=5)
+
+    def __enter__(self) -> SteadyLoad:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def served_model(url: str) -> str | None:
+    """The first model id the server lists (None when it does not answer)."""
+    try:
+        data = httpx.get(f"{url.rstrip('/')}/v1/models", timeout=5, trust_env=False).json()
+        return str(data["data"][0]["id"])
+    except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError):
+        return None
