@@ -63,6 +63,9 @@ def test_native_lock_cycle_named_with_the_chain_across_nodes(cluster: ClusterHos
     waiter = [e for e in v["evidence"] if e["pid"] == a["pid"] and e["node"] == node_a]
     assert waiter and any("get" in f for f in waiter[0]["frames"]), v["evidence"]
     assert f"node {node_a} pid {a['pid']}" in v["summary"] and "waited on across nodes" in v["summary"]
+    edge = v["waits"]["edges"][0]   # the typed chain: A's thread in ray.get -> B's process, on another node
+    assert edge["kind"] == "ray_get" and (edge["src"]["node"], edge["src"]["pid"]) == (node_a, a["pid"])
+    assert (edge["dst"]["node"], edge["dst"]["pid"]) == (node_b, b["pid"])
     # processes keyed by node and pid; a node table in the environment; raw files kept per node
     assert {(p["node"], p["pid"]) for p in bundle["processes"]} == {(node_a, a["pid"]), (node_b, b["pid"])}
     assert {n["outcome"] for n in bundle["environment"]["nodes"]} >= {"captured", "no_targets"}
