@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.diagnosis import diagnose, exit_code_for
-from kvdiag.analyze.fleet import across_nodes, by_node, is_merged
+from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
@@ -66,11 +66,18 @@ def analyze(bundle: Bundle) -> Verdict:
     """The overall verdict: the worst engine's, with the other engines named in the summary."""
     by = analyze_by_engine(bundle)
     if is_merged(bundle):
-        return sign(across_nodes(_worst(by, bundle), bundle, by), bundle)
+        # A pid is unique only within its node: the processes are judged as a whole node by node, then
+        # the waits that cross nodes are joined (kvdiag.analyze.fleet).
+        overall = _worst(by, bundle, whole=False)
+        for node, sub in node_bundles(bundle):
+            cross = judge_across(sub)[0]
+            if cross is not None:
+                overall = merge_across(overall, on_node(cross, node))
+        return sign(across_nodes(overall, bundle, by), bundle)
     return _worst(by, bundle)
 
 
-def _worst(by: dict[str, Verdict], bundle: Bundle) -> Verdict:
+def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdict:
     if not by:
         return Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.LOW,
                        summary="the bundle holds no engines and no captured processes: nothing to diagnose")
