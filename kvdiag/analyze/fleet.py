@@ -76,9 +76,9 @@ def on_node(verdict: Verdict, node: str) -> Verdict:
             f.node = f.node or node
     chain = verdict.waits
     if chain is not None:
-        refs = [r for e in chain.edges for r in (e.src, e.dst)] + ([chain.root] if chain.root else [])
-        for ref in refs:
-            ref.node = ref.node or node
+        nodes = [r for e in chain.edges for r in (e.src, e.dst)] + ([chain.root] if chain.root else [])
+        for at in nodes:
+            at.node = at.node or node
         for e in chain.edges:
             for fr in e.evidence.frames:
                 fr.node = fr.node or node
