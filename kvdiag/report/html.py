@@ -25,7 +25,6 @@ from markupsafe import Markup
 
 from kvdiag.model import Bundle, Report, VerdictKind
 from kvdiag.redact import redact_text
-from kvdiag.report.chain import chain_view
 from kvdiag.report.json import report_dict
 from kvdiag.report.view import ReportView, ab_view, as_view, clean_text, format_frame, page_href
 
@@ -421,7 +420,7 @@ def render_html(report: Report | ReportView, bundle: Bundle | None = None, bundl
         kind=report.verdict.kind.value,
         hang=report.verdict.kind.is_hang,
         diagram=cycle_diagram(report.verdict.cycle),
-        chain=chain_view(report.verdict),
+        chain=view.chain,
         timeline=timeline_diagram(report),
         processes=view.processes,
         # An A/B bundle holds no raw files of its own (each run's bundle does): list only what is here.

@@ -17,6 +17,7 @@ from typing import Any
 from urllib.parse import quote
 
 from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence
+from kvdiag.report.chain import ChainView, chain_view
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -242,6 +243,7 @@ class ReportView:
     cited: list[tuple[ProcessLines, ThreadLines]] = field(default_factory=list)   # in capture order
     evidence: list[EvidenceLines] = field(default_factory=list)
     ab: dict[str, Any] | None = None
+    chain: ChainView | None = None   # the verdict's cross-process wait chain, as rows
 
     @property
     def has_key_frames(self) -> bool:
@@ -254,7 +256,8 @@ def build_view(report: Report, bundle: Bundle | None = None) -> ReportView:
     processes = process_lines(bundle, evidence)
     return ReportView(report=report, bundle=bundle, processes=cited_first(processes),
                       cited=[(p, t) for p in processes for t in p.threads if t.cited],
-                      evidence=[evidence_lines(item) for item in evidence], ab=ab_view(report))
+                      evidence=[evidence_lines(item) for item in evidence], ab=ab_view(report),
+                      chain=chain_view(report.verdict))
 
 
 def as_view(report: Report | ReportView, bundle: Bundle | None = None) -> ReportView:
