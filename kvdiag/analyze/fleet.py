@@ -79,9 +79,8 @@ def on_node(verdict: Verdict, node: str) -> Verdict:
         nodes = [r for e in chain.edges for r in (e.src, e.dst)] + ([chain.root] if chain.root else [])
         for at in nodes:
             at.node = at.node or node
-        for e in chain.edges:
-            for fr in e.evidence.frames:
-                fr.node = fr.node or node
+        for fr in [f for e in chain.edges for f in e.evidence.frames] + chain.root_refs:
+            fr.node = fr.node or node
         chain.labels = {k if k.startswith(f"{node}/") else f"{node}/{k}": lab for k, lab in chain.labels.items()}
     return verdict
 
