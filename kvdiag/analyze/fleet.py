@@ -235,7 +235,8 @@ def _chain_into(verdict: Verdict, w: CrossNodeWait, bundle: Bundle) -> WaitChain
     return WaitChain(edges=[edge], root=root, root_state="hung", labels=labels,
                      root_role=root_item.role if root_item else "",
                      root_frames=list(root_item.frames) if root_item else [],
-                     root_key_frames=list(root_item.key_frames or []) if root_item else [])
+                     root_key_frames=list(root_item.key_frames or []) if root_item else [],
+                     root_refs=[r.model_copy() for r in root_item.refs] if root_item else [])
 
 
 def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Verdict:
