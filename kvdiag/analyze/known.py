@@ -35,8 +35,8 @@ _PREALLOC_GIL = _known(GIL_HOLDING_ALLOC_PAGE, "prealloc GIL cycle: alloc_page w
                        "prealloc worker needs the GIL in map_pages (also #334)")
 _GIL_HELD_WAIT = _known(GIL_HOLDING_ALLOC_PAGE, "alloc_page waits for the prealloc worker with the GIL held: every "
                         "Python thread stalls behind it (GIL half of #371)")
-_RUNTIME_STALL = _known(GIL_HOLDING_ALLOC_PAGE, "runtime stall under load (reproduction B): decode stops while "
-                        "alloc_page waits with the GIL held and the prealloc worker needs the GIL in map_pages")
+_RUNTIME_STALL = _known(GIL_HOLDING_ALLOC_PAGE, "runtime stall under load: decode stops while alloc_page waits "
+                        "with the GIL held and the prealloc worker needs the GIL in map_pages")
 _IPC_READ = _known(UNBOUNDED_IPC_READ, "worker IPC reply awaited with no timeout: a live but stuck worker hangs the "
                    "engine (IPC half of #371)")
 

@@ -33,7 +33,7 @@ class Mapping:
         return len(self.perms) >= 4 and self.perms[3] == "s"
 
 
-def parse_maps_line(line: str) -> Mapping | None:
+def parse_line(line: str) -> Mapping | None:
     """One maps line, or None when malformed."""
     parts = line.split(None, 5)
     if len(parts) < 5 or not parts[4].isdigit():
@@ -51,7 +51,7 @@ def read_maps(pid: int) -> list[Mapping] | None:
     text = read_text(f"{PROC}/{pid}/maps")
     if text is None:
         return None
-    return [m for line in text.splitlines() if (m := parse_maps_line(line)) is not None]
+    return [m for line in text.splitlines() if (m := parse_line(line)) is not None]
 
 
 def mapped_files(pid: int) -> list[str]:
@@ -63,14 +63,23 @@ def mapped_files(pid: int) -> list[str]:
     return list(seen)
 
 
+def _shared(m: Mapping) -> SharedMapping:
+    return SharedMapping(start=m.start, end=m.end, perms=m.perms, offset=m.offset, dev=m.dev, inode=m.inode,
+                         path=m.path)
+
+
+def parse_maps_line(line: str) -> SharedMapping | None:
+    """One maps line as a shared file mapping, or None (private, anonymous or malformed)."""
+    m = parse_line(line)
+    return _shared(m) if m is not None and m.shared and m.inode else None
+
+
 def shared_file_mappings(pid: int, limit: int = MAX_SHARED_MAPPINGS) -> list[SharedMapping] | None:
     """The process's MAP_SHARED file mappings in address order; None when its maps cannot be read."""
     maps = read_maps(pid)
     if maps is None:
         return None
-    shared = [SharedMapping(start=m.start, end=m.end, perms=m.perms, offset=m.offset, dev=m.dev, inode=m.inode,
-                            path=m.path) for m in maps if m.shared and m.inode]
-    return shared[:limit]
+    return [_shared(m) for m in maps if m.shared and m.inode][:limit]
 
 
 def mapping_at(mappings: list[SharedMapping], addr: int) -> SharedMapping | None:
