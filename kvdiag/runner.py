@@ -9,12 +9,10 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
-import secrets
 import shutil
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -28,29 +26,14 @@ from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
     TimelineEvent,
-    Verdict,
 )
+
+# The output folder and the tail of a run live in kvdiag.outputs; named here too, for the commands.
+from kvdiag.outputs import RunArtifacts as RunArtifacts
+from kvdiag.outputs import default_out_dir as default_out_dir
+from kvdiag.outputs import finish as finish
+from kvdiag.outputs import prepare_out_dir as prepare_out_dir
 from kvdiag.scenario.models import Scenario
-
-
-def default_out_dir(command: str) -> Path:
-    """reports/<command>-<timestamp>-<random>/ under the current directory (never reused)."""
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("reports") / f"{command.replace(' ', '-')}-{stamp}-{secrets.token_hex(2)}"
-
-
-def prepare_out_dir(out: Path | None, command: str) -> Path:
-    path = out if out is not None else default_out_dir(command)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "bundle").mkdir(exist_ok=True)
-        probe = path / ".kvdiag-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(f"cannot write output folder {path}: {exc.strerror or exc}",
-                         hint="pass --out DIR pointing at a writable folder") from None
-    return path
 
 
 def host_info() -> dict[str, str]:
@@ -64,16 +47,6 @@ def new_bundle(command: str) -> Bundle:
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   environment=collect_environment())
-
-
-@dataclass
-class RunArtifacts:
-    out_dir: Path
-    bundle: Bundle
-    verdict: Verdict
-    verdicts_by_engine: dict[str, Verdict]
-    exit_code: int
-    paths: dict[str, Path]
 
 
 def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[str], timeout_s: float,
@@ -109,30 +82,6 @@ def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | No
         copy_redacted(src, logs_dir / src.name, tally)
         if bundle is not None:
             note_file(bundle.redaction, f"logs/{src.name}", tally.as_dict())
-
-
-def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
-           verdict_t: float | None = None) -> RunArtifacts:
-    """The one tail of every run: redact → analyze → store the diagnosis → write bundle → render.
-
-    ``runs``: the nested runs' bundles (``kvdiag ab``); ``verdict_t``: run time of the verdict
-    event added to the timeline. Renderers read only the diagnosis stored in the bundle.
-    """
-    from kvdiag.analyze import diagnose
-    from kvdiag.analyze.soak import stall_to_verdict_s
-    from kvdiag.bundle import write_bundle
-    from kvdiag.redact import redact_bundle
-    from kvdiag.report import render_run
-
-    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
-    diag = diagnose(red, runs)
-    if verdict_t is not None:
-        red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)   # issue 17 item 7
-        red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
-    red.diagnosis = diag
-    red = write_bundle(red, out_dir / "bundle")
-    paths = render_run(out_dir, red)
-    return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths)
 
 
 class LaunchedRun:

@@ -6,8 +6,8 @@ status (risk / ok / unknown / n/a), what it found and what to change:
 - ``prealloc_pool``: prealloc on and a pool of at most min_reserved pages per
   layer: the worker's first reserve empties the free list (the seed's engine 2);
 - ``colocation``: two or more kvcached engines on one GPU, a later one with
-  prealloc on (the seed's reproduction A);
-- ``prefix_build``: an installed kvcached (or a scenario's simulated engine)
+  prealloc on (kvcached #371's co-location hang);
+- ``allocator_build``: an installed kvcached (or a scenario's simulated engine)
   with the pre-#422 allocator;
 - ``headroom``: a GPU fuller than kvcached's utilization headroom (#377
   underflow on older builds), or engines that together claim more;
@@ -109,7 +109,7 @@ def colocation_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> 
             rows.append(_row(
                 "colocation", device, RiskStatus.RISK,
                 f"kvcached engines {names} share one GPU and {', '.join(e.name for e in later)} start(s) with "
-                f"prealloc on while an earlier engine is live (the seed's reproduction A)",
+                f"prealloc on while an earlier engine is live (the co-location hang of kvcached #371)",
                 f"one kvcached engine per GPU, or {FIX_PREALLOC.replace('this engine', 'the later engines')}, "
                 f"or {FIX_BUILD} (and >= #448 so co-located engines get a real virtual pool)", "kvcached #371"))
         elif later:
@@ -156,22 +156,22 @@ def _build_row(subject: str, k: KvcachedBuild, env: EnvironmentRecord) -> Doctor
     where = f"kvcached {k.version or '?'}" + (f" (git {k.git_commit[:12]})" if k.git_commit else "") + \
         (f" at {k.location}" if k.location else "")
     if not k.installed:
-        return _row("prefix_build", subject, RiskStatus.NOT_APPLICABLE,
+        return _row("allocator_build", subject, RiskStatus.NOT_APPLICABLE,
                     "kvcached is not installed here" if subject == "installed kvcached" else
                     "this interpreter has no kvcached")
     if k.verdict == "pre_fix":
         ev = "; ".join(gil.evidence[:2]) if gil else ""
         off = env.env.get("KVCACHED_PAGE_PREALLOC_ENABLED", "true").strip().lower() != "true"
-        return _row("prefix_build", subject, RiskStatus.OK if off and not others else RiskStatus.RISK,
+        return _row("allocator_build", subject, RiskStatus.OK if off and not others else RiskStatus.RISK,
                     f"{where}: pre-fix build: {ev}{extra}"
                     + (" (KVCACHED_PAGE_PREALLOC_ENABLED is off here: no prealloc worker, no GIL cycle)"
                        if off else ""),
                     f"{FIX_BUILD}; until then KVCACHED_PAGE_PREALLOC_ENABLED=false",
                     gil.upstream if gil else None)
     if k.verdict in ("fixed", "not_affected"):
-        return _row("prefix_build", subject, RiskStatus.RISK if others else RiskStatus.OK,
+        return _row("allocator_build", subject, RiskStatus.RISK if others else RiskStatus.OK,
                     f"{where}: {k.summary}{extra}", FIX_BUILD if others else None)
-    return _row("prefix_build", subject, RiskStatus.UNKNOWN, f"{where}: {k.summary}")
+    return _row("allocator_build", subject, RiskStatus.UNKNOWN, f"{where}: {k.summary}")
 
 
 def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
@@ -181,17 +181,17 @@ def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[
     for e in engines:
         if e.kvdiag_allocator and e.kvcached:
             if e.allocator == "stock" and not e.prealloc:
-                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.OK,
+                rows.append(_row("allocator_build", f"engine {e.name}", RiskStatus.OK,
                                  f"{e.what} with kvdiag's stock allocator (the pre-#422 model), prealloc "
                                  "off: no prealloc worker, so no GIL cycle"))
             elif e.allocator == "stock":
-                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.RISK,
+                rows.append(_row("allocator_build", f"engine {e.name}", RiskStatus.RISK,
                                  f"{e.what} with kvdiag's stock allocator: the pre-#422 model (alloc_page "
                                  "waits with the GIL held)",
                                  "allocator: fixed in the scenario (or `--allocator fixed`) to see the fix",
                                  "kvcached #371"))
             else:
-                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.OK,
+                rows.append(_row("allocator_build", f"engine {e.name}", RiskStatus.OK,
                                  f"{e.what} with kvdiag's {e.allocator} allocator"))
     return rows
 

@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, judged, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from kvdiag.model.gpu import (
     GpuReadings,
     GpuSnapshot,
 )
+from kvdiag.model.judged import EngineJudgement
 from kvdiag.model.kinds import (
     KIND_SPECS,
     NO_EVIDENCE_KINDS,
@@ -126,6 +127,7 @@ from kvdiag.model.waits import (
 )
 
 __all__ = [
+    "EngineJudgement",
     "FleetRecord",
     "NodeOutcome",
     "NodeRecord",
