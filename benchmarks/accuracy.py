@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
 import hanger_kit as hk  # noqa: E402
 
 from kvdiag.analyze import analyze  # noqa: E402
-from kvdiag.bundle_io import save_bundle  # noqa: E402
+from kvdiag.bundle import save_bundle  # noqa: E402
 from kvdiag.capture.bundle import capture_tree  # noqa: E402
 from kvdiag.capture.merge import bundle_without_tool  # noqa: E402
 from kvdiag.model import Bundle, Verdict, VerdictKind  # noqa: E402

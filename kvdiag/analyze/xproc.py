@@ -527,6 +527,7 @@ def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verd
     if root is not None and evidence and evidence[0].pid == root.key[1]:
         waits.root_role, waits.root_frames = evidence[0].role, list(evidence[0].frames)
         waits.root_key_frames = list(evidence[0].key_frames or [])
+        waits.root_refs = [r.model_copy() for r in evidence[0].refs]
     inferred = any(d.edge.inferred for d in chain.deps)
     conf = Confidence.MEDIUM if inferred or how == "lost message" else Confidence.HIGH
     if how == "peer not captured":
