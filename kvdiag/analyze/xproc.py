@@ -299,8 +299,10 @@ class CrossProcess:
         p = self.procs[k]
         if p.progress is not None and (p.progress.advanced or any(p.progress.shared_changed.values())):
             return True
-        return any((t.running or t.woke) and not t.idle_by_design and (k, t.tid) not in self.deps
-                   for t in self.views[k])
+        # The main thread in a sleep or a timed wait is doing something that ends by itself (a worker running
+        # its job); a background thread's nap is more often a heartbeat than the work a waiter waits for.
+        return any(((t.running or t.woke) or (t.is_main and (t.kind is WaitKind.SLEEP or t.timed)))
+                   and not t.idle_by_design and (k, t.tid) not in self.deps for t in self.views[k])
 
     def root_of(self, k: PKey) -> Root:
         if k not in self.procs:
