@@ -122,11 +122,12 @@ def main() -> int:
         also: tuple[float, int, int] | None = None
         if args.also_jobs or args.also_engines:
             out2 = tmp.parent / f"{tmp.name}-out2"
-            alt = [a for a in sweep_args if a != str(out)] + ["--out", str(out2)]
-            for flag in ("--jobs", "--engines"):
+            alt = list(sweep_args)
+            for flag in ("--out", "--jobs", "--engines"):
                 if flag in alt:
                     i = alt.index(flag)
                     del alt[i:i + 2]
+            alt += ["--out", str(out2)]
             alt += ["--jobs", str(args.also_jobs)] if args.also_jobs else []
             alt += ["--engines", args.also_engines] if args.also_engines else []
             rc2, wall2, _ = kvdiag(alt, env, 3600)
