@@ -118,8 +118,9 @@ def main() -> int:
         rule_ok = "pages per layer ≤ min_reserved_pages" in rule and report["rule"]["fits"]
         time.sleep(1.0)
         left = leftovers(tmp, out)
-        keep = args.keep is not None or bool(wrong) or not rule_ok or rc != 10
-        also: tuple[float, int, int] | None = None
+        keep = (args.keep is not None or bool(wrong) or not rule_ok or rc != 10
+                or not report["banner_check"]["agree"])
+        also: tuple[float, int, int, int] | None = None
         if args.also_jobs or args.also_engines:
             out2 = tmp.parent / f"{tmp.name}-out2"
             alt = list(sweep_args)
@@ -135,7 +136,7 @@ def main() -> int:
             bad2 = sum(1 for c in rep2["cells"] if (c["outcome"] == "hang") !=
                        (int(c["params"]["kv_per_layer_mb"]) // 2 <= c["params"]["min_reserved_pages"]))
             time.sleep(1.0)
-            also = (wall2, bad2, len(leftovers(tmp, out2)))
+            also = (wall2, bad2, len(leftovers(tmp, out2)), rep2["jobs"])
             shutil.rmtree(out2, ignore_errors=True)
     finally:
         if not keep:
@@ -157,7 +158,7 @@ def main() -> int:
     print(f"{'kvdiag sweep':24}{wall:>10.1f}{per_min:>12.1f}{projected:>11.0f}s")
     extra = ""
     if also is not None:
-        label = f"  jobs {args.also_jobs or report['jobs']}, engines {args.also_engines or args.engines or 'all'}"
+        label = f"  jobs {also[3]}, engines {args.also_engines or args.engines or 'all'}"
         print(f"{label:24}{also[0]:>10.1f}{cells / also[0] * 60:>12.1f}{100 / (cells / also[0]):>11.0f}s"
               f"  (wrong cells {also[1]}, leftovers {also[2]})")
         extra = f" also_cells_per_min={cells / also[0] * 60:.1f} also_wrong_cells={also[1]} also_leftovers={also[2]}"

@@ -6,9 +6,20 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvdiag.errors import ExitCode
-from kvdiag.model import ABRates, RateLine, Report, SweepCell, SweepReport, SweepRun, TimelineEvent, VerdictKind
+from kvdiag.model import (
+    ABRates,
+    BannerInfo,
+    RateLine,
+    Report,
+    SweepCell,
+    SweepReport,
+    SweepRun,
+    TimelineEvent,
+    VerdictKind,
+)
 from kvdiag.sweep.rates import clopper_pearson, distribution, rate_text
 from kvdiag.sweep.rule import banner_check, infer_rule, rule_predicts
+from kvdiag.watch.banner import assess_risk_for
 
 
 def run_from_report(index: int, exit_code: int, report: Report | None, path: str, wall_s: float,
@@ -29,7 +40,12 @@ def run_from_report(index: int, exit_code: int, report: Report | None, path: str
         outcome = "error"
     else:
         outcome = "inconclusive"
-    risks = [e.banner_risk for e in report.engines if e.banner_risk is not None]
+    # The static rule on every banner the engines printed, judged here for each engine's allocator (the
+    # same function the run's own banner check uses), so the check holds whatever the run stored.
+    printed: list[tuple[BannerInfo, str | None]] = []
+    for e in report.engines:
+        printed += [(b, e.allocator) for b in e.banners] or ([(e.banner, e.allocator)] if e.banner else [])
+    risks = [assess_risk_for(b, allocator) for b, allocator in printed]
     reasons = [r for risk in risks for r in risk.reasons if risk.risky]
     return SweepRun(
         index=index, outcome=outcome, exit_code=exit_code, verdict=v.kind.value, signature=v.signature,
