@@ -37,6 +37,7 @@ CELLS_DIR = "cells"
 STOP_WAIT_S = 30.0        # an interrupted run's own teardown (engines stopped, partial report)
 RUN_SLACK_S = 120.0       # beyond the scenario's own timeout, before a run is taken as stuck
 _PR_SET_PDEATHSIG = 1
+INCONCLUSIVE_RETRIES = 1  # a run that ends neither hung nor healthy runs once more
 
 
 @dataclass
@@ -122,6 +123,7 @@ class SweepExecutor:
         self._t0 = time.monotonic()
         self.runs_done_here = 0
         self.resumed_cells = 0
+        self._tries: dict[tuple[str, int], int] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -206,6 +208,17 @@ class SweepExecutor:
             error = f"the run exited {rc} without a report: {_tail(r.run_dir / 'console.txt')}"
         rel = str(r.run_dir.relative_to(self.store.out_dir))
         run = run_from_report(r.index, rc, report, rel, wall, error)
+        tries = self._tries.get((r.cell.key, r.index), 0)
+        if run.outcome == "inconclusive" and tries < INCONCLUSIVE_RETRIES:
+            # Neither hung nor healthy (an engine still starting when the window ran out, on a busy host):
+            # run it again rather than leave the cell undecided.
+            self._tries[(r.cell.key, r.index)] = tries + 1
+            kept = r.run_dir.with_name(f"{r.run_dir.name}-inconclusive-{tries + 1}")   # its evidence stays
+            shutil.rmtree(kept, ignore_errors=True)
+            r.run_dir.rename(kept)
+            self.progress(f"{r.cell.key} run {r.index + 1}: {run.verdict}, neither hung nor healthy: running it again")
+            self._queue.insert(0, (r.cell, r.index))
+            return
         self.store.save_run(r.cell.key, run)
         cell = self.cells[r.cell.key]
         cell.runs.append(run)

@@ -32,7 +32,8 @@ def run_from_report(index: int, exit_code: int, report: Report | None, path: str
     v = report.verdict
     if v.kind.is_hang:
         outcome = "hang"
-    elif v.kind in (VerdictKind.HEALTHY, VerdictKind.SLOW_START) and exit_code == ExitCode.OK:
+    elif v.kind is VerdictKind.HEALTHY and exit_code == ExitCode.OK:
+        # slow_start (the window ran out while an engine still started) proves neither a hang nor health
         outcome = "healthy"
     elif v.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         outcome = "crash"
@@ -115,6 +116,7 @@ def conclude(report: SweepReport) -> SweepReport:
     check = banner_check(cells)
     hung = [c for c in cells if c.hangs]
     errors = [c for c in cells if c.outcome == "error"]
+    undecided = [c for c in cells if c.outcome in ("crash", "inconclusive")]
     if report.interrupted:
         code = ExitCode.INTERRUPTED
     elif hung:
@@ -128,6 +130,8 @@ def conclude(report: SweepReport) -> SweepReport:
     summary = (f"{len(done)} cell(s) of {max(report.cells_planned, len(done))}, {runs} run(s): "
                f"{len(hung)} cell(s) hung, {sum(1 for c in cells if c.outcome == 'healthy')} healthy"
                + (f", {len(errors)} failed to run" if errors else "")
+               + (f", {len(undecided)} neither (left out of the rule: {', '.join(c.key for c in undecided[:5])})"
+                  if undecided else "")
                + ("; interrupted" if report.interrupted else "") + f". {rule.text}")
     ab = _ab_rates(cells) if report.command.startswith("ab") else None
     boundaries = _boundaries(report, cells)
