@@ -26,11 +26,14 @@ from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item
 from kvdiag.analyze.rules import analyze_process, peer_phrase
+from kvdiag.analyze.vllm_titles import process_title
+from kvdiag.analyze.vllm_waits import VllmWait, shared_progress, vllm_wait
 from kvdiag.model import (
     Bundle,
     Confidence,
     EdgeEvidence,
     EdgeKind,
+    EnginePhase,
     EvidenceItem,
     FdInfo,
     Finding,
@@ -95,6 +98,7 @@ class CrossProcess:
         self._own: dict[int, Verdict | None] = {}
         self.machine = machine
         self.deps: dict[tuple[int, int], list[Dep]] = {}
+        self._stalled = {e.name for e in bundle.engines if e.phase is EnginePhase.STALLED}
         for pid, p in self.procs.items():
             for view in self.views[pid]:
                 found = self._edges(p, view)
@@ -128,6 +132,8 @@ class CrossProcess:
 
     def _edges(self, p: ProcessEvidence, view: ThreadView) -> list[Dep]:
         th = next(t for t in p.threads if t.tid == view.tid)
+        if not view.stopped and (vw := vllm_wait(p, view, self.procs, self._stalled, self.views)) is not None:
+            return self._vllm(view, vw)   # vLLM's own protocol says what the thread waits on, and whether it moves
         if view.idle_by_design or view.stopped:
             return []
         ring = self._ring(p, view)     # a spinner naps and wakes by design: its ring says whether it waits
@@ -168,6 +174,14 @@ class CrossProcess:
             out.append(self._edge(view, mappers, EdgeKind.SHARED_FUTEX, "depends", inferred=True,
                                   mapping=m.line(), address=f"{th.futex_addr:#x}", inode=m.inode))
         return [d for d in out if d is not None]
+
+    def _vllm(self, view: ThreadView, vw: VllmWait) -> list[Dep]:
+        if vw.moving:
+            return []
+        m = vw.mapping
+        dep = self._edge(view, vw.peers, vw.kind, vw.purpose, inferred=vw.inferred, text=vw.text,
+                         mapping=m.line() if m is not None else None, inode=m.inode if m is not None else None)
+        return [dep] if dep is not None else []
 
     def _read_purpose(self, p: ProcessEvidence, view: ThreadView, f: FdInfo) -> str:
         if view.read_role == "request" or f.accepted or (p.ppid is not None and (
@@ -220,7 +234,10 @@ class CrossProcess:
 
     def _moving(self, pid: int) -> bool:
         p = self.procs[pid]
-        if p.progress is not None and (p.progress.advanced or any(p.progress.shared_changed.values())):
+        shared = shared_progress(p)   # vLLM's segments: their flags, not whoever spins on them
+        if shared is None:
+            shared = p.progress is not None and any(p.progress.shared_changed.values())
+        if shared or (p.progress is not None and p.progress.advanced):
             return True
         return any((t.running or t.woke) and not t.idle_by_design and (pid, t.tid) not in self.deps
                    for t in self.views[pid])
@@ -320,7 +337,7 @@ class CrossProcess:
         what = ""
         if p is not None:
             role = p.role.value if p.role.value != "other" else None
-            what = role or p.comm or ""
+            what = process_title(p) or role or p.comm or ""   # vLLM's own name says which rank
         head = f"pid {pid}" + (f" ({what})" if what else "")
         if tid is not None and tid != pid:
             view = next((t for t in self.views.get(pid, []) if t.tid == tid), None)

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
 from conftest import Leftovers, VllmSetup, assert_clean
 from kvcli import read_report, run_kvdiag
 
@@ -36,14 +35,11 @@ def test_tp2_stuck_rank_named_with_its_frames_and_the_chain(vllm_setup: VllmSetu
     frames = " ".join(" ".join(e["frames"]) for e in cited)
     assert "alloc_page" in frames and "take_null_block" in frames and "execute_model" in frames, frames
     # The chain from the API server: ZMQ to the EngineCore, the response ring to rank 0, the all-reduce to rank 1.
-    if "waits" not in verdict:
-        assert_clean(leftovers, before)
-        pytest.xfail("the cross-process wait graph (kvdiag.analyze.xproc) has not landed on this branch yet")
     waits = verdict["waits"]
     assert waits is not None, verdict["summary"]
     pids = [e["src"]["pid"] for e in waits["edges"]] + [waits["edges"][-1]["dst"]["pid"]]
     assert pids == [api["pid"], core, tp0, tp1], (pids, verdict["summary"])
-    assert [e["kind"] for e in waits["edges"]] == ["zmq", "shm_ring", "shm_ring"], waits["edges"]
+    assert [e["kind"] for e in waits["edges"]] == ["zmq", "shm_ring", "other"], waits["edges"]
     assert waits["root"]["pid"] == tp1 and waits["root_state"] == "hung"
     events = [e["event"] for e in report["timeline"]]  # type: ignore[union-attr]
     assert "first request answered" in events and "stall detected" in events
