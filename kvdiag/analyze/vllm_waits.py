@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from kvdiag.analyze.classify import ThreadView
-from kvdiag.analyze.vllm_titles import worker_rank
+from kvdiag.analyze.vllm_titles import process_title, worker_rank
 from kvdiag.model import EdgeKind, ProcessEvidence, ProcessRole, RingReading, SharedMapping
 
 _RING_FILE = "shm_broadcast"
@@ -168,7 +168,9 @@ def _api_wait(p: ProcessEvidence, view: ThreadView, procs: Mapping[int, ProcessE
               stalled_engines: set[str]) -> VllmWait | None:
     if p.role is not ProcessRole.API_SERVER or not view.is_main:
         return None
+    # vLLM's own EngineCores only (titled VLLM::EngineCore...): other engines' front ends talk otherwise.
     cores = [q for q, other in procs.items() if other.role is ProcessRole.ENGINE_CORE
+             and (process_title(other) or "").startswith("EngineCore")
              and (other.engine == p.engine or other.ppid == p.pid)]
     if not cores:
         return None
