@@ -9,8 +9,10 @@ command may need or pay for at import time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -84,7 +86,7 @@ def _str(x: object) -> str:
 
 def discover(ray: Any) -> ClusterView:
     """Nodes, live actors and workers (with node id and pid) and the unfinished tasks, from the state API."""
-    from ray.util import state
+    from ray.util import state  # ray is optional and heavy: imported by --ray only, after import_ray
 
     try:
         nodes = state.list_nodes(limit=_STATE_LIMIT, raise_on_missing_output=False)
@@ -127,7 +129,7 @@ def _why(exc: BaseException) -> tuple[NodeOutcome, str]:
 def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: float, backends: Sequence[str],
                       command: str) -> dict[str, NodeCapture]:
     """One capture task per node, pinned to it (hard affinity), all at once; bounded."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # optional, as above
 
     task = ray.remote(num_cpus=0, max_retries=0)(capture_on_node)
     began = time.monotonic()
@@ -162,7 +164,7 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
 
 
 def _alive_now(ray: Any) -> set[str]:
-    from ray.util import state
+    from ray.util import state  # ray is optional and heavy: imported by --ray only, after import_ray
 
     try:
         return {n.node_id for n in state.list_nodes(limit=_STATE_LIMIT, raise_on_missing_output=False)
@@ -189,6 +191,15 @@ def capture_cluster(address: str, out_bundle_dir: Path, *, select: str = "vllm",
     """Capture the selected processes of every node of the Ray cluster at ``address``: one merged bundle
     (processes keyed by node and pid, a node table, Ray's actor and task tables), not yet written."""
     say = progress or (lambda _msg: None)
+    # Ray's driver prints cluster events (a raylet that died) to stdout from its own threads: stdout is
+    # kvdiag's (--json), so they go to stderr while connected.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _capture_cluster(address, out_bundle_dir, select=select, patterns=patterns, timeout_s=timeout_s,
+                                backends=backends, say=say)
+
+
+def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, patterns: Sequence[str], timeout_s: float,
+                     backends: Sequence[str], say: Callable[[str], None]) -> Bundle:
     ray = connect(address)
     try:
         view = discover(ray)

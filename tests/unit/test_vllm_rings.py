@@ -82,5 +82,6 @@ def test_a_ring_whose_flags_moved_is_progress_not_a_wait() -> None:
     ring = core.shm_rings[0]
     ring.after = [[1, 0] if i == 0 else slot for i, slot in enumerate(ring.before)]   # a new answer was written
     g = CrossProcess(bundle)
-    assert not g.deps.get((core.pid, core.pid))
-    assert g.root_of(core.pid).state == "running"
+    key = (core.node, core.pid)
+    assert not g.deps.get((key, core.pid))
+    assert g.root_of(key).state == "running"
