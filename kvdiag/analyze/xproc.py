@@ -320,10 +320,21 @@ class CrossProcess:
         shared = shared_progress(p)   # vLLM's segments: their flags, not whoever spins on them
         if shared is None:
             shared = p.progress is not None and any(p.progress.shared_changed.values())
-        if shared or (p.progress is not None and p.progress.advanced):
+        if shared or self._advanced(p):
             return True
         return any((t.running or t.woke) and not t.idle_by_design and (k, t.tid) not in self.deps
                    for t in self.views[k])
+
+    def _advanced(self, p: ProcessEvidence) -> bool:
+        """I/O of its own, or growth of a log no other captured process writes: the processes of one engine
+        share its log file (vLLM's API server logs every /health), whose growth does not say who wrote."""
+        pr = p.progress
+        if pr is None:
+            return False
+        if any(pr.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw", "rchar", "syscr")):
+            return True
+        others = {f for k, x in self.procs.items() if k != pkey(p) and x.node == p.node for f in x.log_files}
+        return any(grew > 0 and path not in others for path, grew in pr.log_growth.items())
 
     def root_of(self, k: PKey) -> Root:
         if k not in self.procs:

@@ -85,3 +85,16 @@ def test_a_ring_whose_flags_moved_is_progress_not_a_wait() -> None:
     key = (core.node, core.pid)
     assert not g.deps.get((key, core.pid))
     assert g.root_of(key).state == "running"
+
+
+def test_a_log_the_engines_processes_share_is_no_ones_progress() -> None:
+    """vLLM's API server logs every /health into the log its EngineCore and workers write too: the stuck rank
+    is still the root while that file grows."""
+    bundle = _tp2_bundle()
+    log = "/tmp/run/tp2.log"
+    for p in bundle.processes:
+        p.log_files = [log]
+        if p.progress is not None:
+            p.progress.log_growth = {log: 237}
+    verdict = diagnose(bundle).verdict
+    assert verdict.waits is not None and verdict.waits.root_state == "hung", verdict.summary
