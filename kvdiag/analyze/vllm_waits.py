@@ -176,10 +176,11 @@ def _api_wait(p: ProcessEvidence, view: ThreadView, procs: Mapping[int, ProcessE
         return None
     zmq_peers = {q for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
                  if f.kind == "socket" for q in (f.peer_pids or [])}
-    via = [q for q in cores if q in zmq_peers] or cores
+    via = [q for q in cores if q in zmq_peers]
+    if not via:
+        return None   # no ZMQ connection to its EngineCore seen: not vLLM's engine client
     asked = p.engine is not None and p.engine in stalled_engines
     return VllmWait(kind=EdgeKind.ZMQ, purpose="reply" if asked else "work", peers=via,
-                    inferred=not (set(via) & zmq_peers),
                     text="the API server's engine client waits on ZMQ for its EngineCore's outputs"
                          + (" with a request in flight that was never answered" if asked else ""))
 
