@@ -200,9 +200,13 @@ def capture_cluster(address: str, out_bundle_dir: Path, *, select: str = "vllm",
 
 def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, patterns: Sequence[str], timeout_s: float,
                      backends: Sequence[str], say: Callable[[str], None]) -> Bundle:
+    t0 = time.monotonic()
     ray = connect(address)
+    timings = {"connect": round(time.monotonic() - t0, 3)}
     try:
+        t1 = time.monotonic()
         view = discover(ray)
+        timings["discover"] = round(time.monotonic() - t1, 3)
         sel: Selection = select_targets(view.actors, view.workers, select=select, patterns=list(patterns),
                                         exclude={view.driver})
         if not sel.targets:
@@ -213,7 +217,9 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         say(f"capturing {len(sel.targets)} process(es) ({sel.described}) on {len(by_node)} node(s) of the Ray "
             f"cluster at {address}")
         command = f"capture --ray {address}"
+        t2 = time.monotonic()
         answers = run_node_captures(ray, by_node, timeout_s=timeout_s, backends=backends, command=command)
+        timings["nodes"] = round(time.monotonic() - t2, 3)
         alive = _alive_now(ray) if any(a.outcome != "captured" for a in answers.values()) else set()
     finally:
         ray.shutdown()
@@ -250,7 +256,7 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         if refusal is not None:
             record.outcome, record.reason = "refused", refusal
         parts.append(NodePart(record, bundle, folder))
-    fleet = FleetRecord(source="ray", address=address, selector=sel.described, notes=list(sel.notes),
+    fleet = FleetRecord(source="ray", address=address, selector=sel.described, notes=list(sel.notes), timings=timings,
                         actors=[RayActorRecord(actor_id=a.actor_id, class_name=a.class_name, name=a.name,
                                                node=names.get(a.node_id), pid=a.pid, state="ALIVE")
                                 for a in view.actors],

@@ -339,16 +339,20 @@ def _nice_step(raw: float) -> float:
 
 # ---------------------------------------------------------------- processes, threads, raw files
 
-def _evidence_index(evidence: list[EvidenceItem]) -> dict[tuple[int, int], list[EvidenceItem]]:
-    index: dict[tuple[int, int], list[EvidenceItem]] = {}
+# (node, pid, tid): a pid is unique only within its node in a bundle merged from several hosts.
+_ThreadKey = tuple[str | None, int, int]
+
+
+def _evidence_index(evidence: list[EvidenceItem]) -> dict[_ThreadKey, list[EvidenceItem]]:
+    index: dict[_ThreadKey, list[EvidenceItem]] = {}
     for item in evidence:
-        index.setdefault((item.pid, item.tid), []).append(item)
+        index.setdefault((item.node, item.pid, item.tid), []).append(item)
     return index
 
 
 def _thread_view(proc: ProcessEvidence, th: ThreadEvidence,
-                 index: dict[tuple[int, int], list[EvidenceItem]]) -> dict[str, Any]:
-    items = index.get((proc.pid, th.tid), [])
+                 index: dict[_ThreadKey, list[EvidenceItem]]) -> dict[str, Any]:
+    items = index.get((proc.node, proc.pid, th.tid), [])
     keys = key_positions(th.frames, items)   # only the frames the rule rests on, as the analyzer said
     frames = [{"text": clean_text(format_frame(f)), "kind": f.kind, "source": clean_text(f.source or ""),
                "key": i in keys} for i, f in enumerate(th.frames)]
@@ -381,7 +385,7 @@ def processes_view(bundle: Bundle | None, report: Report) -> list[dict[str, Any]
         threads = [_thread_view(proc, th, index) for th in proc.threads]
         threads.sort(key=lambda t: not t["cited"])  # stable: cited threads first, else capture order
         out.append({
-            "pid": proc.pid, "ppid": proc.ppid, "role": proc.role.value, "engine": proc.engine,
+            "pid": proc.pid, "node": proc.node, "ppid": proc.ppid, "role": proc.role.value, "engine": proc.engine,
             "comm": proc.comm, "cmdline": clean_text(shlex.join(proc.cmdline)) if proc.cmdline else "",
             "state": proc.state.value, "wchan": proc.wchan, "cpu_percent": proc.cpu_percent,
             "alive": proc.alive, "python_version": proc.python_version, "exe": proc.exe,

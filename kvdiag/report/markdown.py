@@ -89,7 +89,8 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         if any(item.key_frames for item in v.evidence):
             out += ["", f"`{KEY_MARK.strip()}` marks the frames the verdict rests on."]
         for item in v.evidence:
-            where = f"pid {item.pid}, tid {item.tid}" + (f", engine {_code(item.engine)}" if item.engine else "")
+            where = (f"node {_code(item.node)}, " if item.node else "") + f"pid {item.pid}, tid {item.tid}" + (
+                f", engine {_code(item.engine)}" if item.engine else "")
             out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
             if item.frames:
                 out += ["", _fence(evidence_lines(item))]
@@ -191,11 +192,11 @@ def _short(value: object, width: int = 120) -> str | None:
 def _cited_stacks(report: Report, bundle: Bundle | None) -> list[tuple[str, list[str]]]:
     if bundle is None:
         return []
-    cited = {(item.pid, item.tid): item.role for item in report.verdict.evidence}
+    cited = {(item.node, item.pid, item.tid): item.role for item in report.verdict.evidence}
     out: list[tuple[str, list[str]]] = []
     for proc in bundle.processes:
         for th in proc.threads:
-            role = cited.get((proc.pid, th.tid))
+            role = cited.get((proc.node, proc.pid, th.tid))
             if role is None or not th.frames:
                 continue
             items = [i for i in report.verdict.evidence if (i.pid, i.tid) == (proc.pid, th.tid)]
