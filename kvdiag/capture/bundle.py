@@ -15,6 +15,7 @@ from kvdiag.capture.discover import find_engine_processes, process_tree
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole
+from kvdiag.osread.tcp import tcp_connections
 
 
 def host_info() -> dict[str, str]:
@@ -58,6 +59,8 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
         for role, role_pids in roles.items():
             if ev.pid in role_pids:
                 ev.role = role
+        if ev.alive:   # what another host's capture can be matched with (kvdiag merge, capture --ray)
+            ev.tcp_connections = tcp_connections(ev.pid) or []
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
     from kvdiag.environment import collect_environment

@@ -173,6 +173,20 @@ def _alive_now(ray: Any) -> set[str]:
         return set()
 
 
+def _name_engines(bundle: Bundle, labels: dict[int, str]) -> None:
+    """Name each process's group after what Ray calls it (``actor PyAbba (b) pid 12``), not ``pid-12``."""
+    renamed: dict[str, str] = {}
+    for e in bundle.engines:
+        pid = int(e.name[4:]) if e.name.startswith("pid-") and e.name[4:].isdigit() else None
+        if pid is not None and pid in labels:
+            renamed[e.name] = f"{labels[pid]} pid {pid}"
+            e.name = renamed[e.name]
+    for p in bundle.processes:
+        p.engine = renamed.get(p.engine or "", p.engine)
+    for f in bundle.findings:
+        f.engine = renamed.get(f.engine or "", f.engine)
+
+
 def _access_refusal(bundle: Bundle) -> str | None:
     """Why no process of a node's bundle could be read (every one refused ptrace), None otherwise."""
     procs = [p for p in bundle.processes if p.access is not None]
@@ -252,6 +266,7 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         folder = out_bundle_dir / NODES_DIR / node_dir_name(name)
         unpack_dir(answer.pack, folder)
         bundle, _ = load_bundle(folder)
+        _name_engines(bundle, {t.pid: t.label for t in sel.by_node().get(node.node_id, [])})
         refusal = _access_refusal(bundle)
         if refusal is not None:
             record.outcome, record.reason = "refused", refusal

@@ -172,6 +172,9 @@ class ProcessEvidence(_Model):
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
     signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
+    # Established TCP connections ("local -> remote"): in a bundle merged from several hosts, a read on one
+    # node is matched to the process holding the other end on another node.
+    tcp_connections: list[str] = Field(default_factory=list)
     shared_maps: list[SharedMapping] | None = None   # MAP_SHARED file mappings (None: not read)
     children: list[int] | None = None   # child pids (/proc/PID/task/*/children; None: not read)
     # Why this process was captured although outside the requested tree: the wait edge that led to it.
