@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.analyze.health import engine_health
-from kvdiag.analyze.soak import saturation_verdict
+from kvdiag.analyze.soak import saturation_verdict, served_verdict
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
     ABComparison,
@@ -72,6 +72,8 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
             verdict = saturation_verdict(verdict, soak)
             code = exit_code_for(verdict)
             notes.append("no stall, but the KV cache never got near full: inconclusive (exit 6)")
+        else:
+            verdict = served_verdict(verdict, soak)
     return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes)
 
 

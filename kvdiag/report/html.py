@@ -28,6 +28,7 @@ from markupsafe import Markup
 from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence, VerdictKind
 from kvdiag.redact import redact_text
 from kvdiag.report.json import report_dict
+from kvdiag.report.soakview import soak_view
 
 TEMPLATES = Path(__file__).parent / "templates"
 RAW_FILE_CAP = 256 * 1024        # characters kept per raw file (head and tail)
@@ -607,6 +608,7 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
         hang=report.verdict.kind.is_hang,
         diagram=cycle_diagram(report.verdict.cycle),
         timeline=timeline_diagram(report),
+        soak=soak_view(report, safe_bundle),
         processes=processes_view(safe_bundle, report),
         # An A/B bundle holds no raw files of its own (each run's bundle does): list only what is here.
         raw=[item for item in raw_outputs(safe_bundle, bundle_dir) if ab is None or item["text"] is not None],

@@ -6,6 +6,7 @@ import re
 
 from kvdiag.model import Bundle, EvidenceItem, Report, ReportEngine
 from kvdiag.report.html import ab_view, clean_text, format_frame, key_positions
+from kvdiag.report.soakview import figures as soak_figures
 from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
@@ -73,6 +74,11 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
+    if report.soak is not None:
+        # A soak's figures come first, with their units (the plots are in report.html).
+        out += ["", "#### Soak results", "", "| | |", "|---|---|"]
+        out += [f"| {f.label} | {_cell(f.value)}{' (' + _cell(f.note) + ')' if f.note else ''} |"
+                for f in soak_figures(report.soak)]
     if ab is not None:
         out += ["", "| allocator | verdict | exit code | engines | report |",
                 "|---|---|---|---|---|"]

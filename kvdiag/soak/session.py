@@ -37,6 +37,7 @@ from kvdiag.model import (
     MetricsSnapshot,
     ProcessEvidence,
     ProcessRole,
+    SoakSample,
     SoakStats,
     TimelineEvent,
 )
@@ -56,6 +57,8 @@ COMMAND = "soak"
 DEFAULT_SCENARIO = "soak-hybrid.yaml"
 VLLM_SCENARIO = "soak-vllm.yaml"
 _TICK_S = 0.25
+_SAMPLE_S = 0.5          # the client's counters, for the report's plots
+_MAX_SAMPLES = 4000
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -185,6 +188,8 @@ class _DriveResult:
     healthy_after: bool | None = None
     saturation: Saturation | None = None
     scrapes: tuple[int, int, float | None] | None = None   # (scrapes, failures, longest gap s)
+    series: list[SoakSample] = field(default_factory=list)   # the client's counters over time
+    in_flight_at_end: int | None = None
 
 
 class SoakRun:
@@ -438,7 +443,9 @@ class SoakRun:
                     if health_failures >= 3:
                         r.unreachable = True
                         break
-                view.update(now - self.t0, lg, poller.latest, watchdog.quiet_for)
+                self._sample(now, lg)
+                view.update(now - self.t0, lg, poller.latest, watchdog.quiet_for,
+                            fresh_after=None if lg.started_at is None else lg.started_at - self.t0)
                 if drain_until is None:
                     if lg.warmed_up:
                         if not sampler.started:
@@ -457,6 +464,8 @@ class SoakRun:
                         await lg.stop()   # the grace is over: cancel the rest now (bounded)
                     break
             view.stop()
+            r.in_flight_at_end = lg.in_flight
+            self._sample(self.clock(), lg, force=True)
             lg.end_load(at=r.fired_t if r.stalled else None)   # a stall, exit, error: loaded until now
             sampler.stop()
             await asyncio.to_thread(poller.stop)
@@ -506,6 +515,22 @@ class SoakRun:
         if lg.failed or lg.timed_out:
             self.findings.append(Finding(kind="requests_failed", engine=s.name, message=(
                 f"{lg.failed} request(s) failed and {lg.timed_out} timed out; first error: {lg.first_error}")))
+
+    def _sample(self, now: float, lg: LoadGenerator, force: bool = False) -> None:
+        """The client's counters for the report's plots, every :data:`_SAMPLE_S` (bounded: a long soak
+        keeps every other one of its older samples)."""
+        series = self.result.series
+        last = series[-1] if series else None
+        t = round(now - self.t0, 3)
+        if last is not None and not force and t - last.t < _SAMPLE_S:
+            return
+        rate = None
+        if last is not None and t > last.t:
+            rate = round((lg.tokens - last.tokens) / (t - last.t), 1)
+        series.append(SoakSample(t=t, tokens=lg.tokens, tokens_per_s=rate, in_flight=lg.in_flight, ok=lg.ok,
+                                 failed=lg.failed + lg.timed_out))
+        if len(series) > _MAX_SAMPLES:
+            del series[: len(series) // 2 : 2]
 
     def _load_snapshots(self, snaps: list[MetricsSnapshot], lg: LoadGenerator) -> list[MetricsSnapshot]:
         """The snapshots taken while the load (and its drain) ran."""
@@ -581,6 +606,8 @@ class SoakRun:
         st.requested_duration_s = opts.duration_s
         st.drain_grace_s = opts.drain_grace_s
         st.metrics_period_s = opts.metrics_period_s
+        st.in_flight_at_end = r.in_flight_at_end
+        st.series = list(r.series)
         if r.scrapes is not None:
             st.metrics_scrapes, st.metrics_failures, gap = r.scrapes
             st.metrics_longest_gap_s = None if gap is None else round(gap, 3)
