@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from kvdiag.analyze.health import engine_health
 from kvdiag.analyze.soak import saturation_verdict, served_verdict
+from kvdiag.analyze.xproc import judge_across
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
     ABComparison,
@@ -74,7 +75,9 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
             notes.append("no stall, but the KV cache never got near full: inconclusive (exit 6)")
         else:
             verdict = served_verdict(verdict, soak)
-    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes)
+    graph = judge_across(bundle)[1]
+    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes,
+                     wait_graph=graph if graph.edges else None)
 
 
 def _side(label: str, rel: str, sub: Bundle) -> ABSide:

@@ -17,19 +17,24 @@ window decides which hang it is:
   unproven.
 
 The stacks must show the thread in the wait at two instants (two stack tools), or /proc must show it
-asleep for the whole window, and the process's log must not have grown: one sample of a synchronize is
-an ordinary step of a busy engine.
+asleep for the whole window, and the process must have written nothing (log, sockets, pipes) during the
+window: a busy engine's main thread sits in a synchronize at most instants too, but it writes its outputs
+after every step.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind
+from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
     Confidence,
+    EngineRecord,
     EvidenceItem,
+    Finding,
     Frame,
     GpuDeviceReading,
     GpuReadings,
@@ -72,7 +77,6 @@ TORCH_WAITS: tuple[tuple[str, str], ...] = (
     ("copy_kernel_cuda", "a device-to-host copy (.cpu() / .to('cpu'))"),
     ("WorkNCCL::wait", "a NCCL collective's wait"),
     ("WorkNCCL::synchronize", "a NCCL collective's wait"),
-    ("ProcessGroupNCCL", "a NCCL collective"),
     ("device_synchronize", "device synchronize"),
     ("stream_synchronize", "stream synchronize"),
 )
@@ -149,6 +153,14 @@ def _stacks(th: ThreadEvidence) -> dict[str, list[Frame]]:
     return out
 
 
+def _py_at(frames: list[Frame]) -> tuple[str, str, int | None] | None:
+    """(function, file name, line) of the innermost Python frame."""
+    f = next((f for f in frames if f.kind == "python"), None)
+    if f is None:
+        return None
+    return f.name.rsplit(".", 1)[-1], (f.file or "").rsplit("/", 1)[-1], f.line
+
+
 @dataclass
 class _Waiter:
     view: ThreadView
@@ -176,7 +188,12 @@ def _waiters(proc: ProcessEvidence, views: list[ThreadView]) -> list[_Waiter]:
             fs for tool, fs in stacks.items() if tool in seen)
         wait = cuda_wait(frames)
         assert wait is not None
-        out.append(_Waiter(view, wait, frames, sorted(t for t in seen if t != "merged")))
+        # A Python-only sample (py-spy --nonblocking never pauses the target, so it reads no native frames)
+        # agrees when it shows the thread on the same Python line that made the CUDA call.
+        at = _py_at(frames)
+        agree = [tool for tool, fs in stacks.items() if tool not in seen and at is not None
+                 and not any(f.kind == "native" for f in fs) and _py_at(fs) == at]
+        out.append(_Waiter(view, wait, frames, sorted(t for t in [*seen, *agree] if t != "merged")))
     # The main thread first, then the one most tools agree on.
     return sorted(out, key=lambda w: (not w.persistent, not w.view.is_main, -len(w.tools), w.view.tid))
 
@@ -325,14 +342,17 @@ def _gil_waiter(t: ThreadView, engine: str | None) -> EvidenceItem:
                         frames=[v.describe(f) for f in frames], key_frames=[i for i in (gil, py) if i is not None])
 
 
-def _stalled(proc: ProcessEvidence) -> bool:
-    """The process's log grew during the window: something still moves (its I/O alone does not count: an
-    engine's input thread keeps reading requests while its model thread is stuck on the GPU)."""
-    return proc.progress is not None and any(n > 0 for n in proc.progress.log_growth.values())
+def _moved(proc: ProcessEvidence) -> bool:
+    """The process wrote during the window (its log, a socket, a pipe): something still comes out of it. An
+    engine between steps writes its outputs; one stuck on the GPU writes nothing, while its input thread may
+    still read new requests, so reads do not count."""
+    p = proc.progress
+    return p is not None and (any(n > 0 for n in p.log_growth.values())
+                              or any(p.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw")))
 
 
 def _gpu_waiter(proc: ProcessEvidence, views: list[ThreadView]) -> _Waiter | None:
-    if _stalled(proc):
+    if _moved(proc):
         return None
     found = [w for w in _waiters(proc, views) if w.persistent]
     return found[0] if found else None
@@ -361,8 +381,8 @@ def rule_gpu_kernel_hang(proc: ProcessEvidence, views: list[ThreadView], engine:
         if gs.note:
             reasons.append(f"- {gs.note}")
         device = gs.text
-    if proc.progress is not None and proc.progress.log_growth:
-        reasons.append(f"+ no log growth over the {proc.progress.window_s:.2f}s window")
+    if proc.progress is not None:
+        reasons.append(f"+ nothing written (log, sockets, pipes) over the {proc.progress.window_s:.2f}s window")
     gil = ""
     if behind:
         gil = (f"; it holds the GIL while it waits, so {len(behind)} Python thread(s) queue for the GIL behind it "
@@ -400,3 +420,29 @@ def rule_gpu_idle_wait(proc: ProcessEvidence, views: list[ThreadView], engine: s
                             f"stream records, a stream-wait on a value another process never writes, a peer that "
                             f"never joins a collective): a lost wakeup on the device side"))
 
+
+
+# An HTTP server's access line (uvicorn: `"GET /health HTTP/1.1" 200`): a load balancer's probe writes it
+# every few seconds whatever the engine does, so it says nothing about progress.
+_ACCESS_LINE = re.compile(r'"(?:GET|POST|HEAD|PUT|DELETE) [^"]*" \d{3}')
+
+
+def gpu_wait_progressed(name: str, hang: Verdict, e: EngineRecord | None) -> Verdict | None:
+    """A GPU wait of a process whose log was written within the stall window before the capture (a bare
+    capture reads the log's age): a long kernel in a loop that still advances, not a kernel that never
+    ends, which a capture window shorter than one kernel cannot tell apart. Not a hang (yet); an
+    access-log line (a health probe's) does not count as progress."""
+    if hang.kind is not VerdictKind.GPU_KERNEL_HANG or e is None or e.log_idle_s is None:
+        return None
+    last = (e.last_log_line or "").strip()
+    if e.log_idle_s > STALL_WINDOW_S or not last or _ACCESS_LINE.search(last):
+        return None
+    return Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.LOW, evidence=hang.evidence,
+                   findings=[Finding(kind="gpu_wait", engine=e.name, message=hang.summary)],
+                   confidence_reasons=[f"+ its log was written {e.log_idle_s:.1f}s before the capture",
+                                       "- a thread waits on a busy GPU: one capture cannot tell a long kernel "
+                                       "from one that never ends"],
+                   summary=(f"{name}: not a hang (yet): a thread waits on the GPU, but the log was written "
+                            f"{e.log_idle_s:.1f}s before the capture (`{last[:120]}`), within the "
+                            f"{STALL_WINDOW_S:g}s stall window: a long kernel that still finishes. Capture again "
+                            f"after {STALL_WINDOW_S:g}s without a log line to tell. {hang.summary}"))

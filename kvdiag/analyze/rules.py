@@ -25,7 +25,7 @@ from kvdiag.analyze.evidence import (
     cite_item,
     where,
 )
-from kvdiag.analyze.gpu import rule_gpu_idle_wait, rule_gpu_kernel_hang
+from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
@@ -544,8 +544,10 @@ def _awaits_orders(t: ThreadView, proc: ProcessEvidence) -> bool:
     is the server end of an accepted connection, or leads to the process's parent (a worker waiting
     for its next task)."""
     conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
-    return bool(conns) and all(f.accepted or (proc.ppid is not None and f.peer_pids == [proc.ppid])
-                               for f in conns)
+    # A pipe's writers, when read, say it better than every holder of either end.
+    return bool(conns) and all(f.accepted or (proc.ppid is not None and (
+        f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids) == [proc.ppid])
+        for f in conns)
 
 
 def _loop_parked(t: ThreadView, pid: int) -> list[FdInfo] | None:
@@ -1040,6 +1042,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             verdict.summary += "; the PageAllocator banner predicts it (see banner_risk)"
         return verdict
 
+    if hang is not None and (moving := gpu_wait_progressed(name, hang, e)) is not None:
+        return done(moving)   # a long kernel in a loop whose log still advances
     if e is not None:
         text = _engine_text(e)
         exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)

@@ -346,16 +346,19 @@ def _hang_of(chain: Chain) -> tuple[VerdictKind, str] | None:
         return kind, "blocked"
     if root.state == "parked" and purposes & {"reply", "blocked"}:
         return VerdictKind.BLOCKED_IPC_READ, "lost message"
+    if root.state == "not_captured" and chain.deps[-1].purpose in ("reply", "blocked"):
+        return VerdictKind.BLOCKED_IPC_READ, "peer not captured"
     return None
 
 
-_RANK = {"hung": 0, "stopped": 1, "blocked": 2, "cross-process wait cycle": 3, "lost message": 4}
+_RANK = {"hung": 0, "stopped": 1, "blocked": 2, "cross-process wait cycle": 3, "lost message": 4,
+         "peer not captured": 6}
 
 
 def judge_across(bundle: Bundle) -> tuple[Verdict | None, WaitGraphRecord]:
     """The cross-process verdict of ``bundle`` (None: no chain ends in a hang) and the whole graph."""
     g = CrossProcess(bundle)
-    if len(g.procs) < 2 or not g.deps:
+    if not g.deps:
         return None, g.record()
     judged = [(c, h) for c in g.chains() if (h := _hang_of(c)) is not None]
     if not judged:
@@ -382,6 +385,11 @@ def _root_text(g: CrossProcess, chain: Chain, how: str) -> str:
     if how == "lost message":
         return (f"{where} is parked waiting for work: the message was lost between processes (every process "
                 f"waits for work while one waits for a reply nobody produces)")
+    if how == "peer not captured":
+        why = next((p.why_not for ev in g.bundle.processes for p in ev.peers_outside
+                    if p.pid == root.pid and p.why_not), None)
+        why = why or "outside the captured tree; capture it with --pid, or let capture follow edges"
+        return f"{where} was not captured ({why}): the wait has no timeout and nothing of the waiting process runs"
     if how in ("hung", "stopped") and root.verdict is not None:
         return f"{where} is {root.verdict.kind.value}: {root.verdict.summary}"
     frame = root.view.wait_frame if root.view else None
@@ -419,6 +427,8 @@ def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verd
         waits.root_key_frames = list(evidence[0].key_frames or [])
     inferred = any(d.edge.inferred for d in chain.deps)
     conf = Confidence.MEDIUM if inferred or how == "lost message" else Confidence.HIGH
+    if how == "peer not captured":
+        conf = Confidence.LOW
     if root is not None and root.verdict is not None and root.verdict.confidence is Confidence.LOW:
         conf = Confidence.LOW
     reasons = [f"+ {len(chain.deps)} wait edge(s) across processes, each from /proc (fd peers, syscall "

@@ -13,6 +13,7 @@ from kvdiag import __version__
 from kvdiag.bundle import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.follow import note_followed, peers_outside
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
@@ -28,7 +29,7 @@ def host_info() -> dict[str, str]:
 def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  backends: Sequence[str | CaptureBackend] | None = None,
                  log_pids: dict[str, int] | None = None, command: str = "",
-                 pids: Sequence[int] | None = None, save: bool = True,
+                 pids: Sequence[int] | None = None, save: bool = True, follow: bool = True,
                  on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None) -> Bundle:
     """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/<pid>/).
 
@@ -38,12 +39,12 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
     return capture_pids(pids, bundle_dir, roots=[root_pid], timeout_s=timeout_s, backends=backends,
                         log_pids=log_pids, command=command or f"capture --pid {root_pid}", save=save,
-                        on_evidence=on_evidence, decides=decides)
+                        on_evidence=on_evidence, decides=decides, follow=follow)
 
 
 def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] | None = None,
                  timeout_s: float = 10.0, backends: Sequence[str | CaptureBackend] | None = None,
-                 log_pids: dict[str, int] | None = None, command: str = "", save: bool = True,
+                 log_pids: dict[str, int] | None = None, command: str = "", save: bool = True, follow: bool = True,
                  on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None) -> Bundle:
     """Capture ``pids`` read-only into ``bundle_dir``: what ``kvdiag capture --pid`` does, for processes that
     need not form one tree (the selected workers of one node of a Ray cluster).
@@ -54,6 +55,7 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     the evidence is in, before the environment (so a caller can say the verdict at once). ``save=False``:
     the caller writes the bundle. ``decides``: capture the engine cores first and the rest with every
     tool only when that does not decide (:mod:`kvdiag.capture.staged`); None: every process, every tool.
+    ``follow``: the processes outside ``pids`` that a blocked thread waits on are captured too (bounded).
     """
     from kvdiag.environment import collect_environment
 
@@ -80,17 +82,21 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                     ev.role = role
         return evidence
 
+    followed, named = peers_outside(pids) if follow else ([], [])
+    every = pids + [p.pid for p in followed]
     if decides is not None and cores:
         judge = decides
-        evidence, findings = capture_staged(pids, cores, raw_root(bundle_dir), timeout_s=timeout_s,
+        evidence, findings = capture_staged(every, cores, raw_root(bundle_dir), timeout_s=timeout_s,
                                             backends=backends, bundle_dir=bundle_dir,
                                             decides=lambda evs, fs: judge(with_roles(evs), fs))
     else:
-        evidence, findings = capture_processes(pids, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
+        evidence, findings = capture_processes(every, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
                                                bundle_dir=bundle_dir)
+    findings += note_followed(evidence, followed, named)
     with_roles(evidence)
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
-    evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
+    evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids
+                                 else len(pids)))
     engines = []
     if log_pids is None:
         # A bare process: its log file (found through /proc/PID/fd) stands in for a run's log follower.

@@ -98,6 +98,8 @@ def capture_cmd(
                                    "all four); py-spy-nonblocking (never pauses the target), pystack-locals, "
                                    "gdb-full (every library's symbols)."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
+    follow: bool = typer.Option(True, "--follow/--no-follow", help="Also capture the processes outside the "
+                                "tree that a blocked thread waits on (at most 4; the others are named)."),
 ) -> int:
     """Read-only capture of a live engine (stacks, GIL state, /proc), analyzed.
 
@@ -165,7 +167,8 @@ def capture_cmd(
 
     bundle = _interruptible(lambda: capture_tree(target, bundle_dir, timeout_s=timeout, backends=names,
                                                  command=command, pids=scope.pids, save=False,
-                                                 on_evidence=early, decides=_core_decides))
+                                                 on_evidence=early, decides=_core_decides,
+                                                 follow=follow and not kthread))
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
     return print_outcome(arts, bundle_dir, as_json, said=said[0] if said else None)

@@ -26,7 +26,12 @@ def report_cmd(
     """
     from kvdiag.cli.common import result_console
     from kvdiag.report import build_report, render_html, render_run, render_terminal
+    from kvdiag.sweep.session import is_sweep_folder, rerender_sweep
 
+    if is_sweep_folder(bundle):   # a sweep's folder: its report.json is what it concluded
+        for name, path in rerender_sweep(bundle, html, out).items():
+            typer.echo(f"  {name}: {path}")
+        return ExitCode.OK
     run = load_run(bundle)
     loaded, bundle_dir = run.bundle, run.bundle_dir
     if loaded.diagnosis is None:  # a bundle written before diagnoses were stored, or by hand

@@ -141,6 +141,7 @@ class SweepReport(_Model):
     created_at: str = ""
     scenario: str = ""
     axes: list[SweepAxis] = Field(default_factory=list)
+    engines_left_out: list[str] = Field(default_factory=list)   # `--engines`: scenario engines not started
     repeat: int = 1
     jobs: int = 1
     stall_window_s: float | None = None

@@ -219,7 +219,9 @@ def render_sweep_html(report: SweepReport) -> str:
     parts.append("<h2>Cells</h2>" + _table(report))
     axes = "".join(f"<li><code>{_e(a.field)}</code> = {_e(', '.join(_show(v) for v in a.values))}"
                    f"{' (bisected)' if a.bisect else ''}</li>" for a in report.axes)
-    parts.append(f"<h2>Sweep</h2><ul>{axes}</ul><p class=note>{report.repeat} run(s) per cell, {report.jobs} at "
+    left = (f"<p class=note>engines left out of every cell (--engines): {_e(', '.join(report.engines_left_out))}</p>"
+            if report.engines_left_out else "")
+    parts.append(f"<h2>Sweep</h2><ul>{axes}</ul>{left}<p class=note>{report.repeat} run(s) per cell, {report.jobs} at "
                  f"a time, stall window {report.stall_window_s if report.stall_window_s is not None else '—'} s; "
                  f"intervals: {_e(report.interval_method)}; {report.wall_s:g} s; kvdiag {_e(report.kvdiag_version)}, "
                  f"{_e(report.created_at)}{'; interrupted' if report.interrupted else ''}</p>")

@@ -14,6 +14,7 @@ import pytest
 
 from kvdiag.analyze import analyze_process, diagnose
 from kvdiag.analyze.gpu import cuda_wait
+from kvdiag.analyze.rules import engine_verdict
 from kvdiag.bundle_io import load_bundle, save_bundle
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.merge import merge_threads
@@ -21,6 +22,8 @@ from kvdiag.capture.parsers import parse_gdb, parse_pyspy, parse_pystack
 from kvdiag.model import (
     Bundle,
     Confidence,
+    EnginePhase,
+    EngineRecord,
     GpuReadings,
     ProcessEvidence,
     ProgressSample,
@@ -210,3 +213,52 @@ def test_a_wedged_nvidia_smi_never_hangs_the_caller(tmp_path: Path, monkeypatch:
     assert time.monotonic() - t0 < 4.0
     if got.source != "pynvml":
         assert not got.snapshots and "stopped after" in got.note
+
+
+@pytest.mark.parametrize(("idle_s", "last", "kind"), [
+    (1.2, "step 12: kernel finished after 2.0 s", VerdictKind.HEALTHY),
+    (1.2, 'INFO:     127.0.0.1:50312 - "GET /health HTTP/1.1" 200 OK', VerdictKind.GPU_KERNEL_HANG),
+    (40.0, "step 12: kernel finished after 2.0 s", VerdictKind.GPU_KERNEL_HANG),
+])
+def test_a_log_written_within_the_stall_window_is_a_long_kernel(idle_s: float, last: str, kind: VerdictKind) -> None:
+    """A bare capture reads how long ago the log was written: a loop of long kernels still logs each step."""
+    proc = captured("item_spin")
+    proc.engine = "e"
+    e = EngineRecord(name="e", phase=EnginePhase.SERVING, last_log_line=last, log_tail=[last], log_idle_s=idle_s)
+    v = engine_verdict("e", e, [proc], Bundle(engines=[e], processes=[proc]), [])
+    assert v.kind is kind, v.summary
+    if kind is VerdictKind.HEALTHY:
+        assert "not a hang (yet)" in v.summary and "cudaMemcpyAsync" in v.summary
+        assert any(f.kind == "gpu_wait" for f in v.findings)
+
+
+def test_a_python_only_sample_on_the_same_line_confirms_the_wait() -> None:
+    """py-spy --nonblocking (inside the /proc window) reads Python frames only: on the same line as the native
+    stack's CUDA call, it is a second sample of the same wait."""
+    proc = captured("item_spin", tools=("pystack", "py-spy"))
+    main = next(t for t in proc.threads if t.tid == 41230)
+    main.frames_by_tool["py-spy"] = [f for f in main.frames_by_tool["py-spy"] if f.kind == "python"]
+    v = analyze_process(proc)
+    assert v is not None and v.kind is VerdictKind.GPU_KERNEL_HANG, v
+    assert "2 stack samples (py-spy, pystack)" in v.summary
+    main.frames_by_tool["py-spy"][0] = main.frames_by_tool["py-spy"][0].model_copy(update={"line": 60})
+    v = analyze_process(proc)
+    assert v is None or v.kind is not VerdictKind.GPU_KERNEL_HANG   # it moved: another line
+
+
+def test_a_process_that_writes_is_a_busy_engine_not_a_hang() -> None:
+    """A serving engine's main thread waits on the GPU at most instants too; it writes its outputs every step."""
+    proc = captured("event_sync_blocking")
+    assert proc.progress is not None
+    proc.progress.io_delta = {"rchar": 4096, "wchar": 1800, "syscw": 12}
+    v = analyze_process(proc)
+    assert v is None or v.kind is not VerdictKind.GPU_KERNEL_HANG
+
+
+def test_a_nccl_watchdog_is_not_a_wait_on_the_gpu() -> None:
+    from kvdiag.model import Frame
+
+    frames = [Frame(name="std::condition_variable::wait_for", library="libstdc++.so.6"),
+              Frame(name="c10d::ProcessGroupNCCL::Watchdog::runLoop()", library="libtorch_cuda.so"),
+              Frame(name="c10d::ProcessGroupNCCL::Watchdog::run()", library="libtorch_cuda.so")]
+    assert cuda_wait(frames) is None

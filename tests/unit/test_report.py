@@ -169,7 +169,7 @@ def test_report_json_validates_and_round_trips(tmp_path: Path, validator: jsonsc
     assert data["verdict"]["kind"] == "gil_cycle"
     assert data["verdict"]["evidence"][0] == {"pid": 200, "tid": 200, "role": "alloc_page caller (holds GIL)",
                                               "engine": "eng2", "frames": verdict.evidence[0].frames,
-                                              "key_frames": None}   # hand-made evidence: no key frames
+                                              "key_frames": None, "node": None}   # hand-made evidence: no key frames
     eng2 = data["engines"][1]
     assert eng2["name"] == "eng2" and eng2["phase"] == "stalled" and eng2["verdict"] == "gil_cycle"
     assert eng2["pids"] == {"api_server": 199, "engine_core": 200}
