@@ -156,10 +156,10 @@ def _plot(key: str, title: str, unit: str, series: Sequence[tuple[str, str, Sequ
             d = " ".join(f"{'M' if i == 0 else 'L'} {x(t):.1f} {y(v):.1f}" for i, (t, v) in enumerate(pts))
             plot.lines.append(Line(d=d, label=label, cls=cls))
     plot.y_ticks = [(y(v), fmt.format(v)) for v in (0.0, top / 2, top)]
+    # The x axis counts seconds from ``t0`` (the load's start): the engine's start-up is not plotted.
     span = t1 - t0
     step = next((s for s in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600) if span / s <= 6), 1200)
-    first = int(t0 // step + 1) * step
-    plot.x_ticks = [(x(float(t)), f"{t:g} s") for t in range(int(first), int(t1) + 1, step)]
+    plot.x_ticks = [(x(t0 + k), f"{k:g} s") for k in range(0, int(span) + 1, step)]
     plot.marks = [Mark(x=x(t), label=label, cls=cls, anchor="end" if x(t) > PLOT_W * 0.7 else "start")
                   for t, label, cls in marks if t0 <= t <= t1]
     return plot
