@@ -171,3 +171,15 @@ def test_first_screen_shows_the_figures_and_the_plots(which: str, request: pytes
     if which == "stalled":
         assert "stall detected" in plots["soak-plot-tokens"]["marks"]
         assert "16 in flight at the stall" in texts
+
+
+def test_the_live_line_never_shows_an_idle_servers_gauges_beside_requests_in_flight(
+        served: tuple[subprocess.CompletedProcess[str], Path]) -> None:
+    run, _ = served
+    live = [line for line in run.stderr.splitlines() if "| in flight " in line]
+    assert live, run.stderr[-2000:]
+    for line in live:
+        in_flight = int(line.split("| in flight ", 1)[1].split()[0])
+        if in_flight:
+            assert "running 0 | waiting 0 | KV 0.0%" not in line, line
+    assert "no /metrics scrape under load yet" in live[0] or "running " in live[0]
