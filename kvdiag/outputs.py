@@ -10,12 +10,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.analyze import diagnose
+from kvdiag.analyze.diagnosis import complete
 from kvdiag.analyze.soak import stall_to_verdict_s
 from kvdiag.bundle import write_bundle
 from kvdiag.errors import UsageError
 from kvdiag.model import Bundle, Diagnosis, TimelineEvent, Verdict
 from kvdiag.redact import redact_bundle
-from kvdiag.report import render_run
+from kvdiag.report import ReportView, run_view, write_view
 
 
 def default_out_dir(command: str) -> Path:
@@ -47,6 +48,7 @@ class RunArtifacts:
     verdicts_by_engine: dict[str, Verdict]
     exit_code: int
     paths: dict[str, Path]
+    view: ReportView | None = None   # the report as written, for the summary printed after it
 
 
 def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
@@ -63,10 +65,11 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     if verdict_t is not None:
         red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)
         red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
-    red.diagnosis = diag
+    red.diagnosis = diag = complete(red.model_copy(update={"diagnosis": diag}))
     red = write_bundle(red, out_dir / "bundle")
-    paths = render_run(out_dir, red)
-    return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths)
+    view = run_view(red, diag, out_dir=out_dir, bundle_dir=out_dir / "bundle")
+    paths = write_view(out_dir, view, out_dir / "bundle")
+    return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths, view)
 
 
 __all__ = ["RunArtifacts", "default_out_dir", "finish", "prepare_out_dir"]

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.diagnosis import diagnose, exit_code_for
-from kvdiag.analyze.fleet import across_nodes, by_node, is_merged
+from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node
 from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
@@ -46,13 +46,19 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
 def _by_engine(bundle: Bundle) -> dict[str, Verdict]:
     engines = {e.name: e for e in bundle.engines}
     out: dict[str, Verdict] = {}
+    # The processes judged as a whole: a wait that crosses a process boundary is named at its root, in the
+    # verdict of the engine whose process waits first.
+    cross = judge_across(bundle)[0]
     for name, procs in _groups(bundle):
         pids = {p.pid for p in procs}
         if name in engines:
             relevant = [f for f in bundle.findings if f.engine == name or (f.pid is not None and f.pid in pids)]
         else:
             relevant = [f for f in bundle.findings if f.engine is None and (f.pid is None or f.pid in pids)]
-        out[name] = sign(engine_verdict(name, engines.get(name), procs, bundle, relevant), bundle)
+        verdict = engine_verdict(name, engines.get(name), procs, bundle, relevant)
+        if cross is not None and cross.waits is not None and cross.waits.edges[0].src.pid in pids:
+            verdict = merge_across(verdict, cross)
+        out[name] = sign(verdict, bundle)
     return out
 
 
@@ -60,11 +66,18 @@ def analyze(bundle: Bundle) -> Verdict:
     """The overall verdict: the worst engine's, with the other engines named in the summary."""
     by = analyze_by_engine(bundle)
     if is_merged(bundle):
-        return sign(across_nodes(_worst(by, bundle), bundle, by), bundle)
+        # A pid is unique only within its node: the processes are judged as a whole node by node, then
+        # the waits that cross nodes are joined (kvdiag.analyze.fleet).
+        overall = _worst(by, bundle, whole=False)
+        for node, sub in node_bundles(bundle):
+            cross = judge_across(sub)[0]
+            if cross is not None:
+                overall = merge_across(overall, on_node(cross, node))
+        return sign(across_nodes(overall, bundle, by), bundle)
     return _worst(by, bundle)
 
 
-def _worst(by: dict[str, Verdict], bundle: Bundle) -> Verdict:
+def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdict:
     if not by:
         return Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.LOW,
                        summary="the bundle holds no engines and no captured processes: nothing to diagnose")
@@ -82,6 +95,4 @@ def _worst(by: dict[str, Verdict], bundle: Bundle) -> Verdict:
                 seen.add((f.kind, f.message))
                 extra.append(f)
     overall.findings += extra
-    # The processes judged as a whole: a wait that crosses a process boundary is named at its root.
-    overall = merge_across(overall, judge_across(bundle)[0])
     return sign(overall, bundle)

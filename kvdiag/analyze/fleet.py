@@ -15,18 +15,24 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
-from kvdiag.analyze.evidence import cite_item
+from kvdiag.analyze.evidence import CONTEXT_KEYS, cite_item
 from kvdiag.analyze.rules import analyze_process
 from kvdiag.model import (
     Bundle,
     Confidence,
+    EdgeEvidence,
+    EdgeKind,
     EvidenceItem,
     Finding,
+    FrameRef,
+    NodeRef,
     ProcessEvidence,
     RayActorRecord,
     RayTaskRecord,
     Verdict,
     VerdictKind,
+    WaitChain,
+    WaitEdge,
 )
 
 # Where a Ray worker blocks for an object: ray.get (and the get_objects it calls) in Ray's worker module.
@@ -60,12 +66,23 @@ def node_bundles(bundle: Bundle) -> list[tuple[str, Bundle]]:
 
 
 def on_node(verdict: Verdict, node: str) -> Verdict:
-    """``verdict`` (judged on ``node``'s bundle alone) with its evidence and findings naming the node."""
+    """``verdict`` (judged on ``node``'s bundle alone) with its evidence, findings and wait chain naming the node."""
     for item in verdict.evidence:
         item.node = item.node or node
+        for ref in item.refs:
+            ref.node = ref.node or node
     for f in verdict.findings:
         if f.pid is not None:
             f.node = f.node or node
+    chain = verdict.waits
+    if chain is not None:
+        nodes = [r for e in chain.edges for r in (e.src, e.dst)] + ([chain.root] if chain.root else [])
+        for at in nodes:
+            at.node = at.node or node
+        for e in chain.edges:
+            for fr in e.evidence.frames:
+                fr.node = fr.node or node
+        chain.labels = {k if k.startswith(f"{node}/") else f"{node}/{k}": lab for k, lab in chain.labels.items()}
     return verdict
 
 
@@ -187,6 +204,41 @@ def _target_label(w: CrossNodeWait, bundle: Bundle) -> str:
     return f"node {w.target_node} pid {w.target_pid} (not captured)"
 
 
+def _edge(w: CrossNodeWait, bundle: Bundle) -> WaitEdge:
+    """The typed edge of a wait across nodes, citing the waiter's frame that shows it."""
+    src = NodeRef(pid=w.waiter.pid, tid=w.thread.tid, node=w.waiter.node)
+    dst = NodeRef(pid=w.target_pid, node=w.target_node)
+    ray = w.how.startswith("ray.get")
+    index = next((i for i, f in enumerate(w.thread.frames) if f.kind == "python" and f.name in _RAY_GET_FUNCS), None)
+    frames = [FrameRef(pid=w.waiter.pid, tid=w.thread.tid, index=index, node=w.waiter.node)] if index is not None \
+        else []
+    address = w.how.removeprefix("TCP read of ") if not ray else None
+    return WaitEdge(src=src, dst=dst, kind=EdgeKind.RAY_GET if ray else EdgeKind.SOCKET_READ,
+                    evidence=EdgeEvidence(frames=frames, address=address,
+                                          text=f"{_label(w.waiter, bundle)} waits in {w.how} on "
+                                               f"{_target_label(w, bundle)}"))
+
+
+def _chain_into(verdict: Verdict, w: CrossNodeWait, bundle: Bundle) -> WaitChain:
+    """The verdict's wait chain with the cross-node wait in front: from the waiter on one node to the root
+    of the hang on the other (the chain judged on that node, when there is one)."""
+    edge = _edge(w, bundle)
+    labels = {edge.src.key(): f"{_label(w.waiter, bundle)} thread {w.thread.tid}",
+              edge.dst.key(): _target_label(w, bundle)}
+    old = verdict.waits
+    if old is not None and old.edges and old.edges[0].src.process() == edge.dst:
+        return old.model_copy(update={"edges": [edge, *old.edges], "labels": {**labels, **old.labels}})
+    if old is not None and old.root is not None and old.root.process() == edge.dst and not old.edges:
+        return old.model_copy(update={"edges": [edge], "labels": {**labels, **old.labels}})
+    root_item = next((i for i in verdict.evidence if i.node == w.target_node and i.pid == w.target_pid), None)
+    root = NodeRef(pid=w.target_pid, tid=root_item.tid if root_item else None, node=w.target_node)
+    labels[root.key()] = _target_label(w, bundle)
+    return WaitChain(edges=[edge], root=root, root_state="hung", labels=labels,
+                     root_role=root_item.role if root_item else "",
+                     root_frames=list(root_item.frames) if root_item else [],
+                     root_key_frames=list(root_item.key_frames or []) if root_item else [])
+
+
 def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Verdict:
     """The overall verdict of a merged bundle: the nodes that gave no evidence named with why, and the
     waits that cross nodes, each leading to the hang it ends at."""
@@ -200,7 +252,8 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
     chains: list[str] = []
     for w in ray_get_waits(bundle) + tcp_waits(bundle):
         target_v = analyze_process(w.target, machine, w.target.engine) if w.target is not None else None
-        state = f"{target_v.kind.value} there" if target_v is not None else "not judged"
+        state = (f"{target_v.kind.value} there" if target_v is not None else
+                 "no hang seen there" if w.target is not None else "not captured")
         text = f"{_label(w.waiter, bundle)} (thread {w.thread.tid}) waits across nodes in {w.how} on " \
                f"{_target_label(w, bundle)}: {state}"
         out.findings.append(Finding(kind="waits_across_nodes", node=w.waiter.node, pid=w.waiter.pid, message=text))
@@ -208,9 +261,12 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
                 i.node == w.target_node and i.pid == w.target_pid for i in out.evidence):
             chains.append(f"{_label(w.waiter, bundle)} → {_target_label(w, bundle)}")
             item: EvidenceItem = cite_item(w.thread, f"waits in {w.how} on {_target_label(w, bundle)}, which is hung",
-                                           w.waiter.engine, ())
+                                           w.waiter.engine, CONTEXT_KEYS)
             item.node = w.waiter.node
+            for ref in item.refs:
+                ref.node = w.waiter.node
             out.evidence.append(item)
+            out.waits = _chain_into(out, w, bundle)
     if chains:
         out.summary += "; waited on across nodes: " + "; ".join(chains)
     seen = {(f.kind, f.message) for f in out.findings}

@@ -171,6 +171,9 @@ def peer_phrase(info: FdInfo) -> str:
     if info.peer_pids:
         more = f" (+{len(info.peer_pids) - 1})" if len(info.peer_pids) > 1 else ""
         what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
+    elif info.listener_pids:   # a connection nobody accepted: whoever listens on that port has to
+        more = f" (+{len(info.listener_pids) - 1})" if len(info.listener_pids) > 1 else ""
+        what += f" (peer: not accepted, in the listen queue of pid {info.listener_pids[0]}{more})"
     elif info.kind == "socket" and info.proto in ("tcp", "tcp6", "udp"):
         what += " (peer: no process on this host; a remote peer)"
     elif info.kind == "socket" and info.proto == "unix" and info.peer_inode is None:

@@ -75,7 +75,9 @@ def peers_outside(tree: Sequence[int], bound: int = MAX_FOLLOWED,
         if not fds or time.monotonic() > deadline:
             continue
         for info in FdResolver(pid, deadline).describe(fds):
-            if info.kind not in ("socket", "pipe") or info.listening:
+            # What the tree depends on: servers it connected to and pipe ends, not its own clients (the
+            # peers of connections it accepted wait on it, not the other way round).
+            if info.kind not in ("socket", "pipe") or info.listening or info.accepted:
                 continue
             for q in info.peer_pids:
                 if q not in inside and q != me and q not in found:

@@ -74,7 +74,7 @@ def _interruptible(work: Callable[[], Bundle]) -> Bundle:
 
 
 def capture_cmd(
-    ray: str | None = typer.Option(None, "--ray", flag_value="auto", is_flag=False, metavar="[ADDRESS]",
+    ray: str | None = typer.Option(None, "--ray", metavar="[ADDRESS]",
                                    help="Capture the selected processes on every node of a Ray cluster (default "
                                    "address: the cluster `ray` would connect to); needs `pip install "
                                    "'kvdiag[ray]'`.", show_default=False),

@@ -9,8 +9,10 @@ command may need or pay for at import time.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -189,6 +191,15 @@ def capture_cluster(address: str, out_bundle_dir: Path, *, select: str = "vllm",
     """Capture the selected processes of every node of the Ray cluster at ``address``: one merged bundle
     (processes keyed by node and pid, a node table, Ray's actor and task tables), not yet written."""
     say = progress or (lambda _msg: None)
+    # Ray's driver prints cluster events (a raylet that died) to stdout from its own threads: stdout is
+    # kvdiag's (--json), so they go to stderr while connected.
+    with contextlib.redirect_stdout(sys.stderr):
+        return _capture_cluster(address, out_bundle_dir, select=select, patterns=patterns, timeout_s=timeout_s,
+                                backends=backends, say=say)
+
+
+def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, patterns: Sequence[str], timeout_s: float,
+                     backends: Sequence[str], say: Callable[[str], None]) -> Bundle:
     ray = connect(address)
     try:
         view = discover(ray)

@@ -60,6 +60,7 @@ from kvdiag.model.gpu import (
     GpuReadings,
     GpuSnapshot,
 )
+from kvdiag.model.judged import EngineJudgement
 from kvdiag.model.kinds import (
     KIND_SPECS,
     NO_EVIDENCE_KINDS,
@@ -129,6 +130,7 @@ from kvdiag.model.waits import (
 )
 
 __all__ = [
+    "EngineJudgement",
     "FleetRecord",
     "NodeOutcome",
     "NodeRecord",

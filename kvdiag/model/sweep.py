@@ -151,6 +151,7 @@ class SweepReport(_Model):
     finished: bool = False
     interrupted: bool = False
     rule: SweepRule | None = None
+    boundaries: list[str] = Field(default_factory=list)   # `--bisect`: where the outcome changes, per line
     banner_check: BannerCheck | None = None
     ab: ABRates | None = None
     exit_code: int = 0

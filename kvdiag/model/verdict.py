@@ -6,9 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvdiag.model.judged import EngineJudgement
 from kvdiag.model.kinds import Confidence, EnginePhase, VerdictKind, _Model
 from kvdiag.model.run import Finding
-from kvdiag.model.waits import WaitChain, WaitGraphRecord
+from kvdiag.model.waits import FrameRef, WaitChain, WaitGraphRecord
 
 
 class KnownDefect(_Model):
@@ -46,9 +47,19 @@ class EvidenceItem(_Model):
     # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
     # report written before the field existed (nothing is highlighted).
     key_frames: list[int] | None = None
+    # ``refs[n]`` is the captured frame ``frames[n]`` displays, so ``key_frames`` index both; renderers
+    # find a cited frame in the bundle by this reference, never by its text. Empty: a report written
+    # before references were kept (its frames are shown, none highlighted in the stacks).
+    refs: list[FrameRef] = Field(default_factory=list)
 
     def is_key(self, index: int) -> bool:
         return self.key_frames is not None and index in self.key_frames
+
+    def key_refs(self) -> list[FrameRef]:
+        """The captured frames the rule's conclusion rests on (none without references)."""
+        if len(self.refs) != len(self.frames):
+            return []
+        return [self.refs[i] for i in self.key_frames or [] if 0 <= i < len(self.refs)]
 
 
 class Verdict(_Model):
@@ -121,3 +132,6 @@ class Diagnosis(_Model):
     notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
     # Every wait edge found across the captured processes (None: not built, or a bundle from before it).
     wait_graph: WaitGraphRecord | None = None
+    # Each engine's health line and banner risks, judged with its verdict (None: a bundle from before they
+    # were stored; kvdiag.analyze.diagnosis.complete fills them in before rendering).
+    engines: list[EngineJudgement] | None = None

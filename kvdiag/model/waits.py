@@ -38,12 +38,14 @@ class NodeRef(_Model):
 
 
 class FrameRef(_Model):
-    """One captured frame by reference: index into ThreadEvidence.frames of (pid, tid) on ``node``."""
+    """One captured frame by reference: index into ThreadEvidence.frames of (pid, tid) on ``node``, or into
+    ``frames_by_tool[tool]`` when the citing rule read another tool's stack of that thread."""
 
     pid: int
     tid: int
     index: int
     node: str | None = None
+    tool: str | None = None
 
 
 class EdgeKind(str, Enum):
@@ -119,6 +121,7 @@ class WaitChain(_Model):
     root_role: str = ""
     root_frames: list[str] = Field(default_factory=list)
     root_key_frames: list[int] = Field(default_factory=list)
+    root_refs: list[FrameRef] = Field(default_factory=list)   # the captured frame behind each root_frames line
 
     def nodes(self) -> list[NodeRef]:
         """The chain's nodes in order (the root last unless it is a cycle)."""

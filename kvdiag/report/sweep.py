@@ -206,6 +206,9 @@ def render_sweep_html(report: SweepReport) -> str:
         if rule.alternatives:
             notes.append("also consistent with these cells: " + "; ".join(rule.alternatives))
         parts.append("".join(f'<p class="note">{_e(n)}</p>' for n in notes))
+    if report.boundaries:
+        parts.append("<h2>Boundary along the bisected axis</h2><ul>"
+                     + "".join(f"<li>{_e(b)}</li>" for b in report.boundaries) + "</ul>")
     if check is not None:
         parts.append(f'<h2>Banner rule check</h2><p class="rule{"" if check.agree else " bad"}">{_e(check.text)}</p>'
                      f'<p class="note">static rule: {_e(check.rule)}</p>')
@@ -238,6 +241,7 @@ def render_sweep_text(report: SweepReport) -> str:
         lines.append(f"  the rule gets {len(report.rule.wrong)} cell(s) wrong: {', '.join(report.rule.wrong[:5])}")
     if report.rule is not None and report.rule.mixed:
         lines.append(f"  hung in some runs only: {', '.join(report.rule.mixed[:5])}")
+    lines += [f"  boundary: {b}" for b in report.boundaries]
     if report.banner_check is not None:
         lines.append(f"  banner check: {report.banner_check.text}")
     for c in report.cells:

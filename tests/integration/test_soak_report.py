@@ -115,11 +115,15 @@ def _cdp(browser: str, page: Path, expression: str, tmp_path: Path) -> object:
         assert isinstance(session, str)
         call("Emulation.setDeviceMetricsOverride",
              {"width": SCREEN_W, "height": SCREEN_H, "deviceScaleFactor": 1, "mobile": False}, session)
-        for _ in range(100):
-            state = call("Runtime.evaluate", {"expression": "document.readyState", "returnByValue": True}, session)
-            if state["result"] == {"type": "string", "value": "complete"}:
+        want = f"{page.resolve().as_uri()}|complete"   # the page itself loaded, not the blank one before it
+        for _ in range(200):
+            state = call("Runtime.evaluate", {"expression": "location.href + '|' + document.readyState",
+                                              "returnByValue": True}, session)
+            if state["result"] == {"type": "string", "value": want}:
                 break
             time.sleep(0.1)
+        else:
+            raise AssertionError(f"the page did not load: {state}")
         got = call("Runtime.evaluate", {"expression": expression, "returnByValue": True}, session)
         value = got["result"]
         assert isinstance(value, dict)

@@ -72,3 +72,20 @@ def test_ab_repeat_reports_each_side_as_a_rate_with_its_bound() -> None:
     flaky = conclude(SweepReport(command="ab", axes=axes, repeat=10, finished=True,
                                  cells=[side("stock", "hang", 10), side("fixed", "hang", 10)]))
     assert flaky.ab is not None and not flaky.ab.separated and flaky.exit_code == 1
+
+
+def test_a_bisected_axis_reports_where_the_outcome_changes() -> None:
+    cells = []
+    for res, pages_run in ((2, (1, 2, 3, 8)), (9, (1, 8))):
+        for pages in pages_run:
+            hung = pages <= res
+            run = SweepRun(index=0, outcome="hang" if hung else "healthy", exit_code=0, verdict="x")
+            cells.append(SweepCell(key=f"{res}-{pages}", params={"min_reserved_pages": res,
+                                                                 "kv_per_layer_mb": 2.0 * pages}, runs=[run]))
+    axes = [SweepAxis(field="engines.vlm.sim.min_reserved_pages", values=[2, 9], label="min_reserved_pages"),
+            SweepAxis(field="engines.vlm.sim.kv_per_layer_mb", values=[2.0, 16.0], label="kv_per_layer_mb",
+                      bisect=True)]
+    report = conclude(SweepReport(axes=axes, cells=cells, finished=True))
+    assert report.boundaries == ["min_reserved_pages=2: hang at kv_per_layer_mb=4, healthy at 6",
+                                 "min_reserved_pages=9: hang from kv_per_layer_mb=2 to 16 (no change)"]
+    assert "healthy at 6" in render_sweep_html(report)
