@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.analyze.engines import judge_engines
-from kvdiag.analyze.health import engine_health
+from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.analyze.soak import saturation_verdict, served_verdict
 from kvdiag.analyze.xproc import judge_across
 from kvdiag.errors import ExitCode
@@ -30,6 +30,7 @@ from kvdiag.model import (
     EngineRecord,
     Verdict,
     VerdictKind,
+    engine_health,
 )
 
 AB_SIDES = ("stock", "fixed")
@@ -68,8 +69,6 @@ def _conclude(bundle: Bundle, runs: Mapping[str, Bundle] | None) -> Diagnosis:
                          exit_code=ExitCode.INTERRUPTED, notes=["the run was interrupted: no verdict"])
     if bundle.runs:
         return _diagnose_ab(bundle, runs or {})
-    from kvdiag.analyze import analyze, analyze_by_engine
-
     verdict, by_engine = analyze(bundle), analyze_by_engine(bundle)
     code = exit_code_for(verdict)
     notes: list[str] = []

@@ -79,9 +79,8 @@ def on_node(verdict: Verdict, node: str) -> Verdict:
         nodes = [r for e in chain.edges for r in (e.src, e.dst)] + ([chain.root] if chain.root else [])
         for at in nodes:
             at.node = at.node or node
-        for e in chain.edges:
-            for fr in e.evidence.frames:
-                fr.node = fr.node or node
+        for fr in [f for e in chain.edges for f in e.evidence.frames] + chain.root_refs:
+            fr.node = fr.node or node
         chain.labels = {k if k.startswith(f"{node}/") else f"{node}/{k}": lab for k, lab in chain.labels.items()}
     return verdict
 
@@ -236,7 +235,8 @@ def _chain_into(verdict: Verdict, w: CrossNodeWait, bundle: Bundle) -> WaitChain
     return WaitChain(edges=[edge], root=root, root_state="hung", labels=labels,
                      root_role=root_item.role if root_item else "",
                      root_frames=list(root_item.frames) if root_item else [],
-                     root_key_frames=list(root_item.key_frames or []) if root_item else [])
+                     root_key_frames=list(root_item.key_frames or []) if root_item else [],
+                     root_refs=[r.model_copy() for r in root_item.refs] if root_item else [])
 
 
 def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Verdict:

@@ -12,12 +12,14 @@ from pathlib import Path
 from kvdiag import __version__
 from kvdiag.bundle import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
-from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.follow import note_followed, peers_outside
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
+from kvdiag.environment import collect_environment
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole
+from kvdiag.osread.ptable import process_tree
 
 
 def host_info() -> dict[str, str]:
@@ -57,8 +59,6 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     tool only when that does not decide (:mod:`kvdiag.capture.staged`); None: every process, every tool.
     ``follow``: the processes outside ``pids`` that a blocked thread waits on are captured too (bounded).
     """
-    from kvdiag.environment import collect_environment
-
     pids = list(pids)
     roots = list(roots) if roots else pids
     roles: dict[ProcessRole, list[int]] = {}

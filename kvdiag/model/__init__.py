@@ -12,7 +12,8 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, gpu, run, environment, doctor, verdict, bundle, report, waits.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, judged, verdict, bundle, report, waits,
+health (what "healthy" means in every report, derived from an engine's record and verdict).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from kvdiag.model.gpu import (
     GpuReadings,
     GpuSnapshot,
 )
+from kvdiag.model.health import EngineHealth, engine_health
 from kvdiag.model.judged import EngineJudgement
 from kvdiag.model.kinds import (
     KIND_SPECS,
@@ -130,7 +132,9 @@ from kvdiag.model.waits import (
 )
 
 __all__ = [
+    "EngineHealth",
     "EngineJudgement",
+    "engine_health",
     "FleetRecord",
     "NodeOutcome",
     "NodeRecord",

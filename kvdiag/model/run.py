@@ -68,8 +68,8 @@ class EngineRecord(_Model):
     startup_s: float | None = None
     error: str | None = None         # crash / OOM text seen in the log
     log_idle_s: float | None = None  # seconds since the log was last written, when a bare process was captured
-    # The scenario's engine kind: "sim" (kvdiag's simulated engine), "vllm" or "command"; None in bundles
-    # written before it was recorded (the bundle's scenario copy says).
+    # The scenario's engine kind: "sim" (kvdiag's simulated engine), "vllm" or "command"; None when not
+    # recorded (the bundle's scenario copy says).
     kind: str | None = None
 
 

@@ -25,7 +25,6 @@ from markupsafe import Markup
 
 from kvdiag.model import Bundle, Report, VerdictKind
 from kvdiag.redact import redact_text
-from kvdiag.report.chain import chain_view
 from kvdiag.report.json import report_dict
 from kvdiag.report.view import ReportView, ab_view, as_view, clean_text, format_frame, page_href
 
@@ -421,10 +420,12 @@ def render_html(report: Report | ReportView, bundle: Bundle | None = None, bundl
         kind=report.verdict.kind.value,
         hang=report.verdict.kind.is_hang,
         diagram=cycle_diagram(report.verdict.cycle),
-        chain=chain_view(report.verdict),
+        chain=view.chain,
         timeline=timeline_diagram(report),
         soak=view.soak,
         processes=view.processes,
+        evidence=view.evidence,
+        has_key_frames=view.has_key_frames,
         # An A/B bundle holds no raw files of its own (each run's bundle does): list only what is here.
         raw=[item for item in raw_outputs(safe_bundle, bundle_dir) if ab is None or item["text"] is not None],
         have_bundle=safe_bundle is not None,

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
+from kvdiag.logs.lines import MAX_LINE
 from kvdiag.model import Bundle, Report, ReportEngine
+from kvdiag.report.envtext import environment_lines
 from kvdiag.report.view import EvidenceLines, ReportView, as_view, clean_text
-from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
@@ -166,8 +167,6 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
     if report.environment is not None:
-        from kvdiag.report.envtext import environment_lines
-
         env_lines += environment_lines(report.environment)
     red = report.redaction
     env_lines.append(f"redacted: {red.total} value(s)" + (
@@ -186,7 +185,7 @@ def marked_lines(ev: EvidenceLines) -> list[str]:
 
 
 def _healthy(e: ReportEngine) -> str:
-    """The engine's health line (derived from its verdict and probes by kvdiag.analyze.health)."""
+    """The engine's health line (derived from its verdict and probes by kvdiag.model.health)."""
     return e.health or ("yes" if e.healthy else "no")
 
 

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from rich.console import Console
 
-from kvdiag.bundle_io import save_bundle
+from kvdiag.bundle import save_bundle
 from kvdiag.cli.main import main
 from kvdiag.model import (
     ABComparison,

@@ -13,16 +13,18 @@ import httpx
 
 from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
-from kvdiag.launch.ports import listening_ports
 from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
+from kvdiag.launch.vllm import expand
+from kvdiag.logs.lines import MAX_LINE, LogState, feed_line
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
+from kvdiag.osread.net import listening_ports
+from kvdiag.osread.ptable import process_tree
 from kvdiag.scenario.models import EngineSpec, Scenario
-from kvdiag.watch.logs import MAX_LINE, LogFollower, LogState, feed_line
+from kvdiag.watch.logs import LogFollower
 from kvdiag.watch.probe import (
     check_health,
     cpu_ticks,
     probe_completion,
-    process_tree,
     scrape_metrics,
     threads_blocked,
 )
@@ -200,8 +202,6 @@ class ScenarioRun:
 
     def _probe_completion(self, w: EngineWatch) -> None:
         """A real engine that is up must also serve: one short completion, its answer on the timeline."""
-        from kvdiag.launch.vllm import expand
-
         ok, detail = probe_completion(self._client, w.plan.url, expand(w.spec.model))
         self._event("completion answered" if ok else "completion failed", w.spec.name, detail)
         if not ok:
@@ -210,8 +210,6 @@ class ScenarioRun:
     def _serve(self, deadline: float) -> None:
         """The serving phase (scenario ``serve``): requests to every ready engine until one stalls, fails,
         or ``serve.duration_s`` has passed since the last engine's warm-up answer."""
-        from kvdiag.launch.vllm import expand
-
         serve = self.scenario.serve
         assert serve is not None
         windows = self.scenario.windows

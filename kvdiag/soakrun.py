@@ -24,11 +24,14 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 
-from kvdiag.defaults import STALL_WINDOW_S, TOOL_TIMEOUT_S
+from kvdiag.capture.bundle import capture_engine
+from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet
-from kvdiag.launch.session import EngineWatch, Outcome
+from kvdiag.launch.vllm import expand
+from kvdiag.logs.lines import feed_line
 from kvdiag.model import (
     Bundle,
     EnginePhase,
@@ -41,16 +44,19 @@ from kvdiag.model import (
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.osread.net import listening_pids
+from kvdiag.osread.ptable import process_tree
 from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
+from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
+from kvdiag.scenariorun import EngineWatch, Outcome
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
-from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
+from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.soak.progress import ProgressView
 from kvdiag.soak.saturation import Saturation, SaturationSampler, judge
 from kvdiag.soak.stats import SoakSummary
-from kvdiag.soak.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
-from kvdiag.watch.logs import feed_line
+from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
 
 Clock = Callable[[], float]
 COMMAND = "soak"
@@ -120,16 +126,12 @@ def _request_model(spec: EngineSpec) -> str | None:
     if spec.kind == "sim":
         return None
     if spec.kind == "vllm":
-        from kvdiag.launch.vllm import expand
-
         return expand(spec.model)
     return spec.model
 
 
 def _local_model_dir(model: str) -> bool:
     """A Hugging Face style model folder here (config.json inside): `kvdiag soak --model DIR` serves it with vLLM."""
-    from kvdiag.launch.vllm import expand
-
     return (Path(expand(model)) / "config.json").is_file()
 
 
@@ -142,12 +144,8 @@ def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario,
         name = f"<builtin>/{builtin}"
         scen = parse_scenario(text, name)
         if model != "sim":
-            from kvdiag.launch.vllm import expand
-
             scen.engines[0].model = str(Path(expand(model)).resolve())
         return scen, name, text
-    from kvdiag.scenario import load_scenario
-
     return load_scenario(path)
 
 
@@ -211,7 +209,7 @@ class SoakRun:
         self.interrupted: Interrupted | None = None
         self.scenario: Scenario | None = None
         self.window_s = opts.stall_window_s or STALL_WINDOW_S
-        self.tools: list[str] = list(opts.tools or ["pystack", "py-spy", "gdb", "proc"])
+        self.tools: list[str] = list(opts.tools or DEFAULT_TOOLS)
         self.tool_timeout_s = TOOL_TIMEOUT_S
         self.loadgen: LoadGenerator | None = None
         self.result = _DriveResult()
@@ -226,8 +224,6 @@ class SoakRun:
         t = self._rel(self.clock() if at is None else at)
         self.timeline.append(TimelineEvent(t=t, event=event, engine=engine, detail=detail))
         if echo:
-            from rich.markup import escape
-
             msg = f"{engine + ': ' if engine else ''}{event}{' (' + detail + ')' if detail else ''}"
             self.console.print(f"[dim]{t:6.1f}s[/dim] {escape(msg)}", highlight=False)
 
@@ -569,8 +565,6 @@ class SoakRun:
     # -- capture -----------------------------------------------------------------------------------
     def _capture(self, s: _Subject) -> None:
         """Read-only capture of the engine's EngineCore, API server and workers into the bundle."""
-        from kvdiag.capture.bundle import capture_engine
-
         if s.root_pid is None:
             return
         log_pids = dict(s.watch.state.pids) if s.watch is not None else dict(s.log_pids)
@@ -651,8 +645,6 @@ class SoakRun:
         return arts
 
     def _echo(self, msg: str) -> None:
-        from rich.markup import escape
-
         self.console.print(f"[dim]{self.clock() - self.t0:6.1f}s[/dim] {escape(msg)}", highlight=False)
 
 
@@ -699,7 +691,6 @@ def _server_pids(s: _Subject) -> list[int]:
     """The server's processes whose CPU time the saturation judgement reads (API server and children)."""
     if s.root_pid is None:
         return []
-    from kvdiag.proc import process_tree
 
     return process_tree(s.root_pid) or [s.root_pid]
 
