@@ -26,7 +26,7 @@ CPU (user+sys, time.process_time of each client process over its load window) pe
 Prints tables and ends with
 `RESULT ttft_p50_err=... itl_p50_err=... ttft_p99_err=... itl_p99_err=... cpu_ratio=...`.
 
-``--vllm`` (issue 14): kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server (prefix
+``--vllm``: kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server (prefix
 caching off), ONE CLIENT AT A TIME, in cycles of three runs, bench / kvdiag / bench2, the order rotated each
 cycle (bench2 is bench again: the reference measured against itself the same way gives the noise floor).
 Every run sends the same request mix: 48 completions, 64 prompt tokens (bench: its random dataset, seed 0 in

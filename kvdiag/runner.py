@@ -6,51 +6,43 @@ its package's public functions and the Bundle passed between them.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import platform
-import secrets
 import shutil
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvdiag import __version__
+from kvdiag.allocator import remove_device_files
+from kvdiag.capture.bundle import capture_engine
+from kvdiag.environment import add_engine_packages, collect_environment
+from kvdiag.environment.interpreter import interpreter_of_pid
+from kvdiag.environment.runtime import collect_runtime
 from kvdiag.errors import Interrupted, KvdiagError, UsageError
+from kvdiag.launch.interpreters import engine_interpreters
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
-from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
     TimelineEvent,
-    Verdict,
 )
+
+# The output folder and the tail of a run live in kvdiag.outputs; named here too, for the commands.
+from kvdiag.outputs import RunArtifacts as RunArtifacts
+from kvdiag.outputs import default_out_dir as default_out_dir
+from kvdiag.outputs import finish as finish
+from kvdiag.outputs import prepare_out_dir as prepare_out_dir
+from kvdiag.redact import Tally, copy_redacted, note_file, write_redacted
 from kvdiag.scenario.models import Scenario
-
-
-def default_out_dir(command: str) -> Path:
-    """reports/<command>-<timestamp>-<random>/ under the current directory (never reused)."""
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("reports") / f"{command.replace(' ', '-')}-{stamp}-{secrets.token_hex(2)}"
-
-
-def prepare_out_dir(out: Path | None, command: str) -> Path:
-    path = out if out is not None else default_out_dir(command)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "bundle").mkdir(exist_ok=True)
-        probe = path / ".kvdiag-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(f"cannot write output folder {path}: {exc.strerror or exc}",
-                         hint="pass --out DIR pointing at a writable folder") from None
-    return path
+from kvdiag.scenariorun import EngineWatch, Outcome, RunResult, ScenarioRun
 
 
 def host_info() -> dict[str, str]:
@@ -59,28 +51,14 @@ def host_info() -> dict[str, str]:
 
 
 def new_bundle(command: str) -> Bundle:
-    from kvdiag.environment import collect_environment
-
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   environment=collect_environment())
 
 
-@dataclass
-class RunArtifacts:
-    out_dir: Path
-    bundle: Bundle
-    verdict: Verdict
-    verdicts_by_engine: dict[str, Verdict]
-    exit_code: int
-    paths: dict[str, Path]
-
-
 def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[str], timeout_s: float,
                      bundle: Bundle) -> None:
     """Capture every process of each given engine into the bundle (read-only)."""
-    from kvdiag.capture.bundle import capture_engine
-
     for w in watches:
         if w.proc.pid is None:
             continue
@@ -90,8 +68,6 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
         bundle.findings.extend(findings)
     if bundle.environment is not None:
         # kvcached's segments and worker sockets as they are while the engines hang (not at launch).
-        from kvdiag.environment.runtime import collect_runtime
-
         try:
             bundle.environment.kvcached_runtime = collect_runtime()
         except OSError as exc:
@@ -100,8 +76,6 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
 
 def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | None = None) -> None:
     """Copy the engines' raw logs into bundle/logs/, redacted; what was removed goes into the summary."""
-    from kvdiag.redact import Tally, copy_redacted, note_file
-
     logs_dir = bundle_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     for src in sorted(raw_log_dir.glob("*.log")):
@@ -109,30 +83,6 @@ def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | No
         copy_redacted(src, logs_dir / src.name, tally)
         if bundle is not None:
             note_file(bundle.redaction, f"logs/{src.name}", tally.as_dict())
-
-
-def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
-           verdict_t: float | None = None) -> RunArtifacts:
-    """The one tail of every run: redact → analyze → store the diagnosis → write bundle → render.
-
-    ``runs``: the nested runs' bundles (``kvdiag ab``); ``verdict_t``: run time of the verdict
-    event added to the timeline. Renderers read only the diagnosis stored in the bundle.
-    """
-    from kvdiag.analyze import diagnose
-    from kvdiag.analyze.soak import stall_to_verdict_s
-    from kvdiag.bundle import write_bundle
-    from kvdiag.redact import redact_bundle
-    from kvdiag.report import render_run
-
-    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
-    diag = diagnose(red, runs)
-    if verdict_t is not None:
-        red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)   # issue 17 item 7
-        red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
-    red.diagnosis = diag
-    red = write_bundle(red, out_dir / "bundle")
-    paths = render_run(out_dir, red)
-    return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths)
 
 
 class LaunchedRun:
@@ -159,16 +109,11 @@ class LaunchedRun:
         self.run: ScenarioRun
 
     def __enter__(self) -> LaunchedRun:
-        from kvdiag.redact import Tally, note_file, write_redacted
-
         tally = Tally()
         write_redacted(self.bundle_dir / "scenario.yaml", self._text, tally)
         note_file(self.bundle.redaction, "scenario.yaml", tally.as_dict())
         if self.bundle.environment is not None and not self.bundle.environment.engine_packages:
             # The versions the engines' own interpreters see (a vLLM venv), not only kvdiag's.
-            from kvdiag.environment import add_engine_packages
-            from kvdiag.launch.interpreters import engine_interpreters
-
             add_engine_packages(self.bundle.environment, engine_interpreters(self.scenario))
         procs = ProcessSet(grace_s=self.scenario.windows.kill_grace_s)
         procs.__enter__()
@@ -191,9 +136,6 @@ class LaunchedRun:
         env = self.bundle.environment
         if env is None:
             return
-        from kvdiag.environment import add_engine_packages
-        from kvdiag.environment.interpreter import interpreter_of_pid
-
         known = {name for ip in env.engine_packages for name in ip.engines}
         found: list[tuple[str, str, list[str]]] = []
         for w in self.run.watches:
@@ -227,8 +169,6 @@ class LaunchedRun:
                 self._final_logs()
             if self.device is not None and self.scenario.device.name is None:
                 # The modelled device was this run's own: drop its shared lock/accounting files.
-                from kvdiag.allocator import remove_device_files
-
                 remove_device_files(self.device)
 
 
@@ -321,8 +261,6 @@ def _fill_bundle(bundle: Bundle, result: RunResult) -> None:
 
 
 def _esc(text: str) -> str:
-    from rich.markup import escape
-
     return escape(text)
 
 
@@ -336,8 +274,6 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
     The A/B bundle names both nested bundles (``runs``); its diagnosis (the comparison) is
     computed from them by analyze, so `kvdiag analyze/report` on the A/B folder says the same.
     """
-    import copy
-
     switchable(scenario, "kvdiag ab")
     sides: dict[str, RunArtifacts] = {}
     for allocator in AB_SIDES:

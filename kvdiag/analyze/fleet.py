@@ -69,17 +69,18 @@ def on_node(verdict: Verdict, node: str) -> Verdict:
     """``verdict`` (judged on ``node``'s bundle alone) with its evidence, findings and wait chain naming the node."""
     for item in verdict.evidence:
         item.node = item.node or node
+        for ref in item.refs:
+            ref.node = ref.node or node
     for f in verdict.findings:
         if f.pid is not None:
             f.node = f.node or node
     chain = verdict.waits
     if chain is not None:
-        refs = [r for e in chain.edges for r in (e.src, e.dst)] + ([chain.root] if chain.root else [])
-        for ref in refs:
-            ref.node = ref.node or node
-        for e in chain.edges:
-            for fr in e.evidence.frames:
-                fr.node = fr.node or node
+        nodes = [r for e in chain.edges for r in (e.src, e.dst)] + ([chain.root] if chain.root else [])
+        for at in nodes:
+            at.node = at.node or node
+        for fr in [f for e in chain.edges for f in e.evidence.frames] + chain.root_refs:
+            fr.node = fr.node or node
         chain.labels = {k if k.startswith(f"{node}/") else f"{node}/{k}": lab for k, lab in chain.labels.items()}
     return verdict
 
@@ -243,7 +244,8 @@ def _chain_into(verdict: Verdict, w: CrossNodeWait, bundle: Bundle) -> WaitChain
     return WaitChain(edges=[edge], root=root, root_state="hung", labels=labels,
                      root_role=root_item.role if root_item else "",
                      root_frames=list(root_item.frames) if root_item else [],
-                     root_key_frames=list(root_item.key_frames or []) if root_item else [])
+                     root_key_frames=list(root_item.key_frames or []) if root_item else [],
+                     root_refs=[r.model_copy() for r in root_item.refs] if root_item else [])
 
 
 def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Verdict:
@@ -283,6 +285,8 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
             item: EvidenceItem = cite_item(w.thread, f"waits in {w.how} on {_target_label(w, bundle)}, which is hung",
                                            w.waiter.engine, CONTEXT_KEYS)
             item.node = w.waiter.node
+            for ref in item.refs:
+                ref.node = w.waiter.node
             out.evidence.append(item)
             out.waits = _chain_into(out, w, bundle)
     if chains:

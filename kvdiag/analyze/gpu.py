@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind
+from kvdiag.analyze.evidence import item_of
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
     Confidence,
@@ -167,6 +168,7 @@ class _Waiter:
     wait: CudaWait
     frames: list[Frame]
     tools: list[str]          # the stack tools whose own reading shows it in a CUDA wait
+    tool: str | None = None   # whose stack ``frames`` is (None: the thread's own ThreadEvidence.frames)
 
     @property
     def persistent(self) -> bool:
@@ -184,8 +186,9 @@ def _waiters(proc: ProcessEvidence, views: list[ThreadView]) -> list[_Waiter]:
         seen = {tool: w for tool, fs in stacks.items() if (w := cuda_wait(fs)) is not None}
         if not seen:
             continue
-        frames = th.frames if cuda_wait(th.frames) is not None else next(
-            fs for tool, fs in stacks.items() if tool in seen)
+        # The thread's own stack when it shows the wait, else the first tool's that does.
+        tool = None if cuda_wait(th.frames) is not None else next(t for t in stacks if t in seen)
+        frames = th.frames if tool is None else stacks[tool]
         wait = cuda_wait(frames)
         assert wait is not None
         # A Python-only sample (py-spy --nonblocking never pauses the target, so it reads no native frames)
@@ -193,7 +196,7 @@ def _waiters(proc: ProcessEvidence, views: list[ThreadView]) -> list[_Waiter]:
         at = _py_at(frames)
         agree = [tool for tool, fs in stacks.items() if tool not in seen and at is not None
                  and not any(f.kind == "native" for f in fs) and _py_at(fs) == at]
-        out.append(_Waiter(view, wait, frames, sorted(t for t in [*seen, *agree] if t != "merged")))
+        out.append(_Waiter(view, wait, frames, sorted(t for t in [*seen, *agree] if t != "merged"), tool))
     # The main thread first, then the one most tools agree on.
     return sorted(out, key=lambda w: (not w.persistent, not w.view.is_main, -len(w.tools), w.view.tid))
 
@@ -292,9 +295,8 @@ def _cite(w: _Waiter, role: str, engine: str | None) -> EvidenceItem:
             python_seen += 1
             if python_seen >= 2:
                 break
-    keys = {w.wait.api, w.wait.torch, w.wait.python} - {None}
-    return EvidenceItem(pid=w.view.pid, tid=w.view.tid, role=role, engine=engine, frames=[t for _, t in rows],
-                        key_frames=[n for n, (i, _) in enumerate(rows) if i in keys])
+    keys = {i for i in (w.wait.api, w.wait.torch, w.wait.python) if i is not None}
+    return item_of(w.view.pid, w.view.tid, role, engine, rows, keys, tool=w.tool)
 
 
 def _wait_phrase(w: _Waiter) -> str:
@@ -338,8 +340,8 @@ def _gil_waiter(t: ThreadView, engine: str | None) -> EvidenceItem:
     frames = t.frames[:8]
     gil = next((i for i, f in enumerate(frames) if v.matches(f.name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR)), None)
     py = next((i for i, f in enumerate(frames) if f.kind == "python"), None)
-    return EvidenceItem(pid=t.pid, tid=t.tid, role="waits for the GIL the GPU waiter holds", engine=engine,
-                        frames=[v.describe(f) for f in frames], key_frames=[i for i in (gil, py) if i is not None])
+    return item_of(t.pid, t.tid, "waits for the GIL the GPU waiter holds", engine,
+                   [(i, v.describe(f)) for i, f in enumerate(frames)], {i for i in (gil, py) if i is not None})
 
 
 def _moved(proc: ProcessEvidence) -> bool:

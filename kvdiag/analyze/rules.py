@@ -28,7 +28,9 @@ from kvdiag.analyze.evidence import (
 from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.defaults import STALL_WINDOW_S
+from kvdiag.defaults import KV_FULL, STALL_WINDOW_S
+from kvdiag.logs.banner import assess_risk_for
+from kvdiag.logs.lines import CRASH_AT_EXIT, OOM_AT_EXIT
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -44,18 +46,11 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
 # Worst first; each kind's rank is part of its one definition (KIND_SPECS in kvdiag.model).
 SEVERITY: tuple[VerdictKind, ...] = tuple(sorted(VerdictKind, key=lambda k: k.spec.rank))
-KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
-_OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|\bOOM\b|oom[-_ ]kill|"
-                  r"Killed process \d+|Cannot allocate memory|std::bad_alloc|MemoryError", re.IGNORECASE)
-_CRASH = re.compile(r"Traceback \(most recent call last\)|Segmentation fault|core dumped|Aborted|"
-                    r"Fatal Python error|terminate called|EngineDeadError|SIGSEGV|SIGABRT|"
-                    r"failed in CUDA driver", re.IGNORECASE)
 _HOLDER_BLOCKED = frozenset({WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.FUTEX_WAIT, WaitKind.IO_READ,
                              WaitKind.PY_LOCK_WAIT})
 _WAIT_WORDS = {
@@ -171,6 +166,9 @@ def peer_phrase(info: FdInfo) -> str:
     if info.peer_pids:
         more = f" (+{len(info.peer_pids) - 1})" if len(info.peer_pids) > 1 else ""
         what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
+    elif info.listener_pids:   # a connection nobody accepted: whoever listens on that port has to
+        more = f" (+{len(info.listener_pids) - 1})" if len(info.listener_pids) > 1 else ""
+        what += f" (peer: not accepted, in the listen queue of pid {info.listener_pids[0]}{more})"
     elif info.kind == "socket" and info.proto in ("tcp", "tcp6", "udp"):
         what += " (peer: no process on this host; a remote peer)"
     elif info.kind == "socket" and info.proto == "unix" and info.peer_inode is None:
@@ -544,8 +542,10 @@ def _awaits_orders(t: ThreadView, proc: ProcessEvidence) -> bool:
     is the server end of an accepted connection, or leads to the process's parent (a worker waiting
     for its next task)."""
     conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
-    return bool(conns) and all(f.accepted or (proc.ppid is not None and f.peer_pids == [proc.ppid])
-                               for f in conns)
+    # A pipe's writers, when read, say it better than every holder of either end.
+    return bool(conns) and all(f.accepted or (proc.ppid is not None and (
+        f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids) == [proc.ppid])
+        for f in conns)
 
 
 def _loop_parked(t: ThreadView, pid: int) -> list[FdInfo] | None:
@@ -839,7 +839,7 @@ def decode_stalled(e: EngineRecord, metrics: Iterable[MetricsSnapshot], window_s
     if len(snaps) < 2 or not (e.healthy or e.phase in (EnginePhase.SERVING, EnginePhase.STALLED)):
         return None
     last = snaps[-1]
-    if (last.running or 0) <= 0 or (last.kv_cache_usage or 0) < KV_NEAR_FULL:
+    if (last.running or 0) <= 0 or (last.kv_cache_usage or 0) < KV_FULL:
         return None
     i = len(snaps) - 1
     while i > 0 and snaps[i - 1].generation_tokens == last.generation_tokens:
@@ -862,7 +862,7 @@ def decode_stalled_from_log(e: EngineRecord) -> str | None:
     last = stats[-STALL_STATS_LINES:]
     if len(last) < STALL_STATS_LINES:
         return None
-    if not all(float(m["gen"]) == 0.0 and int(m["run"]) > 0 and float(m["kv"]) / 100 >= KV_NEAR_FULL for m in last):
+    if not all(float(m["gen"]) == 0.0 and int(m["run"]) > 0 and float(m["kv"]) / 100 >= KV_FULL for m in last):
         return None
     m = last[-1]
     return (f"{m['run']} request(s) running, {m['wait']} waiting, KV cache {m['kv']}% full, generation "
@@ -1045,12 +1045,12 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     if e is not None:
         text = _engine_text(e)
         exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)
-        if _OOM.search(text) and (exited_badly or e.error):
-            line = _telling_line(text, _OOM)
+        if OOM_AT_EXIT.search(text) and (exited_badly or e.error):
+            line = _telling_line(text, OOM_AT_EXIT)
             return done(Verdict(kind=VerdictKind.OOM, confidence=Confidence.HIGH,
                                 summary=f"{name}: out of memory: {line.strip()[:200]}"))
-        if exited_badly or (e.error and _CRASH.search(e.error)):
-            line = _telling_line(text, _CRASH) or (e.error or "")
+        if exited_badly or (e.error and CRASH_AT_EXIT.search(e.error)):
+            line = _telling_line(text, CRASH_AT_EXIT) or (e.error or "")
             code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
             # Without an exit code (a bare capture) the end of the log is the only witness.
             what = f"engine exited{code}" if exited_badly or e.phase is EnginePhase.EXITED else \

@@ -3,6 +3,8 @@
 - :func:`saturation_verdict`: a soak without a hang whose KV pool never got near full tested
   nothing: the verdict becomes ``not_saturated`` (exit 6), naming the peak KV usage, the
   streams and the bottleneck the soak measured (``SoakStats.saturation_note``);
+- :func:`served_verdict`: a healthy soak's summary names what the load showed (throughput, requests,
+  KV peak, latencies);
 - :func:`stall_to_verdict_s`: seconds from the run's "stall detected" event to its verdict.
 """
 
@@ -23,6 +25,23 @@ def saturation_verdict(verdict: Verdict, soak: SoakStats) -> Verdict:
                    summary=f"{who}inconclusive: no stall, but {note}", findings=list(verdict.findings))
 
 
+def served_verdict(verdict: Verdict, soak: SoakStats) -> Verdict:
+    """A healthy soak's verdict says what the load showed, not only that the engine serves: time
+    loaded, throughput, requests, the KV cache's peak and the latencies."""
+    if verdict.kind is not VerdictKind.HEALTHY or soak.stalled:
+        return verdict
+    active = soak.duration_s + (soak.drain_s or 0.0)
+    parts = [f"{soak.tokens / active:,.0f} tok/s" if active else None,
+             f"{soak.requests_ok:,} requests ok" + (f", {soak.requests_failed + soak.requests_timed_out} failed"
+                                                    if soak.requests_failed + soak.requests_timed_out else ""),
+             None if soak.kv_usage_peak is None else f"KV cache peak {soak.kv_usage_peak:.0%}",
+             None if soak.ttft_p50_s is None else f"TTFT p50 {soak.ttft_p50_s * 1000:.0f} ms",
+             None if soak.itl_p50_s is None else f"ITL p50 {soak.itl_p50_s * 1000:.1f} ms"]
+    figures = ", ".join(p for p in parts if p)
+    return verdict.model_copy(update={
+        "summary": f"{verdict.summary}; no stall in {soak.duration_s:.0f} s of load: {figures}"})
+
+
 def stall_to_verdict_s(timeline: Iterable[TimelineEvent], verdict_t: float) -> float | None:
     """Seconds from the first "stall detected" event to ``verdict_t`` (run clock); None without one."""
     detected = [e.t for e in timeline if e.event == "stall detected"]
@@ -31,4 +50,4 @@ def stall_to_verdict_s(timeline: Iterable[TimelineEvent], verdict_t: float) -> f
     return round(max(0.0, verdict_t - min(detected)), 3)
 
 
-__all__ = ["saturation_verdict", "stall_to_verdict_s"]
+__all__ = ["saturation_verdict", "served_verdict", "stall_to_verdict_s"]

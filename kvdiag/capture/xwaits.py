@@ -14,8 +14,9 @@ from dataclasses import dataclass, field
 from kvdiag.capture.fds import FdResolver
 from kvdiag.model import FdInfo, ProcessEvidence, SharedMapping, ThreadEvidence
 from kvdiag.osread.children import children
-from kvdiag.osread.holders import scan_holders, tcp_listeners
+from kvdiag.osread.fds import scan_holders
 from kvdiag.osread.maps import mapping_at, read_head, shared_file_mappings
+from kvdiag.osread.net import tcp_listeners
 from kvdiag.osread.waitargs import blocked_call
 
 # Only these shared mappings are sampled for progress: /dev/shm segments (rings, queues, semaphores).

@@ -27,7 +27,7 @@ def ab_cmd(
 
     Each side is a full run with its own report: OUT/stock/ and OUT/fixed/.
     OUT/report.html puts the two side by side, with links to each. With --repeat N each
-    allocator runs N times (OUT/cells/<side>/run-<i>/) and the report gives k/N and its bound.
+    allocator runs N times (OUT/cells/<side>-<hash>/run-<i>/) and the report gives k/N and its bound.
     Exit codes: 0 fixed healthy and stock reproduced the hang,
     1 the A/B did not separate, 2 bad usage, 130 interrupted.
     """

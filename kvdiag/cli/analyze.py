@@ -22,8 +22,9 @@ def analyze_cmd(
     is judged from its two nested runs. Nothing is captured again and no file is written
     (kvdiag report re-renders). The diagnosis is recomputed from the bundle alone; --json says
     whether it agrees with the one the run stored.
-    Exit codes: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM, 2 no readable bundle
-    (an A/B folder: as kvdiag ab; an interrupted run: 130).
+    Exit codes: as kvdiag capture: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM,
+    3 no access, 5 nothing to judge, 6 inconclusive; 2 no readable bundle (an A/B folder: as
+    kvdiag ab; a soak: 6 also when the KV cache never got near full; an interrupted run: 130).
     """
     run = load_run(bundle)
     diag = diagnose(run.bundle, run.run_bundles)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from kvdiag.errors import UsageError
+from kvdiag.report import build_report, render_terminal
 
 if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
     from kvdiag.runner import RunArtifacts
@@ -36,15 +37,13 @@ def read_log_lines(path: Path) -> list[str]:
 
 def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:
     """The run's outcome on stdout (``con``: another console, e.g. in tests)."""
-    from kvdiag.report import build_report, render_terminal
-
     con = con or result_console()
-    # The stored diagnosis, as every renderer reads it.
+    # The view the report files were written from; a caller without one renders the verdicts it holds.
     diag = arts.bundle.diagnosis
-    ab = diag.ab if diag is not None else None
-    report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
-                          verdicts_by_engine=arts.verdicts_by_engine, ab=ab)
-    render_terminal(report, con)
+    view = arts.view if arts.view is not None else build_report(
+        arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
+        verdicts_by_engine=arts.verdicts_by_engine, ab=diag.ab if diag is not None else None)
+    render_terminal(view, con, files=False)
     for name in ("report.html", "report.json", "report.md"):
         p = arts.paths.get(name) or (arts.out_dir / name)
         if Path(p).exists():

@@ -9,6 +9,7 @@ import sys
 import threading
 from types import FrameType
 
+import click
 import typer
 
 from kvdiag import __version__
@@ -43,8 +44,12 @@ def _root(
         os.environ["KVDIAG_DEBUG"] = "1"
 
 
-def _register_all() -> None:
-    for name in _COMMAND_MODULES:
+def _register_all(argv: list[str] | None = None) -> None:
+    """Add the commands to the app: only the one ``argv`` names when it names one (a command imports
+    only what it needs: `kvdiag capture` starts without loading the launcher), else all (help, usage)."""
+    named = [a for a in (argv or []) if not a.startswith("-")][:1]
+    names = named if named and named[0] in _COMMAND_MODULES else _COMMAND_MODULES
+    for name in names:
         try:
             module = importlib.import_module(f"kvdiag.cli.{name}")
         except ModuleNotFoundError as exc:
@@ -95,8 +100,6 @@ def _show_usage_error(exc: BaseException, argv: list[str]) -> None:
 
 def _usage_of(argv: list[str]) -> str | None:
     """"Usage: kvdiag CMD [OPTIONS]..." and the --help hint for the deepest command ``argv`` names."""
-    import click
-
     try:
         cmd: click.Command = typer.main.get_command(app)
         path = ["kvdiag"]
@@ -144,8 +147,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("KVDIAG_DEBUG") == "1"
     try:
-        _register_all()
         args = list(argv) if argv is not None else sys.argv[1:]
+        _register_all(args)
         rv = app(args=_optional_values(args), prog_name="kvdiag", standalone_mode=False)
     except KvdiagError as exc:
         if debug:

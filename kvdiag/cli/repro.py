@@ -24,7 +24,7 @@ repro_app = typer.Typer(help="Reproduce a hang from a scenario.", no_args_is_hel
 @repro_app.command("two-engine")
 def two_engine(
     scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML (default: embedded "
-                                         "two simulated engines with the seed's parameters, no GPU)."),
+                                         "two simulated engines with kvcached #371's parameters, no GPU)."),
     allocator: AllocatorChoice | None = typer.Option(None, "--allocator", help="Override the allocator of "
                                                      "every simulated engine."),
     out: Path | None = typer.Option(None, "--out", "-o",
@@ -33,7 +33,8 @@ def two_engine(
     """Run co-located engines from a scenario; capture and diagnose the one that hangs.
 
     Exit codes: 0 all engines healthy, 10 deadlock or stall, 4 an engine failed,
-    2 bad usage or scenario, 130 interrupted.
+    6 inconclusive (the evidence that decides is missing, named), 2 bad usage or
+    scenario, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
     if allocator is not None:

@@ -86,7 +86,7 @@ def _str(x: object) -> str:
 
 def discover(ray: Any) -> ClusterView:
     """Nodes, live actors and workers (with node id and pid) and the unfinished tasks, from the state API."""
-    from ray.util import state
+    from ray.util import state  # ray is optional and heavy: imported by --ray only, after import_ray
 
     try:
         nodes = state.list_nodes(limit=_STATE_LIMIT, raise_on_missing_output=False)
@@ -129,7 +129,7 @@ def _why(exc: BaseException) -> tuple[NodeOutcome, str]:
 def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: float, backends: Sequence[str],
                       command: str) -> dict[str, NodeCapture]:
     """One capture task per node, pinned to it (hard affinity), all at once; bounded."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # optional, as above
 
     task = ray.remote(num_cpus=0, max_retries=0)(capture_on_node)
     began = time.monotonic()
@@ -164,7 +164,7 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
 
 
 def _alive_now(ray: Any) -> set[str]:
-    from ray.util import state
+    from ray.util import state  # ray is optional and heavy: imported by --ray only, after import_ray
 
     try:
         return {n.node_id for n in state.list_nodes(limit=_STATE_LIMIT, raise_on_missing_output=False)

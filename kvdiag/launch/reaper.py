@@ -22,29 +22,20 @@ import tempfile
 import time
 from collections.abc import Iterable
 
-from kvdiag.proc import alive, group_alive
+from kvdiag.osread.fds import fd_links
+from kvdiag.osread.maps import read_maps
+from kvdiag.osread.process import read_environ
+from kvdiag.osread.ptable import alive, group_alive
+from kvdiag.osread.stat import all_pids
 
 RUN_ID_ENV = "KVDIAG_RUN_ID"
 
 
 def pids_with_marker(run_id: str) -> list[int]:
     """Pids whose environment holds KVDIAG_RUN_ID=run_id (zombies excluded)."""
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
     me = os.getpid()
-    found: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read()
-        except OSError:
-            continue
-        if not alive(int(entry)):
-            continue
-        if needle in env.split(b"\0"):
-            found.append(int(entry))
-    return found
+    return [pid for pid in all_pids()
+            if pid != me and (read_environ(pid) or {}).get(RUN_ID_ENV) == run_id and alive(pid)]
 
 
 def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> None:
@@ -83,52 +74,59 @@ SHM_DIR = "/dev/shm"
 # multiprocessing.shared_memory segments: vLLM's broadcast queues (psm_<hex>), left behind when their
 # owner is killed. They cannot be redirected to the run's folder, so they are swept instead.
 SHM_PREFIXES = ("psm_",)
+# vLLM CPU's tensor-parallel all-reduce segments, ``<ident>-<group>-cpushm_<rank>``, named after the
+# rendezvous file ``$TMPDIR/vllm_dist_<hex>`` of the engine (its VLLM_DIST_IDENT). vLLM never unlinks them,
+# not even on a clean shutdown. The run's own are known exactly from the files in its TMPDIR.
+VLLM_DIST_PREFIX = "vllm_dist_"
+
+
+def vllm_dist_idents(folders: Iterable[str | os.PathLike[str]]) -> list[str]:
+    """The ``vllm_dist_<hex>`` rendezvous names in the given run folders (and their ``tmp`` subfolder):
+    the prefixes of the /dev/shm segments those engines created."""
+    found: list[str] = []
+    for folder in folders:
+        for where in (os.fspath(folder), os.path.join(os.fspath(folder), "tmp")):
+            try:
+                names = os.listdir(where)
+            except OSError:
+                continue
+            found += [n for n in names if n.startswith(VLLM_DIST_PREFIX) and n not in found]
+    return found
 
 
 def _shm_in_use() -> set[str]:
     """Names under /dev/shm some live process maps or holds open."""
     used: set[str] = set()
     marker = SHM_DIR + "/"
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps", "rb") as fh:
-                for line in fh:
-                    at = line.find(marker.encode())
-                    if at >= 0:
-                        used.add(line[at + len(marker):].split(b" ")[0].strip().decode(errors="replace"))
-        except OSError:
-            pass
-        try:
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                try:
-                    link = os.readlink(f"/proc/{entry}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith(marker):
-                    used.add(link[len(marker):])
-        except OSError:
-            pass
+    for pid in all_pids():
+        for m in read_maps(pid) or []:
+            at = m.path.find(marker)
+            if at >= 0:
+                used.add(m.path[at + len(marker):].split(" ")[0])
+        used.update(link[len(marker):] for link in (fd_links(pid) or {}).values() if link.startswith(marker))
     return used
 
 
-def sweep_shm(since: float, shm_dir: str = SHM_DIR) -> list[str]:
+def sweep_shm(since: float, shm_dir: str = SHM_DIR, owned: Iterable[str] = ()) -> list[str]:
     """Remove our uid's shared-memory segments (SHM_PREFIXES) created since ``since`` (epoch s) that no
-    live process uses any more: what the run's engines left. Returns the names removed."""
+    live process uses any more: what the run's engines left; and, whenever created, those named
+    ``<ident>-...`` for an ``owned`` ident (the run's vLLM rendezvous names, :func:`vllm_dist_idents`).
+    Returns the names removed."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return []
+    owned_prefixes = tuple(f"{ident}-" for ident in owned)
     candidates = []
     for name in names:
-        if not name.startswith(SHM_PREFIXES):
+        mine = bool(owned_prefixes) and name.startswith(owned_prefixes)
+        if not mine and not name.startswith(SHM_PREFIXES):
             continue
         try:
             st = os.stat(os.path.join(shm_dir, name))
         except OSError:
             continue
-        if st.st_uid == os.getuid() and st.st_ctime >= since - 1.0:
+        if st.st_uid == os.getuid() and (mine or st.st_ctime >= since - 1.0):
             candidates.append(name)
     if not candidates:
         return []
@@ -224,11 +222,12 @@ def main(argv: list[str]) -> int:
     while alive(parent) and time.monotonic() < deadline:
         time.sleep(0.02)
     if not alive(parent):
+        idents = vllm_dist_idents(d for d in dirs if removable_temp_dir(d))
         for d in dirs:
             if removable_temp_dir(d):
                 shutil.rmtree(d, ignore_errors=True)
         if shm_since is not None:
-            sweep_shm(shm_since)
+            sweep_shm(shm_since, owned=idents)
     # An engine forked just before kvdiag died carries the run marker only once it has exec'd, and
     # its group was never registered: one more sweep, after that exec, catches it.
     time.sleep(0.3)

@@ -21,6 +21,8 @@ import re
 import shutil
 from pathlib import Path
 
+import kvdiag
+from kvdiag.allocator import native_module
 from kvdiag.errors import ToolMissing
 
 VENV_ENV = "KVDIAG_VLLM_VENV"
@@ -93,16 +95,12 @@ def engine_python(python_setting: str | None) -> str | None:
 
 
 def _kvdiag_package() -> Path:
-    import kvdiag
-
     return Path(kvdiag.__file__).resolve().parent
 
 
 def native_library() -> str | None:
     """Path of the built kvdiag._native extension (editable installs keep it outside the package)."""
     try:
-        from kvdiag.allocator import native_module
-
         path = getattr(native_module(), "__file__", None)
     except Exception:  # noqa: BLE001 - reported by the plugin inside the engine instead
         return None

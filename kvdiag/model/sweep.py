@@ -103,7 +103,7 @@ class BannerDisagreement(_Model):
 
 
 class BannerCheck(_Model):
-    """The observed outcomes against the banner's static risk rule (kvdiag/watch/banner.py)."""
+    """The observed outcomes against the banner's static risk rule (kvdiag/logs/banner.py)."""
 
     rule: str
     agree: bool
@@ -141,6 +141,7 @@ class SweepReport(_Model):
     created_at: str = ""
     scenario: str = ""
     axes: list[SweepAxis] = Field(default_factory=list)
+    engines_left_out: list[str] = Field(default_factory=list)   # `--engines`: scenario engines not started
     repeat: int = 1
     jobs: int = 1
     stall_window_s: float | None = None
@@ -150,6 +151,7 @@ class SweepReport(_Model):
     finished: bool = False
     interrupted: bool = False
     rule: SweepRule | None = None
+    boundaries: list[str] = Field(default_factory=list)   # `--bisect`: where the outcome changes, per line
     banner_check: BannerCheck | None = None
     ab: ABRates | None = None
     exit_code: int = 0

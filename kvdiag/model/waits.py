@@ -38,12 +38,14 @@ class NodeRef(_Model):
 
 
 class FrameRef(_Model):
-    """One captured frame by reference: index into ThreadEvidence.frames of (pid, tid) on ``node``."""
+    """One captured frame by reference: index into ThreadEvidence.frames of (pid, tid) on ``node``, or into
+    ``frames_by_tool[tool]`` when the citing rule read another tool's stack of that thread."""
 
     pid: int
     tid: int
     index: int
     node: str | None = None
+    tool: str | None = None
 
 
 class EdgeKind(str, Enum):
@@ -90,6 +92,10 @@ class WaitEdge(_Model):
     kind: EdgeKind
     evidence: EdgeEvidence = Field(default_factory=EdgeEvidence)
     inferred: bool = False
+    # What the waiter waits for: "work" (a server or worker waiting for its next request: idle), "reply"
+    # (a call waiting for its answer), "blocked" (data it cannot deliver), "depends" (as stuck as the
+    # other end: a parent on its child, a rank at a barrier, a ring reader, a lock owner). "": not said.
+    purpose: str = ""
 
 
 class WaitNode(_Model):
@@ -119,6 +125,7 @@ class WaitChain(_Model):
     root_role: str = ""
     root_frames: list[str] = Field(default_factory=list)
     root_key_frames: list[int] = Field(default_factory=list)
+    root_refs: list[FrameRef] = Field(default_factory=list)   # the captured frame behind each root_frames line
 
     def nodes(self) -> list[NodeRef]:
         """The chain's nodes in order (the root last unless it is a cycle)."""

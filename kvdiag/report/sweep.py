@@ -206,6 +206,9 @@ def render_sweep_html(report: SweepReport) -> str:
         if rule.alternatives:
             notes.append("also consistent with these cells: " + "; ".join(rule.alternatives))
         parts.append("".join(f'<p class="note">{_e(n)}</p>' for n in notes))
+    if report.boundaries:
+        parts.append("<h2>Boundary along the bisected axis</h2><ul>"
+                     + "".join(f"<li>{_e(b)}</li>" for b in report.boundaries) + "</ul>")
     if check is not None:
         parts.append(f'<h2>Banner rule check</h2><p class="rule{"" if check.agree else " bad"}">{_e(check.text)}</p>'
                      f'<p class="note">static rule: {_e(check.rule)}</p>')
@@ -219,7 +222,9 @@ def render_sweep_html(report: SweepReport) -> str:
     parts.append("<h2>Cells</h2>" + _table(report))
     axes = "".join(f"<li><code>{_e(a.field)}</code> = {_e(', '.join(_show(v) for v in a.values))}"
                    f"{' (bisected)' if a.bisect else ''}</li>" for a in report.axes)
-    parts.append(f"<h2>Sweep</h2><ul>{axes}</ul><p class=note>{report.repeat} run(s) per cell, {report.jobs} at "
+    left = (f"<p class=note>engines left out of every cell (--engines): {_e(', '.join(report.engines_left_out))}</p>"
+            if report.engines_left_out else "")
+    parts.append(f"<h2>Sweep</h2><ul>{axes}</ul>{left}<p class=note>{report.repeat} run(s) per cell, {report.jobs} at "
                  f"a time, stall window {report.stall_window_s if report.stall_window_s is not None else '—'} s; "
                  f"intervals: {_e(report.interval_method)}; {report.wall_s:g} s; kvdiag {_e(report.kvdiag_version)}, "
                  f"{_e(report.created_at)}{'; interrupted' if report.interrupted else ''}</p>")
@@ -236,6 +241,7 @@ def render_sweep_text(report: SweepReport) -> str:
         lines.append(f"  the rule gets {len(report.rule.wrong)} cell(s) wrong: {', '.join(report.rule.wrong[:5])}")
     if report.rule is not None and report.rule.mixed:
         lines.append(f"  hung in some runs only: {', '.join(report.rule.mixed[:5])}")
+    lines += [f"  boundary: {b}" for b in report.boundaries]
     if report.banner_check is not None:
         lines.append(f"  banner check: {report.banner_check.text}")
     for c in report.cells:

@@ -14,6 +14,8 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdiag.model import Report, VerdictKind
+from kvdiag.report.envtext import gpu_lines, package_summary
+from kvdiag.report.view import ReportView, as_view
 
 KEY_FRAMES = 8
 _DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
@@ -26,8 +28,12 @@ def _kind_style(kind: str) -> str:
     return _KIND_STYLE.get(kind, "bold red")
 
 
-def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] | None = None) -> None:
-    """Print the verdict, cited threads with their key frames, engines, findings and report files."""
+def render_terminal(report: Report | ReportView, console: Console, paths: Mapping[str, Path] | None = None,
+                    *, files: bool = True) -> None:
+    """Print the verdict, cited threads with their key frames, engines, findings and (``files``) where the
+    report files are."""
+    view = as_view(report)
+    report = view.report
     v = report.verdict
     kind = v.kind.value
     head = Text()
@@ -72,7 +78,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
             cycle.append(cycle[0])
         console.print(Text("cycle: " + " → ".join(cycle), style="red" if v.kind.is_hang else ""))
 
-    for item in v.evidence:
+    for ev in view.evidence:
+        item = ev.item
         title = Text()
         title.append(f"pid {item.pid} tid {item.tid}", style="bold")
         if item.engine:
@@ -80,16 +87,16 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         title.append("  " + item.role, style="cyan")
         console.print(title)
         # The frames the rule rests on in bold (always shown), the rest of the citation dimmed.
-        shown = [n for n in range(len(item.frames)) if n < KEY_FRAMES or item.is_key(n)]
-        for n in shown:
-            if item.key_frames is None:
-                console.print(Text("    " + item.frames[n]))
-            elif item.is_key(n):
-                console.print(Text("  → " + item.frames[n], style="bold"))
+        shown = [(n, text, mark) for n, (text, mark) in enumerate(ev.lines) if n < KEY_FRAMES or mark == "key"]
+        for _, text, mark in shown:
+            if mark is None:
+                console.print(Text("    " + text))
+            elif mark == "key":
+                console.print(Text("  → " + text, style="bold"))
             else:
-                console.print(Text("    " + item.frames[n], style="dim"))
-        if len(item.frames) > len(shown):
-            console.print(Text(f"    … {len(item.frames) - len(shown)} more frames", style="dim"))
+                console.print(Text("    " + text, style="dim"))
+        if len(ev.lines) > len(shown):
+            console.print(Text(f"    … {len(ev.lines) - len(shown)} more frames", style="dim"))
 
     if report.engines:
         # Identifiers (names, kinds, pids) are never broken across lines, at any width: only the
@@ -126,13 +133,13 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
 
     env = report.environment
     if env is not None:
-        from kvdiag.report.envtext import gpu_lines, package_summary
-
         console.print(Text(f"  environment: {env.os}, kernel {env.kernel}, Python {env.python}, "
                            f"{package_summary(env)}; {'; '.join(gpu_lines(env))}", style="dim"))
         if env.ptrace.problem:
             console.print(Text(f"  ptrace: {env.ptrace.problem}; fix: {env.ptrace.fix}", style="yellow"))
 
+    if not files:
+        return
     if paths:
         for name, path in paths.items():
             console.print(Text(f"  {name}: {path}"))

@@ -1,8 +1,6 @@
-"""Which local process listens on a TCP port (psutil), and whether a URL's host is this machine.
-
-Used by ``kvdiag soak --url`` to find the API server of an already running engine, so a stall
-can be captured. Read-only; sockets of processes we may not inspect come without a pid and are
-skipped.
+"""Which local process serves a URL: whether its host is this machine, and which holder of the listening
+socket is the server. Used by ``kvdiag soak --url`` to find the API server of an already running engine,
+so a stall can be captured. The readings (listeners, addresses) are kvdiag.osread.net's.
 """
 
 from __future__ import annotations
@@ -11,18 +9,8 @@ import ipaddress
 import socket
 from urllib.parse import urlsplit
 
-import psutil
-
-
-def listening_pids(port: int) -> list[int]:
-    """Pids with a listening TCP socket on ``port`` (any address, IPv4 and IPv6; a forked server may
-    list several)."""
-    try:
-        conns = psutil.net_connections(kind="tcp")
-    except (psutil.Error, OSError):
-        return []
-    return sorted({c.pid for c in conns
-                   if c.status == psutil.CONN_LISTEN and c.laddr and c.laddr.port == port and c.pid})
+from kvdiag.osread.net import local_addresses
+from kvdiag.osread.stat import read_stat
 
 
 def server_pid(pids: list[int]) -> int | None:
@@ -31,11 +19,9 @@ def server_pid(pids: list[int]) -> int | None:
         return None
     holders = set(pids)
     for pid in pids:
-        try:
-            if psutil.Process(pid).ppid() not in holders:
-                return pid
-        except psutil.Error:
-            continue
+        st = read_stat(pid)
+        if st is not None and st.ppid not in holders:
+            return pid
     return pids[0]
 
 
@@ -62,16 +48,4 @@ def is_local_host(host: str) -> bool:
         return any(is_local_host(str(info[4][0])) for info in infos)
     if addr.is_loopback or addr.is_unspecified:
         return True
-    return str(addr) in _local_addresses()
-
-
-def _local_addresses() -> set[str]:
-    out: set[str] = set()
-    try:
-        for addrs in psutil.net_if_addrs().values():
-            for a in addrs:
-                if a.family in (socket.AF_INET, socket.AF_INET6):
-                    out.add(a.address.split("%", 1)[0])   # drop an IPv6 zone ("fe80::1%eth0")
-    except (psutil.Error, OSError):
-        pass
-    return out
+    return str(addr) in local_addresses()

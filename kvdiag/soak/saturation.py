@@ -25,34 +25,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvdiag.defaults import KV_FULL
 from kvdiag.model import MetricsSnapshot
-from kvdiag.proc import read_stat
+from kvdiag.osread.host import cpu_times
+from kvdiag.osread.stat import read_stat
 
 Clock = Callable[[], float]
 
-# KV usage the pool must reach for the soak to count as saturated: the level from which the
-# analyzer reads a flat token counter as a decode stall (kvdiag.analyze.rules.KV_NEAR_FULL).
-KV_SATURATED = 0.9
 CLIENT_IN_FLIGHT_SHORT = 0.9     # client kept fewer than this share of its streams in flight
 CLIENT_CPU_BOUND = 0.85          # kvdiag's load loop used this share of one core or more
 SERVER_BEHIND = 0.75             # server running+waiting below this share of the client's in flight
 SERVER_CPU_BOUND = 0.85          # ... and its processes used this many cores or more
 MACHINE_BUSY = 0.5               # ... or the machine's CPUs were at least this busy
-
-
-def machine_cpu_times() -> tuple[int, int] | None:
-    """(busy, total) jiffies over all CPUs from /proc/stat; None where unreadable."""
-    try:
-        with open("/proc/stat", "rb") as fh:
-            first = fh.readline().split()
-    except OSError:
-        return None
-    if not first or first[0] != b"cpu":
-        return None
-    vals = [int(v) for v in first[1:9]]       # user nice system idle iowait irq softirq steal
-    total = sum(vals)
-    idle = vals[3] + (vals[4] if len(vals) > 4 else 0)
-    return total - idle, total
 
 
 def _ticks(pids: Iterable[int]) -> dict[int, int]:
@@ -86,7 +70,7 @@ class SaturationSampler:
     def start(self) -> None:
         self._t0 = self.clock()
         self._thread0 = time.thread_time()
-        self._machine0 = machine_cpu_times()
+        self._machine0 = cpu_times()
         self._server0 = _ticks(self.server_pids)
 
     def tick(self, in_flight: int) -> None:
@@ -104,7 +88,7 @@ class SaturationSampler:
         if wall <= 0:
             return
         self.client_cpu = (time.thread_time() - self._thread0) / wall
-        m1 = machine_cpu_times()
+        m1 = cpu_times()
         if self._machine0 is not None and m1 is not None and m1[1] > self._machine0[1]:
             self.machine_busy = (m1[0] - self._machine0[0]) / (m1[1] - self._machine0[1])
         s1 = _ticks(self.server_pids)
@@ -150,7 +134,7 @@ def _pct(v: float | None) -> str:
 
 
 def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
-          kv_threshold: float = KV_SATURATED) -> Saturation:
+          kv_threshold: float = KV_FULL) -> Saturation:
     """Saturation of one load phase from its /metrics snapshots and the sampler's readings."""
     kv = [s.kv_cache_usage for s in snaps if s.kv_cache_usage is not None]
     running = [s.running for s in snaps if s.running is not None]
@@ -209,4 +193,4 @@ def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
     return Saturation(False, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, side, note)
 
 
-__all__ = ["KV_SATURATED", "Saturation", "SaturationSampler", "judge", "machine_cpu_times"]
+__all__ = ["Saturation", "SaturationSampler", "judge"]

@@ -8,6 +8,7 @@ atomically), so an interrupted sweep keeps them and the next one starts where it
 
 from __future__ import annotations
 
+import ctypes
 import json
 import os
 import shutil
@@ -35,6 +36,7 @@ from kvdiag.sweep.summarize import run_from_report, summarize_cell
 CELLS_DIR = "cells"
 STOP_WAIT_S = 30.0        # an interrupted run's own teardown (engines stopped, partial report)
 RUN_SLACK_S = 120.0       # beyond the scenario's own timeout, before a run is taken as stuck
+_PR_SET_PDEATHSIG = 1
 
 
 @dataclass
@@ -178,7 +180,7 @@ class SweepExecutor:
         try:
             proc = subprocess.Popen(argv, stdin=subprocess.PIPE if by_stdin else subprocess.DEVNULL,
                                     stdout=console, stderr=subprocess.STDOUT, start_new_session=True,
-                                    close_fds=True)
+                                    close_fds=True, preexec_fn=_die_with_parent)
         except BaseException:
             console.close()
             raise
@@ -288,6 +290,16 @@ class SweepExecutor:
         rep = f" run {run.index + 1}/{self.repeat}" if self.repeat > 1 else ""
         kind = f" {run.verdict}" if run.outcome != run.verdict else ""
         self.progress(f"{values}{rep}: {run.outcome}{kind} ({run.wall_s:.1f}s) — {self.status()}")
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the sweep dies (even by SIGKILL), so a run never outlives
+    it; kvdiag takes SIGTERM like Ctrl-C (teardown, partial report). Linux only; elsewhere a no-op."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _hung(cell: SweepCell) -> bool:

@@ -22,7 +22,7 @@ from kvdiag.model import BannerCheck, BannerDisagreement, Scalar, SweepCell, Swe
 from kvdiag.scenario.models import EngineSpec, Scenario
 
 BANNER_RULE = ("risk ⇔ prealloc on and pages per layer (mem_size_per_layer / page_size) ≤ min_reserved_pages, "
-               "with the stock allocator (kvdiag/watch/banner.py)")
+               "with the stock allocator (kvdiag/logs/banner.py)")
 _PAGE_FEATURES = ("pages_per_layer", "min_reserved_pages", "max_reserved_pages")
 _WORDS = {"pages_per_layer": "pages per layer", "prealloc": "prealloc", "allocator": "allocator"}
 MAX_CONJUNCTION = 3
@@ -124,7 +124,8 @@ def _atoms(features: list[dict[str, Scalar]]) -> list[Atom]:
             for d in distinct:
                 words = (f"{_word(base)} {_fmt(d)}" if isinstance(d, bool) or base == "allocator"
                          else f"{_word(base)} = {_fmt(d)}")
-                add(engine, words, 1.0 if derived else 1.5, [v == d for v in values], rank=0)
+                # a setting varied on every engine at once reads best without an engine's name
+                add(engine, words, 1.05 if derived else 1.0, [v == d for v in values], rank=0)
             continue
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in distinct):
             continue
@@ -165,7 +166,7 @@ def _mask(conj: Sequence[Atom], full: int) -> int:
 
 def _words(terms: Sequence[Sequence[Atom]]) -> tuple[str, str | None]:
     """The rule's words; the engine is named once when every atom is about the same one."""
-    engines = {a.engine for t in terms for a in t}
+    engines = {a.engine for t in terms for a in t if a.engine is not None}
     one = next(iter(engines)) if len(engines) == 1 else None
     parts = [" and ".join(a.words if one is not None or a.engine is None else a.text
                           for a in sorted(t, key=lambda a: a.rank)) for t in terms]
@@ -257,7 +258,7 @@ def rule_predicts(rule_cells: Sequence[SweepCell], rule: SweepRule) -> dict[str,
 
 def banner_check(cells: Sequence[SweepCell]) -> BannerCheck:
     """Each decided cell's outcome against what the engines' printed banners predict
-    (:func:`kvdiag.watch.banner.assess_risk_for`, as stored in each run's report)."""
+    (:func:`kvdiag.logs.banner.assess_risk_for`, as stored in each run's report)."""
     disagreements: list[BannerDisagreement] = []
     checked = 0
     for c in cells:

@@ -17,7 +17,7 @@ from kvdiag.model import SweepReport
 from kvdiag.report.sweep import render_sweep_html, render_sweep_text
 from kvdiag.scenario.models import Scenario
 from kvdiag.sweep.axes import Axis, cell_scenario, parse_vary, unique_labels
-from kvdiag.sweep.execute import CellSpec, Progress, SweepExecutor, SweepStore
+from kvdiag.sweep.execute import RUN_SLACK_S, CellSpec, Progress, SweepExecutor, SweepStore
 from kvdiag.sweep.plan import Params, SweepPlan, cell_key
 from kvdiag.sweep.rule import cell_features
 from kvdiag.sweep.summarize import conclude
@@ -33,6 +33,7 @@ class SweepConfig:
     out_dir: Path
     vary: list[str]
     bisect: str | None = None
+    engines: list[str] | None = None        # start only these engines (None: all)
     repeat: int = 1
     jobs: int = 1
     stall_window_s: float | None = None     # None: the scenario's own
@@ -42,6 +43,7 @@ class SweepConfig:
     def identity(self) -> dict[str, object]:
         """What makes two invocations the same sweep (so the second continues the first)."""
         return {"command": self.command, "vary": list(self.vary), "bisect": self.bisect, "repeat": self.repeat,
+                "engines": self.engines,
                 "stall_window_s": self.stall_window_s, "scenario": self.scenario_name,
                 "scenario_sha256": hashlib.sha256(self.scenario_text.encode()).hexdigest()}
 
@@ -55,10 +57,27 @@ def stored_identity(out_dir: Path) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-def build_axes(cfg: SweepConfig) -> list[Axis]:
-    axes = [parse_vary(v, cfg.scenario) for v in cfg.vary] + list(cfg.extra_axes)
+def only_engines(scenario: Scenario, names: list[str] | None) -> Scenario:
+    """The scenario with only the named engines (a dependency on a left-out engine is dropped)."""
+    out = scenario.model_copy(deep=True)
+    if not names:
+        return out
+    known = [e.name for e in scenario.engines]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise UsageError(f"--engines: no engine named {unknown[0]!r} in the scenario",
+                         hint=f"engines: {', '.join(known)}")
+    out.engines = [e for e in out.engines if e.name in names]
+    for e in out.engines:
+        if e.start_after is not None and e.start_after not in names:
+            e.start_after = None
+    return out
+
+
+def build_axes(cfg: SweepConfig, scenario: Scenario) -> list[Axis]:
+    axes = [parse_vary(v, scenario) for v in cfg.vary] + list(cfg.extra_axes)
     if cfg.bisect:
-        axes.append(parse_vary(cfg.bisect, cfg.scenario, bisect=True))
+        axes.append(parse_vary(cfg.bisect, scenario, bisect=True))
     if not axes:
         raise UsageError("nothing to vary", hint="give --vary FIELD=VALUES (e.g. "
                                                  "--vary engines.vlm.sim.min_reserved_pages=1..10)")
@@ -68,12 +87,11 @@ def build_axes(cfg: SweepConfig) -> list[Axis]:
 
 def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
     """Run (or continue) the sweep in ``cfg.out_dir``; writes report.json and report.html there."""
-    axes = build_axes(cfg)
-    base = cfg.scenario.model_copy(deep=True)
+    base = only_engines(cfg.scenario, cfg.engines)
+    axes = build_axes(cfg, base)
     if cfg.stall_window_s is not None:
         base.windows.stall_s = cfg.stall_window_s
     plan = SweepPlan(axes)
-    _check_folder(cfg)
 
     def make_cell(params: Params) -> CellSpec:
         cell = cell_scenario(base, axes, params)
@@ -83,9 +101,10 @@ def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
     if plan.bisect_axis is None:
         for params in SweepPlan(axes).take():
             make_cell(params)
+    _check_folder(cfg)
     store = SweepStore(cfg.out_dir)
     executor = SweepExecutor(plan, make_cell, store, repeat=cfg.repeat, jobs=cfg.jobs, progress=progress,
-                             run_timeout_s=base.windows.timeout_s + 120.0)
+                             run_timeout_s=base.windows.timeout_s + RUN_SLACK_S)
     started = time.monotonic()
     progress(f"{cfg.command}: {plan.planned()} cell(s) x {cfg.repeat} run(s), {cfg.jobs} at a time, "
              f"stall window {base.windows.stall_s:g}s; output {cfg.out_dir}")
@@ -96,6 +115,7 @@ def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
         kvdiag_version=__version__, command=cfg.command,
         created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         scenario=cfg.scenario_name, axes=[a.model() for a in axes], repeat=cfg.repeat, jobs=cfg.jobs,
+        engines_left_out=[e.name for e in cfg.scenario.engines if e.name not in {x.name for x in base.engines}],
         stall_window_s=base.windows.stall_s, cells=list(executor.cells.values()),
         cells_planned=max(plan.planned(), len(executor.cells)), finished=not interrupted,
         interrupted=interrupted, wall_s=round(time.monotonic() - started, 1))
@@ -126,6 +146,25 @@ def write_reports(out_dir: Path, report: SweepReport) -> dict[str, Path]:
     atomic_write_text(paths["report.json"], report.model_dump_json(indent=1) + "\n")
     atomic_write_text(paths["report.html"], render_sweep_html(report))
     return paths
+
+
+def is_sweep_folder(path: Path) -> bool:
+    return path.is_dir() and (path / PLAN_FILE).is_file() and (path / "report.json").is_file()
+
+
+def rerender_sweep(folder: Path, html: Path | None, out: Path | None) -> dict[str, Path]:
+    """`kvdiag report SWEEP_FOLDER`: the HTML again from the stored report.json (nothing re-judged)."""
+    try:
+        report = SweepReport.model_validate_json((folder / "report.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise UsageError(f"{folder}: unreadable sweep report.json: {exc}") from None
+    target = html if html is not None else (out or folder) / "report.html"
+    try:
+        atomic_write_text(target, render_sweep_html(report))
+    except OSError as exc:
+        raise UsageError(f"cannot write the report: {exc.strerror or exc}",
+                         hint="pass --out DIR or --html FILE pointing at a writable place") from None
+    return {"report.html": target}
 
 
 def summary_text(report: SweepReport) -> str:

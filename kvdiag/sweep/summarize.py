@@ -114,12 +114,50 @@ def conclude(report: SweepReport) -> SweepReport:
                + (f", {len(errors)} failed to run" if errors else "")
                + ("; interrupted" if report.interrupted else "") + f". {rule.text}")
     ab = _ab_rates(cells) if report.command.startswith("ab") else None
+    boundaries = _boundaries(report, cells)
     if ab is not None:
         summary = ab.text + ("; interrupted" if report.interrupted else "")
         if not report.interrupted:
             code = ExitCode.OK if ab.separated else ExitCode.FAILED
     return report.model_copy(update={"cells": cells, "rule": rule, "banner_check": check, "ab": ab,
+                                     "boundaries": boundaries,
                                      "exit_code": code, "summary": summary})
+
+
+def _boundaries(report: SweepReport, cells: Sequence[SweepCell]) -> list[str]:
+    """For a bisected axis: per setting of the other axes, the last value on one side of the change and
+    the first on the other (read from the cells, so it holds for what actually ran)."""
+    axis = next((a for a in report.axes if a.bisect), None)
+    if axis is None:
+        return []
+    lines: dict[tuple[tuple[str, str], ...], list[SweepCell]] = {}
+    for c in cells:
+        if c.outcome == "pending":
+            continue
+        other = tuple((k, _show(v)) for k, v in c.params.items() if k != axis.label)
+        lines.setdefault(other, []).append(c)
+    out: list[str] = []
+    for other, members in lines.items():
+        members.sort(key=lambda c: float(c.params[axis.label]))
+        where = ", ".join(f"{k}={v}" for k, v in other) or "all cells"
+        changes = [(a, b) for a, b in zip(members, members[1:], strict=False) if a.outcome != b.outcome]
+        if not changes:
+            out.append(f"{where}: {members[0].outcome} from {axis.label}={_show(members[0].params[axis.label])} "
+                       f"to {_show(members[-1].params[axis.label])} (no change)")
+            continue
+        a, b = changes[0]
+        out.append(f"{where}: {a.outcome} at {axis.label}={_show(a.params[axis.label])}, "
+                   f"{b.outcome} at {_show(b.params[axis.label])}"
+                   + (f" ({len(changes)} changes along the line)" if len(changes) > 1 else ""))
+    return out
+
+
+def _show(v: object) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return str(v)
 
 
 def _line(label: str, cells: Sequence[SweepCell]) -> RateLine:

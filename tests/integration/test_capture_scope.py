@@ -22,7 +22,7 @@ import pytest
 
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.cli.main import main as kvdiag_main
-from kvdiag.proc import process_tree
+from kvdiag.osread.ptable import process_tree
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
 sys.path.insert(0, str(HANGERS))
@@ -122,3 +122,4 @@ def test_engine_core_of_captures_the_engine_core_not_the_api_server(tmp_path: Pa
     data = json.loads((tmp_path / "run" / "bundle" / "bundle.json").read_text())
     assert [p["pid"] for p in data["processes"]] == [h.pid]
     assert data["processes"][0]["role"] == "engine_core"
+    assert data["command"] == f"capture --engine-core-of {h.root_pid}"      # as the user typed it

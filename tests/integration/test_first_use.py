@@ -120,3 +120,33 @@ def test_gdb_left_out_on_purpose_is_skipped_not_failed(repro_80: tuple[subproces
     # an older bundle (no field) still loads, its gdb failed as it said
     old = {k: v for k, v in gdb[0].items() if k != "skipped"}
     assert ToolRun.model_validate(old).state == "failed"
+
+
+def test_banner_check_agrees_with_the_soak_hybrid_engine_that_hung(tmp_path: Path) -> None:
+    # A real soak-hybrid run: 496 pages per layer (no start-up hang), stalled in the GIL cycle under load.
+    bundle = ROOT / "tests" / "fixtures" / "bundles" / "soak_gil_cycle" / "bundle.json"
+    analyzed = run_kvdiag("analyze", str(bundle), timeout=60)
+    assert analyzed.returncode == 10 and "mechanism: gil_cycle" in analyzed.stdout, analyzed.stdout
+    [engine] = json.loads(bundle.read_text())["engines"]
+    log = tmp_path / "hybrid.log"
+    log.write_text("\n".join(b["raw"] for b in engine["banners"]) + "\n")
+    checked = run_kvdiag("banner", str(log), timeout=60)
+    assert checked.returncode == 10, checked.stdout
+    assert "RISK under load" in checked.stdout and "no deadlock risk" not in checked.stdout
+    off = tmp_path / "off.log"
+    off.write_text(log.read_text().replace("enable_prealloc=1", "enable_prealloc=0"))
+    assert run_kvdiag("banner", str(off), timeout=60).returncode == 0
+
+
+def test_help_names_every_exit_code_and_the_tools() -> None:
+    capture = run_kvdiag("capture", "--help", timeout=60).stdout
+    flat = " ".join(capture.replace("│", " ").split())
+    for text in ("6 inconclusive", "130 interrupted", "proc, py-spy, pystack, gdb", "py-spy-nonblocking"):
+        assert text in flat, text
+    started = run_kvdiag("capture", "--pid", "999999999", timeout=60)
+    assert "at most" not in started.stderr
+    for command in (["repro", "two-engine"], ["soak"], ["analyze"]):
+        flat = " ".join(run_kvdiag(*command, "--help", timeout=60).stdout.replace("│", " ").split())
+        assert "6 inconclusive" in flat or "6 nothing stalled" in flat, command
+    for text in ("the seed's", "reproduction A", "prefix_build"):
+        assert text not in run_kvdiag("doctor", "--scenario", "two-engine", timeout=60).stdout

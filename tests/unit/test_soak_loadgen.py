@@ -14,7 +14,7 @@ import uvicorn
 
 from kvdiag.launch.process import free_port
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator, RequestStatus
-from kvdiag.soak.watchdog import MetricsPoller, NoProgressWatchdog
+from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

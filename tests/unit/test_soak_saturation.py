@@ -20,7 +20,8 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.soak.saturation import SaturationSampler, judge, machine_cpu_times
+from kvdiag.osread.host import cpu_times
+from kvdiag.soak.saturation import SaturationSampler, judge
 
 
 def _snaps(kv: list[float], running: float, waiting: float = 0.0) -> list[MetricsSnapshot]:
@@ -139,7 +140,7 @@ def test_stall_to_verdict() -> None:
 
 def test_sampler_reads_real_cpu_time() -> None:
     """A real child burning CPU shows up as server CPU; the machine counters move."""
-    assert machine_cpu_times() is not None
+    assert cpu_times() is not None
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 30\n"
                               "while time.monotonic() < end: pass"])
     try:

@@ -9,14 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvdiag.errors import UsageError
+from kvdiag.osread.net import listening_pids
 from kvdiag.scenario import load_scenario
-from kvdiag.soak.procnet import (
-    is_local_host,
-    listening_pids,
-    server_pid,
-    url_host_port,
-)
-from kvdiag.soak.session import SoakOptions, load_soak_scenario, single_engine
+from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
+from kvdiag.soakrun import SoakOptions, load_soak_scenario, single_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

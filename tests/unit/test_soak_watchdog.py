@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.soak.watchdog import NoProgressWatchdog, flat_generation_span
+from kvdiag.watch.watchdog import NoProgressWatchdog, flat_generation_span
 
 
 class FakeClock:

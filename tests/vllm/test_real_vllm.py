@@ -1,4 +1,4 @@
-"""Real vLLM CPU 0.32 end to end (issue 14, issue 17 items 5 and 8): kvdiag launches `vllm serve` with its
+"""Real vLLM CPU 0.32 end to end: kvdiag launches `vllm serve` with its
 kvcached-shaped plugin, reproduces the seed's hang inside a real EngineCore, soaks a real server, and leaves
 no process, temp file or shared-memory segment behind."""
 

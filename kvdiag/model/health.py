@@ -9,7 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdiag.model import EnginePhase, EngineRecord, Verdict, VerdictKind
+from kvdiag.model.kinds import EnginePhase, VerdictKind
+from kvdiag.model.run import EngineRecord
+from kvdiag.model.verdict import Verdict
 
 
 @dataclass(frozen=True)

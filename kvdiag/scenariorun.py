@@ -13,20 +13,23 @@ import httpx
 
 from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
-from kvdiag.launch.ports import listening_ports
 from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
+from kvdiag.launch.vllm import expand
+from kvdiag.logs.lines import MAX_LINE, LogState, feed_line
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
+from kvdiag.osread.net import listening_ports
+from kvdiag.osread.ptable import process_tree
 from kvdiag.scenario.models import EngineSpec, Scenario
-from kvdiag.watch.logs import MAX_LINE, LogFollower, LogState, feed_line
+from kvdiag.watch.logs import LogFollower
 from kvdiag.watch.probe import (
     check_health,
     cpu_ticks,
     probe_completion,
-    process_tree,
     scrape_metrics,
     threads_blocked,
 )
-from kvdiag.watch.stall import Observation, StallDetector
+from kvdiag.watch.serving import RequestLoop
+from kvdiag.watch.stall import Observation, ServingStall, StallDetector
 
 Clock = Callable[[], float]
 
@@ -199,12 +202,72 @@ class ScenarioRun:
 
     def _probe_completion(self, w: EngineWatch) -> None:
         """A real engine that is up must also serve: one short completion, its answer on the timeline."""
-        from kvdiag.launch.vllm import expand
-
         ok, detail = probe_completion(self._client, w.plan.url, expand(w.spec.model))
         self._event("completion answered" if ok else "completion failed", w.spec.name, detail)
         if not ok:
             w.healthy = False
+
+    def _serve(self, deadline: float) -> None:
+        """The serving phase (scenario ``serve``): requests to every ready engine until one stalls, fails,
+        or ``serve.duration_s`` has passed since the last engine's warm-up answer."""
+        serve = self.scenario.serve
+        assert serve is not None
+        windows = self.scenario.windows
+        t0 = self.clock()
+        loops: dict[str, RequestLoop] = {}
+        stalls: dict[str, ServingStall] = {}
+        warm: dict[str, float] = {}
+        for w in self.watches:
+            model = expand(w.spec.model) if w.spec.kind == "vllm" else w.spec.model
+            loops[w.spec.name] = RequestLoop(w.plan.url, model, serve.max_tokens,
+                                             timeout_s=windows.timeout_s)
+            stalls[w.spec.name] = ServingStall(windows.stall_s, clock=self.clock)
+        self._event("serving", detail=f"{len(loops)} engine(s), one request at a time, {serve.duration_s:g}s "
+                    "after the warm-up answer")
+        for loop in loops.values():
+            loop.start()
+        try:
+            while True:
+                now = self.clock()
+                if now > deadline:
+                    self._event("run timeout", None, f"after {windows.timeout_s:g}s")
+                    return
+                for w in self.watches:
+                    if w.outcome is not Outcome.READY:
+                        continue
+                    self._poll(w, now)
+                    if w.outcome is not Outcome.READY:
+                        continue
+                    counts = loops[w.spec.name].counts()
+                    if counts.first_answer_t is None:
+                        if now - t0 > windows.startup_timeout_s:
+                            w.outcome = Outcome.TIMEOUT
+                            self._event("startup timeout", w.spec.name,
+                                        f"the first request was not answered after {windows.startup_timeout_s:g}s"
+                                        + (f" ({counts.last_error})" if counts.last_error else ""))
+                        continue
+                    if w.spec.name not in warm:
+                        warm[w.spec.name] = counts.first_answer_t
+                        self._event("first request answered", w.spec.name,
+                                    f"{counts.tokens} tokens after {counts.first_answer_t - t0:.1f}s (warm-up)")
+                    if stalls[w.spec.name].observe(counts.in_flight, counts.progress, counts.last_answer_t,
+                                                   now=now):
+                        w.outcome = Outcome.STALLED
+                        w.stalled_t = now
+                        w.quiet_since_t = stalls[w.spec.name].onset
+                        self._event("stall detected", w.spec.name,
+                                    f"a request in flight and nothing answered for {windows.stall_s:g}s while "
+                                    f"serving ({counts.answered} answered before it)")
+                if any(w.outcome is not Outcome.READY for w in self.watches):
+                    return
+                if len(warm) == len(loops) and now - max(warm.values()) >= serve.duration_s:
+                    answered = sum(c.answered for c in (lp.counts() for lp in loops.values()))
+                    self._event("served", None, f"{answered} request(s) answered, none stalled")
+                    return
+                time.sleep(windows.poll_s)
+        finally:
+            for loop in loops.values():
+                loop.stop()
 
     def run(self) -> RunResult:
         windows = self.scenario.windows
@@ -228,6 +291,9 @@ class ScenarioRun:
                         time.sleep(windows.poll_s)
                 if w.outcome is not Outcome.READY:
                     break  # later engines depend on this one being up
+            if self.scenario.serve is not None and self.watches and all(
+                    w.outcome is Outcome.READY for w in self.watches):
+                self._serve(deadline)
             # Final look at every engine so "engine 1 stays healthy" is checked after the stall.
             now = self.clock()
             for w in self.watches:

@@ -24,11 +24,14 @@ from typing import Any
 
 import httpx
 from rich.console import Console
+from rich.markup import escape
 
-from kvdiag.defaults import STALL_WINDOW_S, TOOL_TIMEOUT_S
+from kvdiag.capture.bundle import capture_engine
+from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet
-from kvdiag.launch.session import EngineWatch, Outcome
+from kvdiag.launch.vllm import expand
+from kvdiag.logs.lines import feed_line
 from kvdiag.model import (
     Bundle,
     EnginePhase,
@@ -37,25 +40,31 @@ from kvdiag.model import (
     MetricsSnapshot,
     ProcessEvidence,
     ProcessRole,
+    SoakSample,
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.osread.net import listening_pids
+from kvdiag.osread.ptable import process_tree
 from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
+from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
+from kvdiag.scenariorun import EngineWatch, Outcome
 from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
-from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
+from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.soak.progress import ProgressView
 from kvdiag.soak.saturation import Saturation, SaturationSampler, judge
 from kvdiag.soak.stats import SoakSummary
-from kvdiag.soak.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
-from kvdiag.watch.logs import feed_line
+from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
 
 Clock = Callable[[], float]
 COMMAND = "soak"
 DEFAULT_SCENARIO = "soak-hybrid.yaml"
 VLLM_SCENARIO = "soak-vllm.yaml"
 _TICK_S = 0.25
+_SAMPLE_S = 0.5          # the client's counters, for the report's plots
+_MAX_SAMPLES = 4000
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -117,16 +126,12 @@ def _request_model(spec: EngineSpec) -> str | None:
     if spec.kind == "sim":
         return None
     if spec.kind == "vllm":
-        from kvdiag.launch.vllm import expand
-
         return expand(spec.model)
     return spec.model
 
 
 def _local_model_dir(model: str) -> bool:
     """A Hugging Face style model folder here (config.json inside): `kvdiag soak --model DIR` serves it with vLLM."""
-    from kvdiag.launch.vllm import expand
-
     return (Path(expand(model)) / "config.json").is_file()
 
 
@@ -139,12 +144,8 @@ def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario,
         name = f"<builtin>/{builtin}"
         scen = parse_scenario(text, name)
         if model != "sim":
-            from kvdiag.launch.vllm import expand
-
             scen.engines[0].model = str(Path(expand(model)).resolve())
         return scen, name, text
-    from kvdiag.scenario import load_scenario
-
     return load_scenario(path)
 
 
@@ -185,6 +186,8 @@ class _DriveResult:
     healthy_after: bool | None = None
     saturation: Saturation | None = None
     scrapes: tuple[int, int, float | None] | None = None   # (scrapes, failures, longest gap s)
+    series: list[SoakSample] = field(default_factory=list)   # the client's counters over time
+    in_flight_at_end: int | None = None
 
 
 class SoakRun:
@@ -206,7 +209,7 @@ class SoakRun:
         self.interrupted: Interrupted | None = None
         self.scenario: Scenario | None = None
         self.window_s = opts.stall_window_s or STALL_WINDOW_S
-        self.tools: list[str] = list(opts.tools or ["pystack", "py-spy", "gdb", "proc"])
+        self.tools: list[str] = list(opts.tools or DEFAULT_TOOLS)
         self.tool_timeout_s = TOOL_TIMEOUT_S
         self.loadgen: LoadGenerator | None = None
         self.result = _DriveResult()
@@ -221,8 +224,6 @@ class SoakRun:
         t = self._rel(self.clock() if at is None else at)
         self.timeline.append(TimelineEvent(t=t, event=event, engine=engine, detail=detail))
         if echo:
-            from rich.markup import escape
-
             msg = f"{engine + ': ' if engine else ''}{event}{' (' + detail + ')' if detail else ''}"
             self.console.print(f"[dim]{t:6.1f}s[/dim] {escape(msg)}", highlight=False)
 
@@ -438,7 +439,9 @@ class SoakRun:
                     if health_failures >= 3:
                         r.unreachable = True
                         break
-                view.update(now - self.t0, lg, poller.latest, watchdog.quiet_for)
+                self._sample(now, lg)
+                view.update(now - self.t0, lg, poller.latest, watchdog.quiet_for,
+                            fresh_after=None if lg.started_at is None else lg.started_at - self.t0)
                 if drain_until is None:
                     if lg.warmed_up:
                         if not sampler.started:
@@ -457,6 +460,8 @@ class SoakRun:
                         await lg.stop()   # the grace is over: cancel the rest now (bounded)
                     break
             view.stop()
+            r.in_flight_at_end = lg.in_flight
+            self._sample(self.clock(), lg, force=True)
             lg.end_load(at=r.fired_t if r.stalled else None)   # a stall, exit, error: loaded until now
             sampler.stop()
             await asyncio.to_thread(poller.stop)
@@ -507,6 +512,22 @@ class SoakRun:
             self.findings.append(Finding(kind="requests_failed", engine=s.name, message=(
                 f"{lg.failed} request(s) failed and {lg.timed_out} timed out; first error: {lg.first_error}")))
 
+    def _sample(self, now: float, lg: LoadGenerator, force: bool = False) -> None:
+        """The client's counters for the report's plots, every :data:`_SAMPLE_S` (bounded: a long soak
+        keeps every other one of its older samples)."""
+        series = self.result.series
+        last = series[-1] if series else None
+        t = round(now - self.t0, 3)
+        if last is not None and not force and t - last.t < _SAMPLE_S:
+            return
+        rate = None
+        if last is not None and t > last.t:
+            rate = round((lg.tokens - last.tokens) / (t - last.t), 1)
+        series.append(SoakSample(t=t, tokens=lg.tokens, tokens_per_s=rate, in_flight=lg.in_flight, ok=lg.ok,
+                                 failed=lg.failed + lg.timed_out))
+        if len(series) > _MAX_SAMPLES:
+            del series[: len(series) // 2 : 2]
+
     def _load_snapshots(self, snaps: list[MetricsSnapshot], lg: LoadGenerator) -> list[MetricsSnapshot]:
         """The snapshots taken while the load (and its drain) ran."""
         lo = (lg.started_at if lg.started_at is not None else self.t0) - self.t0
@@ -544,8 +565,6 @@ class SoakRun:
     # -- capture -----------------------------------------------------------------------------------
     def _capture(self, s: _Subject) -> None:
         """Read-only capture of the engine's EngineCore, API server and workers into the bundle."""
-        from kvdiag.capture.bundle import capture_engine
-
         if s.root_pid is None:
             return
         log_pids = dict(s.watch.state.pids) if s.watch is not None else dict(s.log_pids)
@@ -581,6 +600,8 @@ class SoakRun:
         st.requested_duration_s = opts.duration_s
         st.drain_grace_s = opts.drain_grace_s
         st.metrics_period_s = opts.metrics_period_s
+        st.in_flight_at_end = r.in_flight_at_end
+        st.series = list(r.series)
         if r.scrapes is not None:
             st.metrics_scrapes, st.metrics_failures, gap = r.scrapes
             st.metrics_longest_gap_s = None if gap is None else round(gap, 3)
@@ -624,8 +645,6 @@ class SoakRun:
         return arts
 
     def _echo(self, msg: str) -> None:
-        from rich.markup import escape
-
         self.console.print(f"[dim]{self.clock() - self.t0:6.1f}s[/dim] {escape(msg)}", highlight=False)
 
 
@@ -672,7 +691,6 @@ def _server_pids(s: _Subject) -> list[int]:
     """The server's processes whose CPU time the saturation judgement reads (API server and children)."""
     if s.root_pid is None:
         return []
-    from kvdiag.proc import process_tree
 
     return process_tree(s.root_pid) or [s.root_pid]
 
