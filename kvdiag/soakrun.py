@@ -26,11 +26,17 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from kvdiag.analyze.saturation import Saturation, judge
+from kvdiag.analyze.soak import flat_generation_span
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet
 from kvdiag.launch.vllm import expand
+from kvdiag.load.loadgen import LoadConfig, LoadGenerator
+from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
+from kvdiag.load.progress import ProgressView
+from kvdiag.load.stats import SoakSummary
 from kvdiag.logs.lines import feed_line
 from kvdiag.model import (
     Bundle,
@@ -51,12 +57,8 @@ from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.scenariorun import EngineWatch, Outcome
-from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
-from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
-from kvdiag.soak.progress import ProgressView
-from kvdiag.soak.saturation import Saturation, SaturationSampler, judge
-from kvdiag.soak.stats import SoakSummary
-from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
+from kvdiag.watch.saturation import SaturationSampler
+from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Clock = Callable[[], float]
 COMMAND = "soak"
@@ -140,7 +142,7 @@ def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario,
     soak-vllm serving the model folder ``model`` with real vLLM. Returns (scenario, name, text)."""
     if path is None:
         builtin = DEFAULT_SCENARIO if model == "sim" else VLLM_SCENARIO
-        text = resources.files("kvdiag.soak").joinpath("builtin", builtin).read_text("utf-8")
+        text = resources.files("kvdiag.scenario").joinpath("builtin", builtin).read_text("utf-8")
         name = f"<builtin>/{builtin}"
         scen = parse_scenario(text, name)
         if model != "sim":

@@ -5,14 +5,16 @@
   streams and the bottleneck the soak measured (``SoakStats.saturation_note``);
 - :func:`served_verdict`: a healthy soak's summary names what the load showed (throughput, requests,
   KV peak, latencies);
-- :func:`stall_to_verdict_s`: seconds from the run's "stall detected" event to its verdict.
+- :func:`stall_to_verdict_s`: seconds from the run's "stall detected" event to its verdict;
+- :func:`flat_generation_span`: how long the server's own token counter has been flat with requests
+  running (the stall's confirmation from /metrics).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
-from kvdiag.model import Confidence, SoakStats, TimelineEvent, Verdict, VerdictKind
+from kvdiag.model import Confidence, MetricsSnapshot, SoakStats, TimelineEvent, Verdict, VerdictKind
 
 
 def saturation_verdict(verdict: Verdict, soak: SoakStats) -> Verdict:
@@ -50,4 +52,22 @@ def stall_to_verdict_s(timeline: Iterable[TimelineEvent], verdict_t: float) -> f
     return round(max(0.0, verdict_t - min(detected)), 3)
 
 
-__all__ = ["saturation_verdict", "served_verdict", "stall_to_verdict_s"]
+def flat_generation_span(snaps: Sequence[MetricsSnapshot]) -> float:
+    """Seconds over which the newest snapshots show the same generated-token count with requests running.
+
+    0 when the last snapshot has no running requests or no token counter. The decode-stall
+    rule needs this span to cover the stall window.
+    """
+    usable = [s for s in snaps if s.generation_tokens is not None]
+    if not usable:
+        return 0.0
+    last = usable[-1]
+    if (last.running or 0) <= 0:
+        return 0.0
+    i = len(usable) - 1
+    while i > 0 and usable[i - 1].generation_tokens == last.generation_tokens and (usable[i - 1].running or 0) > 0:
+        i -= 1
+    return last.t - usable[i].t
+
+
+__all__ = ["flat_generation_span", "saturation_verdict", "served_verdict", "stall_to_verdict_s"]

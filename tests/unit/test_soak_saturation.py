@@ -8,6 +8,7 @@ import sys
 import time
 
 from kvdiag.analyze import diagnose, exit_code_for
+from kvdiag.analyze.saturation import judge
 from kvdiag.analyze.soak import saturation_verdict, stall_to_verdict_s
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
@@ -21,7 +22,7 @@ from kvdiag.model import (
     VerdictKind,
 )
 from kvdiag.osread.host import cpu_times
-from kvdiag.soak.saturation import SaturationSampler, judge
+from kvdiag.watch.saturation import SaturationSampler
 
 
 def _snaps(kv: list[float], running: float, waiting: float = 0.0) -> list[MetricsSnapshot]:
