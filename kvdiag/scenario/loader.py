@@ -124,7 +124,7 @@ def shipped_scenarios() -> dict[str, Path]:
     here = Path(__file__).resolve().parent
     # The repository's folder links two of its files to the embedded defaults; an install keeps no
     # links, so the embedded folders are read too.
-    folders = (here.parents[1] / "scenarios", here / SHIPPED_DIR, here / "builtin", here.parent / "soak" / "builtin")
+    folders = (here.parents[1] / "scenarios", here / SHIPPED_DIR, here / "builtin")
     for folder in folders:
         if folder.is_dir():
             for f in sorted(folder.glob("*.yaml")):

@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from kvdiag.load.loadgen import LoadGenerator
 from kvdiag.model import MetricsSnapshot
-from kvdiag.soak.loadgen import LoadGenerator
 
 
 class ProgressView:
