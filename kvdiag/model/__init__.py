@@ -95,6 +95,9 @@ from kvdiag.model.run import (
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.model.soakseries import (
+    SoakSample,
+)
 from kvdiag.model.sweep import (
     SWEEP_SCHEMA_VERSION,
     ABRates,
@@ -203,6 +206,7 @@ __all__ = [
     "SWEEP_SCHEMA_VERSION",
     "SharedMapping",
     "ShmSegment",
+    "SoakSample",
     "SoakStats",
     "SweepAxis",
     "SweepCell",
