@@ -10,7 +10,6 @@ SIGTERM/SIGHUP. Nothing here signals or stops a watched process.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -29,10 +28,12 @@ from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
+from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.model import TimelineEvent
-from kvdiag.proc import alive
+from kvdiag.osread.net import listening_pids
+from kvdiag.osread.ptable import alive
+from kvdiag.osread.stat import read_stat
 from kvdiag.runner import finish
-from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
 from kvdiag.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.watch.exporter import WatchExporter
 from kvdiag.watch.local import LocalEngine, Located
@@ -79,7 +80,7 @@ class WatchOptions:
             raise UsageError(f"--pid given {len(self.pids)} time(s) for {len(self.urls)} --url: give one --pid per "
                              "--url, in the same order, or none (found from each URL's port)")
         for pid in self.pids:
-            if pid <= 1 or not os.path.isdir(f"/proc/{pid}"):
+            if pid <= 1 or read_stat(pid) is None:
                 raise UsageError(f"--pid {pid}: no such process",
                                  hint="the API server (`vllm serve`) or its EngineCore")
         if not 0 < self.window_s <= 3600:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.defaults import WATCH_WINDOW_S
+from kvdiag.defaults import DEFAULT_TOOLS, WATCH_WINDOW_S
 from kvdiag.errors import ExitCode, UsageError
 from kvdiag.watchrun import RAY_NOT_YET, WatchOptions, run_watch
 
@@ -38,7 +38,7 @@ def watch_cmd(
                                    "again for this many seconds (its stalls are still reported)."),
     duration: float | None = typer.Option(None, "--duration", help="Stop after this many seconds (default: run "
                                           "until SIGTERM/SIGHUP).", show_default=False),
-    tools: str = typer.Option("proc,py-spy,pystack,gdb", "--tools", help="Capture backends, comma-separated."),
+    tools: str = typer.Option(",".join(DEFAULT_TOOLS), "--tools", help="Capture backends, comma-separated."),
     capture_timeout: float = typer.Option(10.0, "--capture-timeout", help="Bound on one capture, seconds."),
     ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture through the Ray fleet path "
                                    "(not in this build).", show_default=False),

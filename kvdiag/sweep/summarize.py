@@ -6,6 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvdiag.errors import ExitCode
+from kvdiag.logs.banner import assess_risk_for
 from kvdiag.model import (
     ABRates,
     BannerInfo,
@@ -19,7 +20,6 @@ from kvdiag.model import (
 )
 from kvdiag.sweep.rates import clopper_pearson, distribution, rate_text
 from kvdiag.sweep.rule import banner_check, infer_rule, rule_predicts
-from kvdiag.watch.banner import assess_risk_for
 
 
 def run_from_report(index: int, exit_code: int, report: Report | None, path: str, wall_s: float,
