@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -27,11 +26,11 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from kvdiag import interrupts
 from kvdiag.analyze.soak import flat_generation_span
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
-from kvdiag.launch.process import ProcessSet
 from kvdiag.launch.vllm import expand
 from kvdiag.load.loadgen import LoadConfig, LoadGenerator
 from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
@@ -52,7 +51,7 @@ from kvdiag.model import (
 )
 from kvdiag.osread.net import listening_pids
 from kvdiag.osread.ptable import process_tree
-from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
+from kvdiag.runner import LaunchedRun, RunArtifacts, RunPlan, new_bundle, run_lifecycle
 from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
@@ -67,7 +66,6 @@ VLLM_SCENARIO = "soak-vllm.yaml"
 _TICK_S = 0.25
 _SAMPLE_S = 0.5          # the client's counters, for the report's plots
 _MAX_SAMPLES = 4000
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
 @dataclass
@@ -217,6 +215,10 @@ class SoakRun:
         self.loadgen: LoadGenerator | None = None
         self.result = _DriveResult()
         self.load_started_t: float | None = None
+        self._launched: LaunchedRun | None = None
+        self._subject: _Subject | None = None        # an external server
+        self._watch: EngineWatch | None = None        # a launched engine
+        self._run_timeline_taken = False
 
     # -- helpers -----------------------------------------------------------------------------------
     def _rel(self, t: float) -> float:
@@ -235,11 +237,66 @@ class SoakRun:
         """Run the soak; returns the written report's artifacts. Raises Interrupted (after writing a
         partial report) on Ctrl-C/SIGTERM."""
         if self.opts.url is not None:
-            return self._run_external(self.opts.url)
-        return self._run_launched()
+            plan = self._plan_external(self.opts.url)
+        else:
+            plan = self._plan_launched()
+        arts = run_lifecycle(plan, self._stages)
+        if self.result.all_failing:
+            lg = self.loadgen
+            raise KvdiagError(f"every request failed: {lg.first_error if lg else 'unknown error'}",
+                              hint=f"report written to {self.out_dir}; check --model, --url and the server log")
+        return arts
+
+    def _stages(self, launched: LaunchedRun | None) -> SoakRun:
+        self._launched = launched
+        if launched is not None:
+            self.t0 = launched.run.t0
+        return self
+
+    # -- the run's stages (kvdiag.runner.RunStages) ------------------------------------------------
+    def watch(self, launched: LaunchedRun | None) -> None:
+        """Launched: watch the engine until it is ready, then load it; external: load it. A stall under load
+        is captured while its requests are still in flight."""
+        if launched is None:
+            assert self._subject is not None
+            self._drive(self._subject)
+            return
+        run, spec = launched.run, launched.scenario.engines[0]
+        result = run.run()
+        launched.note_interpreters()
+        self.timeline.extend(run.timeline)
+        self._run_timeline_taken = True
+        self.metrics.extend(result.metrics)
+        watch = self._watch = result.watches[0] if result.watches else None
+        if watch is not None and watch.outcome is Outcome.READY:
+            self._drive(_Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator, watch=watch,
+                                 root_pid=watch.proc.pid, request_model=_request_model(spec)))
+        elif watch is not None and watch.outcome is Outcome.STALLED and self.opts.capture:
+            # The engine never came up: capture its startup hang like `repro` does.
+            self._capture(_Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator, watch=watch,
+                                   root_pid=watch.proc.pid, log_pids=dict(watch.state.pids)))
+
+    def fill(self, bundle: Bundle, interrupted: bool) -> None:
+        """The engine's record, the load's figures and readings, metrics, captures and timeline."""
+        launched = self._launched
+        if launched is not None:
+            if not self._run_timeline_taken:
+                self.timeline.extend(e for e in launched.run.timeline if e not in self.timeline)
+                self._run_timeline_taken = True
+            if self._watch is None and launched.run.watches:
+                self._watch = launched.run.watches[0]
+            self._fill_launched(self._watch)
+        elif self._subject is not None:
+            self._fill_external(self._subject)
+        if interrupted and self.loadgen is not None and self.result.summary is None:
+            self.result.summary = self.loadgen.summary()
+        self._fill_common()
+
+    def verdict_t(self) -> float:
+        return self.clock() - self.t0
 
     # -- launched engine ---------------------------------------------------------------------------
-    def _run_launched(self) -> RunArtifacts:
+    def _plan_launched(self) -> RunPlan:
         opts = self.opts
         base, name, text = load_soak_scenario(opts.scenario, opts.model)
         scen = single_engine(base, opts.allocator, opts.stall_window_s)
@@ -253,41 +310,7 @@ class SoakRun:
         self.bundle.scenario = scen.model_dump(mode="json")
         self.bundle.scenario_path = name
         self.bundle_dir.mkdir(parents=True, exist_ok=True)
-        spec = scen.engines[0]
-        arts: RunArtifacts | None = None
-        watch: EngineWatch | None = None
-        try:
-            with LaunchedRun(scen, text, self.bundle, self.bundle_dir, self._echo) as launched:
-                run = launched.run
-                self.t0 = run.t0
-                try:
-                    result = run.run()
-                    launched.note_interpreters()
-                    self.timeline.extend(run.timeline)
-                    self.metrics.extend(result.metrics)
-                    watch = result.watches[0] if result.watches else None
-                    if watch is not None and watch.outcome is Outcome.READY:
-                        subject = _Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator,
-                                           watch=watch, root_pid=watch.proc.pid,
-                                           request_model=_request_model(spec))
-                        self._drive(subject)
-                    elif watch is not None and watch.outcome is Outcome.STALLED and opts.capture:
-                        # The engine never came up: capture its startup hang like `repro` does.
-                        self._capture(_Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator,
-                                               watch=watch, root_pid=watch.proc.pid,
-                                               log_pids=dict(watch.state.pids)))
-                except (Interrupted, KeyboardInterrupt) as exc:
-                    self.interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
-                    self.timeline.extend(e for e in run.timeline if e not in self.timeline)
-                self._fill_launched(watch)
-                launched.copy_logs()
-                if self.interrupted is None:
-                    arts = self._verdict_and_report()
-                    self._echo(f"verdict {arts.verdict.kind.value}; stopping the engine")
-        except (Interrupted, KeyboardInterrupt) as exc:
-            self.interrupted = self.interrupted or (
-                exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)"))
-        return self._final(arts)
+        return RunPlan(self.out_dir, self.bundle, self._echo, self.console, scen, text, stopping="stopping the engine")
 
     def _fill_launched(self, watch: EngineWatch | None) -> None:
         b = self.bundle
@@ -306,13 +329,12 @@ class SoakRun:
             b.stall_detected = watch.outcome is Outcome.STALLED
 
     # -- external server ---------------------------------------------------------------------------
-    def _run_external(self, url: str) -> RunArtifacts:
+    def _plan_external(self, url: str) -> RunPlan:
         url = url.rstrip("/")
         host, port = url_host_port(url)
         name = "server"
         self.bundle.stall_window_s = self.window_s
         subject = _Subject(name=name, url=url, allocator="external")
-        arts: RunArtifacts | None = None
         if not _answers(url):
             raise EngineFailed(f"no server answers at {url} (GET /health and /v1/models failed)",
                                hint="start the server first, or leave out --url to launch the simulated engine")
@@ -335,20 +357,9 @@ class SoakRun:
             self.findings.append(Finding(kind="capture_unavailable", engine=name, message=(
                 f"{host} is not this machine; a stall can be reported from /metrics but stacks cannot be captured "
                 "(run kvdiag soak on the server's host)")))
-        try:
-            # ProcessSet only for its signal handling and reaper: nothing is launched.
-            with ProcessSet(grace_s=1.0):
-                try:
-                    self._drive(subject)
-                except (Interrupted, KeyboardInterrupt) as exc:
-                    self.interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
-                self._fill_external(subject)
-                if self.interrupted is None:
-                    arts = self._verdict_and_report()
-        except (Interrupted, KeyboardInterrupt) as exc:
-            self.interrupted = self.interrupted or (
-                exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)"))
-        return self._final(arts)
+        self._subject = subject
+        # Nothing is launched: the run has no engines to stop.
+        return RunPlan(self.out_dir, self.bundle, self._echo, self.console, stopping=None)
 
     def _fill_external(self, s: _Subject) -> None:
         r = self.result
@@ -366,32 +377,23 @@ class SoakRun:
     # -- the load ----------------------------------------------------------------------------------
     def _drive(self, s: _Subject) -> None:
         """Run the load phase on a fresh event loop; signals become a clean stop."""
-        saved = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-        try:
-            asyncio.run(self._drive_async(s))
-        finally:
-            for sig, handler in saved.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
+        asyncio.run(self._drive_async(s))
         if self.interrupted is not None:
             raise self.interrupted
 
     async def _drive_async(self, s: _Subject) -> None:
-        opts = self.opts
-        loop = asyncio.get_running_loop()
         wake = asyncio.Event()
 
-        def on_signal(sig: signal.Signals) -> None:
+        def stop(reason: str) -> None:   # the loop ends at its next tick; the load is stopped cleanly
             if self.interrupted is None:
-                self.interrupted = Interrupted("interrupted (Ctrl-C)" if sig is signal.SIGINT
-                                               else f"received {sig.name}")
+                self.interrupted = Interrupted(reason)
             wake.set()
 
-        for sig in _SIGNALS:
-            try:
-                loop.add_signal_handler(sig, on_signal, sig)
-            except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
-                pass
+        with interrupts.on_stop(stop, loop=asyncio.get_running_loop()):
+            await self._load_and_watch(s, wake)
+
+    async def _load_and_watch(self, s: _Subject, wake: asyncio.Event) -> None:
+        opts = self.opts
         cfg = LoadConfig(base_url=s.url, model=s.request_model, concurrency=opts.concurrency,
                          max_tokens=opts.max_tokens, chat=opts.chat, read_timeout_s=opts.read_timeout_s)
         lg = LoadGenerator(cfg, clock=self.clock)
@@ -497,11 +499,6 @@ class SoakRun:
             await poller.aclose()
             await health.aclose()
             self.metrics.extend(poller.snapshots)
-            for sig in _SIGNALS:
-                try:
-                    loop.remove_signal_handler(sig)
-                except (ValueError, RuntimeError, NotImplementedError):
-                    pass
         stall_after = (r.onset_t - lg.started_at) if r.stalled and r.onset_t is not None and lg.started_at else None
         r.summary = lg.summary(stalled=r.stalled, stall_after_s=stall_after)
         if not r.stalled:
@@ -621,28 +618,6 @@ class SoakRun:
             st.machine_cpu_busy = r3(sat.machine_busy)
             st.load_from_t, st.load_until_t = r.load_window or (None, None)
         return st
-
-    def _verdict_and_report(self) -> RunArtifacts:
-        """The run's tail: the soak's facts go into the bundle, analyze judges them (kvdiag.analyze)."""
-        self._fill_common()
-        return finish(self.out_dir, self.bundle, verdict_t=self.clock() - self.t0)
-
-    def _final(self, arts: RunArtifacts | None) -> RunArtifacts:
-        if self.interrupted is not None or arts is None:
-            stop = self.interrupted or Interrupted("interrupted")
-            if self.loadgen is not None and self.result.summary is None:
-                self.result.summary = self.loadgen.summary()
-            self._fill_common()
-            self.bundle.interrupted = True
-            self.bundle.interrupted_reason = stop.message
-            finish(self.out_dir, self.bundle)
-            self.console.print(f"interrupted; partial report written to {self.out_dir}")
-            raise stop
-        if self.result.all_failing:
-            lg = self.loadgen
-            raise KvdiagError(f"every request failed: {lg.first_error if lg else 'unknown error'}",
-                              hint=f"report written to {self.out_dir}; check --model, --url and the server log")
-        return arts
 
     def _echo(self, msg: str) -> None:
         self.console.print(f"[dim]{self.clock() - self.t0:6.1f}s[/dim] {escape(msg)}", highlight=False)
