@@ -150,7 +150,8 @@ def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario,
 
 
 def single_engine(scenario: Scenario, allocator: str | None, stall_window_s: float | None) -> Scenario:
-    """A copy of ``scenario`` with only its first engine (soak drives one engine)."""
+    """A copy of ``scenario`` with only its first engine (soak drives one engine). A ``serve`` phase stays: it
+    is the engine's warm-up before the load (a first request answered, kernels compiled)."""
     first = scenario.engines[0].model_copy(deep=True)
     first.start_after = None
     if allocator is not None and (first.kind == "sim" or (first.kind == "vllm" and first.allocator != "external")):

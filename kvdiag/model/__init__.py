@@ -82,6 +82,10 @@ from kvdiag.model.report import (
     ReportBanner,
     ReportEngine,
 )
+from kvdiag.model.rings import (
+    RingGeometry,
+    RingReading,
+)
 from kvdiag.model.run import (
     BannerInfo,
     BannerRisk,
@@ -188,6 +192,8 @@ __all__ = [
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
+    "RingGeometry",
+    "RingReading",
     "PtraceAccess",
     "RateLine",
     "RedactionSummary",

@@ -99,7 +99,8 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
             out += ["", f"`{KEY_MARK.strip()}` marks the frames the verdict rests on."]
         for ev in view.evidence:
             item = ev.item
-            where = f"pid {item.pid}, tid {item.tid}" + (f", engine {_code(item.engine)}" if item.engine else "")
+            where = (f"node {_code(item.node)}, " if item.node else "") + f"pid {item.pid}, tid {item.tid}" + (
+                f", engine {_code(item.engine)}" if item.engine else "")
             out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
             if item.frames:
                 out += ["", _fence(marked_lines(ev))]
