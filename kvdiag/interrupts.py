@@ -53,6 +53,19 @@ def install() -> None:
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
+def ignore_from_now() -> None:
+    """The run is over and its outputs are written: a late Ctrl-C or SIGTERM must not turn the exit status
+    into a death by signal during interpreter shutdown. One that lands before the handlers are swapped
+    raises here and is retried; once SIG_IGN is in place a still-pending one is dropped."""
+    while True:
+        try:
+            for sig in ALL_SIGNALS:
+                signal.signal(sig, signal.SIG_IGN)
+            return
+        except KeyboardInterrupt:
+            continue
+
+
 @contextmanager
 def raising() -> Iterator[None]:
     """SIGTERM/SIGHUP raise for the duration (a run used as a library, without :func:`install`);
@@ -94,6 +107,8 @@ def on_stop(callback: Callable[[str], None], signals: tuple[signal.Signals, ...]
         yield
         return
     if loop is not None:
+        # Removing a loop's handler leaves its no-op or SIG_DFL behind: what was there before goes back.
+        saved_py = {sig: signal.getsignal(sig) for sig in signals}
         added: list[signal.Signals] = []
         for sig in signals:
             try:
@@ -101,7 +116,6 @@ def on_stop(callback: Callable[[str], None], signals: tuple[signal.Signals, ...]
                 added.append(sig)
             except (ValueError, RuntimeError, NotImplementedError):
                 pass
-        saved_py = {sig: signal.getsignal(sig) for sig in signals}
         try:
             yield
         finally:
@@ -110,7 +124,6 @@ def on_stop(callback: Callable[[str], None], signals: tuple[signal.Signals, ...]
                     loop.remove_signal_handler(sig)
                 except (ValueError, RuntimeError, NotImplementedError):
                     pass
-            # Removing a loop's handler leaves SIG_DFL behind: put back what was there before.
             for sig, old in saved_py.items():
                 if old is not None:
                     signal.signal(sig, old)
@@ -127,4 +140,5 @@ def on_stop(callback: Callable[[str], None], signals: tuple[signal.Signals, ...]
             signal.signal(sig, old)
 
 
-__all__ = ["ALL_SIGNALS", "STOP_SIGNALS", "as_interrupted", "held", "install", "on_stop", "raising", "reason"]
+__all__ = ["ALL_SIGNALS", "STOP_SIGNALS", "as_interrupted", "held", "ignore_from_now", "install", "on_stop", "raising",
+           "reason"]

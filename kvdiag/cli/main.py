@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
 
 import click
@@ -173,16 +172,7 @@ def run() -> None:
         code = main()
     except KeyboardInterrupt:  # landed between main's handlers and here
         code = ExitCode.INTERRUPTED
-    # The run is over and its outputs are written: a late Ctrl-C or SIGTERM must not turn that
-    # exit status into a death by signal during interpreter shutdown. One that lands before the
-    # handlers are swapped raises here; once SIG_IGN is in place a still-pending one is dropped.
-    while True:
-        try:
-            for sig in interrupts.ALL_SIGNALS:
-                signal.signal(sig, signal.SIG_IGN)
-            break
-        except KeyboardInterrupt:
-            continue
+    interrupts.ignore_from_now()
     sys.exit(code)
 
 
