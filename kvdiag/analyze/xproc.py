@@ -61,6 +61,21 @@ _WORDS = {
 }
 
 
+def _native(view: ThreadView) -> bool:
+    return any(f.kind == "native" for f in view.frames)
+
+
+def _zmq_python_calls(view: ThreadView) -> set[str]:
+    """pyzmq's own Python frames (zmq/sugar): a send or a receive, worded as libzmq's calls."""
+    out: set[str] = set()
+    for f in view.frames[:8]:
+        if f.kind == "python" and "/zmq/" in (f.file or ""):
+            name = f.name.rsplit(".", 1)[-1]
+            out |= {"zmq_msg_send"} if name.startswith("send") else {"zmq_msg_recv"} if name.startswith(
+                "recv") else {"zmq_poll"} if name == "poll" else set()
+    return out
+
+
 # A process is (node, pid): pids are unique only within a host, and a merged bundle holds several.
 PKey = tuple[str | None, int]
 
@@ -140,7 +155,7 @@ class CrossProcess:
             "address": fd.address if fd else None, "text": peer_phrase(fd) if fd else "",
             **{k: val for k, val in ev.items() if val is not None}})
         edge = WaitEdge(src=self.ref(pkey(p), view.tid), dst=self.ref(dsts[0]), kind=kind, evidence=evidence,
-                        inferred=inferred or len(dsts) > 1)
+                        inferred=inferred or len(dsts) > 1, purpose=purpose)
         return Dep(edge=edge, purpose=purpose, dsts=dsts)
 
     @staticmethod
@@ -158,7 +173,7 @@ class CrossProcess:
         if view.timed or view.woke:
             return []
         out: list[Dep | None] = []
-        names = {f.name for f in view.frames[:16]}
+        names = {f.name for f in view.frames[:16]} | _zmq_python_calls(view)
         zmq = bool(names & set(_ZMQ_SEND + _ZMQ_RECV)) or "zmq_poll" in names or self._zmq_by_proc(p, view)
         if zmq:
             out.append(self._zmq(p, view, names))
@@ -233,10 +248,10 @@ class CrossProcess:
 
     @staticmethod
     def _zmq_by_proc(p: ProcessEvidence, view: ThreadView) -> bool:
-        """Without frames, /proc alone shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
+        """Without native frames, /proc shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
         socket's signaler) in a process whose ZMQ I/O thread holds the connections."""
         fds = view.blocked_fds
-        return not view.has_frames and view.wait_forever and bool(fds) and all(
+        return not _native(view) and view.wait_forever and bool(fds) and all(
             f.kind == "anon" and "eventfd" in f.target for f in fds) and any(
             (t.name or "").startswith(_ZMQ_IO_THREAD) for t in p.threads)
 
@@ -248,7 +263,7 @@ class CrossProcess:
             purpose = "depends"
         elif names & set(_ZMQ_SEND):
             purpose = "blocked"
-        elif (names & set(_ZMQ_RECV) or not view.has_frames) and conns and not any(f.accepted for f in conns):
+        elif (names & set(_ZMQ_RECV) or not _native(view)) and conns and not any(f.accepted for f in conns):
             purpose = "reply"        # it connected (a client) and waits for what it asked (or, frameless, to send)
         else:
             purpose = "work"         # it bound: a server waiting for its next request, or a poll loop
@@ -364,8 +379,27 @@ class CrossProcess:
         return [self.chain_from(Dep(edge=d.edge.model_copy(), purpose=d.purpose, dsts=list(d.dsts)))
                 for ds in self.deps.values() for d in ds if d.purpose != "work"]
 
+    def _inside(self) -> list[WaitEdge]:
+        """Thread → thread edges inside each process, as the process-level rules read them: a mutex wait to
+        the owner read from the mutex, a GIL wait to the holder."""
+        out: list[WaitEdge] = []
+        for k, p in self.procs.items():
+            holder = next((t for t in self.views[k] if t.holds_gil), None)
+            for th, view in zip(p.threads, self.views[k], strict=True):
+                frames = [FrameRef(pid=p.pid, tid=th.tid, index=0, node=p.node)] if view.frames else []
+                if th.futex_owner_tid is not None and th.futex_owner_tid != th.tid:
+                    out.append(WaitEdge(src=self.ref(k, th.tid), dst=self.ref(k, th.futex_owner_tid),
+                                        kind=EdgeKind.MUTEX_OWNER, purpose="depends", evidence=EdgeEvidence(
+                                            frames=frames, address=f"{th.futex_addr:#x}" if th.futex_addr else None,
+                                            syscall=th.syscall, text="owner TID read from the mutex")))
+                if view.waits_gil and holder is not None and holder.tid != th.tid:
+                    out.append(WaitEdge(src=self.ref(k, th.tid), dst=self.ref(k, holder.tid),
+                                        kind=EdgeKind.GIL_HOLDER, purpose="depends", evidence=EdgeEvidence(
+                                            frames=frames, text="; ".join(view.gil_wait_signals))))
+        return out
+
     def record(self) -> WaitGraphRecord:
-        edges = [d.edge for ds in self.deps.values() for d in ds]
+        edges = [d.edge for ds in self.deps.values() for d in ds] + self._inside()
         refs = {e.src.key(): e.src for e in edges} | {e.dst.key(): e.dst for e in edges}
         return WaitGraphRecord(nodes=[WaitNode(ref=r, label=self.label(pkey(r), r.tid)) for r in refs.values()],
                                edges=edges)
