@@ -193,7 +193,10 @@ def print_cross(x: CrossResult, skipped: dict[str, str]) -> None:
             cells.append("ok" if not bad else ", ".join(f"{v} x{n}" for v, n in sorted(bad.items())))
         chain = "ok" if not x.chain_ok[kind].get(False) else f"{x.chain_ok[kind][False]} no"
         times = " ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs)
-        print(f"{kind:{width}} {hk.KINDS[kind].expect:18} {cells[0]:20} {cells[1]:20} {chain:6} {times}")
+        missing = "; ".join(f"{m.removeprefix('follow_')}: {v} x{n}" for m in x.tally if m.startswith("follow_")
+                            for v, n in sorted(x.tally[m][kind].items()) if v != hk.KINDS[kind].expect)
+        print(f"{kind:{width}} {hk.KINDS[kind].expect:18} {cells[0]:20} {cells[1]:20} {chain:6} {times}"
+              + (f"  [tool missing: {missing}]" if missing else ""))
     for mode in x.tally:
         r = x.score(mode)
         print(f"xproc {mode:18} accuracy {r['accuracy']:.3f}  false deadlocks {r['false_deadlock']:.0f}/"

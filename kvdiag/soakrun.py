@@ -14,6 +14,7 @@ verdict and report are written before anything is torn down.
 from __future__ import annotations
 
 import asyncio
+import math
 import signal
 import time
 from collections.abc import Callable
@@ -26,11 +27,16 @@ import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from kvdiag.analyze.soak import flat_generation_span
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
 from kvdiag.launch.process import ProcessSet
 from kvdiag.launch.vllm import expand
+from kvdiag.load.loadgen import LoadConfig, LoadGenerator
+from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
+from kvdiag.load.progress import ProgressView
+from kvdiag.load.stats import SoakSummary
 from kvdiag.logs.lines import feed_line
 from kvdiag.model import (
     Bundle,
@@ -40,6 +46,7 @@ from kvdiag.model import (
     MetricsSnapshot,
     ProcessEvidence,
     ProcessRole,
+    SoakSample,
     SoakStats,
     TimelineEvent,
 )
@@ -50,18 +57,16 @@ from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.scenariorun import EngineWatch, Outcome
-from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
-from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
-from kvdiag.soak.progress import ProgressView
-from kvdiag.soak.saturation import Saturation, SaturationSampler, judge
-from kvdiag.soak.stats import SoakSummary
-from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog, flat_generation_span
+from kvdiag.watch.saturation import SaturationSampler
+from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Clock = Callable[[], float]
 COMMAND = "soak"
 DEFAULT_SCENARIO = "soak-hybrid.yaml"
 VLLM_SCENARIO = "soak-vllm.yaml"
 _TICK_S = 0.25
+_SAMPLE_S = 0.5          # the client's counters, for the report's plots
+_MAX_SAMPLES = 4000
 _SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
 
 
@@ -137,7 +142,7 @@ def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario,
     soak-vllm serving the model folder ``model`` with real vLLM. Returns (scenario, name, text)."""
     if path is None:
         builtin = DEFAULT_SCENARIO if model == "sim" else VLLM_SCENARIO
-        text = resources.files("kvdiag.soak").joinpath("builtin", builtin).read_text("utf-8")
+        text = resources.files("kvdiag.scenario").joinpath("builtin", builtin).read_text("utf-8")
         name = f"<builtin>/{builtin}"
         scen = parse_scenario(text, name)
         if model != "sim":
@@ -147,7 +152,8 @@ def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario,
 
 
 def single_engine(scenario: Scenario, allocator: str | None, stall_window_s: float | None) -> Scenario:
-    """A copy of ``scenario`` with only its first engine (soak drives one engine)."""
+    """A copy of ``scenario`` with only its first engine (soak drives one engine). A ``serve`` phase stays: it
+    is the engine's warm-up before the load (a first request answered, kernels compiled)."""
     first = scenario.engines[0].model_copy(deep=True)
     first.start_after = None
     if allocator is not None and (first.kind == "sim" or (first.kind == "vllm" and first.allocator != "external")):
@@ -181,8 +187,11 @@ class _DriveResult:
     all_failing: bool = False
     summary: SoakSummary | None = None
     healthy_after: bool | None = None
-    saturation: Saturation | None = None
+    saturation: SaturationSampler | None = None
+    load_window: tuple[float, float] | None = None    # run clock, s
     scrapes: tuple[int, int, float | None] | None = None   # (scrapes, failures, longest gap s)
+    series: list[SoakSample] = field(default_factory=list)   # the client's counters over time
+    in_flight_at_end: int | None = None
 
 
 class SoakRun:
@@ -434,7 +443,9 @@ class SoakRun:
                     if health_failures >= 3:
                         r.unreachable = True
                         break
-                view.update(now - self.t0, lg, poller.latest, watchdog.quiet_for)
+                self._sample(now, lg)
+                view.update(now - self.t0, lg, poller.latest, watchdog.quiet_for,
+                            fresh_after=None if lg.started_at is None else lg.started_at - self.t0)
                 if drain_until is None:
                     if lg.warmed_up:
                         if not sampler.started:
@@ -453,11 +464,14 @@ class SoakRun:
                         await lg.stop()   # the grace is over: cancel the rest now (bounded)
                     break
             view.stop()
+            r.in_flight_at_end = lg.in_flight
+            self._sample(self.clock(), lg, force=True)
             lg.end_load(at=r.fired_t if r.stalled else None)   # a stall, exit, error: loaded until now
             sampler.stop()
             await asyncio.to_thread(poller.stop)
             r.scrapes = (poller.scrapes, poller.failures, poller.longest_gap_s)
-            r.saturation = judge(self._load_snapshots(poller.snapshots, lg), sampler)
+            r.saturation = sampler
+            r.load_window = self._load_window(lg)
             if r.stalled and self.interrupted is None:
                 assert r.onset_t is not None
                 self.event("stall detected", f"{lg.in_flight} requests in flight, no token for {self.window_s:g}s; "
@@ -503,10 +517,27 @@ class SoakRun:
             self.findings.append(Finding(kind="requests_failed", engine=s.name, message=(
                 f"{lg.failed} request(s) failed and {lg.timed_out} timed out; first error: {lg.first_error}")))
 
-    def _load_snapshots(self, snaps: list[MetricsSnapshot], lg: LoadGenerator) -> list[MetricsSnapshot]:
-        """The snapshots taken while the load (and its drain) ran."""
+    def _sample(self, now: float, lg: LoadGenerator, force: bool = False) -> None:
+        """The client's counters for the report's plots, every :data:`_SAMPLE_S` (bounded: a long soak
+        keeps every other one of its older samples)."""
+        series = self.result.series
+        last = series[-1] if series else None
+        t = round(now - self.t0, 3)
+        if last is not None and not force and t - last.t < _SAMPLE_S:
+            return
+        rate = None
+        if last is not None and t > last.t:
+            rate = round((lg.tokens - last.tokens) / (t - last.t), 1)
+        series.append(SoakSample(t=t, tokens=lg.tokens, tokens_per_s=rate, in_flight=lg.in_flight, ok=lg.ok,
+                                 failed=lg.failed + lg.timed_out))
+        if len(series) > _MAX_SAMPLES:
+            del series[: len(series) // 2 : 2]
+
+    def _load_window(self, lg: LoadGenerator) -> tuple[float, float]:
+        """The loaded time (and its drain) on the run's clock: the snapshots taken so far within it are the
+        ones saturation is judged from (those of the stall's confirmation come later)."""
         lo = (lg.started_at if lg.started_at is not None else self.t0) - self.t0
-        return [m for m in snaps if m.t >= lo]
+        return lo, math.ceil((self.clock() - self.t0) * 1000) / 1000
 
     async def _confirm_metrics(self, poller: MetricsPoller) -> None:
         """Scrape until the server's own token counter has been flat for the window (bounded).
@@ -575,24 +606,21 @@ class SoakRun:
         st.requested_duration_s = opts.duration_s
         st.drain_grace_s = opts.drain_grace_s
         st.metrics_period_s = opts.metrics_period_s
+        st.in_flight_at_end = r.in_flight_at_end
+        st.series = list(r.series)
         if r.scrapes is not None:
             st.metrics_scrapes, st.metrics_failures, gap = r.scrapes
             st.metrics_longest_gap_s = None if gap is None else round(gap, 3)
         sat = r.saturation
-        if sat is not None:
+        if sat is not None:   # the readings; analyze judges saturation from them and the loaded time's /metrics
             def r3(v: float | None) -> float | None:
                 return None if v is None else round(v, 3)
 
-            st.saturated = sat.saturated
-            st.kv_usage_peak = r3(sat.kv_usage_peak)
             st.streams_requested = sat.requested
             st.streams_in_flight_mean = r3(sat.in_flight_mean)
-            st.server_running_peak, st.server_running_mean = sat.running_peak, r3(sat.running_mean)
-            st.server_waiting_peak = sat.waiting_peak
             st.client_cpu, st.server_cpu = r3(sat.client_cpu), r3(sat.server_cpu)
             st.machine_cpu_busy = r3(sat.machine_busy)
-            st.bottleneck = sat.bottleneck
-            st.saturation_note = sat.note
+            st.load_from_t, st.load_until_t = r.load_window or (None, None)
         return st
 
     def _verdict_and_report(self) -> RunArtifacts:

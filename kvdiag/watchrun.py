@@ -28,12 +28,12 @@ from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
+from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.model import TimelineEvent
 from kvdiag.osread.net import listening_pids
 from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
 from kvdiag.runner import finish
-from kvdiag.soak.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.watch.exporter import WatchExporter
 from kvdiag.watch.local import LocalEngine, Located

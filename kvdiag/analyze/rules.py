@@ -27,6 +27,7 @@ from kvdiag.analyze.evidence import (
 )
 from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.runtime import may_release_python_lock
+from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import KV_FULL, STALL_WINDOW_S
 from kvdiag.logs.banner import assess_risk_for
@@ -71,6 +72,8 @@ def _where(proc: ProcessEvidence) -> str:
     at = f" on node {proc.node}" if proc.node else ""
     if role is None:
         return f"pid {proc.pid}{at}"
+    if proc.role is ProcessRole.WORKER and (title := process_title(proc)) and title != "Worker":
+        role = title   # which rank a tensor-parallel worker is (Worker_TP1), not just "a Worker"
     return f"pid {proc.pid}{at} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
 
 

@@ -82,7 +82,13 @@ def soak_lines(s: SoakStats, stall_to_verdict_s: float | None = None) -> list[st
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.1f} ms"
 
-    out = [f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out; "
+    pending = ""
+    if s.stalled and s.in_flight_at_end:
+        pending = f", {s.in_flight_at_end} in flight at the stall"
+    elif s.in_flight_at_end and s.drain_s is None:
+        pending = f", {s.in_flight_at_end} in flight when the load ended"
+    out = [f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out"
+           f"{pending}; "
            # An average over the whole load (ramp-up and drain included); the live lines' rate is over their
            # last 5 s, so a steady live rate above this average is not a contradiction: both are labelled.
            f"{s.tokens} tokens, avg {rate:.0f} tok/s over {active:.1f} s; TTFT p50 {ms(s.ttft_p50_s)} "

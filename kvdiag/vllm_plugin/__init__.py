@@ -2,7 +2,8 @@
 
 vLLM loads general plugins in every one of its processes (API server, EngineCore, Worker, and any
 other `vllm` command). This one is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is ``stock`` or ``fixed``, and
-then acts only in the EngineCore, where kvcached acts (../shared/design/kvcached-facts.md section 3):
+then acts only in the EngineCore (and in the one worker ``KVDIAG_VLLM_HANG_RANK`` names), where kvcached
+acts (../shared/design/kvcached-facts.md section 3):
 
 1. vLLM's ``BlockPool.__init__`` is where kvcached's ElasticBlockPool builds its KVCacheManager: the
    hook builds kvdiag's page allocator there (kind from KVDIAG_VLLM_ALLOCATOR, host backend on the

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from kvdiag.analyze import analyze, analyze_by_engine
+from kvdiag.load.progress import ProgressView
 from kvdiag.model import Bundle
 from kvdiag.report import build_report, render_markdown, render_terminal
-from kvdiag.soak.progress import ProgressView
 
 BUNDLE = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "soak_gil_cycle" / "bundle.json"
 
