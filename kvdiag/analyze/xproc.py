@@ -26,7 +26,8 @@ from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
-from kvdiag.analyze.rules import analyze_process, peer_phrase
+from kvdiag.analyze.process import analyze_process
+from kvdiag.analyze.rulekit import peer_phrase
 from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.vllm_waits import shared_progress, vllm_wait
 from kvdiag.model import (

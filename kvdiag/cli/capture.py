@@ -107,13 +107,7 @@ def capture_cmd(
     target = _target(pid, engine_core_of)
     if target == os.getpid():
         raise UsageError("--pid: refusing to capture kvdiag itself")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
-    names = [t.strip() for t in tools.split(",") if t.strip()]
-    try:
-        make_backends(names)
-    except ValueError as exc:
-        raise UsageError(f"--tools: {exc}") from None
+    names = _checked_options(timeout, tools)
     kthread = is_kernel_thread(target)
     if kthread:
         # Refused, but as an outcome with a report (kernel_thread, exit 5), not a scope question:
@@ -175,9 +169,8 @@ def print_outcome(arts: RunArtifacts, bundle_dir: Path, as_json: bool, said: str
     return code
 
 
-def _capture_ray(address: str, select: str, patterns: list[str], out: Path | None, timeout: float, tools: str,
-                 as_json: bool) -> int:
-    """``capture --ray``: the same capture on every node of a Ray cluster, merged into one bundle."""
+def _checked_options(timeout: float, tools: str) -> list[str]:
+    """The tool names of ``--tools``, once ``--timeout`` and every name are known good (UsageError if not)."""
     if not 0 < timeout <= 600:
         raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
     names = [t.strip() for t in tools.split(",") if t.strip()]
@@ -185,6 +178,13 @@ def _capture_ray(address: str, select: str, patterns: list[str], out: Path | Non
         make_backends(names)
     except ValueError as exc:
         raise UsageError(f"--tools: {exc}") from None
+    return names
+
+
+def _capture_ray(address: str, select: str, patterns: list[str], out: Path | None, timeout: float, tools: str,
+                 as_json: bool) -> int:
+    """``capture --ray``: the same capture on every node of a Ray cluster, merged into one bundle."""
+    names = _checked_options(timeout, tools)
     out_dir = prepare_out_dir(out, "capture")
     bundle_dir = out_dir / "bundle"
     bundle = capture_cluster(address, bundle_dir, select=select, patterns=patterns, timeout_s=timeout,
