@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 
 import typer
 
@@ -57,21 +53,6 @@ def _core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> s
     if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
         return f"the EngineCore's evidence decided ({v.kind.value})"
     return None
-
-
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
-def _interruptible(work: Callable[[], Bundle]) -> Bundle:
-    """Run ``work`` with SIGTERM turned into KeyboardInterrupt, so the capture kills its tools first."""
-    if threading.current_thread() is not threading.main_thread():
-        return work()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        return work()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def capture_cmd(
@@ -160,10 +141,9 @@ def capture_cmd(
             sys.stdout.flush()
             typer.echo("writing the report", err=True)
 
-    bundle = _interruptible(lambda: capture_tree(target, bundle_dir, timeout_s=timeout, backends=names,
-                                                 command=command, pids=scope.pids, save=False,
-                                                 on_evidence=early, decides=_core_decides,
-                                                 follow=follow and not kthread))
+    # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
+    bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command, pids=scope.pids,
+                          save=False, on_evidence=early, decides=_core_decides, follow=follow and not kthread)
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
     return print_outcome(arts, bundle_dir, as_json, said=said[0] if said else None)
@@ -207,9 +187,8 @@ def _capture_ray(address: str, select: str, patterns: list[str], out: Path | Non
     names = _checked_options(timeout, tools)
     out_dir = prepare_out_dir(out, "capture")
     bundle_dir = out_dir / "bundle"
-    bundle = _interruptible(lambda: capture_cluster(address, bundle_dir, select=select, patterns=patterns,
-                                                    timeout_s=timeout, backends=names,
-                                                    progress=lambda m: typer.echo(m, err=True)))
+    bundle = capture_cluster(address, bundle_dir, select=select, patterns=patterns, timeout_s=timeout,
+                             backends=names, progress=lambda m: typer.echo(m, err=True))
     return print_outcome(finish(out_dir, bundle), bundle_dir, as_json)
 
 
