@@ -8,7 +8,7 @@ import threading
 
 from kvdiag.osread.fds import fd_links, held_inodes, inode_holders, link_inode
 from kvdiag.osread.maps import parse_line, parse_maps_line, read_maps
-from kvdiag.osread.net import listening_pids, listening_ports, tcp_table, unix_table
+from kvdiag.osread.net import listening_pids, listening_ports, tcp_connections, tcp_table, unix_table
 from kvdiag.osread.process import read_cmdline, read_comm, read_environ
 from kvdiag.osread.ptable import alive, ancestors, process_tree
 from kvdiag.osread.sockdiag import unix_sockets
@@ -99,6 +99,10 @@ def test_who_listens_on_a_port() -> None:
         assert os.getpid() in listening_pids(port) and port in listening_ports([os.getpid()])
         entry = next(e for e in tcp_table() if e.local_port == port)
         assert entry.listening and entry.local == f"127.0.0.1:{port}"
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            here = client.getsockname()[1]
+            assert f"127.0.0.1:{here} -> 127.0.0.1:{port}" in (tcp_connections(os.getpid()) or [])
+        assert tcp_connections(GONE) is None
     finally:
         srv.close()
 
