@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -218,6 +219,11 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
         print(f"before (no focus, gdb reading all symbols): {before_s:.3f}s, verdict {before_verdict}")
         api = next(p for p in pids if role_of[p] == "api_server")
         cli_capture_once(api, Path(tmp) / "cli-warmup")   # the interpreter's files in the page cache
+        env = json.loads((Path(tmp) / "cli-warmup" / "bundle" / "bundle.json").read_text()).get("environment") or {}
+        for ip in env.get("engine_packages", []):
+            pk = ip.get("packages", {})
+            print(f"captured engine's packages ({ip.get('who')}, {ip.get('python')}): vllm {pk.get('vllm')}, "
+                  f"torch {pk.get('torch')}")
         print(f"{'round':>5} {'core_s':>7} {'critical_s':>10} {'verdict':>10} {'full_s':>7} {'verdict':>10} "
               f"{'serial_s':>8} {'tool_sum_s':>10} {'pystack_s':>9} {'cli_verdict_s':>13} {'cli_s':>6} "
               f"{'ratio':>5} {'load1':>5}")

@@ -26,12 +26,16 @@ from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
-from kvdiag.analyze.rules import analyze_process, peer_phrase
+from kvdiag.analyze.process import analyze_process
+from kvdiag.analyze.rulekit import peer_phrase
+from kvdiag.analyze.vllm_titles import process_title
+from kvdiag.analyze.vllm_waits import shared_progress, vllm_wait
 from kvdiag.model import (
     Bundle,
     Confidence,
     EdgeEvidence,
     EdgeKind,
+    EnginePhase,
     EvidenceItem,
     FdInfo,
     FrameRef,
@@ -125,6 +129,7 @@ class CrossProcess:
         self.views = {k: classify_process(p, machine) for k, p in self.procs.items()}
         self._own: dict[PKey, Verdict | None] = {}
         self.deps: dict[tuple[PKey, int], list[Dep]] = {}
+        self._stalled = {e.name for e in bundle.engines if e.phase is EnginePhase.STALLED}
         for k, p in self.procs.items():
             for view in self.views[k]:
                 found = self._edges(p, view) + [d for source in EDGE_SOURCES for d in source(self, p, view)]
@@ -165,6 +170,8 @@ class CrossProcess:
 
     def _edges(self, p: ProcessEvidence, view: ThreadView) -> list[Dep]:
         th = next(t for t in p.threads if t.tid == view.tid)
+        if not view.stopped and (vllm := self._vllm(p, view)) is not None:
+            return vllm   # vLLM's own protocol says what the thread waits on, and whether it moves
         if view.idle_by_design or view.stopped:
             return []
         ring = self._ring(p, view)     # a spinner naps and wakes by design: its ring says whether it waits
@@ -225,6 +232,20 @@ class CrossProcess:
             return False
         return all(q in (p.ppid, p.pid) or (x := self.procs.get((p.node, q))) is not None and x.ppid == p.ppid
                    for q in peers)
+
+    def _vllm(self, p: ProcessEvidence, view: ThreadView) -> list[Dep] | None:
+        """The thread's wait in vLLM's protocol (kvdiag.analyze.vllm_waits); None when it is in none."""
+        here = {q: x for (n, q), x in self.procs.items() if n == p.node}
+        views = {q: self.views[(n, q)] for (n, q) in self.procs if n == p.node}
+        vw = vllm_wait(p, view, here, self._stalled, views)
+        if vw is None:
+            return None
+        if vw.moving:
+            return []
+        m = vw.mapping
+        dep = self.edge(p, view, self._here(p, vw.peers), vw.kind, vw.purpose, inferred=vw.inferred, text=vw.text,
+                        mapping=m.line() if m is not None else None, inode=m.inode if m is not None else None)
+        return [dep] if dep is not None else []
 
     def _read_purpose(self, p: ProcessEvidence, view: ThreadView, f: FdInfo) -> str:
         peers = f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids
@@ -297,12 +318,26 @@ class CrossProcess:
 
     def _moving(self, k: PKey) -> bool:
         p = self.procs[k]
-        if p.progress is not None and (p.progress.advanced or any(p.progress.shared_changed.values())):
+        shared = shared_progress(p)   # vLLM's segments: their flags, not whoever spins on them
+        if shared is None:
+            shared = p.progress is not None and any(p.progress.shared_changed.values())
+        if shared or self._advanced(p):
             return True
         # The main thread in a sleep or a timed wait is doing something that ends by itself (a worker running
         # its job); a background thread's nap is more often a heartbeat than the work a waiter waits for.
         return any(((t.running or t.woke) or (t.is_main and (t.kind is WaitKind.SLEEP or t.timed)))
                    and not t.idle_by_design and (k, t.tid) not in self.deps for t in self.views[k])
+
+    def _advanced(self, p: ProcessEvidence) -> bool:
+        """I/O of its own, or growth of a log no other captured process writes: the processes of one engine
+        share its log file (vLLM's API server logs every /health), whose growth does not say who wrote."""
+        pr = p.progress
+        if pr is None:
+            return False
+        if any(pr.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw", "rchar", "syscr")):
+            return True
+        others = {f for k, x in self.procs.items() if k != pkey(p) and x.node == p.node for f in x.log_files}
+        return any(grew > 0 and path not in others for path, grew in pr.log_growth.items())
 
     def root_of(self, k: PKey) -> Root:
         if k not in self.procs:
@@ -413,7 +448,8 @@ class CrossProcess:
         p = self.procs.get(k) or next((x for x in self.bundle.processes if pkey(x) == k), None)
         what = ""
         if p is not None:
-            what = p.role.value if p.role.value != "other" else (p.comm or "")
+            # vLLM's own name says which rank (Worker_TP1)
+            what = process_title(p) or (p.role.value if p.role.value != "other" else (p.comm or ""))
         head = f"pid {pid}" + (f" ({what})" if what else "") + (f" on {node}" if node else "")
         if tid is not None and tid != pid:
             view = next((t for t in self.views.get(k, []) if t.tid == tid), None)

@@ -19,6 +19,7 @@ from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole
+from kvdiag.osread.net import tcp_connections
 from kvdiag.osread.ptable import process_tree
 
 
@@ -94,6 +95,9 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                                                bundle_dir=bundle_dir)
     findings += note_followed(evidence, followed, named)
     with_roles(evidence)
+    for ev in evidence:
+        if ev.alive:   # what another host's capture is matched with (kvdiag merge, capture --ray)
+            ev.tcp_connections = tcp_connections(ev.pid) or []
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids
                                  else len(pids)))

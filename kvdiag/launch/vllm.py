@@ -10,7 +10,8 @@ stock|fixed``), :func:`stage_plugin` writes a folder that goes first on the engi
   kvdiag.allocator from it), and
 - a ``*.dist-info`` whose entry point registers ``kvdiag.vllm_plugin:register`` under vLLM's
   ``vllm.general_plugins`` group, so vLLM itself loads the plugin in each of its processes.
-The plugin is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is set, and acts only in the EngineCore.
+The plugin is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is set, and acts only in the EngineCore (and, with
+``KVDIAG_VLLM_HANG_RANK``, in the worker of that rank).
 The folder lives in the run's private temp folder and goes with it.
 """
 

@@ -82,6 +82,10 @@ from kvdiag.model.report import (
     ReportBanner,
     ReportEngine,
 )
+from kvdiag.model.rings import (
+    RingGeometry,
+    RingReading,
+)
 from kvdiag.model.run import (
     BannerInfo,
     BannerRisk,
@@ -90,6 +94,9 @@ from kvdiag.model.run import (
     MetricsSnapshot,
     SoakStats,
     TimelineEvent,
+)
+from kvdiag.model.soakseries import (
+    SoakSample,
 )
 from kvdiag.model.sweep import (
     SWEEP_SCHEMA_VERSION,
@@ -185,6 +192,8 @@ __all__ = [
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
+    "RingGeometry",
+    "RingReading",
     "PtraceAccess",
     "RateLine",
     "RedactionSummary",
@@ -197,6 +206,7 @@ __all__ = [
     "SWEEP_SCHEMA_VERSION",
     "SharedMapping",
     "ShmSegment",
+    "SoakSample",
     "SoakStats",
     "SweepAxis",
     "SweepCell",

@@ -77,6 +77,11 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
         out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
+    if view.soak is not None:
+        # A soak's figures come first, with their units (the plots are in report.html).
+        out += ["", "#### Soak results", "", "| | |", "|---|---|"]
+        out += [f"| {f.label} | {_cell(f.value)}{' (' + _cell(f.note) + ')' if f.note else ''} |"
+                for f in view.soak.figures]
     if ab is not None:
         out += ["", "| allocator | verdict | exit code | engines | report |",
                 "|---|---|---|---|---|"]
@@ -94,7 +99,8 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
             out += ["", f"`{KEY_MARK.strip()}` marks the frames the verdict rests on."]
         for ev in view.evidence:
             item = ev.item
-            where = f"pid {item.pid}, tid {item.tid}" + (f", engine {_code(item.engine)}" if item.engine else "")
+            where = (f"node {_code(item.node)}, " if item.node else "") + f"pid {item.pid}, tid {item.tid}" + (
+                f", engine {_code(item.engine)}" if item.engine else "")
             out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
             if item.frames:
                 out += ["", _fence(marked_lines(ev))]

@@ -2,7 +2,8 @@
 
 vLLM loads general plugins in every one of its processes (API server, EngineCore, Worker, and any
 other `vllm` command). This one is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is ``stock`` or ``fixed``, and
-then acts only in the EngineCore, where kvcached acts (../shared/design/kvcached-facts.md section 3):
+then acts only in the EngineCore (and in the one worker ``KVDIAG_VLLM_HANG_RANK`` names), where kvcached
+acts (../shared/design/kvcached-facts.md section 3):
 
 1. vLLM's ``BlockPool.__init__`` is where kvcached's ElasticBlockPool builds its KVCacheManager: the
    hook builds kvdiag's page allocator there (kind from KVDIAG_VLLM_ALLOCATOR, host backend on the
@@ -299,7 +300,7 @@ def _arm_worker_stall(rank: int, after_s: float) -> None:
     """Make this worker's first forward pass ``after_s`` seconds after its first one (the worker is warm and
     serving: the first pass compiles kernels) build a stock engine-2 pool on the worker's main thread: the
     GIL cycle, inside vLLM's ``Worker.execute_model``."""
-    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker import gpu_worker  # vLLM exists only inside its own processes: imported when armed
 
     cls = gpu_worker.Worker
     orig_execute = cls.execute_model

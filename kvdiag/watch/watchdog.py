@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 
 import httpx
 
@@ -27,24 +27,6 @@ Clock = Callable[[], float]
 
 # The soak's no-progress watchdog is the one stall detector's serving policy (kvdiag.watch.stall).
 NoProgressWatchdog = ServingStall
-
-
-def flat_generation_span(snaps: Sequence[MetricsSnapshot]) -> float:
-    """Seconds over which the newest snapshots show the same generated-token count with requests running.
-
-    0 when the last snapshot has no running requests or no token counter. The decode-stall
-    rule needs this span to cover the stall window.
-    """
-    usable = [s for s in snaps if s.generation_tokens is not None]
-    if not usable:
-        return 0.0
-    last = usable[-1]
-    if (last.running or 0) <= 0:
-        return 0.0
-    i = len(usable) - 1
-    while i > 0 and usable[i - 1].generation_tokens == last.generation_tokens and (usable[i - 1].running or 0) > 0:
-        i -= 1
-    return last.t - usable[i].t
 
 
 class MetricsPoller:

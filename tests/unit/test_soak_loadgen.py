@@ -13,7 +13,7 @@ import pytest
 import uvicorn
 
 from kvdiag.launch.process import free_port
-from kvdiag.soak.loadgen import LoadConfig, LoadGenerator, RequestStatus
+from kvdiag.load.loadgen import LoadConfig, LoadGenerator, RequestStatus
 from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Scope = MutableMapping[str, Any]

@@ -8,8 +8,8 @@ from rich.console import Console
 from rich.live import Live
 from rich.text import Text
 
+from kvdiag.load.loadgen import LoadGenerator
 from kvdiag.model import MetricsSnapshot
-from kvdiag.soak.loadgen import LoadGenerator
 
 
 class ProgressView:
@@ -34,13 +34,16 @@ class ProgressView:
             self._live.stop()
             self._live = None
 
-    def line(self, t: float, lg: LoadGenerator, snap: MetricsSnapshot | None, quiet_s: float) -> str:
+    def line(self, t: float, lg: LoadGenerator, snap: MetricsSnapshot | None, quiet_s: float,
+             fresh_after: float | None = None) -> str:
         """The status text at run time ``t`` (seconds).
 
         The rate is over the last ``window_s`` seconds (tokens counted by the load generator, as the
         summary counts them), not between two redraws a fraction of a second apart: bursty streams
         would read 0 tok/s between bursts while thousands of tokens flowed. The running total is
-        shown beside it, the figure the summary's average divides by the load time.
+        shown beside it, the figure the summary's average divides by the load time. The server's
+        gauges are shown only from a scrape taken after ``fresh_after`` (the load's start, run time):
+        an idle server's zeros beside 32 requests in flight would read as a server that runs nothing.
         """
         self._samples.append((t, lg.tokens))
         while len(self._samples) > 2 and self._samples[1][0] <= t - self.window_s:
@@ -52,7 +55,9 @@ class ProgressView:
         rate = f"{self.rate:7.0f} tok/s (last {span:.0f}s)" if span >= 0.5 else "      - tok/s"
         parts = [f"{t:6.1f}s", rate, f"{lg.tokens} tokens",
                  f"in flight {lg.in_flight}", f"ok {lg.ok}", f"failed {lg.failed + lg.timed_out}"]
-        if snap is not None:
+        if snap is not None and fresh_after is not None and snap.t < fresh_after:
+            parts.append("server gauges: no /metrics scrape under load yet")
+        elif snap is not None:
             if snap.running is not None:
                 parts.append(f"running {snap.running:.0f}")
             if snap.waiting is not None:
@@ -65,8 +70,9 @@ class ProgressView:
             parts.append(f"no token for {quiet_s:.0f}s")
         return " | ".join(parts)
 
-    def update(self, t: float, lg: LoadGenerator, snap: MetricsSnapshot | None, quiet_s: float) -> None:
-        text = self.line(t, lg, snap, quiet_s)
+    def update(self, t: float, lg: LoadGenerator, snap: MetricsSnapshot | None, quiet_s: float,
+               fresh_after: float | None = None) -> None:
+        text = self.line(t, lg, snap, quiet_s, fresh_after)
         if self._live is not None:
             self._live.update(Text(text))
         elif self._last_print_t is None or t - self._last_print_t >= self.every_s:

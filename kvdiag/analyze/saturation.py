@@ -1,11 +1,11 @@
 """Did a soak saturate the engine, and if not, which side held it back?
 
 A saturation soak is only evidence when the KV pool actually got near full: that is where the
-seed's decode stall happens. :class:`SaturationSampler` takes cheap readings while the load runs
-(the client's requests in flight, CPU time of kvdiag's load loop, of the server's processes and
-of the whole machine); :func:`judge` turns them and the /metrics snapshots of the loaded time into
-a :class:`Saturation`: peak KV usage, streams running on the server vs requested, and the
-bottleneck:
+seed's decode stall happens. The watch stage's sampler (:mod:`kvdiag.watch.saturation`) reads the
+client's requests in flight and the CPU time of kvdiag's load loop, of the server's processes and of
+the whole machine while the load runs; the bundle stores them. :func:`judge` turns them and the
+/metrics snapshots of the loaded time into a :class:`Saturation`: peak KV usage, streams running on
+the server vs requested, and the bottleneck:
 
 - ``client``: kvdiag could not keep the requested streams in flight, or its load loop used
   (nearly) a whole core: the client, not the server, set the pace;
@@ -15,22 +15,17 @@ bottleneck:
 - ``load``: client and server both kept up and the load was still too small for the pool
   (raise --concurrency or --max-tokens).
 
-``judge`` is pure; the sampler reads /proc and the clocks and nothing else.
+Pure: no I/O, no clock.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
 
 from kvdiag.defaults import KV_FULL
 from kvdiag.model import MetricsSnapshot
-from kvdiag.osread.host import cpu_times
-from kvdiag.osread.stat import read_stat
-
-Clock = Callable[[], float]
 
 CLIENT_IN_FLIGHT_SHORT = 0.9     # client kept fewer than this share of its streams in flight
 CLIENT_CPU_BOUND = 0.85          # kvdiag's load loop used this share of one core or more
@@ -39,65 +34,30 @@ SERVER_CPU_BOUND = 0.85          # ... and its processes used this many cores or
 MACHINE_BUSY = 0.5               # ... or the machine's CPUs were at least this busy
 
 
-def _ticks(pids: Iterable[int]) -> dict[int, int]:
-    """utime+stime (clock ticks) of each pid that can still be read."""
-    return {st.pid: st.utime + st.stime for st in (read_stat(pid) for pid in pids) if st is not None}
-
-
-@dataclass
-class SaturationSampler:
-    """Readings of one load phase. :meth:`start` and :meth:`tick` must run on the load loop's thread."""
-
-    requested: int
-    server_pids: Sequence[int] = ()
-    clock: Clock = time.monotonic
-    _t0: float | None = None
-    _thread0: float = 0.0
-    _machine0: tuple[int, int] | None = None
-    _server0: dict[int, int] = field(default_factory=dict)
-    _in_flight_sum: float = 0.0
-    _ticks: int = 0
-    client_cpu: float | None = field(default=None, init=False)     # share of one core
-    server_cpu: float | None = field(default=None, init=False)     # cores
-    machine_busy: float | None = field(default=None, init=False)   # 0..1 over all CPUs
-    in_flight_mean: float | None = field(default=None, init=False)
-    wall_s: float = field(default=0.0, init=False)
+class LoadReadings(Protocol):
+    """What the watch stage read while the load ran (the sampler live, ``SoakStats`` from a bundle)."""
 
     @property
-    def started(self) -> bool:
-        return self._t0 is not None
+    def requested(self) -> int: ...
+    @property
+    def in_flight_mean(self) -> float | None: ...
+    @property
+    def client_cpu(self) -> float | None: ...
+    @property
+    def server_cpu(self) -> float | None: ...
+    @property
+    def machine_busy(self) -> float | None: ...
 
-    def start(self) -> None:
-        self._t0 = self.clock()
-        self._thread0 = time.thread_time()
-        self._machine0 = cpu_times()
-        self._server0 = _ticks(self.server_pids)
 
-    def tick(self, in_flight: int) -> None:
-        """One look at the client while the load runs (the session's loop tick)."""
-        if self._t0 is not None:
-            self._in_flight_sum += in_flight
-            self._ticks += 1
+@dataclass(frozen=True)
+class StoredReadings:
+    """:class:`LoadReadings` as a bundle stores them."""
 
-    def stop(self) -> None:
-        """The loaded time is over: turn the readings into rates (once)."""
-        if self._t0 is None or self.wall_s:
-            return
-        wall = self.clock() - self._t0
-        self.wall_s = wall
-        if wall <= 0:
-            return
-        self.client_cpu = (time.thread_time() - self._thread0) / wall
-        m1 = cpu_times()
-        if self._machine0 is not None and m1 is not None and m1[1] > self._machine0[1]:
-            self.machine_busy = (m1[0] - self._machine0[0]) / (m1[1] - self._machine0[1])
-        s1 = _ticks(self.server_pids)
-        both = [pid for pid in s1 if pid in self._server0]   # a process gone meanwhile is left out
-        if both:
-            spent = sum(max(0, s1[pid] - self._server0[pid]) for pid in both)
-            self.server_cpu = spent / (os.sysconf("SC_CLK_TCK") or 100) / wall
-        if self._ticks:
-            self.in_flight_mean = self._in_flight_sum / self._ticks
+    requested: int
+    in_flight_mean: float | None
+    client_cpu: float | None
+    server_cpu: float | None
+    machine_busy: float | None
 
 
 @dataclass(frozen=True)
@@ -133,9 +93,9 @@ def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
 
-def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
+def judge(snaps: Sequence[MetricsSnapshot], sampler: LoadReadings,
           kv_threshold: float = KV_FULL) -> Saturation:
-    """Saturation of one load phase from its /metrics snapshots and the sampler's readings."""
+    """Saturation of one load phase from its /metrics snapshots and the readings taken while it ran."""
     kv = [s.kv_cache_usage for s in snaps if s.kv_cache_usage is not None]
     running = [s.running for s in snaps if s.running is not None]
     waiting = [s.waiting for s in snaps if s.waiting is not None]
@@ -193,4 +153,4 @@ def judge(snaps: Sequence[MetricsSnapshot], sampler: SaturationSampler,
     return Saturation(False, peak, n, inflight, run_peak, run_mean, wait_peak, ccpu, scpu, busy, side, note)
 
 
-__all__ = ["Saturation", "SaturationSampler", "judge"]
+__all__ = ["LoadReadings", "Saturation", "StoredReadings", "judge"]

@@ -9,7 +9,7 @@ Timing: TTFT runs from the moment the request is written to the socket to the ar
 network chunk that completed the first token event; ITL between the chunks that completed
 consecutive token events. Every client first opens its keep-alive connection (``GET /health``) so
 connection setup is not counted as server latency. Against a plain http:// server each client
-speaks HTTP/1.1 itself (kvdiag.soak.rawhttp: about half the client CPU of httpx per token, so the
+speaks HTTP/1.1 itself (kvdiag.load.rawhttp: about half the client CPU of httpx per token, so the
 client takes less from the server it measures); an injected httpx transport (tests, the accuracy
 benchmark's tap) or https uses httpx.
 
@@ -47,9 +47,9 @@ from typing import Any
 
 import httpx
 
-from kvdiag.soak.rawhttp import RawConnection, RawHTTPError, RawTimeout, ReadDeadlines, plain_http
-from kvdiag.soak.sse import SSEParser, SSEProtocolError
-from kvdiag.soak.stats import LatencySummary, SampleReservoir, SoakSummary
+from kvdiag.load.rawhttp import RawConnection, RawHTTPError, RawTimeout, ReadDeadlines, plain_http
+from kvdiag.load.sse import SSEParser, SSEProtocolError
+from kvdiag.load.stats import LatencySummary, SampleReservoir, SoakSummary
 
 # httpcore imports anyio's asyncio backend on the first connection (~25-35 ms on a small box);
 # importing it here keeps that out of the first requests' TTFT.
@@ -504,7 +504,7 @@ class LoadGenerator:
         return rec
 
     async def _one_raw_request(self, conn: RawConnection) -> RequestRecord:
-        """One streaming request on this client's own connection (kvdiag.soak.rawhttp)."""
+        """One streaming request on this client's own connection (kvdiag.load.rawhttp)."""
         now = self.clock()
         rec = RequestRecord(start=now, issued=now)
         self.sent += 1
