@@ -426,7 +426,8 @@ def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_l
     """kvdiag's LoadGenerator sending exactly ``num`` requests; its raw samples, for the parent to reduce."""
     import random
 
-    from kvdiag.load.loadgen import LoadConfig, LoadGenerator, RequestStatus
+    from kvdiag.load.loadgen import LoadConfig, LoadGenerator
+    from kvdiag.load.stream import RequestStatus
 
     rnd = random.Random(seed)
     prompt = [rnd.randrange(4, 500) for _ in range(input_len)]   # ids past the special tokens

@@ -73,21 +73,19 @@ def raising() -> Iterator[None]:
     if not _main_thread():
         yield
         return
-    saved = {sig: signal.signal(sig, _raise_terminated) for sig in STOP_SIGNALS}
-    try:
+    with _handling(STOP_SIGNALS, _raise_terminated):
         yield
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, old)
 
 
 @contextmanager
-def held(signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
-    """Ignore ``signals`` for the duration: teardown must not be cut short by a second Ctrl-C."""
+def _handling(signals: tuple[signal.Signals, ...], handler: signal.Handlers | Callable[[int, FrameType | None], None],
+              ) -> Iterator[None]:
+    """``handler`` for ``signals`` for the duration, then what was there before; off the main thread
+    (where handlers cannot be set) nothing changes."""
     saved: dict[signal.Signals, object] = {}
     for sig in signals:
         try:
-            saved[sig] = signal.signal(sig, signal.SIG_IGN)
+            saved[sig] = signal.signal(sig, handler)
         except ValueError:   # not the main thread
             pass
     try:
@@ -95,6 +93,13 @@ def held(signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) 
     finally:
         for sig, old in saved.items():
             signal.signal(sig, old)  # type: ignore[arg-type]
+
+
+@contextmanager
+def held(signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM)) -> Iterator[None]:
+    """Ignore ``signals`` for the duration: teardown must not be cut short by a second Ctrl-C."""
+    with _handling(signals, signal.SIG_IGN):
+        yield
 
 
 @contextmanager
@@ -132,12 +137,8 @@ def on_stop(callback: Callable[[str], None], signals: tuple[signal.Signals, ...]
     def handler(signum: int, frame: FrameType | None) -> None:
         callback(reason(signum))
 
-    saved = {sig: signal.signal(sig, handler) for sig in signals}
-    try:
+    with _handling(signals, handler):
         yield
-    finally:
-        for sig, old in saved.items():
-            signal.signal(sig, old)
 
 
 __all__ = ["ALL_SIGNALS", "STOP_SIGNALS", "as_interrupted", "held", "ignore_from_now", "install", "on_stop", "raising",

@@ -16,7 +16,7 @@ from kvdiag.analyze.process import analyze_process
 from kvdiag.analyze.rulekit import SEVERITY, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.analyze.xproc import judge_across, merge_across
+from kvdiag.analyze.xverdict import judge_across, merge_across
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",

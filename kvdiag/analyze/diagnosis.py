@@ -18,7 +18,7 @@ from collections.abc import Mapping
 from kvdiag.analyze.engines import judge_engines
 from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.analyze.soak import judged_soak, saturation_verdict, served_verdict
-from kvdiag.analyze.xproc import judge_across
+from kvdiag.analyze.xverdict import judge_across
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
     ABComparison,

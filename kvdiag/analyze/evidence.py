@@ -70,30 +70,41 @@ def _start(view: ThreadView) -> int:
     return start
 
 
-def _cited(view: ThreadView, limit: int = CITE_LIMIT) -> list[tuple[int, str]]:
-    """(frame index, text) of the cited frames: from the deciding wait frame up to the second Python
-    frame, without libc internals, binding glue or unnamed frames."""
-    out: list[tuple[int, str]] = []
+def frame_rows(frames: list[Frame], start: int, skip: Callable[[int, Frame, bool], bool],
+               text: Callable[[Frame], str] = v.describe, limit: int | None = None) -> list[tuple[int, str]]:
+    """(frame index, text) of the frames a citation shows: from ``start`` out to the second Python frame,
+    a line repeated by the next frame once, without the frames ``skip(index, frame, past a Python frame)``
+    leaves out; at most ``limit`` rows."""
+    rows: list[tuple[int, str]] = []
     python_seen = 0
-    for i in range(_start(view), len(view.frames)):
-        f = view.frames[i]
-        if f.name in ("???", "??"):
+    for i in range(start, len(frames)):
+        f = frames[i]
+        if skip(i, f, python_seen > 0):
             continue
-        if python_seen and f.kind != "python":
-            continue   # interpreter internals between Python frames add nothing
-        if v.is_binding_glue(f) and not v.matches(f.name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR):
+        line = text(f)
+        if rows and rows[-1][1] == line:
             continue
-        text = v.describe(f)
-        if out and out[-1][1] == text:
-            continue
-        out.append((i, text))
+        rows.append((i, line))
         if f.kind == "python":
             python_seen += 1
             if python_seen >= 2:
                 break
-        if len(out) >= limit:
+        if limit is not None and len(rows) >= limit:
             break
-    return out
+    return rows
+
+
+def _cited(view: ThreadView, limit: int = CITE_LIMIT) -> list[tuple[int, str]]:
+    """(frame index, text) of the cited frames: from the deciding wait frame up to the second Python
+    frame, without libc internals, binding glue or unnamed frames."""
+
+    def skip(_i: int, f: Frame, past_python: bool) -> bool:
+        return (f.name in ("???", "??")
+                # interpreter internals between Python frames add nothing
+                or (past_python and f.kind != "python")
+                or (v.is_binding_glue(f) and not v.matches(f.name, v.GIL_ACQUIRE, v.GIL_ACQUIRE_SUBSTR)))
+
+    return frame_rows(view.frames, _start(view), skip, limit=limit)
 
 
 def cite(view: ThreadView, limit: int = CITE_LIMIT) -> list[str]:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind
-from kvdiag.analyze.evidence import item_of
+from kvdiag.analyze.evidence import frame_rows, item_of
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
     Confidence,
@@ -276,26 +276,17 @@ def _where_proc(proc: ProcessEvidence) -> str:
 def _cite(w: _Waiter, role: str, engine: str | None) -> EvidenceItem:
     """The wait's frames from the CUDA call out to the second Python frame; key frames: the CUDA API call,
     the torch frame that says what for, the Python caller."""
-    rows: list[tuple[int, str]] = []
-    python_seen = 0
-    for i in range(w.wait.first, len(w.frames)):
-        f = w.frames[i]
-        key = i in (w.wait.api, w.wait.torch, w.wait.python)
-        if f.name in ("???", "??", "") and not key:
-            continue
-        if f.kind != "python" and (python_seen or (v.is_system_frame(f) and not key)):
-            continue
-        text = v.describe(f)
-        if f.kind == "python" and f.source:
-            text += f" `{f.source.strip()[:80]}`"
-        if rows and rows[-1][1] == text:
-            continue
-        rows.append((i, text))
-        if f.kind == "python":
-            python_seen += 1
-            if python_seen >= 2:
-                break
     keys = {i for i in (w.wait.api, w.wait.torch, w.wait.python) if i is not None}
+
+    def skip(i: int, f: Frame, past_python: bool) -> bool:
+        key = i in keys
+        return ((f.name in ("???", "??", "") and not key)
+                or (f.kind != "python" and (past_python or (v.is_system_frame(f) and not key))))
+
+    def text(f: Frame) -> str:
+        return v.describe(f) + (f" `{f.source.strip()[:80]}`" if f.kind == "python" and f.source else "")
+
+    rows = frame_rows(w.frames, w.wait.first, skip, text)
     return item_of(w.view.pid, w.view.tid, role, engine, rows, keys, tool=w.tool)
 
 

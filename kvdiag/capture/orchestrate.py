@@ -10,7 +10,7 @@ Schedule (parallel capture):
    and native frames); gdb only where pystack read no native frame (missing, refused, failed, timed
    out), capped at GDB_BUDGET_S per process and loading the symbols of tools.GDB_LIBRARIES only;
    py-spy --native only where pystack cannot read native frames;
-3. across processes, at most one ptrace tool per CPU at a time (:class:`_ToolSlots`), most urgent
+3. across processes, at most one ptrace tool per CPU at a time (:class:`~kvdiag.capture.slots.ToolSlots`), most urgent
    first; the focus processes' pystack (the EngineCore's) runs with the machine to itself, the other
    processes' tools wait for it; every ptrace tool runs at a higher CPU priority where permitted
    (:data:`_PTRACE_NICE`: it pauses its target while it reads).
@@ -34,8 +34,6 @@ has its own chain and the chains run at once, the time does not grow with the nu
 from __future__ import annotations
 
 import copy
-import heapq
-import itertools
 import os
 import threading
 import time
@@ -47,6 +45,7 @@ from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, ProcWindow
+from kvdiag.capture.slots import ToolSlots
 from kvdiag.capture.tools import (
     GdbBackend,
     PyspyBackend,
@@ -73,7 +72,7 @@ _CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 GDB_BUDGET_S = 4.0
 # Every ptrace tool pauses its target while it reads: it runs at a higher CPU priority where kvdiag may raise
 # it (root / CAP_SYS_NICE), so on a busy machine it ends sooner and the pause is shorter.
-# The focus processes' pystack still goes first: the others wait for it (_ToolSlots).
+# The focus processes' pystack still goes first: the others wait for it (ToolSlots).
 _PTRACE_NICE = -5
 # A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung
 # pystack still leaves gdb time to run.
@@ -117,7 +116,7 @@ class _ProcessJob:
 
     def __init__(self, pid: int, backends: list[CaptureBackend], unavailable: dict[str, str],
                  raw_dir: Path, timeout_s: float, deadline: float, access: TargetAccess | None = None,
-                 slots: _ToolSlots | None = None, rank: int = 0, t0: float | None = None) -> None:
+                 slots: ToolSlots | None = None, rank: int = 0, t0: float | None = None) -> None:
         self.pid = pid
         self.backends = backends
         self.slots = slots              # shared by every process's chain: ptrace tools at once, most urgent first
@@ -339,60 +338,6 @@ def _relative(path: str | None, bundle_dir: Path | None) -> str | None:
         return path
 
 
-class _ToolSlots:
-    """At most ``n`` ptrace tools run at once, across all processes (one per CPU: more only makes each
-    slower); a free slot goes to the most urgent waiting tool: (tool order, focus first), then first come.
-
-    The processes outside the focus wait until every focus process's first ptrace tool (pystack: the
-    verdict-critical one) has ended: it gets the machine to itself (on 2 cores that brought the EngineCore's
-    verdict in 0.15 s sooner and cost the whole capture 0.4 s)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-        self.busy = 0
-        self.focus_left = 0     # focus processes whose first ptrace tool has not ended yet
-        self._cond = threading.Condition()
-        self._waiting: list[tuple[tuple[int, int], int]] = []
-        self._seq = itertools.count()
-
-    def add_focus(self) -> None:
-        with self._cond:
-            self.focus_left += 1
-
-    def focus_done(self) -> None:
-        with self._cond:
-            self.focus_left = max(0, self.focus_left - 1)
-            self._cond.notify_all()
-
-    def _free(self, ticket: tuple[tuple[int, int], int]) -> bool:
-        minor = ticket[0][1] > 0
-        return (self.busy < self.n and self._waiting[0] == ticket) and not (minor and self.focus_left)
-
-    def acquire(self, priority: tuple[int, int], timeout: float) -> bool:
-        """Wait for a slot (bounded); False when ``timeout`` passed first. ``priority``: (tool order, rank)."""
-        end = time.monotonic() + timeout
-        with self._cond:
-            ticket = (priority, next(self._seq))
-            heapq.heappush(self._waiting, ticket)
-            while not self._free(ticket):
-                left = end - time.monotonic()
-                if left <= 0:
-                    self._waiting.remove(ticket)
-                    heapq.heapify(self._waiting)
-                    self._cond.notify_all()
-                    return False
-                self._cond.wait(left)
-            heapq.heappop(self._waiting)
-            self.busy += 1
-            self._cond.notify_all()
-            return True
-
-    def release(self) -> None:
-        with self._cond:
-            self.busy -= 1
-            self._cond.notify_all()
-
-
 def _minor(backends: list[CaptureBackend]) -> list[CaptureBackend]:
     """The backends for a process outside the focus: the same tools (its chain waits behind the focus
     processes' pystack for a tool slot), with py-spy reading Python frames without pausing the target,
@@ -488,7 +433,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     # Preflight before attaching: may we read it, is it a kernel thread, a zombie, Python at all?
     accesses = {pid: check_target(pid) for pid in dict.fromkeys(pids) if befores[pid].exists}
     jobs: list[_ProcessJob] = []
-    slots = _ToolSlots(max(1, os.cpu_count() or 1)) if parallel else None
+    slots = ToolSlots(max(1, os.cpu_count() or 1)) if parallel else None
     caller_order = list(pids)
     if focus_set is not None:  # focus processes first, so their chains start before the others wait
         pids = [p for p in pids if p in focus_set] + [p for p in pids if p not in focus_set]

@@ -8,6 +8,7 @@ import itertools
 from collections.abc import Sequence
 
 from kvdiag.model import Scalar, SweepCell, SweepReport
+from kvdiag.model.scalar import show_scalar
 
 _HANG_COLOURS = {"gil_cycle": "#c62828", "decode_stall": "#ad1457", "lock_order_inversion": "#6a1b9a",
                  "lost_wakeup": "#4527a0", "blocked_ipc_read": "#d84315", "gil_held_blocked": "#b71c1c"}
@@ -37,13 +38,7 @@ def _e(text: object) -> str:
 
 
 def _show(v: Scalar | None) -> str:
-    if v is None:
-        return "—"
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
+    return "—" if v is None else show_scalar(v)
 
 
 def _pct(p: float) -> str:

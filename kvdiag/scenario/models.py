@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, TypeVar, cast
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -16,24 +16,27 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
 
-_Reserved = TypeVar("_Reserved", "SimParams", "PoolParams")
-
-
-def _reserved_in_order(pool: _Reserved) -> _Reserved:
-    """A pool's reserve bounds: the prealloc worker keeps between min and max reserved pages."""
-    if pool.min_reserved_pages > pool.max_reserved_pages:
-        raise ValueError("min_reserved_pages must not exceed max_reserved_pages")
-    return pool
-
-
-class SimParams(_Strict):
-    """Parameters of a built-in simulated engine (kvdiag sim serve)."""
+class _PoolGeometry(_Strict):
+    """A KV pool's shape and reserve bounds, as kvcached's PageAllocator takes them: shared by the simulated
+    engine and the pool the vLLM plugin builds."""
 
     layers: int = Field(28, ge=1, le=4096)
     kv_per_layer_mb: float = Field(11, gt=0)
     page_size_mb: int = Field(2, ge=1)
     min_reserved_pages: int = Field(5, ge=0)
     max_reserved_pages: int = Field(10, ge=0)
+
+    @model_validator(mode="after")
+    def _reserved_order(self) -> _PoolGeometry:
+        # The prealloc worker keeps between min and max reserved pages.
+        if self.min_reserved_pages > self.max_reserved_pages:
+            raise ValueError("min_reserved_pages must not exceed max_reserved_pages")
+        return self
+
+
+class SimParams(_PoolGeometry):
+    """Parameters of a built-in simulated engine (kvdiag sim serve)."""
+
     weights_gb: float = Field(0.0, ge=0)
     gpu_memory_utilization: float = Field(0.9, gt=0, le=1)
     max_running: int = Field(16, ge=1)
@@ -43,12 +46,8 @@ class SimParams(_Strict):
     startup_s: float | None = Field(None, ge=0)
     extra_args: list[str] = Field(default_factory=list)
 
-    @model_validator(mode="after")
-    def _reserved_order(self) -> SimParams:
-        return _reserved_in_order(self)
 
-
-class PoolParams(_Strict):
+class PoolParams(_PoolGeometry):
     """The KV pool kvdiag's vLLM plugin builds in a real EngineCore, where kvcached builds its PageAllocator.
 
     The geometry is the modelled engine's (the seed's engine 2: 28 layers x 11 MB, 2 MB pages), not the
@@ -56,19 +55,10 @@ class PoolParams(_Strict):
     spread over its pages.
     """
 
-    layers: int = Field(28, ge=1, le=4096)
-    kv_per_layer_mb: float = Field(11, gt=0)
-    page_size_mb: int = Field(2, ge=1)
-    min_reserved_pages: int = Field(5, ge=0)
-    max_reserved_pages: int = Field(10, ge=0)
     map_latency_us: int = Field(0, ge=0)
     # How long the null-block alloc waits (GIL held, as Python code between the two calls does) for the
     # prealloc worker to have pages in flight: the ordering a real GPU engine's CUDA init produces.
     warmup_wait_ms: float = Field(200.0, ge=0, le=10_000)
-
-    @model_validator(mode="after")
-    def _reserved_order(self) -> PoolParams:
-        return _reserved_in_order(self)
 
 
 class VllmParams(_Strict):

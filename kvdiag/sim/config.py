@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import argparse
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any
+from typing import Any, TypeVar
 
 MB = 1024 * 1024
 GB = 1024 * MB
@@ -43,24 +44,18 @@ def _env_bool_true(name: str, default: str) -> bool:
     return os.environ.get(name, default).strip().lower() == "true"
 
 
-def _env_float(name: str) -> float | None:
+_N = TypeVar("_N", int, float)
+
+
+def _env_number(name: str, kind: Callable[[str], _N], what: str) -> _N | None:
+    """``name`` from the environment as ``kind`` (unset or blank: None); a malformed value stops the engine."""
     raw = os.environ.get(name)
     if raw is None or not raw.strip():
         return None
     try:
-        return float(raw)
+        return kind(raw)
     except ValueError:
-        raise SystemExit(f"invalid {name}={raw!r}: expected a number") from None
-
-
-def _env_int(name: str) -> int | None:
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        return int(raw)
-    except ValueError:
-        raise SystemExit(f"invalid {name}={raw!r}: expected an integer") from None
+        raise SystemExit(f"invalid {name}={raw!r}: expected {what}") from None
 
 
 @dataclass
@@ -259,23 +254,24 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+# kvcached's numeric environment variables and the SimConfig field each sets unless a flag gave it.
+_ENV_NUMBERS: tuple[tuple[str, str, Callable[[str], float], str], ...] = (
+    ("KVCACHED_GPU_UTILIZATION", "kvcached_gpu_utilization", float, "a number"),
+    ("KVCACHED_PAGE_SIZE_MB", "page_size_mb", int, "an integer"),
+    ("KVCACHED_MIN_RESERVED_PAGES", "min_reserved_pages", int, "an integer"),
+    ("KVCACHED_MAX_RESERVED_PAGES", "max_reserved_pages", int, "an integer"),
+)
+
+
 def _apply_env(cfg: SimConfig, given: set[str]) -> None:
     if "prealloc" not in given:
         cfg.prealloc = _env_bool_true("KVCACHED_PAGE_PREALLOC_ENABLED", "true")
     if "contiguous_layout" not in given and os.environ.get("KVCACHED_CONTIGUOUS_LAYOUT"):
         cfg.contiguous_layout = _env_bool_true("KVCACHED_CONTIGUOUS_LAYOUT", "true")
-    util = _env_float("KVCACHED_GPU_UTILIZATION")
-    if util is not None and "kvcached_gpu_utilization" not in given:
-        cfg.kvcached_gpu_utilization = util
-    page = _env_int("KVCACHED_PAGE_SIZE_MB")
-    if page is not None and "page_size_mb" not in given:
-        cfg.page_size_mb = page
-    lo = _env_int("KVCACHED_MIN_RESERVED_PAGES")
-    if lo is not None and "min_reserved_pages" not in given:
-        cfg.min_reserved_pages = lo
-    hi = _env_int("KVCACHED_MAX_RESERVED_PAGES")
-    if hi is not None and "max_reserved_pages" not in given:
-        cfg.max_reserved_pages = hi
+    for env, name, kind, what in _ENV_NUMBERS:
+        value = _env_number(env, kind, what)    # read (and checked) even when a flag overrides it
+        if value is not None and name not in given:
+            setattr(cfg, name, value)
     if "ipc_name" not in given:
         cfg.ipc_name = os.environ.get("KVCACHED_IPC_NAME", "") or f"kvcached_vLLM_{os.getpgrp()}"
 

@@ -28,6 +28,7 @@ from kvdiag.bundle.io import atomic_write_text
 from kvdiag.errors import ExitCode
 from kvdiag.interpreter import module_argv
 from kvdiag.model import Report, Scalar, SweepCell, SweepRun
+from kvdiag.model.scalar import show_scalar
 from kvdiag.redact import redact_text
 from kvdiag.scenario.models import Scenario
 from kvdiag.sweep.plan import Params, SweepPlan
@@ -311,7 +312,7 @@ class SweepExecutor:
                 f" ({len(self._running)} running{eta})")
 
     def _say_run(self, spec: CellSpec, run: SweepRun) -> None:
-        values = " ".join(f"{k}={_show(v)}" for k, v in spec.params.items())
+        values = " ".join(f"{k}={show_scalar(v)}" for k, v in spec.params.items())
         rep = f" run {run.index + 1}/{self.repeat}" if self.repeat > 1 else ""
         kind = f" {run.verdict}" if run.outcome != run.verdict else ""
         self.progress(f"{values}{rep}: {run.outcome}{kind} ({run.wall_s:.1f}s) — {self.status()}")
@@ -370,14 +371,6 @@ def _tail(path: Path, lines: int = 3) -> str:
     except OSError:
         return "(no output)"
     return " | ".join(text[-lines:]) or "(no output)"
-
-
-def _show(v: Scalar) -> str:
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
 
 
 def _duration(seconds: float) -> str:

@@ -10,6 +10,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvdiag.model import Scalar
+from kvdiag.model.scalar import show_scalar
 from kvdiag.sweep.axes import Axis
 
 Params = dict[str, Scalar]
@@ -18,16 +19,8 @@ Params = dict[str, Scalar]
 def cell_key(params: Params) -> str:
     """A folder name for a cell: its values, readable, plus a hash of the full setting."""
     digest = hashlib.sha1(json.dumps(params, sort_keys=True, default=str).encode()).hexdigest()[:6]
-    shown = "_".join(re.sub(r"[^A-Za-z0-9.-]+", "-", _short(v)) for v in params.values())[:60]
+    shown = "_".join(re.sub(r"[^A-Za-z0-9.-]+", "-", show_scalar(v)) for v in params.values())[:60]
     return f"{shown}-{digest}" if shown else digest
-
-
-def _short(v: Scalar) -> str:
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
 
 
 @dataclass

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 from kvdiag.launch.engines import engine_env
 from kvdiag.model import BannerCheck, BannerDisagreement, Scalar, SweepCell, SweepRule
+from kvdiag.model.scalar import show_scalar
 from kvdiag.scenario.models import EngineSpec, Scenario
 
 BANNER_RULE = ("risk ⇔ prealloc on and pages per layer (mem_size_per_layer / page_size) ≤ min_reserved_pages, "
@@ -92,14 +93,6 @@ def _word(name: str) -> str:
     return _WORDS.get(name, name)
 
 
-def _fmt(value: Scalar) -> str:
-    if isinstance(value, bool):
-        return "on" if value else "off"
-    if isinstance(value, float):
-        return f"{value:g}"
-    return str(value)
-
-
 def _atoms(features: list[dict[str, Scalar]]) -> list[Atom]:
     n = len(features)
     full = (1 << n) - 1
@@ -122,17 +115,17 @@ def _atoms(features: list[dict[str, Scalar]]) -> list[Atom]:
         distinct = sorted({v for v in values if v is not None}, key=lambda v: (str(type(v)), v))
         if all(isinstance(v, bool) for v in distinct) or all(isinstance(v, str) for v in distinct):
             for d in distinct:
-                words = (f"{_word(base)} {_fmt(d)}" if isinstance(d, bool) or base == "allocator"
-                         else f"{_word(base)} = {_fmt(d)}")
+                words = (f"{_word(base)} {show_scalar(d)}" if isinstance(d, bool) or base == "allocator"
+                         else f"{_word(base)} = {show_scalar(d)}")
                 # a setting varied on every engine at once reads best without an engine's name
                 add(engine, words, 1.05 if derived else 1.0, [v == d for v in values], rank=0)
             continue
         if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in distinct):
             continue
         for t in distinct:
-            add(engine, f"{_word(base)} ≤ {_fmt(t)}", 2.0 if derived else 2.5,
+            add(engine, f"{_word(base)} ≤ {show_scalar(t)}", 2.0 if derived else 2.5,
                 [v <= t for v in values])  # type: ignore[operator]
-            add(engine, f"{_word(base)} ≥ {_fmt(t)}", 2.0 if derived else 2.5,
+            add(engine, f"{_word(base)} ≥ {show_scalar(t)}", 2.0 if derived else 2.5,
                 [v >= t for v in values])  # type: ignore[operator]
     engines = sorted({_split(k)[0] for k in names if _split(k)[0] is not None}, key=str)
     for engine in engines:
@@ -241,7 +234,7 @@ def _context(feats: list[dict[str, Scalar]], engines: set[str] | None = None) ->
         if len(values) == 1:
             value = next(iter(values))
             if value is not None:
-                out.append(f"{engine}: {_word(base)} {_fmt(value)}")
+                out.append(f"{engine}: {_word(base)} {show_scalar(value)}")
     return out
 
 
@@ -281,7 +274,7 @@ def banner_check(cells: Sequence[SweepCell]) -> BannerCheck:
         text = f"the banner's static risk rule agrees with every cell ({checked} of {checked})"
     else:
         shown = "; ".join(
-            f"{', '.join(f'{k}={_fmt(v)}' for k, v in d.params.items())}: {d.observed}, banner says {d.banner}"
+            f"{', '.join(f'{k}={show_scalar(v)}' for k, v in d.params.items())}: {d.observed}, banner says {d.banner}"
             for d in disagreements[:5])
         more = f" (+{len(disagreements) - 5} more)" if len(disagreements) > 5 else ""
         text = (f"the banner's static risk rule disagrees with {len(disagreements)} of {checked} cells "

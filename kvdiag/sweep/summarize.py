@@ -18,6 +18,7 @@ from kvdiag.model import (
     TimelineEvent,
     VerdictKind,
 )
+from kvdiag.model.scalar import show_scalar
 from kvdiag.sweep.rates import clopper_pearson, distribution, rate_text
 from kvdiag.sweep.rule import banner_check, infer_rule, rule_predicts
 
@@ -154,7 +155,7 @@ def _boundaries(report: SweepReport, cells: Sequence[SweepCell]) -> list[str]:
     for c in cells:
         if c.outcome == "pending":
             continue
-        other = tuple((k, _show(v)) for k, v in c.params.items() if k != axis.label)
+        other = tuple((k, show_scalar(v)) for k, v in c.params.items() if k != axis.label)
         lines.setdefault(other, []).append(c)
     out: list[str] = []
     for other, members in lines.items():
@@ -162,22 +163,14 @@ def _boundaries(report: SweepReport, cells: Sequence[SweepCell]) -> list[str]:
         where = ", ".join(f"{k}={v}" for k, v in other) or "all cells"
         changes = [(a, b) for a, b in zip(members, members[1:], strict=False) if a.outcome != b.outcome]
         if not changes:
-            out.append(f"{where}: {members[0].outcome} from {axis.label}={_show(members[0].params[axis.label])} "
-                       f"to {_show(members[-1].params[axis.label])} (no change)")
+            out.append(f"{where}: {members[0].outcome} from {axis.label}={show_scalar(members[0].params[axis.label])} "
+                       f"to {show_scalar(members[-1].params[axis.label])} (no change)")
             continue
         a, b = changes[0]
-        out.append(f"{where}: {a.outcome} at {axis.label}={_show(a.params[axis.label])}, "
-                   f"{b.outcome} at {_show(b.params[axis.label])}"
+        out.append(f"{where}: {a.outcome} at {axis.label}={show_scalar(a.params[axis.label])}, "
+                   f"{b.outcome} at {show_scalar(b.params[axis.label])}"
                    + (f" ({len(changes)} changes along the line)" if len(changes) > 1 else ""))
     return out
-
-
-def _show(v: object) -> str:
-    if isinstance(v, bool):
-        return "on" if v else "off"
-    if isinstance(v, float):
-        return f"{v:g}"
-    return str(v)
 
 
 def _line(label: str, cells: Sequence[SweepCell]) -> RateLine:

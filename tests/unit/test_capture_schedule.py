@@ -8,13 +8,14 @@ import time
 from pathlib import Path
 
 from kvdiag.capture.base import BackendResult
-from kvdiag.capture.orchestrate import _minor, _ProcessJob, _raised, _ToolSlots, _window_pyspy, make_backends
+from kvdiag.capture.orchestrate import _minor, _ProcessJob, _raised, _window_pyspy, make_backends
+from kvdiag.capture.slots import ToolSlots
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
 from kvdiag.model import Frame, ThreadEvidence, ToolRun
 
 
 def test_a_free_slot_goes_to_the_most_urgent_waiter() -> None:
-    slots = _ToolSlots(1)
+    slots = ToolSlots(1)
     assert slots.acquire((0, 0), timeout=1.0)
     order: list[tuple[int, int]] = []
     ready = threading.Barrier(4)
@@ -40,7 +41,7 @@ def test_a_free_slot_goes_to_the_most_urgent_waiter() -> None:
 
 
 def test_a_slot_wait_is_bounded() -> None:
-    slots = _ToolSlots(1)
+    slots = ToolSlots(1)
     assert slots.acquire((0, 0), timeout=1.0)
     start = time.monotonic()
     assert not slots.acquire((0, 0), timeout=0.2)
@@ -88,7 +89,7 @@ def test_pyspy_pauses_the_target_only_where_pystack_cannot_read_native_frames() 
 
 
 def test_other_processes_wait_for_the_focus_processes_first_tool() -> None:
-    slots = _ToolSlots(2)
+    slots = ToolSlots(2)
     slots.add_focus()
     assert slots.acquire((0, 0), timeout=1.0)              # the EngineCore's pystack
     assert not slots.acquire((0, 1), timeout=0.2)          # a free slot, but the focus is not done

@@ -13,7 +13,8 @@ import pytest
 import uvicorn
 
 from kvdiag.launch.process import free_port
-from kvdiag.load.loadgen import LoadConfig, LoadGenerator, RequestStatus
+from kvdiag.load.loadgen import LoadConfig, LoadGenerator
+from kvdiag.load.stream import RequestStatus
 from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Scope = MutableMapping[str, Any]

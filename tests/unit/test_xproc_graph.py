@@ -4,7 +4,8 @@ processes keyed by (node, pid), and the OS-reading decoders it rests on."""
 from __future__ import annotations
 
 from kvdiag.analyze import analyze
-from kvdiag.analyze.xproc import CrossProcess, judge_across
+from kvdiag.analyze.xproc import CrossProcess
+from kvdiag.analyze.xverdict import judge_across
 from kvdiag.model import (
     Bundle,
     EdgeKind,

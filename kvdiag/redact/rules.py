@@ -35,18 +35,13 @@ Kind names are never secret-looking names themselves, so a summary
 
 from __future__ import annotations
 
-import os
 import re
 import threading
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
-
-from kvdiag.model import Bundle, RedactionSummary
 
 # The marker that replaces a secret. Plain letters only, so a redacted file stays well-formed and
 # means the same in every syntax a bundle holds: a YAML plain scalar (``*`` would start an alias,
@@ -413,113 +408,7 @@ def redact_argv(argv: Iterable[str], tally: Tally | None = None) -> list[str]:
     return cast(list[str], _redact_list(list(argv), tally))
 
 
-# ---------------------------------------------------------------- files
-
-
-def write_redacted(path: Path, text: str, tally: Tally | None = None) -> Path:
-    """Write ``text`` to ``path`` redacted (the way every raw output enters an output folder).
-
-    The file is created owner-only and replaced atomically, so no reader sees
-    an unredacted or half-written file. Raises OSError like ``write_text``.
-    """
-    safe = redact_text(text, tally)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    try:
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(safe)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    return path
-
-
-def copy_redacted(src: Path, dst: Path, tally: Tally | None = None) -> Path:
-    """Copy a text file (an engine log) into the output folder, redacted."""
-    return write_redacted(dst, src.read_text(encoding="utf-8", errors="replace"), tally)
-
-
-def redact_file(path: Path, tally: Tally | None = None) -> bool:
-    """Rewrite one text file in place with secrets redacted; True when it changed."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (UnicodeDecodeError, OSError):
-        return False
-    safe = redact_text(text, tally)
-    if safe == text:
-        return False
-    write_redacted(path, safe)
-    return True
-
-
-def redact_tree(folder: Path, tally: Tally | None = None) -> int:
-    """Rewrite every text file under ``folder`` with secrets redacted; returns how many changed."""
-    changed = 0
-    for path in sorted(folder.rglob("*")):
-        if path.is_file() and not path.is_symlink():
-            changed += redact_file(path, tally)
-    return changed
-
-
-# ---------------------------------------------------------------- the bundle
-
-BUNDLE_JSON = "bundle.json"
-
-
-def note_file(summary: RedactionSummary, rel_path: str, counts: Mapping[str, int]) -> None:
-    """Record what was removed from one file written into the bundle folder (replaces its entry)."""
-    clean = {k: n for k, n in counts.items() if n}
-    if clean:
-        summary.files[rel_path] = dict(sorted(clean.items()))
-    else:
-        summary.files.pop(rel_path, None)
-    _recount(summary)
-
-
-def _recount(summary: RedactionSummary) -> None:
-    by_kind: Counter[str] = Counter()
-    for counts in summary.files.values():
-        by_kind.update(counts)
-    summary.by_kind = dict(sorted(by_kind.items()))
-    summary.total = sum(by_kind.values())
-
-
-def redact_bundle(bundle: Bundle) -> Bundle:
-    """A redacted copy of ``bundle`` with its redaction summary brought up to date.
-
-    The summary gathers what capture removed from each raw output (``ToolRun.redactions``),
-    what earlier writes recorded (logs, scenario copy) and what this pass removes from the
-    bundle's own fields (entry ``bundle.json``). Saving the same bundle twice gives the same summary.
-    """
-    tally = Tally()
-    summary = bundle.redaction.model_copy(deep=True)
-    data = bundle.model_dump(mode="python", exclude={"redaction"})
-    safe = Bundle.model_validate(_redact_mapping(data, tally))
-    for proc in safe.processes:
-        for tool in proc.tools:
-            if tool.redactions:
-                summary.files[tool.raw_path or f"{tool.tool} of pid {proc.pid}"] = dict(sorted(tool.redactions.items()))
-    found = tally.as_dict()
-    if found or BUNDLE_JSON not in summary.files:
-        note_file(summary, BUNDLE_JSON, found)
-    _recount(summary)
-    safe.redaction = summary
-    return safe
-
-
 # ---------------------------------------------------------------- scanning (kvdiag redact DIR)
-
-
-@dataclass(frozen=True)
-class Hit:
-    """A credential-shaped value left in a file: where and which kind, never the value."""
-
-    path: str
-    line: int
-    kind: str
 
 
 def scan_text(text: str) -> list[tuple[int, str]]:
@@ -542,33 +431,3 @@ def scan_text(text: str) -> list[tuple[int, str]]:
         p.shapes(line)
         out.extend((no, kind) for kind in sorted(p.counts))
     return out
-
-
-_NON_TEXT = re.compile(r"[^\x20-\x7e\t\n]")
-
-
-def scan_tree(folder: Path) -> list[Hit]:
-    """Every secret left in any file under ``folder`` (binary files are read as latin-1)."""
-    hits: list[Hit] = []
-    for path in sorted(folder.rglob("*")):
-        if not path.is_file() or path.is_symlink():
-            continue
-        try:
-            data = path.read_bytes()
-        except OSError:
-            continue
-        try:
-            text = data.decode("utf-8")
-        except UnicodeDecodeError:
-            # Binary: keep the printable runs (as strings(1) would), line breaks where they were.
-            text = _NON_TEXT.sub(" ", data.decode("latin-1"))
-        rel = os.path.relpath(path, folder)
-        hits.extend(Hit(rel, no, kind) for no, kind in scan_text(text))
-    return hits
-
-
-__all__ = [
-    "KINDS", "OLD_MARKERS", "REDACTED", "URL_REDACTED", "Hit", "Tally", "copy_redacted", "is_secret_flag",
-    "is_secret_name", "normalize_name", "note_file", "redact_argv", "redact_bundle", "redact_file", "redact_obj",
-    "redact_shapes", "redact_text", "redact_tree", "scan_text", "scan_tree", "write_redacted",
-]
