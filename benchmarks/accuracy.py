@@ -18,7 +18,15 @@ healthy or slow_start.
 The next program is started (and waits until it has parked) while the current one is captured; captures
 never overlap. ``--no-overlap`` starts each program only after the previous capture.
 
-    python benchmarks/accuracy.py [--runs 3] [--no-overlap] [--keep-bundles tests/fixtures/bundles/corpus]
+The cross-process programs (hanger_kit.KINDS[...].xproc: ZMQ REQ/REP, DEALER/ROUTER, PUSH/PULL, a rank
+missing at a barrier, Popen.wait on a child blocked on its pipe, a writer on a full pipe, an shm ring,
+a chain of three, a socket cycle, a peer outside the tree, and healthy look-alikes) get their own table:
+each running program is captured twice in a row, with and without following wait edges out of the
+tree (alternating which goes first), both analyzed with all tools; the capture-time ratio is
+with/without on the same program instance.
+
+    python benchmarks/accuracy.py [--runs 3] [--xproc-runs 2] [--no-overlap] [--only NAME ...]
+                                  [--keep-bundles tests/fixtures/bundles/corpus]
 """
 
 from __future__ import annotations
@@ -44,7 +52,7 @@ from kvdiag.analyze import analyze  # noqa: E402
 from kvdiag.bundle_io import save_bundle  # noqa: E402
 from kvdiag.capture.bundle import capture_tree  # noqa: E402
 from kvdiag.capture.merge import bundle_without_tool  # noqa: E402
-from kvdiag.model import Bundle, VerdictKind  # noqa: E402
+from kvdiag.model import Bundle, Verdict, VerdictKind  # noqa: E402
 
 TOOLS = ("proc", "py-spy", "pystack", "gdb")
 MODES = ("all_tools", *(f"no_{t}" for t in TOOLS))
@@ -93,6 +101,102 @@ def _submit(starter: ThreadPoolExecutor | None, kind: str) -> Future[tuple[ExitS
     return done
 
 
+class CrossResult:
+    """The cross-process table: verdicts with and without following edges, and capture times."""
+
+    def __init__(self) -> None:
+        self.tally: dict[str, dict[str, Counter[str]]] = {"follow": {}, "no_follow": {}}
+        self.chain_ok: dict[str, Counter[bool]] = {}
+        self.times: dict[str, list[tuple[float, float]]] = {}   # kind -> [(with, without)]
+
+    def score(self, mode: str) -> dict[str, float]:
+        total = correct = progressing = false_dl = hanging = missed = 0
+        for kind, seen in self.tally[mode].items():
+            expect = hk.KINDS[kind].expect
+            for verdict, n in seen.items():
+                total += n
+                correct += n * (verdict == expect)
+                if expect in PROGRESSING:
+                    progressing += n
+                    false_dl += n * VerdictKind(verdict).is_hang
+                else:
+                    hanging += n
+                    missed += n * (verdict in PROGRESSING)
+        return {"accuracy": correct / max(total, 1), "false_deadlock": false_dl, "progressing": progressing,
+                "missed_deadlock": missed, "hanging": hanging, "total": total}
+
+    def ratio(self) -> float:
+        pairs = [p for ps in self.times.values() for p in ps]
+        if not pairs:
+            return 0.0
+        with_f = sorted(a for a, _ in pairs)[len(pairs) // 2]
+        without = sorted(b for _, b in pairs)[len(pairs) // 2]
+        return with_f / max(without, 1e-6)
+
+    def result_keys(self) -> str:
+        f, n = self.score("follow"), self.score("no_follow")
+        if not f["total"]:
+            return ""
+        return (f"xproc_accuracy={f['accuracy']:.3f} xproc_false_deadlock={f['false_deadlock']:.0f} "
+                f"xproc_missed_deadlock={f['missed_deadlock']:.0f} xproc_accuracy_no_follow={n['accuracy']:.3f} "
+                f"xproc_false_deadlock_no_follow={n['false_deadlock']:.0f} "
+                f"xproc_missed_deadlock_no_follow={n['missed_deadlock']:.0f} follow_capture_ratio={self.ratio():.2f}")
+
+
+def _chain_ok(kind: str, verdict: Verdict) -> bool:
+    """A hang verdict of a cross-process program carries its chain, with the root's frames when it has a root."""
+    if not VerdictKind(hk.KINDS[kind].expect).is_hang:
+        return verdict.waits is None or not verdict.kind.is_hang
+    w = verdict.waits
+    return w is not None and bool(w.edges) and (w.cycle or bool(w.root_frames) or w.root_state == "not_captured")
+
+
+def cross_process(cases: list[str], runs: int, tmp: Path, keep: Path | None) -> CrossResult:
+    out = CrossResult()
+    for run in range(runs):
+        for kind in cases:
+            with hk.running(kind, bound_s=90) as h:
+                pair: dict[bool, float] = {}
+                for follow in ((True, False) if run % 2 == 0 else (False, True)):
+                    dest = tmp / f"x-{kind}-{run}-{follow}"
+                    t0 = time.monotonic()
+                    bundle = capture_tree(h.root_pid, dest, timeout_s=10.0, backends=list(TOOLS), follow=follow)
+                    pair[follow] = time.monotonic() - t0
+                    verdict = analyze(bundle)
+                    mode = "follow" if follow else "no_follow"
+                    out.tally[mode].setdefault(kind, Counter())[verdict.kind.value] += 1
+                    if follow:
+                        out.chain_ok.setdefault(kind, Counter())[_chain_ok(kind, verdict)] += 1
+                        if run == 0 and keep is not None:
+                            keep_bundle(bundle, keep / kind, kind)
+                    shutil.rmtree(dest, ignore_errors=True)
+                out.times.setdefault(kind, []).append((pair[True], pair[False]))
+    return out
+
+
+def print_cross(x: CrossResult, skipped: dict[str, str]) -> None:
+    if not x.times:
+        return
+    print("\ncross-process programs (each instance captured with and without following edges out of the tree)")
+    if skipped:
+        print("skipped: " + "; ".join(f"{k} ({why})" for k, why in skipped.items()))
+    width = max(len(k) for k in x.times) + 1
+    print(f"{'program':{width}} {'expected':18} {'follow':20} {'no_follow':20} {'chain':6} with/without s")
+    for kind, pairs in x.times.items():
+        cells = []
+        for mode in ("follow", "no_follow"):
+            bad = {v: n for v, n in x.tally[mode][kind].items() if v != hk.KINDS[kind].expect}
+            cells.append("ok" if not bad else ", ".join(f"{v} x{n}" for v, n in sorted(bad.items())))
+        chain = "ok" if not x.chain_ok[kind].get(False) else f"{x.chain_ok[kind][False]} no"
+        times = " ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs)
+        print(f"{kind:{width}} {hk.KINDS[kind].expect:18} {cells[0]:20} {cells[1]:20} {chain:6} {times}")
+    for mode in ("follow", "no_follow"):
+        r = x.score(mode)
+        print(f"xproc {mode:10} accuracy {r['accuracy']:.3f}  false deadlocks {r['false_deadlock']:.0f}/"
+              f"{r['progressing']:.0f}  missed deadlocks {r['missed_deadlock']:.0f}/{r['hanging']:.0f}")
+    print(f"capture with/without following edges: median ratio {x.ratio():.2f}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--runs", type=int, default=3)
@@ -101,9 +205,18 @@ def main() -> int:
                          "boots during the current capture)")
     ap.add_argument("--only", nargs="*", default=None, help="program names (default: all)")
     ap.add_argument("--keep-bundles", type=Path, default=None, help="save the first run's bundles here")
+    ap.add_argument("--xproc-runs", type=int, default=2, help="runs of each cross-process program")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-accuracy-"))
-    cases = [k for k in (args.only or hk.KINDS) if k not in hk.BENCH_EXCLUDE]
+    chosen = [k for k in (args.only or hk.KINDS) if k not in hk.BENCH_EXCLUDE]
+    xcases = [k for k in chosen if hk.KINDS[k].xproc and hk.available(k) is None]
+    xskipped = {k: why for k in chosen if hk.KINDS[k].xproc and (why := hk.available(k)) is not None}
+    xresult = cross_process(xcases, args.xproc_runs, tmp, args.keep_bundles)
+    cases = [k for k in chosen if not hk.KINDS[k].xproc]
+    if not cases:
+        print_cross(xresult, xskipped)
+        print(f"RESULT {xresult.result_keys()}")
+        return 0
     skipped = {k: why for k in cases if (why := hk.available(k)) is not None}
     cases = [k for k in cases if k not in skipped]
     tally: dict[str, dict[str, Counter[str]]] = {m: {k: Counter() for k in cases} for m in MODES}
@@ -192,8 +305,10 @@ def main() -> int:
     missing = {m: r["accuracy"] for m, r in results.items() if m != "all_tools"}
     worst = min(missing, key=lambda m: missing[m])
     extra = " ".join(f"accuracy_{m}={acc:.3f}" for m, acc in missing.items())
+    print_cross(xresult, xskipped)
     print(json.dumps({"worst_tool_missing": worst}))
-    print(f"RESULT accuracy={a['accuracy']:.3f} false_deadlock={a['false_deadlock'] / max(a['progressing'], 1):.3f} "
+    print(f"RESULT {xresult.result_keys() + ' ' if xresult.times else ''}"
+          f"accuracy={a['accuracy']:.3f} false_deadlock={a['false_deadlock'] / max(a['progressing'], 1):.3f} "
           f"missed_deadlock={a['missed_deadlock'] / max(a['hanging'], 1):.3f} "
           f"accuracy_tool_missing={missing[worst]:.3f} {extra}")
     return 0

@@ -12,7 +12,11 @@ processes at once), the full capture (all tools) and the serial baseline; per-to
 capture and their serial sum are printed, with the 1-minute load average. Verdict-critical is the
 EngineCore's /proc window + pystack --native-all, timed from the start of the full capture. Every
 verdict must be gil_cycle citing alloc_page, take_null_block and take_gil. Targets: verdict-critical
-<= 1 s, full <= 3 s (medians).
+<= 1 s, full <= 3 s (medians). Each round also runs the command as a user does, ``kvdiag capture
+--pid API_SERVER`` (a child process: interpreter start, capture, analysis, reports), timing when its
+verdict line reaches stdout and when it exits, against one ``pystack remote --native`` of the
+EngineCore in the same round (alternating which goes first). Target: the command's wall time <= 3x
+the pystack's (medians).
 
     python benchmarks/capture.py [--rounds 7] [--vllm [--busy N]]
 """
@@ -41,6 +45,7 @@ from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole  # noqa: 
 
 TARGET_PARALLEL_S = 3.0
 TARGET_CRITICAL_S = 1.0
+TARGET_CLI_RATIO = 3.0
 CRITICAL_TOOLS = ["proc", "pystack"]
 
 
@@ -127,6 +132,42 @@ def _ready_at(evidence: list[ProcessEvidence], pid: int, tools: tuple[str, ...])
     return max((t.started_s or 0.0) + t.duration_s for t in ev.tools if t.tool in tools)
 
 
+def pystack_once(pid: int) -> float:
+    """Wall seconds of one ``pystack remote --native PID``, as a user runs it."""
+    import shutil
+    import subprocess
+
+    exe = shutil.which("pystack") or str(Path(sys.executable).parent / "pystack")
+    start = time.monotonic()
+    subprocess.run([exe, "remote", "--native", str(pid)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                   timeout=60, check=False, start_new_session=True)
+    return time.monotonic() - start
+
+
+def cli_capture_once(api_pid: int, out: Path) -> tuple[float, float, int]:
+    """``kvdiag capture --pid API_SERVER`` as a user runs it: (seconds until its verdict line is on stdout,
+    seconds until it exits, its exit code)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    proc = subprocess.Popen([sys.executable, "-m", "kvdiag", "capture", "--pid", str(api_pid), "--out", str(out)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                            start_new_session=True)
+    verdict_at = float("nan")
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("verdict:") and verdict_at != verdict_at:
+                verdict_at = time.monotonic() - start
+        code = proc.wait(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=10)
+    return verdict_at, time.monotonic() - start, code
+
+
 @contextlib.contextmanager
 def cpu_burners(n: int) -> Iterator[None]:
     """``n`` busy-looping processes at normal priority (a busy CI machine); each ends itself within 10 min."""
@@ -153,6 +194,10 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
     cited: list[bool] = []
     per_tool: dict[tuple[str, str], list[float]] = {}
     skipped: dict[tuple[str, str], str] = {}
+    cli_verdict: list[float] = []
+    cli_wall: list[float] = []
+    pystack_wall: list[float] = []
+    cli_codes: list[int] = []
     with contextlib.ExitStack() as stack:
         tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="kvdiag-bench-capture-"))
         pids, role_of = stack.enter_context(hung_vllm_tree())
@@ -170,8 +215,11 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
         # Before issue 14: every tool on every process at once, gdb reading every library's symbols.
         before_s, _, before_verdict = _timed(pids, Path(tmp) / "before", ["proc", "py-spy", "pystack", "gdb-full"])
         print(f"before (no focus, gdb reading all symbols): {before_s:.3f}s, verdict {before_verdict}")
+        api = next(p for p in pids if role_of[p] == "api_server")
+        cli_capture_once(api, Path(tmp) / "cli-warmup")   # the interpreter's files in the page cache
         print(f"{'round':>5} {'core_s':>7} {'critical_s':>10} {'verdict':>10} {'full_s':>7} {'verdict':>10} "
-              f"{'serial_s':>8} {'tool_sum_s':>10} {'load1':>5}")
+              f"{'serial_s':>8} {'tool_sum_s':>10} {'pystack_s':>9} {'cli_verdict_s':>13} {'cli_s':>6} "
+              f"{'ratio':>5} {'load1':>5}")
         for i in range(rounds):
             c_wall, _, c_verdict, c_cited = _run(pids, Path(tmp) / f"r{i}-c", CRITICAL_TOOLS, True, focus)
             modes = (True, False) if i % 2 == 0 else (False, True)
@@ -189,6 +237,16 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
                         per_tool.setdefault(key, []).append(t.duration_s)
                     elif t.error:
                         skipped[key] = t.error
+            if i % 2 == 0:
+                one_pystack = pystack_once(focus[0])
+                v_at, c_at, c_code = cli_capture_once(api, Path(tmp) / f"r{i}-cli")
+            else:
+                v_at, c_at, c_code = cli_capture_once(api, Path(tmp) / f"r{i}-cli")
+                one_pystack = pystack_once(focus[0])
+            pystack_wall.append(one_pystack)
+            cli_verdict.append(v_at)
+            cli_wall.append(c_at)
+            cli_codes.append(c_code)
             core.append(core_s)
             crit.append(c_wall)
             par.append(f_wall)
@@ -197,7 +255,8 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
             verdicts += [c_verdict, f_verdict, res[False][2]]
             cited += [c_cited, f_cited, res[False][3]]
             print(f"{i:>5} {core_s:>7.3f} {c_wall:>10.3f} {c_verdict:>10} {f_wall:>7.3f} {f_verdict:>10} "
-                  f"{s_wall:>8.3f} {tool_sum:>10.3f} {os.getloadavg()[0]:>5.1f}")
+                  f"{s_wall:>8.3f} {tool_sum:>10.3f} {one_pystack:>9.3f} {v_at:>13.3f} {c_at:>6.3f} "
+                  f"{c_at / one_pystack:>5.2f} {os.getloadavg()[0]:>5.1f}")
     print("per-tool seconds in the full capture (median over rounds; serial sum = their total):")
     medians = {key: statistics.median(vals) for key, vals in per_tool.items()}
     for (role, tool), med in sorted(medians.items()):
@@ -207,7 +266,9 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
             print(f"  {role:<11} {tool:<8}    -    {why}")
     serial_sum = sum(medians.values())
     k_med, c_med, p_med, s_med = (statistics.median(x) for x in (core, crit, par, ser))
-    met = int(k_med <= TARGET_CRITICAL_S and p_med <= TARGET_PARALLEL_S)
+    py_med, cv_med, cw_med = (statistics.median(x) for x in (pystack_wall, cli_verdict, cli_wall))
+    cli_ratio = cw_med / py_med
+    met = int(k_med <= TARGET_CRITICAL_S and p_med <= TARGET_PARALLEL_S and cli_ratio <= TARGET_CLI_RATIO)
     load_end = os.getloadavg()[0]
     gil = sum(v == "gil_cycle" for v in verdicts)
     print("core_s: EngineCore verdict-critical (its /proc window + pystack --native-all, from the start of the "
@@ -219,9 +280,13 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
           f"per-tool serial sum {serial_sum:.3f}s; gil_cycle verdicts {gil}/{len(verdicts)}, citing "
           f"{'/'.join(CITED)} {sum(cited)}/{len(cited)}; 1-min load average {load_start:.1f} at start, "
           f"{load_end:.1f} at end, on {os.cpu_count()} cores{f', with {busy} CPU burners' if busy else ''}")
+    print(f"kvdiag capture --pid API_SERVER (a child process, as typed): verdict on stdout after {cv_med:.3f}s, "
+          f"exit after {cw_med:.3f}s (exit codes {sorted(set(cli_codes))}); one pystack remote --native of the "
+          f"EngineCore {py_med:.3f}s: {cli_ratio:.2f}x (target <= {TARGET_CLI_RATIO:g}x)")
     print(f"RESULT before_s={before_s:.3f} core_critical_s={k_med:.3f} critical_s={c_med:.3f} "
           f"parallel_s={p_med:.3f} serial_s={s_med:.3f} speedup={s_med / p_med:.2f} "
           f"tool_sum_s={serial_sum:.3f} gil_cycle={gil}/{len(verdicts)} cited={sum(cited)}/{len(cited)} "
+          f"pystack_s={py_med:.3f} cli_verdict_s={cv_med:.3f} cli_s={cw_med:.3f} cli_ratio={cli_ratio:.2f} "
           f"load1={max(load_start, load_end):.1f} burners={busy} target_met={met}")
     return 0
 

@@ -10,3 +10,5 @@ WATCH_WINDOW_S = 30.0       # kvdiag watch: a deployment's stall window (its ste
 POLL_S = 0.25               # watcher poll period
 KILL_GRACE_S = 5.0          # SIGTERM -> SIGKILL at teardown
 TOOL_TIMEOUT_S = 15.0       # one capture tool on one process
+SWEEP_STALL_WINDOW_S = 2.0  # a sweep cell's stall window: the capture's stacks decide the verdict, not the window
+SWEEP_MAX_JOBS = 4          # cells in parallel by default: min(CPUs, this)

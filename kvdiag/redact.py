@@ -307,16 +307,26 @@ class _Pass:
         return "".join(lines)
 
 
+# Texts a pass left unchanged (nothing counted): a bundle holds the same frame names, paths and log
+# lines many times over, and is redacted at every stage it passes. Bounded; cleared when full.
+_CLEAN: set[str] = set()
+_CLEAN_MAX = 200_000
+
+
 def redact_text(s: str, tally: Tally | None = None) -> str:
     """Return ``s`` with every secret replaced by :data:`REDACTED` (URL credentials too).
 
     Idempotent: redacting twice gives the same text (and counts nothing the second time).
     """
-    if not s:
+    if not s or s in _CLEAN:
         return s
     p = _Pass(tally)
     out = p.text(s)
     p.done()
+    if out == s and not p.counts:
+        if len(_CLEAN) >= _CLEAN_MAX:
+            _CLEAN.clear()
+        _CLEAN.add(s)
     return out
 
 

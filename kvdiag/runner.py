@@ -9,12 +9,10 @@ from __future__ import annotations
 import datetime as _dt
 import os
 import platform
-import secrets
 import shutil
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 
@@ -28,29 +26,14 @@ from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
     TimelineEvent,
-    Verdict,
 )
+
+# The output folder and the tail of a run live in kvdiag.outputs; named here too, for the commands.
+from kvdiag.outputs import RunArtifacts as RunArtifacts
+from kvdiag.outputs import default_out_dir as default_out_dir
+from kvdiag.outputs import finish as finish
+from kvdiag.outputs import prepare_out_dir as prepare_out_dir
 from kvdiag.scenario.models import Scenario
-
-
-def default_out_dir(command: str) -> Path:
-    """reports/<command>-<timestamp>-<random>/ under the current directory (never reused)."""
-    stamp = _dt.datetime.now().strftime("%Y%m%d-%H%M%S")
-    return Path("reports") / f"{command.replace(' ', '-')}-{stamp}-{secrets.token_hex(2)}"
-
-
-def prepare_out_dir(out: Path | None, command: str) -> Path:
-    path = out if out is not None else default_out_dir(command)
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        (path / "bundle").mkdir(exist_ok=True)
-        probe = path / ".kvdiag-write-test"
-        probe.write_text("")
-        probe.unlink()
-    except OSError as exc:
-        raise UsageError(f"cannot write output folder {path}: {exc.strerror or exc}",
-                         hint="pass --out DIR pointing at a writable folder") from None
-    return path
 
 
 def host_info() -> dict[str, str]:
@@ -64,16 +47,6 @@ def new_bundle(command: str) -> Bundle:
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   environment=collect_environment())
-
-
-@dataclass
-class RunArtifacts:
-    out_dir: Path
-    bundle: Bundle
-    verdict: Verdict
-    verdicts_by_engine: dict[str, Verdict]
-    exit_code: int
-    paths: dict[str, Path]
 
 
 def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[str], timeout_s: float,
@@ -109,30 +82,6 @@ def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | No
         copy_redacted(src, logs_dir / src.name, tally)
         if bundle is not None:
             note_file(bundle.redaction, f"logs/{src.name}", tally.as_dict())
-
-
-def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = None,
-           verdict_t: float | None = None) -> RunArtifacts:
-    """The one tail of every run: redact → analyze → store the diagnosis → write bundle → render.
-
-    ``runs``: the nested runs' bundles (``kvdiag ab``); ``verdict_t``: run time of the verdict
-    event added to the timeline. Renderers read only the diagnosis stored in the bundle.
-    """
-    from kvdiag.analyze import diagnose
-    from kvdiag.analyze.soak import stall_to_verdict_s
-    from kvdiag.bundle import write_bundle
-    from kvdiag.redact import redact_bundle
-    from kvdiag.report import render_run
-
-    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
-    diag = diagnose(red, runs)
-    if verdict_t is not None:
-        red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)   # issue 17 item 7
-        red.timeline.append(TimelineEvent(t=round(verdict_t, 3), event="verdict", detail=diag.verdict.kind.value))
-    red.diagnosis = diag
-    red = write_bundle(red, out_dir / "bundle")
-    paths = render_run(out_dir, red)
-    return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths)
 
 
 class LaunchedRun:
@@ -232,14 +181,27 @@ class LaunchedRun:
                 remove_device_files(self.device)
 
 
+def switchable(scenario: Scenario, what: str) -> None:
+    """Refuse an allocator override (``repro --allocator``, ``ab``) when some engine's allocator is not
+    kvdiag's to switch: a `kind: command` engine, or `allocator: external` (vLLM's own or kvcached).
+    Both sides would run the same setup and the comparison would be of nothing."""
+    fixed = [f"{e.name} ({'kind: command' if e.kind == 'command' else 'allocator: external'})"
+             for e in scenario.engines if not (e.kind in ("sim", "vllm") and e.allocator != "external")]
+    if fixed:
+        raise UsageError(f"{what} switches kvdiag's allocator, which engine(s) {', '.join(fixed)} do not use: "
+                         "both sides would run the same setup",
+                         hint="use engines of kind sim, or kind vllm with allocator: stock|fixed (kvdiag's "
+                              "plugin); run the scenario without the switch to diagnose it as it is")
+
+
 def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, command: str,
                  console: Console, allocator: str | None = None,
                  on_event: Callable[[str], None] | None = None) -> RunArtifacts:
     """Run a co-location scenario end to end and write its report into ``out_dir``."""
     if allocator is not None:
+        switchable(scenario, f"--allocator {allocator}")
         for e in scenario.engines:
-            if e.kind == "sim" or (e.kind == "vllm" and e.allocator != "external"):
-                e.allocator = allocator  # type: ignore[assignment]
+            e.allocator = allocator  # type: ignore[assignment]
     bundle = new_bundle(command)
     bundle.scenario = scenario.model_dump(mode="json")
     bundle.scenario_path = scenario_name
@@ -325,6 +287,7 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
     """
     import copy
 
+    switchable(scenario, "kvdiag ab")
     sides: dict[str, RunArtifacts] = {}
     for allocator in AB_SIDES:
         console.rule(f"{allocator} allocator")
@@ -334,6 +297,7 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
         if on_side is not None:
             on_side(allocator, sides[allocator])
     bundle = new_bundle("ab")
+    bundle.scenario = scenario.model_dump(mode="json")
     bundle.scenario_path = scenario_name
     bundle.stall_window_s = scenario.windows.stall_s
     bundle.runs = {side: f"../{side}/bundle" for side in AB_SIDES}

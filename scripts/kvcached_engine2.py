@@ -2,7 +2,8 @@
 engine-2 start-up on a real GPU: KV tensors for 28 layers x 11 MB, a prealloc-enabled
 PageAllocator (5 pages == min_reserved_pages), then the null-block alloc_page on the main thread,
 the way vLLM's EngineCore does at TP=1. Prints the banner (from C++) and "STARTED <seconds>".
-Used by scripts/gpu_proof.sh; needs torch with CUDA and kvcached installed.
+Used by scripts/gpu_proof.sh and scripts/gpu_issue31.sh (KVDIAG_E2_IPC_CALLBACK=1 registers the
+should_use_worker_ipc callback as KVCacheManager does); needs torch with CUDA and kvcached installed.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ ops.create_kv_tensors(PER_LAYER, 2, "cuda:0", LAYERS, 2, 0, False)
 alloc = ops.PageAllocator(num_layers=LAYERS, mem_size_per_layer=PER_LAYER, page_size=PAGE, world_size=1,
                           pp_rank=0, async_sched=ASYNC, contiguous_layout=True, enable_page_prealloc=True,
                           num_kv_buffers=2, group_id=0, ipc_name="KVDIAG_ENG2")
+if os.environ.get("KVDIAG_E2_IPC_CALLBACK") == "1":
+    # What kvcached's KVCacheManager registers: a Python callable the prealloc worker calls from map_pages,
+    # which takes the GIL there (the pre-fix alloc_page keeps it while it waits: kvcached #371).
+    alloc.set_should_use_worker_ipc_callback(lambda: False)
 alloc.start_prealloc_thread()
 page = alloc.alloc_page()  # the null block; with the pre-fix allocator this is where it hung
 print(f"STARTED {time.monotonic() - t0:.3f} page={page.page_id} free={alloc.get_num_free_pages()}", flush=True)

@@ -15,8 +15,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvdiag.analyze.engines import judge_engines
 from kvdiag.analyze.health import engine_health
 from kvdiag.analyze.soak import saturation_verdict
+from kvdiag.analyze.xproc import judge_across
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
     ABComparison,
@@ -42,6 +44,23 @@ def exit_code_for(verdict: Verdict) -> int:
 
 def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:
     """What the run that wrote ``bundle`` concluded. ``runs``: the nested runs' bundles (ab)."""
+    diag = _conclude(bundle, runs)
+    diag.engines = judge_engines(bundle, diag.verdicts_by_engine)
+    return diag
+
+
+def complete(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:
+    """The diagnosis stored in ``bundle``, with what a bundle written before it was stored lacks judged
+    now (the engines' health lines and banner risks); a bundle without one is diagnosed."""
+    diag = bundle.diagnosis
+    if diag is None:
+        return diagnose(bundle, runs)
+    if diag.engines is None:
+        diag = diag.model_copy(update={"engines": judge_engines(bundle, diag.verdicts_by_engine)})
+    return diag
+
+
+def _conclude(bundle: Bundle, runs: Mapping[str, Bundle] | None) -> Diagnosis:
     if bundle.interrupted:
         reason = bundle.interrupted_reason or "interrupted"
         return Diagnosis(verdict=Verdict(kind=VerdictKind.UNKNOWN, summary=f"run interrupted: {reason}",
@@ -72,7 +91,9 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
             verdict = saturation_verdict(verdict, soak)
             code = exit_code_for(verdict)
             notes.append("no stall, but the KV cache never got near full: inconclusive (exit 6)")
-    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes)
+    graph = judge_across(bundle)[1]
+    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes,
+                     wait_graph=graph if graph.edges else None)
 
 
 def _side(label: str, rel: str, sub: Bundle) -> ABSide:

@@ -6,8 +6,8 @@ status (risk / ok / unknown / n/a), what it found and what to change:
 - ``prealloc_pool``: prealloc on and a pool of at most min_reserved pages per
   layer: the worker's first reserve empties the free list (the seed's engine 2);
 - ``colocation``: two or more kvcached engines on one GPU, a later one with
-  prealloc on (the seed's reproduction A);
-- ``prefix_build``: an installed kvcached (or a scenario's simulated engine)
+  prealloc on (kvcached #371's co-location hang);
+- ``allocator_build``: an installed kvcached (or a scenario's simulated engine)
   with the pre-#422 allocator;
 - ``headroom``: a GPU fuller than kvcached's utilization headroom (#377
   underflow on older builds), or engines that together claim more;
@@ -33,7 +33,7 @@ class EnginePlan:
     """What a scenario says about one engine, resolved by the caller (environment merged)."""
 
     name: str
-    kind: str                        # "sim" | "command"
+    kind: str                        # "sim" | "vllm" (kvdiag's plugin allocator) | "command"
     kvcached: bool                   # kvcached manages this engine's KV cache
     prealloc: bool
     device: str                      # engines with equal devices share a GPU
@@ -45,6 +45,16 @@ class EnginePlan:
     tokens_per_page: int | None = None   # sim: tokens one page holds
     block_size: int | None = None
     env_errors: list[str] = field(default_factory=list)
+
+    @property
+    def kvdiag_allocator(self) -> bool:
+        """Its pool is kvdiag's own allocator (stock or fixed): a simulated engine, or a real vLLM
+        engine with kvdiag's plugin."""
+        return self.kind in ("sim", "vllm")
+
+    @property
+    def what(self) -> str:
+        return "simulated engine" if self.kind == "sim" else "vLLM engine"
 
 
 def _row(check: str, subject: str, status: RiskStatus, detail: str, fix: str | None = None,
@@ -69,7 +79,7 @@ def pool_checks(engines: Sequence[EnginePlan], banners: Sequence[BannerInfo]) ->
                 f"min_reserved_pages={banner.min_reserved_pages}, prealloc={'on' if banner.enable_prealloc else 'off'}")
         pool_reasons = [r for r in risk.reasons if "min_reserved" in r or "smaller than one page" in r]
         if pool_reasons:
-            sim_fixed = plan is not None and plan.kind == "sim" and plan.allocator == "fixed"
+            sim_fixed = plan is not None and plan.kvdiag_allocator and plan.allocator == "fixed"
             rows.append(_row("prealloc_pool", subject, RiskStatus.OK if sim_fixed else RiskStatus.RISK,
                              pool_reasons[0] + (" (the fixed allocator does not wait with the GIL "
                                                             "held)" if sim_fixed else ""),
@@ -99,7 +109,7 @@ def colocation_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> 
             rows.append(_row(
                 "colocation", device, RiskStatus.RISK,
                 f"kvcached engines {names} share one GPU and {', '.join(e.name for e in later)} start(s) with "
-                f"prealloc on while an earlier engine is live (the seed's reproduction A)",
+                f"prealloc on while an earlier engine is live (the co-location hang of kvcached #371)",
                 f"one kvcached engine per GPU, or {FIX_PREALLOC.replace('this engine', 'the later engines')}, "
                 f"or {FIX_BUILD} (and >= #448 so co-located engines get a real virtual pool)", "kvcached #371"))
         elif later:
@@ -134,7 +144,7 @@ def _engine_build(e: EnginePlan, env: EnvironmentRecord) -> KvcachedBuild:
 
 
 def _build_fixed(e: EnginePlan, env: EnvironmentRecord) -> bool:
-    if e.kind == "sim":
+    if e.kvdiag_allocator:
         return e.allocator == "fixed"
     return _engine_build(e, env).verdict in ("fixed", "not_affected")
 
@@ -146,42 +156,43 @@ def _build_row(subject: str, k: KvcachedBuild, env: EnvironmentRecord) -> Doctor
     where = f"kvcached {k.version or '?'}" + (f" (git {k.git_commit[:12]})" if k.git_commit else "") + \
         (f" at {k.location}" if k.location else "")
     if not k.installed:
-        return _row("prefix_build", subject, RiskStatus.NOT_APPLICABLE,
+        return _row("allocator_build", subject, RiskStatus.NOT_APPLICABLE,
                     "kvcached is not installed here" if subject == "installed kvcached" else
                     "this interpreter has no kvcached")
     if k.verdict == "pre_fix":
         ev = "; ".join(gil.evidence[:2]) if gil else ""
         off = env.env.get("KVCACHED_PAGE_PREALLOC_ENABLED", "true").strip().lower() != "true"
-        return _row("prefix_build", subject, RiskStatus.OK if off and not others else RiskStatus.RISK,
+        return _row("allocator_build", subject, RiskStatus.OK if off and not others else RiskStatus.RISK,
                     f"{where}: pre-fix build: {ev}{extra}"
                     + (" (KVCACHED_PAGE_PREALLOC_ENABLED is off here: no prealloc worker, no GIL cycle)"
                        if off else ""),
                     f"{FIX_BUILD}; until then KVCACHED_PAGE_PREALLOC_ENABLED=false",
                     gil.upstream if gil else None)
     if k.verdict in ("fixed", "not_affected"):
-        return _row("prefix_build", subject, RiskStatus.RISK if others else RiskStatus.OK,
+        return _row("allocator_build", subject, RiskStatus.RISK if others else RiskStatus.OK,
                     f"{where}: {k.summary}{extra}", FIX_BUILD if others else None)
-    return _row("prefix_build", subject, RiskStatus.UNKNOWN, f"{where}: {k.summary}")
+    return _row("allocator_build", subject, RiskStatus.UNKNOWN, f"{where}: {k.summary}")
 
 
 def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[DoctorCheck]:
-    """One row per kvcached build (each engine interpreter's and kvdiag's own), then the simulated engines."""
+    """One row per kvcached build (each engine interpreter's and kvdiag's own), then the engines that run
+    kvdiag's own allocator (simulated, or vLLM with kvdiag's plugin)."""
     rows = [_build_row(subject, k, env) for subject, k, _ in kvcached_builds(env)]
     for e in engines:
-        if e.kind == "sim" and e.kvcached:
+        if e.kvdiag_allocator and e.kvcached:
             if e.allocator == "stock" and not e.prealloc:
-                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.OK,
-                                 "simulated engine with kvdiag's stock allocator (the pre-#422 model), prealloc "
+                rows.append(_row("allocator_build", f"engine {e.name}", RiskStatus.OK,
+                                 f"{e.what} with kvdiag's stock allocator (the pre-#422 model), prealloc "
                                  "off: no prealloc worker, so no GIL cycle"))
             elif e.allocator == "stock":
-                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.RISK,
-                                 "simulated engine with kvdiag's stock allocator: the pre-#422 model (alloc_page "
+                rows.append(_row("allocator_build", f"engine {e.name}", RiskStatus.RISK,
+                                 f"{e.what} with kvdiag's stock allocator: the pre-#422 model (alloc_page "
                                  "waits with the GIL held)",
                                  "allocator: fixed in the scenario (or `--allocator fixed`) to see the fix",
                                  "kvcached #371"))
             else:
-                rows.append(_row("prefix_build", f"engine {e.name}", RiskStatus.OK,
-                                 f"simulated engine with kvdiag's {e.allocator} allocator"))
+                rows.append(_row("allocator_build", f"engine {e.name}", RiskStatus.OK,
+                                 f"{e.what} with kvdiag's {e.allocator} allocator"))
     return rows
 
 
@@ -239,6 +250,11 @@ def page_block_checks(engines: Sequence[EnginePlan]) -> list[DoctorCheck]:
         if not e.kvcached:
             continue
         subject = f"engine {e.name}"
+        if e.kind == "vllm":
+            rows.append(_row("page_vs_block", subject, RiskStatus.NOT_APPLICABLE,
+                             f"kvdiag's plugin backs vLLM's blocks with whole {e.page_size_mb or '?'} MB pages of "
+                             "its own pool (the model's block size never meets kvcached's page size)"))
+            continue
         if e.kind == "sim":
             rows.append(_row("page_vs_block", subject, RiskStatus.NOT_APPLICABLE,
                              f"simulated engine: it allocates whole {e.page_size_mb or '?'} MB pages of "

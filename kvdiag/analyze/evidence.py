@@ -14,7 +14,7 @@ from enum import Enum
 
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView
-from kvdiag.model import EvidenceItem, Frame
+from kvdiag.model import EvidenceItem, Frame, FrameRef
 
 CITE_LIMIT = 12
 
@@ -215,8 +215,17 @@ def cite_item(t: ThreadView, role: str, engine: str | None, keys: Sequence[Key])
         else:
             rows.insert(len(before), (k, v.describe(t.frames[k])))
             marked.add(k)
-    return EvidenceItem(pid=t.pid, tid=t.tid, role=role, frames=[text for _, text in rows], engine=engine,
-                        key_frames=[n for n, (i, _) in enumerate(rows) if i in marked])
+    return item_of(t.pid, t.tid, role, engine, rows, marked)
+
+
+def item_of(pid: int, tid: int, role: str, engine: str | None, rows: Sequence[tuple[int, str]],
+            keys: set[int], tool: str | None = None) -> EvidenceItem:
+    """An evidence item from its rows (frame index in the thread's stack, the line shown) and the frame
+    indices among them the rule rests on: each line keeps a reference to its captured frame (in
+    ``frames_by_tool[tool]`` when the rule read another tool's stack)."""
+    return EvidenceItem(pid=pid, tid=tid, role=role, engine=engine, frames=[text for _, text in rows],
+                        key_frames=[n for n, (i, _) in enumerate(rows) if i in keys],
+                        refs=[FrameRef(pid=pid, tid=tid, index=i, tool=tool) for i, _ in rows])
 
 
 def where(view: ThreadView, n: int = 2) -> str:

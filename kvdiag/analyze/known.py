@@ -38,7 +38,7 @@ _PREALLOC_GIL = _gil_371("prealloc GIL cycle: alloc_page waits with the GIL held
                          "the GIL in map_pages (also #334)")
 _GIL_HELD_WAIT = _gil_371("alloc_page waits for the prealloc worker with the GIL held: every Python thread stalls "
                           "behind it (GIL half of #371)")
-_RUNTIME_STALL = _gil_371("runtime stall under load (reproduction B): decode stops while alloc_page waits with the "
+_RUNTIME_STALL = _gil_371("runtime stall under load: decode stops while alloc_page waits with the "
                           "GIL held and the prealloc worker needs the GIL in map_pages")
 _IPC_READ = KnownDefect(
     id=_ISSUE_371,

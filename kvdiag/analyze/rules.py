@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import evidence_outcome, found_state, judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.evidence import (
     BLOCKED_KEYS,
     CONTEXT_KEYS,
@@ -24,6 +25,8 @@ from kvdiag.analyze.evidence import (
     cite_item,
     where,
 )
+from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
+from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import (
@@ -70,9 +73,10 @@ def _where(proc: ProcessEvidence) -> str:
     """``pid N`` plus which process of which engine it is, when known: the report says which process of a
     vLLM tree holds the hang (the EngineCore, not the API server the user launched)."""
     role = _ROLE_TEXT.get(proc.role)
+    at = f" on node {proc.node}" if proc.node else ""
     if role is None:
-        return f"pid {proc.pid}"
-    return f"pid {proc.pid} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
+        return f"pid {proc.pid}{at}"
+    return f"pid {proc.pid}{at} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
 
 
 
@@ -167,6 +171,9 @@ def peer_phrase(info: FdInfo) -> str:
     if info.peer_pids:
         more = f" (+{len(info.peer_pids) - 1})" if len(info.peer_pids) > 1 else ""
         what += f" (peer: pid {info.peer_pids[0]}{f' {info.peer_comm}' if info.peer_comm else ''}{more})"
+    elif info.listener_pids:   # a connection nobody accepted: whoever listens on that port has to
+        more = f" (+{len(info.listener_pids) - 1})" if len(info.listener_pids) > 1 else ""
+        what += f" (peer: not accepted, in the listen queue of pid {info.listener_pids[0]}{more})"
     elif info.kind == "socket" and info.proto in ("tcp", "tcp6", "udp"):
         what += " (peer: no process on this host; a remote peer)"
     elif info.kind == "socket" and info.proto == "unix" and info.peer_inode is None:
@@ -442,7 +449,9 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     addrs = {t.wait_addr for t in waiters if t.wait_addr}
     if len(waiters) < 2 or (addrs and len(addrs) < 2):
         return None
-    if _possible_signallers(views, waiters, proc) or any(t.kind is WaitKind.GIL_WAIT for t in views):
+    # Only a thread that can run Python releases a Python lock (kvdiag.analyze.runtime: a runtime's native threads).
+    if any(may_release_python_lock(t, waiters) for t in _possible_signallers(views, waiters, proc)) or any(
+            t.kind is WaitKind.GIL_WAIT for t in views):
         return None
     ring = _lock_reference_cycle(waiters, views)
     if ring:
@@ -538,8 +547,10 @@ def _awaits_orders(t: ThreadView, proc: ProcessEvidence) -> bool:
     is the server end of an accepted connection, or leads to the process's parent (a worker waiting
     for its next task)."""
     conns = [f for f in t.blocked_fds if f.kind in ("socket", "pipe") and not f.listening]
-    return bool(conns) and all(f.accepted or (proc.ppid is not None and f.peer_pids == [proc.ppid])
-                               for f in conns)
+    # A pipe's writers, when read, say it better than every holder of either end.
+    return bool(conns) and all(f.accepted or (proc.ppid is not None and (
+        f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids) == [proc.ppid])
+        for f in conns)
 
 
 def _loop_parked(t: ThreadView, pid: int) -> list[FdInfo] | None:
@@ -762,8 +773,9 @@ def rule_nothing_can_move(proc: ProcessEvidence, views: list[ThreadView], engine
                             f"a wait"))
 
 
-PROCESS_RULES = (rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read, rule_lost_wakeup,
-                 rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
+# A thread parked on a busy GPU goes first: the host waits around it are its consequences.
+PROCESS_RULES = (rule_gpu_kernel_hang, rule_gil_cycle, rule_gil_held_blocked, rule_lock_inversion, rule_blocked_read,
+                 rule_lost_wakeup, rule_gpu_idle_wait, rule_stuck_unknown, rule_nothing_can_move, rule_unresolved_wait)
 
 
 def _first_verdict(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:
@@ -862,15 +874,7 @@ def decode_stalled_from_log(e: EngineRecord) -> str | None:
             f"throughput 0.0 tokens/s on the last {len(last)} stats lines of the log")
 
 
-_TELLING = re.compile(r"\b\w*(Error|Exception)\b: |Fatal Python error|killed by signal|died unexpectedly|"
-                      r"Killed process|initialization failed|Segmentation fault|Aborted|terminate called")
-
-
-def _telling_line(text: str, pattern: re.Pattern[str]) -> str:
-    """The line that says what happened: an exception or signal line over a bare 'Traceback'."""
-    lines = [ln.strip() for ln in text.splitlines() if pattern.search(ln)]
-    best = [ln for ln in lines if _TELLING.search(ln)]
-    return (best or lines or [""])[-1]
+_telling_line = telling_line   # the line a crash/OOM summary names (kvdiag.analyze.enginelog)
 
 
 def banner_findings(e: EngineRecord) -> list[Finding]:
@@ -1041,6 +1045,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             verdict.summary += "; the PageAllocator banner predicts it (see banner_risk)"
         return verdict
 
+    if hang is not None and (moving := gpu_wait_progressed(name, hang, e)) is not None:
+        return done(moving)   # a long kernel in a loop whose log still advances
     if e is not None:
         text = _engine_text(e)
         exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)
@@ -1089,8 +1095,7 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         return done(Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW,
                             summary=f"{name}: stalled in phase {e.phase.value}; {what}"))
     if e is not None and e.phase in _STARTING and not e.healthy:
-        return done(Verdict(kind=VerdictKind.SLOW_START, confidence=Confidence.LOW,
-                            summary=f"{name}: still starting (phase {e.phase.value}), no hang evidence"))
+        return done(starting_verdict(name, e))
     conf, reasons = healthy_confidence(e, procs, bundle)
     if procs:
         detail = "threads are running" if _any_running(procs, machine) else "threads are idle in normal waits"

@@ -95,7 +95,7 @@ def _thread_stacks(item: EvidenceItem, bundle: Bundle | None) -> list[list[Frame
     cited = list(item.frames)
     if bundle is not None:
         for p in bundle.processes:
-            if p.pid != item.pid:
+            if p.pid != item.pid or (item.node is not None and p.node != item.node):
                 continue
             for t in p.threads:
                 if t.tid != item.tid:

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-from kvdiag.model import Verdict
+from kvdiag.model import ABComparison, Verdict
 
 
-def format_verdict(verdict: Verdict, by_engine: dict[str, Verdict] | None = None, max_frames: int = 12) -> str:
-    lines = [f"verdict: {verdict.kind.value} (confidence {verdict.confidence.value})", f"  {verdict.summary}"]
+def format_verdict(verdict: Verdict, by_engine: dict[str, Verdict] | None = None, max_frames: int = 12,
+                   ab: ABComparison | None = None) -> str:
+    """The verdict with its evidence; an A/B (``ab``) leads with its comparison, the one outcome of an
+    A/B, and shows the stock side's verdict as its evidence."""
+    if ab is not None:
+        lines = [f"outcome: {ab.headline()}", f"  {verdict.summary}",
+                 f"the stock side's verdict: {verdict.kind.value} (confidence {verdict.confidence.value})"]
+    else:
+        lines = [f"verdict: {verdict.kind.value} (confidence {verdict.confidence.value})", f"  {verdict.summary}"]
     if verdict.confidence_reasons:
         lines.append(f"  confidence {verdict.confidence.value}: " + "; ".join(verdict.confidence_reasons))
     if verdict.signature:
@@ -18,7 +25,8 @@ def format_verdict(verdict: Verdict, by_engine: dict[str, Verdict] | None = None
         lines.append("  evidence (→ the frames the verdict rests on):" if any(i.key_frames for i in verdict.evidence)
                      else "  evidence:")
         for item in verdict.evidence:
-            lines.append(f"    pid {item.pid} tid {item.tid}: {item.role}")
+            at = f"node {item.node} " if item.node else ""
+            lines.append(f"    {at}pid {item.pid} tid {item.tid}: {item.role}")
             shown = [n for n in range(len(item.frames)) if n < max_frames or item.is_key(n)]
             lines += [f"      {'→ ' if item.is_key(n) else '  '}{item.frames[n]}" for n in shown]
             if len(item.frames) > len(shown):

@@ -23,6 +23,7 @@ from kvdiag.bundle.io import (
     raw_dir,
     raw_root,
     resolve_bundle_dir,
+    resolve_bundle_file,
     save_bundle,
     write_bundle,
     write_text_redacted,
@@ -30,6 +31,6 @@ from kvdiag.bundle.io import (
 
 __all__ = [
     "BUNDLE_DIR", "BUNDLE_FILE", "LOGS_DIR", "RAW_DIR", "SCENARIO_FILE", "LoadedRun", "atomic_write_text",
-    "load_bundle", "load_run", "raw_dir", "raw_root", "resolve_bundle_dir", "save_bundle", "write_bundle",
-    "write_text_redacted",
+    "load_bundle", "load_run", "raw_dir", "raw_root", "resolve_bundle_dir", "resolve_bundle_file", "save_bundle",
+    "write_bundle", "write_text_redacted",
 ]

@@ -73,21 +73,30 @@ def save_bundle(bundle: Bundle, bundle_dir: Path) -> Path:
     return bundle_dir / BUNDLE_FILE
 
 
-def resolve_bundle_dir(path: Path) -> Path:
-    """Accept the bundle folder, its bundle.json, or a run folder holding bundle/."""
+def resolve_bundle_file(path: Path) -> Path:
+    """The bundle's JSON file: ``path`` itself when it is a file (a bundle.json under any name, e.g.
+    renamed after a download), else the bundle.json of a bundle folder or of a run folder holding bundle/."""
     if path.is_file():
-        return path.parent
-    if (path / BUNDLE_FILE).is_file():
         return path
+    if (path / BUNDLE_FILE).is_file():
+        return path / BUNDLE_FILE
     if (path / BUNDLE_DIR / BUNDLE_FILE).is_file():
-        return path / BUNDLE_DIR
-    raise BundleError(f"{path}: no {BUNDLE_FILE} found", hint="pass a run folder, its bundle/ or bundle.json")
+        return path / BUNDLE_DIR / BUNDLE_FILE
+    if not path.exists():
+        raise BundleError(f"{path}: no such file or folder", hint="pass a run folder, its bundle/ or a bundle "
+                                                                  "JSON file")
+    raise BundleError(f"{path}: no {BUNDLE_FILE} found", hint="pass a run folder, its bundle/ or a bundle JSON file")
+
+
+def resolve_bundle_dir(path: Path) -> Path:
+    """Accept the bundle folder, its bundle JSON file, or a run folder holding bundle/."""
+    return resolve_bundle_file(path).parent
 
 
 def load_bundle(path: Path) -> tuple[Bundle, Path]:
-    """The bundle at ``path`` (run folder, bundle folder or bundle.json) and its folder."""
-    bundle_dir = resolve_bundle_dir(path)
-    file = bundle_dir / BUNDLE_FILE
+    """The bundle at ``path`` (run folder, bundle folder or a bundle JSON file) and its folder."""
+    file = resolve_bundle_file(path)
+    bundle_dir = file.parent
     try:
         data = json.loads(file.read_text(encoding="utf-8"))
     except (OSError, json.JSONDecodeError) as exc:

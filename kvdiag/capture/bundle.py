@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import os
 import platform
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -12,9 +13,11 @@ from kvdiag import __version__
 from kvdiag.bundle import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.follow import note_followed, peers_outside
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
-from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole
+from kvdiag.capture.staged import Decider, capture_staged
+from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole
 
 
 def host_info() -> dict[str, str]:
@@ -26,37 +29,94 @@ def host_info() -> dict[str, str]:
 def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  backends: Sequence[str | CaptureBackend] | None = None,
                  log_pids: dict[str, int] | None = None, command: str = "",
-                 pids: Sequence[int] | None = None) -> Bundle:
+                 pids: Sequence[int] | None = None, save: bool = True, follow: bool = True,
+                 on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None) -> Bundle:
     """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/<pid>/).
 
     ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
-    (see :func:`kvdiag.capture.select.capture_scope`).
+    (see :func:`kvdiag.capture.select.capture_scope`); the rest as :func:`capture_pids`.
     """
-    roles = find_engine_processes(root_pid, log_pids)
     pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
-    evidence, findings = capture_processes(pids, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
-                                           bundle_dir=bundle_dir)
-    for ev in evidence:
-        for role, role_pids in roles.items():
-            if ev.pid in role_pids:
-                ev.role = role
-    # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
-    evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids else 0))
+    return capture_pids(pids, bundle_dir, roots=[root_pid], timeout_s=timeout_s, backends=backends,
+                        log_pids=log_pids, command=command or f"capture --pid {root_pid}", save=save,
+                        on_evidence=on_evidence, decides=decides, follow=follow)
+
+
+def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] | None = None,
+                 timeout_s: float = 10.0, backends: Sequence[str | CaptureBackend] | None = None,
+                 log_pids: dict[str, int] | None = None, command: str = "", save: bool = True, follow: bool = True,
+                 on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None) -> Bundle:
+    """Capture ``pids`` read-only into ``bundle_dir``: what ``kvdiag capture --pid`` does, for processes that
+    need not form one tree (the selected workers of one node of a Ray cluster).
+
+    ``roots`` (default: every pid): the processes whose trees name the engine roles and whose log files
+    stand in for a run's log follower. One root: every captured process belongs to its log's record.
+    The environment record is collected while the tools run; ``on_evidence`` gets the bundle as soon as
+    the evidence is in, before the environment (so a caller can say the verdict at once). ``save=False``:
+    the caller writes the bundle. ``decides``: capture the engine cores first and the rest with every
+    tool only when that does not decide (:mod:`kvdiag.capture.staged`); None: every process, every tool.
+    ``follow``: the processes outside ``pids`` that a blocked thread waits on are captured too (bounded).
+    """
     from kvdiag.environment import collect_environment
 
+    pids = list(pids)
+    roots = list(roots) if roots else pids
+    roles: dict[ProcessRole, list[int]] = {}
+    for root in roots:
+        for role, role_pids in find_engine_processes(root, log_pids).items():
+            roles.setdefault(role, []).extend(p for p in role_pids if p not in roles.get(role, []))
+    # The environment of the engine core (what runs the engine), else of the first root.
+    cores = [p for p in roles.get(ProcessRole.ENGINE_CORE, []) if p in pids]
+    env_pid = cores[0] if cores else (pids[0] if pids else roots[0])
+    env_box: list[EnvironmentRecord] = []
+    # Files and a few short children (the engine's own interpreter asked for its versions): beside the
+    # capture tools, not after them.
+    env_thread = threading.Thread(target=lambda: env_box.append(collect_environment(target_pid=env_pid)),
+                                  name="kvdiag-environment", daemon=True)
+    env_thread.start()
+
+    def with_roles(evidence: list[ProcessEvidence]) -> list[ProcessEvidence]:
+        for ev in evidence:
+            for role, role_pids in roles.items():
+                if ev.pid in role_pids:
+                    ev.role = role
+        return evidence
+
+    followed, named = peers_outside(pids) if follow else ([], [])
+    every = pids + [p.pid for p in followed]
+    if decides is not None and cores:
+        judge = decides
+        evidence, findings = capture_staged(every, cores, raw_root(bundle_dir), timeout_s=timeout_s,
+                                            backends=backends, bundle_dir=bundle_dir,
+                                            decides=lambda evs, fs: judge(with_roles(evs), fs))
+    else:
+        evidence, findings = capture_processes(every, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
+                                               bundle_dir=bundle_dir)
+    findings += note_followed(evidence, followed, named)
+    with_roles(evidence)
+    # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
+    evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids
+                                 else len(pids)))
     engines = []
     if log_pids is None:
         # A bare process: its log file (found through /proc/PID/fd) stands in for a run's log follower.
-        record = log_record(root_pid, f"pid-{root_pid}")
-        if record is not None:
+        for root in roots:
+            record = log_record(root, f"pid-{root}")
+            if record is None:
+                continue
             engines.append(record)
             for ev in evidence:
-                ev.engine = record.name
-    bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {root_pid}",
+                if len(roots) == 1 or ev.pid == root:
+                    ev.engine = record.name
+    bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {roots[0]}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    host=host_info(), processes=evidence, findings=findings, engines=engines,
-                    environment=collect_environment(target_pid=evidence[0].pid if evidence else root_pid))
-    save_bundle(bundle, bundle_dir)
+                    host=host_info(), processes=evidence, findings=findings, engines=engines)
+    if on_evidence is not None:
+        on_evidence(bundle)
+    env_thread.join()   # bounded: every child it starts has its own timeout
+    bundle.environment = env_box[0] if env_box else None
+    if save:
+        save_bundle(bundle, bundle_dir)
     return bundle
 
 
@@ -90,4 +150,4 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
     return evidence, findings
 
 
-__all__ = ["capture_engine", "capture_tree", "host_info"]
+__all__ = ["capture_engine", "capture_pids", "capture_tree", "host_info"]

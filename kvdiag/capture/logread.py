@@ -8,6 +8,7 @@ the pids the log prefixes name, and the error lines at the end. Read-only, bound
 from __future__ import annotations
 
 import os
+import time
 
 from kvdiag.capture.procfs import log_files
 from kvdiag.model import EnginePhase, EngineRecord
@@ -45,9 +46,13 @@ def log_record(pid: int, name: str) -> EngineRecord | None:
     for line in lines:
         feed_line(state, line, name)
     phase = state.phase if state.events else EnginePhase.NOT_STARTED
+    try:   # how long ago it last wrote: a start-up that still prints progress is moving
+        idle: float | None = max(0.0, time.time() - os.stat(paths[0]).st_mtime)
+    except OSError:
+        idle = None
     recent = set(lines[-RECENT_LINES:])
     errors = [e for e in state.errors if e in recent or any(e in ln for ln in recent)]
     return EngineRecord(name=name, allocator="external", phase=phase, healthy=phase is EnginePhase.SERVING,
                         log_path=paths[0], log_tail=list(state.tail)[-TAIL_LINES:], last_log_line=state.last_line,
                         banners=state.banners, pids=dict(state.pids),
-                        error="\n".join(errors[-4:]) or None)
+                        error="\n".join(errors[-4:]) or None, log_idle_s=idle)

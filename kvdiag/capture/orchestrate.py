@@ -58,6 +58,7 @@ from kvdiag.capture.tools import (
     pystack_lock_locals,
 )
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
+from kvdiag.osread.nvml import GpuSampler, gpu_present
 from kvdiag.proc import read_stat
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
@@ -210,18 +211,20 @@ def verify_untouched(pid: int, before: _Before, settle_s: float = 1.0,
     return findings
 
 
-def _skip_reason(access: TargetAccess, backend: CaptureBackend) -> str | None:
-    """Why the preflight keeps ``backend`` away from a process (None: run it)."""
+def _skip_reason(access: TargetAccess, backend: CaptureBackend) -> tuple[str, bool] | None:
+    """Why the preflight keeps ``backend`` away from a process, and whether that is kvdiag's choice
+    (True: nothing to read there) rather than a refusal (None: run it)."""
     if backend.name == "proc":
         return None
     if access.kernel_thread:
-        return f"{backend.name} skipped: a kernel thread (capture refused)"
+        return f"{backend.name} skipped: a kernel thread (capture refused)", True
     if access.zombie:
-        return f"{backend.name} skipped: the process is a zombie (exited, not reaped)"
+        return f"{backend.name} skipped: the process is a zombie (exited, not reaped)", True
     if not access.ptrace_ok or not access.tracers_ok:
-        return f"{backend.name} skipped: access refused ({access.refused[-1] if access.refused else 'ptrace'})"
+        return (f"{backend.name} skipped: access refused ({access.refused[-1] if access.refused else 'ptrace'})",
+                False)
     if access.python is False:
-        return f"{backend.name} skipped: no Python interpreter in the process"
+        return f"{backend.name} skipped: no Python interpreter in the process", True
     return None
 
 
@@ -241,11 +244,14 @@ class _ProcessJob:
         self.t0 = t0 if t0 is not None else time.monotonic()   # the capture's start (ToolRun.started_s)
         self.access = access
         self.unavailable = dict(unavailable)
+        self.skipped: set[str] = set()   # of ``unavailable``: left out on purpose, not failed
         if access is not None:   # the preflight's refusals: quick, and said in the report
             for b in backends:
-                reason = _skip_reason(access, b)
-                if reason is not None and b.name not in self.unavailable:
-                    self.unavailable[b.name] = reason
+                skip = _skip_reason(access, b)
+                if skip is not None and b.name not in self.unavailable:
+                    self.unavailable[b.name] = skip[0]
+                    if skip[1]:
+                        self.skipped.add(b.name)
         self.raw_dir = bundle_raw_dir(raw_dir, pid)   # the bundle's one raw layout
         self.timeout_s = timeout_s
         self.deadline = deadline
@@ -346,6 +352,7 @@ class _ProcessJob:
         if covered is not None:
             with self._lock:
                 self.unavailable[b.name] = covered
+                self.skipped.add(b.name)
             return
         budget = self._remaining()
         if i < len(chain) - 1:
@@ -591,6 +598,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             findings.append(Finding(kind="tool_missing", message=reason))
     start = time.monotonic()
     deadline = start + timeout_s
+    # The GPUs are sampled over the same window as the stacks (a child process, killed at its bound).
+    gpus = GpuSampler() if gpu_present() else None
     befores = {pid: _observe(pid) for pid in pids}
     # Preflight before attaching: may we read it, is it a kernel thread, a zombie, Python at all?
     accesses = {pid: check_target(pid) for pid in dict.fromkeys(pids) if befores[pid].exists}
@@ -618,6 +627,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             for job in jobs:
                 job.join(deadline + CAPTURE_SLACK_S - 1.0)
     except BaseException as exc:
+        if gpus is not None:
+            gpus.stop()
         # Ctrl-C / SIGTERM mid-capture: no debugger may stay attached to the target after we are gone,
         # and none may stay stopped by one we killed. The exception carries what was resumed.
         kill_active_tools()
@@ -642,7 +653,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
         ev.access = job.access
         for b in chosen:
             if b.name in job.unavailable:
-                ev.tools.append(ToolRun(tool=b.name, ok=False, error=job.unavailable[b.name]))
+                ev.tools.append(ToolRun(tool=b.name, ok=False, error=job.unavailable[b.name],
+                                        skipped=b.name in job.skipped))
                 continue
             res = results[b.name]
             run = res.tool.model_copy()
@@ -656,6 +668,11 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 findings.append(Finding(kind=kind, pid=job.pid, message=f"pid {job.pid}: {run.error}"))
         findings.extend(verify_untouched(job.pid, befores[job.pid], resumed=job.resumed))
         evidence.append(ev)
+    if gpus is not None:
+        readings = gpus.result(wait_s=max(1.0, deadline + CAPTURE_SLACK_S - time.monotonic()))
+        for ev in evidence:
+            if ev.alive:
+                ev.gpu = readings
     order = {pid: i for i, pid in enumerate(caller_order)}
     evidence.sort(key=lambda e: order.get(e.pid, len(order)))
     return evidence, findings

@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvdiag.capture import xwaits
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.capture.fds import FdResolver, epoll_targets
@@ -365,6 +366,7 @@ class ProcWindow:
     deadline: float | None = None   # the fd resolver's bound
     # tid -> (raw syscall line, (fds, wait timeout)), resolved inside the window from the first sample
     fd_waits: dict[int, tuple[str, tuple[list[FdInfo], int | None]]] = field(default_factory=dict)
+    shared: xwaits.SharedWindow | None = None   # shared mappings' first reading (kvdiag.capture.xwaits)
 
 
 class ProcBackend:
@@ -419,6 +421,7 @@ class ProcBackend:
         syscalls = {tid: sample.syscall for tid, sample in first.items() if sample.syscall}
         waits = _fd_waits(pid, syscalls, w.mem, w.resolver)
         w.fd_waits = {tid: (syscalls[tid], found) for tid, found in waits.items()}
+        w.shared = xwaits.begin(pid)
         return w
 
     def finish(self, w: ProcWindow, raw_dir: Path) -> BackendResult:
@@ -451,6 +454,7 @@ class ProcBackend:
             for th in threads:
                 if th.syscall and th.tid in waits:
                     th.blocked_fds, th.wait_timeout_ms = waits[th.tid]
+            shared = w.shared or xwaits.begin(pid)
         finally:
             mem.close()
         if not w.mem_ok:
@@ -470,6 +474,7 @@ class ProcBackend:
                       if k in io_after and k in w.io_before},
             log_growth={p: sizes_after[p] - w.sizes_before[p] for p in sizes_after if p in w.sizes_before},
             gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [])
+        xwaits.finish(shared, proc, threads, resolver, w.deadline)
         raw = self._write_raw(raw_dir, proc, gil, tally)
         run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - w.start, 3),
                       raw_path=str(raw) if raw else None, command=[f"/proc/{pid}"], redactions=tally.as_dict())

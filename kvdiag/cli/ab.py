@@ -6,8 +6,10 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console
-from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab
+from kvdiag.cli.common import console, result_console
+from kvdiag.cli.sweep import run_ab_repeat
+from kvdiag.launch.preflight import check_launchable
+from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab, switchable
 from kvdiag.scenario import load_scenario
 
 
@@ -15,15 +17,25 @@ def ab_cmd(
     scenario: Path | None = typer.Option(None, "--scenario", "-s",
                                          help="Scenario YAML (default: embedded two-engine)."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/ab-<timestamp>)."),
+    repeat: int = typer.Option(1, "--repeat", "-n", min=1, max=1000,
+                               help="Runs per allocator: each side becomes a rate k/N with a 95 % bound "
+                                    "(\"fixed 0/10 hung, 95 % bound ≤ 31 %\"), run as a sweep over allocator."),
+    jobs: int = typer.Option(0, "--jobs", "-j", min=0, max=64,
+                             help="With --repeat: runs in parallel (0: min(CPUs, 4))."),
 ) -> int:
     """Run a scenario with the stock and with the fixed allocator; compare both runs.
 
     Each side is a full run with its own report: OUT/stock/ and OUT/fixed/.
-    OUT/report.html puts the two side by side, with links to each.
+    OUT/report.html puts the two side by side, with links to each. With --repeat N each
+    allocator runs N times (OUT/cells/<side>-<hash>/run-<i>/) and the report gives k/N and its bound.
     Exit codes: 0 fixed healthy and stock reproduced the hang,
     1 the A/B did not separate, 2 bad usage, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
+    check_launchable(scen, name, text)   # before any folder or engine exists
+    switchable(scen, "kvdiag ab")
+    if repeat > 1:
+        return run_ab_repeat(scen, name, text, out, repeat, jobs)
     out_dir = prepare_out_dir(out, "ab")
     con = console()
 
@@ -31,9 +43,13 @@ def ab_cmd(
         con.print(f"{side}: {arts.verdict.kind.value} — {arts.verdict.summary}")
 
     arts = run_ab(scen, name, text, out_dir, con, on_side=said)
-    con.print(arts.verdict.summary)
-    con.print(f"  report: {out_dir / 'report.html'}")
-    con.print(f"exit code {arts.exit_code}")
+    result = result_console()
+    ab = arts.bundle.diagnosis.ab if arts.bundle.diagnosis is not None else None
+    if ab is not None:
+        result.print(f"outcome: {ab.headline()}")
+    result.print(arts.verdict.summary)
+    result.print(f"  report: {out_dir / 'report.html'}")
+    result.print(f"exit code {arts.exit_code}")
     return arts.exit_code
 
 

@@ -9,7 +9,7 @@ import typer
 
 from kvdiag.analyze import diagnose
 from kvdiag.analyze.text import format_verdict
-from kvdiag.bundle import load_run
+from kvdiag.bundle import load_run, resolve_bundle_file
 
 
 def analyze_cmd(
@@ -18,31 +18,34 @@ def analyze_cmd(
 ) -> int:
     """Re-analyze a saved bundle offline; print the verdict and the frames behind it.
 
-    BUNDLE: a run folder, its bundle/ folder or a bundle.json (e.g. from a bug); an A/B folder
+    BUNDLE: a run folder, its bundle/ folder or a bundle JSON file under any name (e.g. from a bug); an A/B folder
     is judged from its two nested runs. Nothing is captured again and no file is written
     (kvdiag report re-renders). The diagnosis is recomputed from the bundle alone; --json says
     whether it agrees with the one the run stored.
-    Exit codes: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM, 2 no readable bundle
-    (an A/B folder: as kvdiag ab; an interrupted run: 130).
+    Exit codes: as kvdiag capture: 0 no hang evidence, 10 deadlock or stall, 4 crash or OOM,
+    3 no access, 5 nothing to judge, 6 inconclusive; 2 no readable bundle (an A/B folder: as
+    kvdiag ab; a soak: 6 also when the KV cache never got near full; an interrupted run: 130).
     """
     run = load_run(bundle)
     diag = diagnose(run.bundle, run.run_bundles)
     stored = run.bundle.diagnosis
     agrees = None if stored is None else (stored.verdict.kind, stored.exit_code) == (diag.verdict.kind, diag.exit_code)
     if as_json:
-        typer.echo(json.dumps({"verdict": diag.verdict.model_dump(mode="json"),
+        typer.echo(json.dumps({"outcome": diag.ab.outcome if diag.ab is not None else diag.verdict.kind.value,
+                               "verdict": diag.verdict.model_dump(mode="json"),
                                "verdicts_by_engine": {k: v.model_dump(mode="json")
                                                       for k, v in diag.verdicts_by_engine.items()},
                                "ab": diag.ab.model_dump(mode="json") if diag.ab is not None else None,
-                               "notes": diag.notes, "bundle": str(run.bundle_dir), "exit_code": diag.exit_code,
+                               "notes": diag.notes, "bundle": str(resolve_bundle_file(bundle)),
+                               "exit_code": diag.exit_code,
                                "agrees_with_run": agrees}, indent=2))
     else:
-        typer.echo(format_verdict(diag.verdict, diag.verdicts_by_engine))
+        typer.echo(format_verdict(diag.verdict, diag.verdicts_by_engine, ab=diag.ab))
         for note in diag.notes:
             typer.echo(f"note: {note}")
         if agrees is False and stored is not None:
             typer.echo(f"note: the run itself said {stored.verdict.kind.value} (exit {stored.exit_code})")
-        typer.echo(f"bundle: {run.bundle_dir}")
+        typer.echo(f"bundle: {resolve_bundle_file(bundle)}")
         typer.echo(f"exit code {diag.exit_code}")
     return diag.exit_code
 

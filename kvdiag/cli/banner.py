@@ -10,7 +10,7 @@ import typer
 
 from kvdiag.cli.common import read_log_lines
 from kvdiag.errors import ExitCode
-from kvdiag.watch.banner import assess_risk, parse_banners
+from kvdiag.watch.banner import assess_risk, load_risk, parse_banners
 
 
 def banner_cmd(
@@ -21,8 +21,11 @@ def banner_cmd(
 
     LOGFILE: an engine's log, or - for standard input. Each banner is printed
     with its pages per layer; enable_prealloc=1 with at most min_reserved_pages
-    pages per layer is the risk behind kvcached #371.
-    Exit codes: 0 no banner predicts the deadlock, 10 one does, 2 unreadable log.
+    pages per layer hangs at start-up (kvcached #371); with a bigger pool, prealloc
+    on still hangs once load fills the pool, unless kvcached has the #422 fix
+    (`kvdiag doctor` judges the installed build).
+    Exit codes: 0 no banner leaves the deadlock open (prealloc off), 10 one does,
+    2 unreadable log.
     """
     if logfile == "-":
         lines = sys.stdin.read().splitlines()
@@ -32,24 +35,28 @@ def banner_cmd(
         source = logfile
     banners = parse_banners(lines, source)
     risks = [assess_risk(b) for b in banners]
-    risky = any(r.risky for r in risks)
+    under_load = [load_risk(b) for b in banners]
+    risky = any(r.risky for r in risks) or any(under_load)
     if as_json:
         typer.echo(json.dumps({"banners": [b.model_dump(mode="json") for b in banners],
-                               "risks": [r.model_dump(mode="json") for r in risks], "risky": risky}, indent=2))
+                               "risks": [r.model_dump(mode="json") for r in risks],
+                               "load_risks": under_load, "risky": risky}, indent=2))
     else:
         if not banners:
             typer.echo(f"{source}: no 'Init C++ PageAllocator' banner found")
-        for b, r in zip(banners, risks, strict=True):
+        for b, r, later in zip(banners, risks, under_load, strict=True):
             typer.echo(f"line {b.line_no}: group_id={b.group_id} num_layers={b.num_layers} "
                        f"mem_size_per_layer={b.mem_size_per_layer_mb}MB page_size={b.page_size_mb}MB "
                        f"pages/layer={r.pages_per_layer} enable_prealloc={int(b.enable_prealloc)} "
                        f"min_reserved={b.min_reserved_pages} max_reserved={b.max_reserved_pages}")
-            if r.risky:
-                for reason in r.reasons:
-                    typer.echo(f"  RISK: {reason}")
+            for reason in r.reasons:
+                typer.echo(f"  RISK at start-up: {reason}")
+            if later and not r.risky:
+                typer.echo(f"  RISK under load: {later}")
+            if r.risky or later:
                 typer.echo("  workaround: KVCACHED_PAGE_PREALLOC_ENABLED=false, or a kvcached with the #422 fix")
             else:
-                typer.echo("  no deadlock risk from this banner")
+                typer.echo("  no deadlock risk from this banner (prealloc off: no prealloc worker)")
     return ExitCode.DEADLOCK if risky else ExitCode.OK
 
 

@@ -15,8 +15,13 @@ if TYPE_CHECKING:   # only a type here: commands that never run engines (banner,
 
 
 def console() -> Console:
-    """Progress and summaries go to stderr so --json stdout stays machine-readable."""
+    """Progress: stderr, so stdout carries only the outcome (``kvdiag repro ... > result.txt``)."""
     return Console(stderr=True, highlight=False, soft_wrap=True)
+
+
+def result_console() -> Console:
+    """The outcome: verdict, summary, the files written and the exit code, on stdout (every command)."""
+    return Console(highlight=False, soft_wrap=True)
 
 
 def read_log_lines(path: Path) -> list[str]:
@@ -29,19 +34,21 @@ def read_log_lines(path: Path) -> list[str]:
         raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
 
 
-def print_summary(arts: RunArtifacts, con: Console) -> None:
+def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:
+    """The run's outcome on stdout (``con``: another console, e.g. in tests)."""
     from kvdiag.report import build_report, render_terminal
 
-    # The stored diagnosis, as every renderer reads it.
+    con = con or result_console()
+    # The view the report files were written from; a caller without one renders the verdicts it holds.
     diag = arts.bundle.diagnosis
-    ab = diag.ab if diag is not None else None
-    report = build_report(arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
-                          verdicts_by_engine=arts.verdicts_by_engine, ab=ab)
-    render_terminal(report, con)
+    view = arts.view if arts.view is not None else build_report(
+        arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
+        verdicts_by_engine=arts.verdicts_by_engine, ab=diag.ab if diag is not None else None)
+    render_terminal(view, con, files=False)
     for name in ("report.html", "report.json", "report.md"):
         p = arts.paths.get(name) or (arts.out_dir / name)
         if Path(p).exists():
             con.print(f"  {name}: {p}")
     con.print(f"  bundle: {arts.out_dir / 'bundle'}")
     con.print(f"exit code {arts.exit_code}")
-    sys.stderr.flush()
+    sys.stdout.flush()

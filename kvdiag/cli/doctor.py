@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 
 import typer
 from rich.console import Console
-from rich.table import Table
+from rich.padding import Padding
 from rich.text import Text
 
 from kvdiag import __version__
@@ -31,7 +31,6 @@ from kvdiag.watch.banner import parse_banners
 if TYPE_CHECKING:
     from kvdiag.launch.interpreters import EngineInterpreter
 
-BUILTIN_NAMES = ("two-engine", "default")
 _STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",
                  RiskStatus.UNKNOWN: "yellow", RiskStatus.NOT_APPLICABLE: "dim"}
 
@@ -77,32 +76,8 @@ def _plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario) -> EnginePl
     prealloc = True if prealloc_raw is None else prealloc_raw.strip().lower() == "true"
     util = _num(env.get("KVCACHED_GPU_UTILIZATION"), float, errors, "KVCACHED_GPU_UTILIZATION")
     page_env = _num(env.get("KVCACHED_PAGE_SIZE_MB"), int, errors, "KVCACHED_PAGE_SIZE_MB")
-    if spec.kind == "sim":
-        s = spec.sim
-        from kvdiag.sim.config import SimConfig
-
-        defaults = SimConfig()
-        page = int(page_env) if page_env is not None else s.page_size_mb
-        pages = int(s.kv_per_layer_mb) // page if page > 0 else 0
-        min_res = _num(env.get("KVCACHED_MIN_RESERVED_PAGES"), int, errors, "KVCACHED_MIN_RESERVED_PAGES")
-        max_res = _num(env.get("KVCACHED_MAX_RESERVED_PAGES"), int, errors, "KVCACHED_MAX_RESERVED_PAGES")
-        banner = BannerInfo(
-            num_layers=s.layers, mem_size_per_layer_mb=int(s.kv_per_layer_mb),
-            total_mem_size_mb=2 * s.layers * int(s.kv_per_layer_mb), page_size_mb=page, world_size=1, pp_rank=0,
-            async_sched=True, contiguous_layout=True, enable_prealloc=prealloc, num_kv_buffers=2, group_id=0,
-            min_reserved_pages=min(int(min_res if min_res is not None else s.min_reserved_pages), pages),
-            max_reserved_pages=min(int(max_res if max_res is not None else s.max_reserved_pages), pages),
-            source=f"scenario engine {spec.name} (expected)")
-        tpp = _num(_flag(s.extra_args, "--tokens-per-page"), int, errors, "--tokens-per-page")
-        bs = _num(_flag(s.extra_args, "--block-size"), int, errors, "--block-size")
-        device = f"modelled device {scenario.device.name or '(this run)'} ({scenario.device.size_gb:g} GB)"
-        return EnginePlan(name=spec.name, kind="sim", kvcached=True, prealloc=prealloc, device=device,
-                          allocator=spec.allocator if spec.allocator != "external" else "stock", banner=banner,
-                          gpu_memory_utilization=s.gpu_memory_utilization,
-                          kvcached_util=float(util) if util is not None else DEFAULT_KVCACHED_UTIL,
-                          page_size_mb=page,
-                          tokens_per_page=int(tpp) if tpp is not None else defaults.tokens_per_page,
-                          block_size=int(bs) if bs is not None else defaults.block_size, env_errors=errors)
+    if spec.kind == "sim" or (spec.kind == "vllm" and spec.allocator != "external"):
+        return _pool_plan(spec, env, scenario, prealloc, util, page_env, errors)
     argv = list(spec.command)
     kvcached = _true(env.get("ENABLE_KVCACHED")) or _true(env.get("KVCACHED_AUTOPATCH"))
     visible = env.get("CUDA_VISIBLE_DEVICES")
@@ -116,12 +91,43 @@ def _plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario) -> EnginePl
                       block_size=int(bs) if bs is not None else None, env_errors=errors)
 
 
+def _pool_plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario, prealloc: bool,
+               util: float | int | None, page_env: float | int | None, errors: list[str]) -> EnginePlan:
+    """An engine whose KV pool is kvdiag's allocator: a simulated engine, or a real vLLM engine with
+    kvdiag's plugin (its ``vllm.pool``); both live on the run's modelled device."""
+    from kvdiag.sim.config import SimConfig
+
+    defaults = SimConfig()
+    pool = spec.sim if spec.kind == "sim" else spec.vllm.pool
+    page = int(page_env) if page_env is not None else pool.page_size_mb
+    pages = int(pool.kv_per_layer_mb) // page if page > 0 else 0
+    min_res = _num(env.get("KVCACHED_MIN_RESERVED_PAGES"), int, errors, "KVCACHED_MIN_RESERVED_PAGES")
+    max_res = _num(env.get("KVCACHED_MAX_RESERVED_PAGES"), int, errors, "KVCACHED_MAX_RESERVED_PAGES")
+    what = "scenario engine" if spec.kind == "sim" else "vLLM engine (kvdiag's plugin)"
+    banner = BannerInfo(
+        num_layers=pool.layers, mem_size_per_layer_mb=int(pool.kv_per_layer_mb),
+        total_mem_size_mb=2 * pool.layers * int(pool.kv_per_layer_mb), page_size_mb=page, world_size=1, pp_rank=0,
+        async_sched=True, contiguous_layout=True, enable_prealloc=prealloc, num_kv_buffers=2, group_id=0,
+        min_reserved_pages=min(int(min_res if min_res is not None else pool.min_reserved_pages), pages),
+        max_reserved_pages=min(int(max_res if max_res is not None else pool.max_reserved_pages), pages),
+        source=f"{what} {spec.name} (expected)")
+    extra = spec.sim.extra_args if spec.kind == "sim" else spec.vllm.args
+    tpp = _num(_flag(extra, "--tokens-per-page"), int, errors, "--tokens-per-page")
+    bs = _num(_flag(extra, "--block-size"), int, errors, "--block-size")
+    device = f"modelled device {scenario.device.name or '(this run)'} ({scenario.device.size_gb:g} GB)"
+    return EnginePlan(name=spec.name, kind=spec.kind, kvcached=True, prealloc=prealloc, device=device,
+                      allocator=spec.allocator if spec.allocator != "external" else "stock", banner=banner,
+                      gpu_memory_utilization=spec.sim.gpu_memory_utilization if spec.kind == "sim" else None,
+                      kvcached_util=float(util) if util is not None else DEFAULT_KVCACHED_UTIL,
+                      page_size_mb=page,
+                      tokens_per_page=(int(tpp) if tpp is not None else defaults.tokens_per_page)
+                      if spec.kind == "sim" else None,
+                      block_size=(int(bs) if bs is not None else defaults.block_size)
+                      if spec.kind == "sim" else None, env_errors=errors)
+
+
 def _load(scenario: str) -> tuple[Scenario, str]:
-    path = Path(scenario)
-    if not path.exists() and scenario in BUILTIN_NAMES:
-        scen, name, _ = load_scenario(None)
-    else:
-        scen, name, _ = load_scenario(path)
+    scen, name, _ = load_scenario(Path(scenario))
     return scen, name
 
 
@@ -168,13 +174,20 @@ def render(report: DoctorReport, console: Console) -> None:
     console.print(Text("environment", style="bold"))
     for line in environment_lines(report.environment):
         console.print(Text("  " + line))
-    table = Table(title="known risks", title_justify="left", show_lines=True)
-    for col in ("check", "subject", "verdict", "what was found", "what to change"):
-        table.add_column(col, overflow="fold")
+    # One block per row, not a five-column table: at 80 columns a table breaks identifiers and the
+    # environment assignments a reader copies (KVCACHED_PAGE_PREALLOC_ENABLED=false); here text wraps
+    # only at spaces, under a hanging indent.
+    console.print(Text("known risks", style="bold"))
+    width = max(len(s.value) for s in RiskStatus) + 2
     for c in report.checks:
-        table.add_row(Text(c.check), Text(c.subject), Text(c.status.value, style=_STATUS_STYLE[c.status]),
-                      Text(c.detail + (f" [{c.upstream}]" if c.upstream else "")), Text(c.fix or "—"))
-    console.print(table)
+        head = Text()
+        head.append(f"{c.status.value:<{width}}", style=_STATUS_STYLE[c.status])
+        head.append(c.check, style="bold")
+        head.append(f"  {c.subject}")
+        console.print(head)
+        console.print(Padding(Text(c.detail + (f" [{c.upstream}]" if c.upstream else "")), (0, 0, 0, width)))
+        if c.fix:
+            console.print(Padding(Text(f"change: {c.fix}"), (0, 0, 0, width)))
     for c in report.checks:
         if c.status is RiskStatus.WARN:
             console.print(Text(f"warning: {c.check}: {c.detail}" + (f"; fix: {c.fix}" if c.fix else ""),
@@ -227,7 +240,8 @@ def doctor_cmd(
         typer.echo(json.dumps(report.model_dump(mode="json"), indent=2, ensure_ascii=False))
     else:
         # Piped into a file or a bug report: wide enough for the table to stay readable.
-        render(report, Console(highlight=False, soft_wrap=False, width=None if sys.stdout.isatty() else 140))
+        wide = sys.stdout.isatty() or os.environ.get("COLUMNS")
+        render(report, Console(highlight=False, soft_wrap=False, width=None if wide else 120))
     return report.exit_code
 
 

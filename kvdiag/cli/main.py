@@ -15,7 +15,8 @@ from kvdiag import __version__
 from kvdiag.errors import ExitCode, KvdiagError, Terminated
 
 # Each module defines ``register(app)`` adding its command(s).
-_COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact", "watch")
+_COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact",
+                    "watch", "sweep", "merge")
 
 app = typer.Typer(
     name="kvdiag",
@@ -42,8 +43,12 @@ def _root(
         os.environ["KVDIAG_DEBUG"] = "1"
 
 
-def _register_all() -> None:
-    for name in _COMMAND_MODULES:
+def _register_all(argv: list[str] | None = None) -> None:
+    """Add the commands to the app: only the one ``argv`` names when it names one (a command imports
+    only what it needs: `kvdiag capture` starts without loading the launcher), else all (help, usage)."""
+    named = [a for a in (argv or []) if not a.startswith("-")][:1]
+    names = named if named and named[0] in _COMMAND_MODULES else _COMMAND_MODULES
+    for name in names:
         try:
             module = importlib.import_module(f"kvdiag.cli.{name}")
         except ModuleNotFoundError as exc:
@@ -112,6 +117,22 @@ def _usage_of(argv: list[str]) -> str | None:
         return None
 
 
+# Options whose value may be left out (``--ray`` alone: the cluster ``ray`` would connect to); typer has no
+# optional-value options, so a bare one gets its default value here.
+_OPTIONAL_VALUES = {"--ray": "auto"}
+
+
+def _optional_values(argv: list[str]) -> list[str]:
+    out: list[str] = []
+    for i, token in enumerate(argv):
+        nxt = argv[i + 1] if i + 1 < len(argv) else None
+        if token in _OPTIONAL_VALUES and (nxt is None or nxt.startswith("-")):
+            out.append(f"{token}={_OPTIONAL_VALUES[token]}")
+        else:
+            out.append(token)
+    return out
+
+
 def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise Terminated(f"received {signal.Signals(signum).name}")
 
@@ -127,8 +148,9 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("KVDIAG_DEBUG") == "1"
     try:
-        _register_all()
-        rv = app(args=argv, prog_name="kvdiag", standalone_mode=False)
+        args = list(argv) if argv is not None else sys.argv[1:]
+        _register_all(args)
+        rv = app(args=_optional_values(args), prog_name="kvdiag", standalone_mode=False)
     except KvdiagError as exc:
         if debug:
             raise

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.analyze import diagnose
+from kvdiag.analyze.diagnosis import complete
 from kvdiag.bundle import atomic_write_text, load_run
 from kvdiag.errors import ExitCode, UsageError
 
@@ -24,34 +24,36 @@ def report_cmd(
     said (the stored diagnosis); a bundle without one is analyzed first.
     Exit codes: 0 written, 2 no readable bundle or an unwritable output.
     """
-    from kvdiag.cli.common import console
-    from kvdiag.report import build_report, render_html, render_run, render_terminal
+    from kvdiag.cli.common import result_console
+    from kvdiag.report import render_html, render_terminal, run_view, write_view
+    from kvdiag.sweep.session import is_sweep_folder, rerender_sweep
 
+    if is_sweep_folder(bundle):   # a sweep's folder: its report.json is what it concluded
+        for name, path in rerender_sweep(bundle, html, out).items():
+            typer.echo(f"  {name}: {path}")
+        return ExitCode.OK
     run = load_run(bundle)
     loaded, bundle_dir = run.bundle, run.bundle_dir
-    if loaded.diagnosis is None:  # a bundle written before diagnoses were stored, or by hand
-        loaded.diagnosis = diagnose(loaded, run.run_bundles)
-    diag = loaded.diagnosis
-    con = console()
+    # The stored diagnosis; a bundle written before diagnoses (or parts of them) were stored is judged now.
+    diag = loaded.diagnosis = complete(loaded, run.run_bundles)
+    con = result_console()
     paths: dict[str, Path]
-    report = build_report(loaded, diag.verdict, command=loaded.command or "report", exit_code=diag.exit_code,
-                          verdicts_by_engine=diag.verdicts_by_engine,
-                          ab=diag.ab,
-                          bundle_path=str(bundle_dir))
     try:
         if html is not None:
             # Links in the page lead to the bundle's files from where the page is written.
-            report = report.model_copy(update={"bundle_path": _relative_to(bundle_dir, html.parent)})
-            atomic_write_text(html, render_html(report, loaded, bundle_dir))
+            view = run_view(loaded, diag, out_dir=html.parent, bundle_dir=bundle_dir,
+                            bundle_path=_relative_to(bundle_dir, html.parent))
+            atomic_write_text(html, render_html(view, bundle_dir=bundle_dir))
             paths = {"report.html": html}
         else:
             # A bundle/ folder sits in its run folder: re-render there, beside it, like the original run.
             target = out if out is not None else run.out_dir
-            paths = render_run(target, loaded, bundle_dir=bundle_dir)
+            view = run_view(loaded, diag, out_dir=target, bundle_dir=bundle_dir)
+            paths = write_view(target, view, bundle_dir)
     except OSError as exc:
         raise UsageError(f"cannot write the report: {exc.strerror or exc} ({exc.filename or ''})",
                          hint="pass --out DIR or --html FILE pointing at a writable place") from None
-    render_terminal(report, con, paths)
+    render_terminal(view, con, paths)
     return ExitCode.OK
 
 

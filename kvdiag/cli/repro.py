@@ -8,7 +8,8 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
-from kvdiag.runner import prepare_out_dir, run_scenario
+from kvdiag.launch.preflight import check_launchable
+from kvdiag.runner import prepare_out_dir, run_scenario, switchable
 from kvdiag.scenario import load_scenario
 
 
@@ -23,7 +24,7 @@ repro_app = typer.Typer(help="Reproduce a hang from a scenario.", no_args_is_hel
 @repro_app.command("two-engine")
 def two_engine(
     scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML (default: embedded "
-                                         "two simulated engines with the seed's parameters, no GPU)."),
+                                         "two simulated engines with kvcached #371's parameters, no GPU)."),
     allocator: AllocatorChoice | None = typer.Option(None, "--allocator", help="Override the allocator of "
                                                      "every simulated engine."),
     out: Path | None = typer.Option(None, "--out", "-o",
@@ -32,15 +33,19 @@ def two_engine(
     """Run co-located engines from a scenario; capture and diagnose the one that hangs.
 
     Exit codes: 0 all engines healthy, 10 deadlock or stall, 4 an engine failed,
-    2 bad usage or scenario, 130 interrupted.
+    6 inconclusive (the evidence that decides is missing, named), 2 bad usage or
+    scenario, 130 interrupted.
     """
     scen, name, text = load_scenario(scenario)
+    if allocator is not None:
+        switchable(scen, f"--allocator {allocator.value}")
+    check_launchable(scen, name, text)   # before any folder or engine exists
     out_dir = prepare_out_dir(out, "repro two-engine")
     con = console()
     con.print(f"kvdiag repro two-engine: scenario {name}, output {out_dir}")
     arts = run_scenario(scen, name, text, out_dir, "repro two-engine", con,
                         allocator=allocator.value if allocator else None)
-    print_summary(arts, con)
+    print_summary(arts)
     return arts.exit_code
 
 

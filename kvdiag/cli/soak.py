@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console, print_summary
+from kvdiag.cli.common import console, print_summary, result_console
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import SoakStats
 
@@ -25,7 +25,8 @@ def soak(
     url: str | None = typer.Option(None, "--url", help="Drive an already running OpenAI-compatible server "
                                    "(e.g. http://127.0.0.1:8000) instead of launching one."),
     scenario: Path | None = typer.Option(None, "--scenario", "-s", help="Scenario YAML whose first engine is "
-                                         "launched (default: embedded soak-hybrid, the seed's reproduction B)."),
+                                         "launched (default: embedded soak-hybrid: one engine whose KV pool "
+                                         "fills under load, kvcached #371's runtime stall)."),
     duration: float = typer.Option(60.0, "--duration", "-d", help="Seconds of load when nothing stalls; then no "
                                    "new request is sent."),
     drain_grace: float = typer.Option(5.0, "--drain-grace", help="After --duration, requests in flight get up to "
@@ -43,8 +44,12 @@ def soak(
     capture: bool = typer.Option(True, "--capture/--no-capture", help="Capture the engine's stacks on a stall."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/soak-<timestamp>)."),
 ) -> int:
-    """Saturate one engine with streaming requests; exit 0 if tokens keep flowing with the KV cache near full,
-    10 if decode stalls, 6 if nothing stalled but the KV cache never got near full (inconclusive)."""
+    """Saturate one engine with streaming requests and watch for a decode stall.
+
+    Exit codes: 0 tokens kept flowing with the KV cache near full, 10 decode stalled,
+    6 nothing stalled but the KV cache never got near full (inconclusive), 4 the engine
+    failed, 2 bad usage or scenario, 130 interrupted.
+    """
     from kvdiag.runner import prepare_out_dir
     from kvdiag.soak.session import SoakOptions, SoakRun
 
@@ -63,10 +68,11 @@ def soak(
                if model == "sim" else f"vllm serve {model} (soak-vllm)")
     con.print(f"kvdiag soak: {subject}, {concurrency} streams, output {out_dir}", highlight=False)
     arts = SoakRun(opts, out_dir, con).run()
+    result = result_console()
     if arts.bundle.soak is not None:
         for line in soak_lines(arts.bundle.soak, arts.bundle.stall_to_verdict_s):
-            con.print(line, highlight=False, markup=False)
-    print_summary(arts, con)
+            result.print(line, highlight=False, markup=False)
+    print_summary(arts, result)
     return arts.exit_code
 
 

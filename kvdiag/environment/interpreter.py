@@ -16,8 +16,11 @@ and where kvcached would be imported from, are read from the engine's interprete
   was started as (argv[0], which keeps a venv's identity; ``/proc/PID/exe`` is the
   venv's base python) when that is the same binary as ``/proc/PID/exe``, plus the
   head of its ``sys.path`` (the script's folder or the working folder, then its
-  ``PYTHONPATH``); :func:`pid_packages` prefers a kvcached extension the process
-  has already loaded (``/proc/PID/maps``).
+  ``PYTHONPATH``); a process whose argv was rewritten (vLLM's ``VLLM::EngineCore``
+  sets its title) or that runs a venv's script through the base python is placed in
+  its environment by :func:`environment_of_pid` (its ``VIRTUAL_ENV``, its script's
+  venv, the site-packages it has mapped); :func:`pid_packages` prefers a kvcached
+  extension the process has already loaded (``/proc/PID/maps``).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from typing import TYPE_CHECKING
 
 from kvdiag.environment.child import ChildTimeout, run_bounded
 from kvdiag.environment.host import PACKAGES, process_environ
+from kvdiag.osread.mapped_files import mapped_files
 
 if TYPE_CHECKING:
     from kvdiag.model import InterpreterPackages
@@ -195,7 +199,56 @@ def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, 
                 python = os.path.abspath(cand)  # the venv's bin/python, not the base it links to
         except OSError:
             pass
+    if not _is_env_python(python):
+        # argv[0] did not name the environment (a title set over argv, or the base python running a
+        # venv's script): the environment the process really imports from.
+        python = environment_of_pid(pid, exe, argv, env, cwd, proc_root) or python
     return python, sys_path_head(argv[1:], cwd, env.get("PYTHONPATH", ""))
+
+
+_SITE = re.compile(r"^(/.+?)/lib(?:64)?/python\d[\d.]*/(?:site|dist)-packages/")
+
+
+def _is_env_python(python: str) -> bool:
+    """``python`` is a virtual environment's (its prefix has pyvenv.cfg)."""
+    return (Path(python).parent.parent / "pyvenv.cfg").is_file()
+
+
+def _env_python(prefix: Path, exe: str) -> str | None:
+    """The interpreter of the environment at ``prefix`` that is the binary ``exe`` runs (a venv's
+    bin/python links to its base), or None when ``prefix`` is not such an environment."""
+    for name in ("python3", "python", os.path.basename(exe)):
+        cand = prefix / "bin" / name
+        try:
+            if cand.is_file() and os.path.samefile(cand, exe):
+                return str(cand)
+        except OSError:
+            continue
+    return None
+
+
+def environment_of_pid(pid: int, exe: str, argv: Sequence[str], env: dict[str, str], cwd: str,
+                       proc_root: Path = Path("/proc")) -> str | None:
+    """The interpreter of the virtual environment (or conda prefix) ``pid`` runs in, from what the
+    process says of itself, in order: ``VIRTUAL_ENV``; a venv holding the script it runs (``bin/vllm``);
+    the prefix of the site-packages it has mapped (torch's, an extension's). None: none found."""
+    candidates: list[Path] = []
+    if env.get("VIRTUAL_ENV"):
+        candidates.append(Path(env["VIRTUAL_ENV"]))
+    for arg in argv[1:3]:
+        if arg.startswith("/") or arg.startswith("."):
+            script = Path(arg if os.path.isabs(arg) else os.path.join(cwd, arg))
+            candidates += [script.parent.parent, script.parent.parent.parent]
+    for path in mapped_files(pid, proc_root):
+        m = _SITE.match(path)
+        if m:
+            candidates.append(Path(m.group(1)))
+    for prefix in dict.fromkeys(candidates):
+        if (prefix / "pyvenv.cfg").is_file() or (prefix / "conda-meta").is_dir():
+            found = _env_python(prefix, exe)
+            if found is not None:
+                return found
+    return None
 
 
 def sys_path_head(args: Sequence[str], cwd: str, pythonpath: str) -> list[str]:

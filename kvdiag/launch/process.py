@@ -16,7 +16,7 @@ from types import FrameType, TracebackType
 
 from kvdiag.errors import EngineFailed, Terminated
 from kvdiag.interpreter import module_argv
-from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm
+from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm, vllm_dist_idents
 from kvdiag.ports import free_port as free_port  # re-exported: launchers and tests import it from here
 from kvdiag.ports import port_in_use as port_in_use
 
@@ -256,11 +256,13 @@ class ProcessSet:
         clean = False
         try:
             self.stop_all()
+            idents = vllm_dist_idents([self._run_dir] if self._run_dir is not None else [])
             for folder in (self._run_dir, self._short_rpc_dir):
                 if folder is not None:
                     shutil.rmtree(folder, ignore_errors=True)
             if self.engines:
-                sweep_shm(self._started_epoch)  # vLLM's psm_* queues of engines that were killed
+                # vLLM's psm_* queues of engines that were killed, its TP all-reduce segments always.
+                sweep_shm(self._started_epoch, owned=idents)
             clean = True
             for hook in self._teardown_hooks:
                 try:

@@ -83,6 +83,24 @@ SHM_DIR = "/dev/shm"
 # multiprocessing.shared_memory segments: vLLM's broadcast queues (psm_<hex>), left behind when their
 # owner is killed. They cannot be redirected to the run's folder, so they are swept instead.
 SHM_PREFIXES = ("psm_",)
+# vLLM CPU's tensor-parallel all-reduce segments, ``<ident>-<group>-cpushm_<rank>``, named after the
+# rendezvous file ``$TMPDIR/vllm_dist_<hex>`` of the engine (its VLLM_DIST_IDENT). vLLM never unlinks them,
+# not even on a clean shutdown. The run's own are known exactly from the files in its TMPDIR.
+VLLM_DIST_PREFIX = "vllm_dist_"
+
+
+def vllm_dist_idents(folders: Iterable[str | os.PathLike[str]]) -> list[str]:
+    """The ``vllm_dist_<hex>`` rendezvous names in the given run folders (and their ``tmp`` subfolder):
+    the prefixes of the /dev/shm segments those engines created."""
+    found: list[str] = []
+    for folder in folders:
+        for where in (os.fspath(folder), os.path.join(os.fspath(folder), "tmp")):
+            try:
+                names = os.listdir(where)
+            except OSError:
+                continue
+            found += [n for n in names if n.startswith(VLLM_DIST_PREFIX) and n not in found]
+    return found
 
 
 def _shm_in_use() -> set[str]:
@@ -113,22 +131,26 @@ def _shm_in_use() -> set[str]:
     return used
 
 
-def sweep_shm(since: float, shm_dir: str = SHM_DIR) -> list[str]:
+def sweep_shm(since: float, shm_dir: str = SHM_DIR, owned: Iterable[str] = ()) -> list[str]:
     """Remove our uid's shared-memory segments (SHM_PREFIXES) created since ``since`` (epoch s) that no
-    live process uses any more: what the run's engines left. Returns the names removed."""
+    live process uses any more: what the run's engines left; and, whenever created, those named
+    ``<ident>-...`` for an ``owned`` ident (the run's vLLM rendezvous names, :func:`vllm_dist_idents`).
+    Returns the names removed."""
     try:
         names = os.listdir(shm_dir)
     except OSError:
         return []
+    owned_prefixes = tuple(f"{ident}-" for ident in owned)
     candidates = []
     for name in names:
-        if not name.startswith(SHM_PREFIXES):
+        mine = bool(owned_prefixes) and name.startswith(owned_prefixes)
+        if not mine and not name.startswith(SHM_PREFIXES):
             continue
         try:
             st = os.stat(os.path.join(shm_dir, name))
         except OSError:
             continue
-        if st.st_uid == os.getuid() and st.st_ctime >= since - 1.0:
+        if st.st_uid == os.getuid() and (mine or st.st_ctime >= since - 1.0):
             candidates.append(name)
     if not candidates:
         return []
@@ -224,11 +246,12 @@ def main(argv: list[str]) -> int:
     while alive(parent) and time.monotonic() < deadline:
         time.sleep(0.02)
     if not alive(parent):
+        idents = vllm_dist_idents(d for d in dirs if removable_temp_dir(d))
         for d in dirs:
             if removable_temp_dir(d):
                 shutil.rmtree(d, ignore_errors=True)
         if shm_since is not None:
-            sweep_shm(shm_since)
+            sweep_shm(shm_since, owned=idents)
     # An engine forked just before kvdiag died carries the run marker only once it has exec'd, and
     # its group was never registered: one more sweep, after that exec, catches it.
     time.sleep(0.3)

@@ -26,7 +26,8 @@ from kvdiag.watch.probe import (
     scrape_metrics,
     threads_blocked,
 )
-from kvdiag.watch.stall import Observation, StallDetector
+from kvdiag.watch.serving import RequestLoop
+from kvdiag.watch.stall import Observation, ServingStall, StallDetector
 
 Clock = Callable[[], float]
 
@@ -72,7 +73,7 @@ class EngineWatch:
             log_tail=list(self.state.tail)[-40:], last_log_line=self.state.last_line,
             banners=list(self.state.banners), pids=pids,
             startup_s=(self.ready_t - self.started_t) if self.ready_t and self.started_t else None,
-            error=self.state.errors[0] if self.state.errors else None,
+            error=self.state.errors[0] if self.state.errors else None, kind=self.spec.kind,
         )
 
 
@@ -206,6 +207,70 @@ class ScenarioRun:
         if not ok:
             w.healthy = False
 
+    def _serve(self, deadline: float) -> None:
+        """The serving phase (scenario ``serve``): requests to every ready engine until one stalls, fails,
+        or ``serve.duration_s`` has passed since the last engine's warm-up answer."""
+        from kvdiag.launch.vllm import expand
+
+        serve = self.scenario.serve
+        assert serve is not None
+        windows = self.scenario.windows
+        t0 = self.clock()
+        loops: dict[str, RequestLoop] = {}
+        stalls: dict[str, ServingStall] = {}
+        warm: dict[str, float] = {}
+        for w in self.watches:
+            model = expand(w.spec.model) if w.spec.kind == "vllm" else w.spec.model
+            loops[w.spec.name] = RequestLoop(w.plan.url, model, serve.max_tokens,
+                                             timeout_s=windows.timeout_s)
+            stalls[w.spec.name] = ServingStall(windows.stall_s, clock=self.clock)
+        self._event("serving", detail=f"{len(loops)} engine(s), one request at a time, {serve.duration_s:g}s "
+                    "after the warm-up answer")
+        for loop in loops.values():
+            loop.start()
+        try:
+            while True:
+                now = self.clock()
+                if now > deadline:
+                    self._event("run timeout", None, f"after {windows.timeout_s:g}s")
+                    return
+                for w in self.watches:
+                    if w.outcome is not Outcome.READY:
+                        continue
+                    self._poll(w, now)
+                    if w.outcome is not Outcome.READY:
+                        continue
+                    counts = loops[w.spec.name].counts()
+                    if counts.first_answer_t is None:
+                        if now - t0 > windows.startup_timeout_s:
+                            w.outcome = Outcome.TIMEOUT
+                            self._event("startup timeout", w.spec.name,
+                                        f"the first request was not answered after {windows.startup_timeout_s:g}s"
+                                        + (f" ({counts.last_error})" if counts.last_error else ""))
+                        continue
+                    if w.spec.name not in warm:
+                        warm[w.spec.name] = counts.first_answer_t
+                        self._event("first request answered", w.spec.name,
+                                    f"{counts.tokens} tokens after {counts.first_answer_t - t0:.1f}s (warm-up)")
+                    if stalls[w.spec.name].observe(counts.in_flight, counts.progress, counts.last_answer_t,
+                                                   now=now):
+                        w.outcome = Outcome.STALLED
+                        w.stalled_t = now
+                        w.quiet_since_t = stalls[w.spec.name].onset
+                        self._event("stall detected", w.spec.name,
+                                    f"a request in flight and nothing answered for {windows.stall_s:g}s while "
+                                    f"serving ({counts.answered} answered before it)")
+                if any(w.outcome is not Outcome.READY for w in self.watches):
+                    return
+                if len(warm) == len(loops) and now - max(warm.values()) >= serve.duration_s:
+                    answered = sum(c.answered for c in (lp.counts() for lp in loops.values()))
+                    self._event("served", None, f"{answered} request(s) answered, none stalled")
+                    return
+                time.sleep(windows.poll_s)
+        finally:
+            for loop in loops.values():
+                loop.stop()
+
     def run(self) -> RunResult:
         windows = self.scenario.windows
         deadline = self.t0 + windows.timeout_s
@@ -228,6 +293,9 @@ class ScenarioRun:
                         time.sleep(windows.poll_s)
                 if w.outcome is not Outcome.READY:
                     break  # later engines depend on this one being up
+            if self.scenario.serve is not None and self.watches and all(
+                    w.outcome is Outcome.READY for w in self.watches):
+                self._serve(deadline)
             # Final look at every engine so "engine 1 stays healthy" is checked after the stall.
             now = self.clock()
             for w in self.watches:

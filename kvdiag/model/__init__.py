@@ -12,7 +12,7 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, run, environment, doctor, verdict, bundle, report.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, judged, verdict, bundle, report, waits.
 """
 
 from __future__ import annotations
@@ -47,6 +47,20 @@ from kvdiag.model.evidence import (
     ThreadEvidence,
     ToolRun,
 )
+from kvdiag.model.fleet import (
+    FleetRecord,
+    NodeOutcome,
+    NodeRecord,
+    RayActorRecord,
+    RayTaskRecord,
+)
+from kvdiag.model.gpu import (
+    GpuDeviceReading,
+    GpuProcessUse,
+    GpuReadings,
+    GpuSnapshot,
+)
+from kvdiag.model.judged import EngineJudgement
 from kvdiag.model.kinds import (
     KIND_SPECS,
     NO_EVIDENCE_KINDS,
@@ -75,6 +89,21 @@ from kvdiag.model.run import (
     SoakStats,
     TimelineEvent,
 )
+from kvdiag.model.sweep import (
+    SWEEP_SCHEMA_VERSION,
+    ABRates,
+    BannerCheck,
+    BannerDisagreement,
+    Distribution,
+    Interval,
+    RateLine,
+    Scalar,
+    SweepAxis,
+    SweepCell,
+    SweepReport,
+    SweepRule,
+    SweepRun,
+)
 from kvdiag.model.verdict import (
     ABComparison,
     ABEngine,
@@ -84,11 +113,32 @@ from kvdiag.model.verdict import (
     KnownDefect,
     Verdict,
 )
+from kvdiag.model.waits import (
+    EdgeEvidence,
+    EdgeKind,
+    FrameRef,
+    NodeRef,
+    PeerProcess,
+    SharedMapping,
+    WaitChain,
+    WaitEdge,
+    WaitGraphRecord,
+    WaitNode,
+)
 
 __all__ = [
+    "EngineJudgement",
+    "FleetRecord",
+    "NodeOutcome",
+    "NodeRecord",
+    "RayActorRecord",
+    "RayTaskRecord",
     "ABComparison",
     "ABEngine",
+    "ABRates",
     "ABSide",
+    "BannerCheck",
+    "BannerDisagreement",
     "BannerInfo",
     "BannerRisk",
     "Bundle",
@@ -96,8 +146,11 @@ __all__ = [
     "DefectCheck",
     "DefectStatus",
     "Diagnosis",
+    "Distribution",
     "DoctorCheck",
     "DoctorReport",
+    "EdgeEvidence",
+    "EdgeKind",
     "EnginePhase",
     "EnginePids",
     "EngineRecord",
@@ -106,9 +159,15 @@ __all__ = [
     "FdInfo",
     "Finding",
     "Frame",
+    "FrameRef",
     "GilState",
+    "GpuDeviceReading",
     "GpuInfo",
+    "GpuProcessUse",
+    "GpuReadings",
+    "GpuSnapshot",
     "InterpreterPackages",
+    "Interval",
     "IpcSocket",
     "KIND_SPECS",
     "KindSpec",
@@ -117,18 +176,29 @@ __all__ = [
     "KvcachedRuntime",
     "MetricsSnapshot",
     "NO_EVIDENCE_KINDS",
+    "NodeRef",
+    "PeerProcess",
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
     "PtraceAccess",
+    "RateLine",
     "RedactionSummary",
     "Report",
     "ReportBanner",
     "ReportEngine",
     "RiskStatus",
     "SCHEMA_VERSION",
+    "Scalar",
+    "SWEEP_SCHEMA_VERSION",
+    "SharedMapping",
     "ShmSegment",
     "SoakStats",
+    "SweepAxis",
+    "SweepCell",
+    "SweepReport",
+    "SweepRule",
+    "SweepRun",
     "TARGET_STATE_KINDS",
     "TargetAccess",
     "ThreadEvidence",
@@ -137,4 +207,8 @@ __all__ = [
     "ToolRun",
     "Verdict",
     "VerdictKind",
+    "WaitChain",
+    "WaitEdge",
+    "WaitGraphRecord",
+    "WaitNode",
 ]

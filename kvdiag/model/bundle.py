@@ -6,6 +6,7 @@ from pydantic import Field
 
 from kvdiag.model.environment import EnvironmentRecord
 from kvdiag.model.evidence import ProcessEvidence, RedactionSummary
+from kvdiag.model.fleet import FleetRecord
 from kvdiag.model.kinds import SCHEMA_VERSION, _Model
 from kvdiag.model.run import EngineRecord, Finding, MetricsSnapshot, SoakStats, TimelineEvent
 from kvdiag.model.verdict import Diagnosis
@@ -38,6 +39,7 @@ class Bundle(_Model):
     environment: EnvironmentRecord | None = None   # the machine it ran on (kvdiag.environment)
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
     stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds (capture, analysis)
+    fleet: FleetRecord | None = None   # a bundle merged from several hosts (Ray cluster, ``kvdiag merge``)
 
 
 Bundle.model_rebuild()

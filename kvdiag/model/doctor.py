@@ -21,7 +21,7 @@ class RiskStatus(str, Enum):
 class DoctorCheck(_Model):
     """One known risk judged for one subject (the host, a GPU, a scenario engine, a log's banner)."""
 
-    check: str                       # "prealloc_pool", "colocation", "prefix_build", "headroom", "page_vs_block"
+    check: str                       # "prealloc_pool", "colocation", "allocator_build", "headroom", "page_vs_block"
     subject: str
     status: RiskStatus
     detail: str

@@ -7,6 +7,7 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvdiag.model.fleet import NodeRecord
 from kvdiag.model.kinds import _Model
 
 
@@ -126,3 +127,5 @@ class EnvironmentRecord(_Model):
     kvcached: KvcachedBuild = Field(default_factory=KvcachedBuild)
     kvcached_runtime: KvcachedRuntime | None = None
     errors: list[str] = Field(default_factory=list)      # what could not be read, one line each
+    # A bundle merged from several hosts (fleet capture, ``kvdiag merge``): one row per node.
+    nodes: list[NodeRecord] = Field(default_factory=list)

@@ -6,7 +6,9 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvdiag.model.gpu import GpuReadings
 from kvdiag.model.kinds import GilState, ProcessRole, ThreadState, _Model
+from kvdiag.model.waits import PeerProcess, SharedMapping
 
 
 class Frame(_Model):
@@ -34,6 +36,14 @@ class ToolRun(_Model):
     command: list[str] = Field(default_factory=list)
     redactions: dict[str, int] = Field(default_factory=dict)   # secrets removed from what it read, per kind
     started_s: float | None = None   # when it started, seconds after the capture began (None: not recorded)
+    # Not run on purpose (``error`` says why: gdb where pystack already read the native frames, a zombie,
+    # a kernel thread, a process without Python): neither a result nor a failure. Older bundles: False.
+    skipped: bool = False
+
+    @property
+    def state(self) -> str:
+        """``ok``, ``skipped`` or ``failed``: what every tool table shows."""
+        return "ok" if self.ok else "skipped" if self.skipped else "failed"
 
 
 class RedactionSummary(_Model):
@@ -59,6 +69,12 @@ class FdInfo(_Model):
     peer_comm: str | None = None
     address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
     partial: str | None = None       # why peer_inode/peer_pids may be incomplete (capture deadline, netlink)
+    # A pipe's other processes by the end they hold (fdinfo flags); None: not read.
+    reader_pids: list[int] | None = None
+    writer_pids: list[int] | None = None
+    # A TCP connection no process holds the other end of: it waits unaccepted in the listen queue of the
+    # processes holding the listening socket of that port (they would have to accept it).
+    listener_pids: list[int] | None = None
 
 
 class ProgressSample(_Model):
@@ -69,6 +85,10 @@ class ProgressSample(_Model):
     io_delta: dict[str, int] = Field(default_factory=dict)     # /proc/PID/io: rchar, wchar, syscr, syscw
     log_growth: dict[str, int] = Field(default_factory=dict)   # log file path -> bytes written in the window
     gil_holders: list[int | None] = Field(default_factory=list)  # GIL holder TID at each sample (/proc mem)
+    # Shared file mappings (ProcessEvidence.shared_maps) whose first bytes (a ring's indices, a counter)
+    # changed during the window: "dev:inode" -> changed. Not part of ``advanced`` (a spinning reader
+    # of a ring that does not move changes nothing of its own).
+    shared_changed: dict[str, bool] = Field(default_factory=dict)
 
     @property
     def advanced(self) -> bool:
@@ -98,6 +118,10 @@ class ThreadEvidence(_Model):
     frames: list[Frame] = Field(default_factory=list)      # best merged stack, innermost first
     frames_by_tool: dict[str, list[Frame]] = Field(default_factory=dict)
     gil_by_tool: dict[str, GilState] = Field(default_factory=dict)   # each source's own GIL reading
+    # What a blocked syscall waits on beyond a read (None/empty: not such a wait, or not read):
+    write_fds: list[FdInfo] = Field(default_factory=list)   # write/send blocked on these fds
+    waited_pid: int | None = None    # wait4/waitid's pid argument (-1: any child)
+    futex_mapping: SharedMapping | None = None   # the MAP_SHARED file mapping the futex address lies in
 
 
 class TargetAccess(_Model):
@@ -148,3 +172,11 @@ class ProcessEvidence(_Model):
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
     signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
+    shared_maps: list[SharedMapping] | None = None   # MAP_SHARED file mappings (None: not read)
+    children: list[int] | None = None   # child pids (/proc/PID/task/*/children; None: not read)
+    # Why this process was captured although outside the requested tree: the wait edge that led to it.
+    followed_from: str | None = None
+    # Processes outside the tree a captured thread waits on: captured too, or named with why not.
+    peers_outside: list[PeerProcess] = Field(default_factory=list)
+    # The GPUs of the host it ran on, sampled over the capture window (None: not sampled, e.g. no GPU).
+    gpu: GpuReadings | None = None

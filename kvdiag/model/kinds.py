@@ -47,6 +47,10 @@ class VerdictKind(str, Enum):
     # summary): e.g. a blocked read whose fd peers (/proc) are missing: an idle server and a client waiting
     # for a reply look the same in its stacks. Never a deadlock, never healthy (exit 6).
     INCONCLUSIVE = "inconclusive"
+    # A host thread parked in a CUDA synchronization (stream/event/device synchronize, a blocking
+    # device-to-host copy, a NCCL wait) for the whole window while the GPU reports busy: a kernel that
+    # never finishes. The host's locks and the GIL are consequences, not the cause.
+    GPU_KERNEL_HANG = "gpu_kernel_hang"
 
     @property
     def spec(self) -> KindSpec:
@@ -78,23 +82,26 @@ KIND_SPECS: dict[VerdictKind, KindSpec] = {
     _K.GIL_HELD_BLOCKED: KindSpec("hang", ExitCode.DEADLOCK, 1, "bad"),
     _K.LOCK_ORDER_INVERSION: KindSpec("hang", ExitCode.DEADLOCK, 2, "bad"),
     _K.LOST_WAKEUP: KindSpec("hang", ExitCode.DEADLOCK, 3, "bad"),
-    _K.BLOCKED_IPC_READ: KindSpec("hang", ExitCode.DEADLOCK, 4, "bad"),
-    _K.DECODE_STALL: KindSpec("hang", ExitCode.DEADLOCK, 5, "bad"),
-    _K.OOM: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 6, "fail"),
-    _K.CRASH: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 7, "fail"),
-    _K.UNKNOWN: KindSpec("hang", ExitCode.DEADLOCK, 8, "unk"),
-    _K.STOPPED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 9, "warn"),
-    _K.TRACED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 10, "warn"),
-    _K.NO_ACCESS: KindSpec("no_evidence", ExitCode.NO_ACCESS, 11, "warn"),
-    _K.NO_EVIDENCE: KindSpec("no_evidence", ExitCode.NO_ACCESS, 12, "warn"),
-    _K.EXITED: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 13, "unk"),
-    _K.ZOMBIE: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 14, "unk"),
-    _K.NOT_PYTHON: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 15, "unk"),
-    _K.KERNEL_THREAD: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 16, "unk"),
-    _K.INCONCLUSIVE: KindSpec("inconclusive", ExitCode.INCONCLUSIVE, 17, "unk"),
-    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 18, "warn"),
-    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 19, "warn"),
-    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 20, "ok"),
+    # A root cause like the host cycles above it; ranked before a blocked read or a decode stall, which a
+    # kernel that never ends produces in the processes waiting on it (the API server, the scheduler).
+    _K.GPU_KERNEL_HANG: KindSpec("hang", ExitCode.DEADLOCK, 4, "bad"),
+    _K.BLOCKED_IPC_READ: KindSpec("hang", ExitCode.DEADLOCK, 5, "bad"),
+    _K.DECODE_STALL: KindSpec("hang", ExitCode.DEADLOCK, 6, "bad"),
+    _K.OOM: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 7, "fail"),
+    _K.CRASH: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 8, "fail"),
+    _K.UNKNOWN: KindSpec("hang", ExitCode.DEADLOCK, 9, "unk"),
+    _K.STOPPED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 10, "warn"),
+    _K.TRACED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 11, "warn"),
+    _K.NO_ACCESS: KindSpec("no_evidence", ExitCode.NO_ACCESS, 12, "warn"),
+    _K.NO_EVIDENCE: KindSpec("no_evidence", ExitCode.NO_ACCESS, 13, "warn"),
+    _K.EXITED: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 14, "unk"),
+    _K.ZOMBIE: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 15, "unk"),
+    _K.NOT_PYTHON: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 16, "unk"),
+    _K.KERNEL_THREAD: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 17, "unk"),
+    _K.INCONCLUSIVE: KindSpec("inconclusive", ExitCode.INCONCLUSIVE, 18, "unk"),
+    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 19, "warn"),
+    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 20, "warn"),
+    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 21, "ok"),
 }
 
 

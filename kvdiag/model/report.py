@@ -90,3 +90,8 @@ class Report(_Model):
     environment: EnvironmentRecord | None = None
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
     stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds
+    # What the run concluded, in one word: the verdict's kind, or for `kvdiag ab` the comparison
+    # (``ab_separated`` / ``ab_not_separated``; ``verdict`` is then the stock side's, its evidence).
+    outcome: str | None = None
+    # Engines that were kvdiag's simulated engines, not a real vLLM (their model name is a label).
+    simulated_engines: list[str] = Field(default_factory=list)

@@ -66,6 +66,10 @@ class EngineRecord(_Model):
     pids: dict[str, int] = Field(default_factory=dict)  # "api_server", "engine_core", "worker"
     startup_s: float | None = None
     error: str | None = None         # crash / OOM text seen in the log
+    log_idle_s: float | None = None  # seconds since the log was last written, when a bare process was captured
+    # The scenario's engine kind: "sim" (kvdiag's simulated engine), "vllm" or "command"; None in bundles
+    # written before it was recorded (the bundle's scenario copy says).
+    kind: str | None = None
 
 
 class SoakStats(_Model):
@@ -118,3 +122,4 @@ class Finding(_Model):
     message: str
     pid: int | None = None
     engine: str | None = None
+    node: str | None = None          # the host ``pid`` lives on, in a bundle merged from several hosts

@@ -6,8 +6,10 @@ from typing import Literal
 
 from pydantic import Field
 
+from kvdiag.model.judged import EngineJudgement
 from kvdiag.model.kinds import Confidence, EnginePhase, VerdictKind, _Model
 from kvdiag.model.run import Finding
+from kvdiag.model.waits import FrameRef, WaitChain, WaitGraphRecord
 
 
 class KnownDefect(_Model):
@@ -40,13 +42,24 @@ class EvidenceItem(_Model):
     role: str                        # "alloc_page caller (holds GIL)", "prealloc worker (waits for GIL)"
     frames: list[str] = Field(default_factory=list)
     engine: str | None = None
+    node: str | None = None          # the host ``pid`` lives on, in a bundle merged from several hosts
     # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
     # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
     # report written before the field existed (nothing is highlighted).
     key_frames: list[int] | None = None
+    # ``refs[n]`` is the captured frame ``frames[n]`` displays, so ``key_frames`` index both; renderers
+    # find a cited frame in the bundle by this reference, never by its text. Empty: a report written
+    # before references were kept (its frames are shown, none highlighted in the stacks).
+    refs: list[FrameRef] = Field(default_factory=list)
 
     def is_key(self, index: int) -> bool:
         return self.key_frames is not None and index in self.key_frames
+
+    def key_refs(self) -> list[FrameRef]:
+        """The captured frames the rule's conclusion rests on (none without references)."""
+        if len(self.refs) != len(self.frames):
+            return []
+        return [self.refs[i] for i in self.key_frames or [] if 0 <= i < len(self.refs)]
 
 
 class Verdict(_Model):
@@ -64,6 +77,9 @@ class Verdict(_Model):
     # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
     # evidence only, never timing noise (issue 17 item 6).
     confidence_reasons: list[str] = Field(default_factory=list)
+    # The cross-process wait chain the verdict followed, first waiter to root (kvdiag.analyze.xproc);
+    # None: judged inside one process.
+    waits: WaitChain | None = None
 
 
 class ABEngine(_Model):
@@ -92,6 +108,19 @@ class ABComparison(_Model):
     fixed: ABSide
     separated: bool                  # stock reproduced a hang and fixed is healthy
 
+    @property
+    def outcome(self) -> str:
+        """An A/B's one outcome, as report.json's ``outcome`` names it."""
+        return "ab_separated" if self.separated else "ab_not_separated"
+
+    @property
+    def title(self) -> str:
+        return "A/B separated" if self.separated else "A/B did not separate"
+
+    def headline(self) -> str:
+        """``A/B separated (stock: gil_cycle, fixed: healthy)``: what heads every rendering of an A/B."""
+        return f"{self.title} (stock: {self.stock.verdict.value}, fixed: {self.fixed.verdict.value})"
+
 
 class Diagnosis(_Model):
     """analyze(bundle): everything the run concluded. Stored in the bundle; renderers read only this."""
@@ -101,3 +130,8 @@ class Diagnosis(_Model):
     exit_code: int = 0
     ab: ABComparison | None = None
     notes: list[str] = Field(default_factory=list)   # how the run-level judgement changed the verdict
+    # Every wait edge found across the captured processes (None: not built, or a bundle from before it).
+    wait_graph: WaitGraphRecord | None = None
+    # Each engine's health line and banner risks, judged with its verdict (None: a bundle from before they
+    # were stored; kvdiag.analyze.diagnosis.complete fills them in before rendering).
+    engines: list[EngineJudgement] | None = None

@@ -1,10 +1,10 @@
-"""Report stage: render a bundle and its verdict as report.json, report.html, report.md and a terminal summary.
+"""Report stage: render a bundle and its stored diagnosis as report.json, report.html, report.md and a
+terminal summary.
 
-Reporters only render: they read the typed model (and raw files in the
-bundle folder), never run tools or analyzers. What they render was redacted
-where it entered (:mod:`kvdiag.redact`): the bundle when it was written or
-loaded, :func:`write_outputs`' inputs once, raw files as they are read; every
-file is written atomically.
+A run's report is built once (:func:`run_view`) into a :class:`ReportView`, and every renderer reads
+that view: they never run tools or analyzers, and never judge or match. What they render was redacted
+where it entered (:mod:`kvdiag.redact`): the bundle when it was written or loaded, the view's inputs
+once, raw files as they are read; every file is written atomically.
 """
 
 from __future__ import annotations
@@ -14,17 +14,19 @@ import os
 from pathlib import Path
 
 from kvdiag.bundle_io import atomic_write_text
-from kvdiag.model import ABComparison, Bundle, Finding, Report, Verdict
+from kvdiag.model import ABComparison, Bundle, Diagnosis, Finding, Report, Verdict
 from kvdiag.redact import redact_bundle
 from kvdiag.report.html import render_html
-from kvdiag.report.json import build_report, render_json
+from kvdiag.report.json import build_report, diagnosis_of, render_json, report_of
 from kvdiag.report.markdown import render_markdown
 from kvdiag.report.redact import REDACTED, is_secret_name, redact_obj, redact_text
 from kvdiag.report.terminal import render_terminal
+from kvdiag.report.view import ReportView, build_view
 
 __all__ = [
-    "REDACTED", "build_report", "is_secret_name", "redact_obj", "redact_text", "render_html", "render_json",
-    "render_markdown", "render_run", "render_terminal", "write_outputs",
+    "REDACTED", "ReportView", "build_report", "build_view", "diagnosis_of", "is_secret_name", "redact_obj",
+    "redact_text", "render_html", "render_json", "render_markdown", "render_run", "render_terminal", "report_of",
+    "run_view", "write_outputs", "write_view",
 ]
 
 REPORT_FILES = ("report.json", "report.html", "report.md")
@@ -46,36 +48,37 @@ def _relative(path: Path, start: Path) -> str:
         return str(path)
 
 
-def write_outputs(out_dir: Path, bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
-                  verdicts_by_engine: dict[str, Verdict] | None = None,
-                  ab: ABComparison | None = None, bundle_dir: Path | None = None) -> dict[str, Path]:
-    """Write out_dir/report.json, report.html and report.md (redacted, each atomically).
-
-    Works on a partial bundle (an interrupted run). A renderer that fails gets
-    a minimal fallback page and a ``report_render_failed`` finding in
-    report.json, so a run never ends without a readable report. Returns
-    ``{"report.json": path, "report.html": path, "report.md": path}``.
-    ``bundle_dir`` (default ``out_dir/bundle``) is where raw tool outputs and
-    logs are read from.
-    """
-    if bundle_dir is None:
-        bundle_dir = out_dir / "bundle"
-    has_bundle_dir = bundle_dir.is_dir()
+def run_view(bundle: Bundle, diagnosis: Diagnosis, *, out_dir: Path, bundle_dir: Path | None = None,
+             command: str = "", bundle_path: str | None = None) -> ReportView:
+    """The one view of a run's report: built once from ``bundle`` and the diagnosis stored with it, for
+    report files written in ``out_dir`` (``bundle_path``: where the page finds the bundle folder;
+    default ``bundle_dir`` relative to ``out_dir`` when it exists)."""
     # The report stage's one redaction: its inputs, once (the bundle is normally redacted already, where
-    # its data entered it; a caller may hand anything). Renderers below do not redact again.
+    # its data entered it; a caller may hand anything). Renderers do not redact again.
     bundle = redact_bundle(bundle)
-    verdict, verdicts_by_engine, ab, command = redact_obj((verdict, verdicts_by_engine, ab, command))
-    report = build_report(bundle, verdict, command=command, exit_code=exit_code,
-                          verdicts_by_engine=verdicts_by_engine, ab=ab,
-                          bundle_path=_relative(bundle_dir, out_dir) if has_bundle_dir else None)
+    diagnosis, command = redact_obj((diagnosis, command))
+    if bundle_path is None and bundle_dir is not None and bundle_dir.is_dir():
+        bundle_path = _relative(bundle_dir, out_dir)
+    return build_view(report_of(bundle, diagnosis, command=command, bundle_path=bundle_path), bundle)
+
+
+def write_view(out_dir: Path, view: ReportView, bundle_dir: Path | None = None) -> dict[str, Path]:
+    """Write out_dir/report.json, report.html and report.md from ``view`` (each atomically).
+
+    Works on a partial bundle (an interrupted run). A renderer that fails gets a minimal fallback page
+    and a ``report_render_failed`` finding in report.json, so a run never ends without a readable
+    report. ``bundle_dir``: where raw tool outputs and logs are read from.
+    """
+    report = view.report
+    bundle_dir = bundle_dir if bundle_dir is not None and bundle_dir.is_dir() else None
     failures: list[Finding] = []
     try:
-        page = render_html(report, bundle, bundle_dir if has_bundle_dir else None)
+        page = render_html(view, bundle_dir=bundle_dir)
     except Exception as exc:  # a rendering bug must not cost the user the report
         failures.append(Finding(kind="report_render_failed", message=f"report.html: {type(exc).__name__}: {exc}"))
         page = _fallback_html(report, f"{type(exc).__name__}: {exc}")
     try:
-        markdown = render_markdown(report, bundle)
+        markdown = render_markdown(view)
     except Exception as exc:
         failures.append(Finding(kind="report_render_failed", message=f"report.md: {type(exc).__name__}: {exc}"))
         markdown = f"### kvdiag: `{report.verdict.kind.value}`\n\n{report.verdict.summary}\n"
@@ -83,10 +86,24 @@ def write_outputs(out_dir: Path, bundle: Bundle, verdict: Verdict, *, command: s
         report.findings.extend(failures)
     paths = {name: out_dir / name for name in REPORT_FILES}
     # JSON first: it is the contract and the cheapest to get right.
-    atomic_write_text(paths["report.json"], render_json(report))
+    atomic_write_text(paths["report.json"], render_json(view))
     atomic_write_text(paths["report.md"], markdown)
     atomic_write_text(paths["report.html"], page)
     return paths
+
+
+def write_outputs(out_dir: Path, bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
+                  verdicts_by_engine: dict[str, Verdict] | None = None,
+                  ab: ABComparison | None = None, bundle_dir: Path | None = None) -> dict[str, Path]:
+    """Write out_dir/report.json, report.html and report.md for ``bundle`` judged as ``verdict`` (a caller
+    holding verdicts, not a stored diagnosis: see :func:`kvdiag.report.json.diagnosis_of`). Returns
+    ``{"report.json": path, "report.html": path, "report.md": path}``; ``bundle_dir`` (default
+    ``out_dir/bundle``) is where raw tool outputs and logs are read from."""
+    if bundle_dir is None:
+        bundle_dir = out_dir / "bundle"
+    diag = diagnosis_of(bundle, verdict, exit_code=exit_code, verdicts_by_engine=verdicts_by_engine, ab=ab)
+    view = run_view(bundle, diag, out_dir=out_dir, bundle_dir=bundle_dir, command=command)
+    return write_view(out_dir, view, bundle_dir)
 
 
 def render_run(out_dir: Path, bundle: Bundle, bundle_dir: Path | None = None) -> dict[str, Path]:
@@ -94,6 +111,5 @@ def render_run(out_dir: Path, bundle: Bundle, bundle_dir: Path | None = None) ->
     diag = bundle.diagnosis
     if diag is None:
         raise ValueError("the bundle holds no diagnosis: analyze it first (kvdiag.analyze.diagnose)")
-    return write_outputs(out_dir, bundle, diag.verdict, command=bundle.command, exit_code=diag.exit_code,
-                         verdicts_by_engine=diag.verdicts_by_engine,
-                         ab=diag.ab, bundle_dir=bundle_dir)
+    bundle_dir = bundle_dir if bundle_dir is not None else out_dir / "bundle"
+    return write_view(out_dir, run_view(bundle, diag, out_dir=out_dir, bundle_dir=bundle_dir), bundle_dir)

@@ -14,9 +14,7 @@ import base64
 import hashlib
 import json
 import math
-import posixpath
 import re
-import shlex
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any
@@ -25,17 +23,17 @@ from urllib.parse import quote
 import jinja2
 from markupsafe import Markup
 
-from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence, VerdictKind
+from kvdiag.model import Bundle, Report, VerdictKind
 from kvdiag.redact import redact_text
 from kvdiag.report.json import report_dict
+from kvdiag.report.view import ReportView, ab_view, as_view, clean_text, format_frame, page_href
+
+__all__ = ["ab_view", "clean_text", "cycle_diagram", "format_frame", "render_html", "script_json"]
 
 TEMPLATES = Path(__file__).parent / "templates"
 RAW_FILE_CAP = 256 * 1024        # characters kept per raw file (head and tail)
 RAW_TOTAL_CAP = 4 * 1024 * 1024  # characters of raw text embedded in one page
 MAX_CYCLE_NODES = 10
-
-_ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
-_CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 KIND_CLASS = {k.value: k.spec.display for k in VerdictKind}   # one definition per kind (kvdiag.model)
 
@@ -53,77 +51,6 @@ def script_json(data: object) -> Markup:
     text = (text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
             .replace("\u2028", "\\u2028").replace("\u2029", "\\u2029"))
     return Markup(text)
-
-
-def clean_text(text: str) -> str:
-    """Strip ANSI colour codes and control characters a browser would mangle."""
-    return _CONTROL.sub("\ufffd", _ANSI.sub("", text))
-
-
-def format_frame(frame: Frame) -> str:
-    """``name (file:line)`` for Python frames, ``name (file:line) [library]`` for native ones."""
-    where = ""
-    if frame.file:
-        where = f" ({frame.file}:{frame.line})" if frame.line is not None else f" ({frame.file})"
-    lib = f" [{frame.library}]" if frame.library and frame.kind == "native" else ""
-    return f"{frame.name}{where}{lib}"
-
-
-_EVIDENCE_PREFIX = re.compile(r"^\s*(?:#\d+\s+)?(?:0x[0-9a-fA-F]+\s+in\s+)?")
-_EVIDENCE_SUFFIX = re.compile(r"\s+(?:\(|at\s|in\s|\[).*$")
-
-
-def frame_key(text: str) -> str:
-    """The function name in an evidence frame string (``#3 0x.. in f (a.cpp:1)`` → ``f``)."""
-    text = _EVIDENCE_PREFIX.sub("", text)
-    return _EVIDENCE_SUFFIX.sub("", text).strip()
-
-
-def names_match(a: str, b: str) -> bool:
-    """Whether two function names are the same function (one may lack the other's namespace or class)."""
-    if not a or not b:
-        return False
-    if a == b:
-        return True
-    for sep in ("::", "."):
-        if a.endswith(sep + b) or b.endswith(sep + a):
-            return True
-    return False
-
-
-_WHERE = re.compile(r"^(?P<name>.*?) \((?P<where>[^()]*)\)$")
-_FILE_LINE = re.compile(r"^(?P<file>.+):(?P<line>\d+)$")
-
-
-def frame_is(frame: Frame, text: str) -> bool:
-    """Whether an evidence line (``alloc_page (gil_cycle.c:66)``, ``read (libc.so.6)``) is this frame:
-    the name, and the file and line (or library) when the line gives them."""
-    m = _WHERE.match(text)
-    name, where = (m.group("name"), m.group("where")) if m else (text, "")
-    fl = _FILE_LINE.match(where)
-    if fl is not None:
-        if posixpath.basename(frame.file or "") != posixpath.basename(fl.group("file")) \
-                or str(frame.line) != fl.group("line"):
-            return False
-        # a long C++ name is cited without its template and parameter lists
-        return names_match(frame.name, frame_key(text)) or frame.name == name or len(frame.name) > 100
-    if where and posixpath.basename(frame.library or "") != where:
-        return False
-    return frame.name == name or names_match(frame.name, frame_key(text))
-
-
-def key_positions(frames: list[Frame], items: list[EvidenceItem]) -> set[int]:
-    """Indices into a thread's stack of the frames its evidence items name as key frames (each key
-    line marks the innermost frame it matches that no other key line took)."""
-    out: set[int] = set()
-    for item in items:
-        for k in item.key_frames or []:
-            if not 0 <= k < len(item.frames):
-                continue
-            hit = next((i for i, f in enumerate(frames) if i not in out and frame_is(f, item.frames[k])), None)
-            if hit is not None:
-                out.add(hit)
-    return out
 
 
 # ---------------------------------------------------------------- the wait-for cycle diagram
@@ -153,6 +80,9 @@ class Diagram:
     height: int
     nodes: list[DiagramNode] = field(default_factory=list)
     edges: list[DiagramEdge] = field(default_factory=list)
+
+
+_NODE_LINES = 7   # a box of the cycle diagram holds this many lines of 30 characters
 
 
 def _wrap(label: str, width: int = 30, max_lines: int = 3) -> list[str]:
@@ -199,8 +129,8 @@ def _boundary(cx: float, cy: float, hw: float, hh: float, dx: float, dy: float) 
 def cycle_diagram(labels: list[str]) -> Diagram | None:
     """Lay out the wait-for cycle: nodes on a circle, edge A→B meaning "A waits for B".
 
-    An edge leaving a GIL node reads "held by" (the GIL waits for its holder to
-    release it). Returns None when there is nothing (or too much) to draw.
+    An edge leaving a GIL node reads "held by" (whoever wants the GIL waits for its holder); the
+    page's legend says both. Returns None when there is nothing (or too much) to draw.
     """
     nodes_labels = [lab for lab in labels if lab]
     if len(nodes_labels) > 1 and nodes_labels[0] == nodes_labels[-1]:
@@ -208,12 +138,16 @@ def cycle_diagram(labels: list[str]) -> Diagram | None:
     n = len(nodes_labels)
     if n == 0 or n > MAX_CYCLE_NODES:
         return None
-    nw, nh = 230.0, 58.0
+    nw = 230.0
+    # Every word of a label stays in its box (the function a thread waits in is its last words): the
+    # box grows a line at a time instead of cutting the label.
+    wrapped = [_wrap(label, max_lines=_NODE_LINES) for label in nodes_labels]
+    nh = max(58.0, 18.0 + 14.0 * max(len(lines) for lines in wrapped))
     if n <= 2:
-        width, height = 760, 250
-        centers = [(150.0, 125.0), (610.0, 125.0)][:n]
+        width, height = 760, int(192 + nh)
+        centers = [(150.0, height / 2), (610.0, height / 2)][:n]
     else:
-        radius = 95.0 + 16.0 * n
+        radius = 95.0 + 16.0 * n + (nh - 58.0) / 2
         ring = [(radius * math.sin(2 * math.pi * i / n), -radius * math.cos(2 * math.pi * i / n))
                 for i in range(n)]
         # Crop to the nodes (plus room for bent edges): a triangle leaves the bottom of its circle empty.
@@ -224,10 +158,10 @@ def cycle_diagram(labels: list[str]) -> Diagram | None:
         height = int(max(y for _, y in ring) + nh / 2 + pad - min_y)
         centers = [(x - min_x, y - min_y) for x, y in ring]
     diagram = Diagram(width=width, height=height)
-    for (x, y), label in zip(centers, nodes_labels, strict=True):
+    for (x, y), label, lines in zip(centers, nodes_labels, wrapped, strict=True):
         gil = _is_gil(label)
         w = 120.0 if gil else nw
-        diagram.nodes.append(DiagramNode(x=x - w / 2, y=y - nh / 2, w=w, h=nh, lines=_wrap(label),
+        diagram.nodes.append(DiagramNode(x=x - w / 2, y=y - nh / 2, w=w, h=nh, lines=lines,
                                          title=label, kind="gil" if gil else "thread"))
     if n == 1:
         x, y = centers[0]
@@ -339,61 +273,6 @@ def _nice_step(raw: float) -> float:
 
 # ---------------------------------------------------------------- processes, threads, raw files
 
-def _evidence_index(evidence: list[EvidenceItem]) -> dict[tuple[int, int], list[EvidenceItem]]:
-    index: dict[tuple[int, int], list[EvidenceItem]] = {}
-    for item in evidence:
-        index.setdefault((item.pid, item.tid), []).append(item)
-    return index
-
-
-def _thread_view(proc: ProcessEvidence, th: ThreadEvidence,
-                 index: dict[tuple[int, int], list[EvidenceItem]]) -> dict[str, Any]:
-    items = index.get((proc.pid, th.tid), [])
-    keys = key_positions(th.frames, items)   # only the frames the rule rests on, as the analyzer said
-    frames = [{"text": clean_text(format_frame(f)), "kind": f.kind, "source": clean_text(f.source or ""),
-               "key": i in keys} for i, f in enumerate(th.frames)]
-    return {
-        "tid": th.tid,
-        "name": clean_text(th.name or ""),
-        "state": th.state.value,
-        "wchan": th.wchan,
-        "gil": th.gil.value,
-        "in_gil_struct": th.in_gil_struct,
-        "syscall": th.syscall,
-        "cpu_ticks_delta": th.cpu_ticks_delta,
-        "kernel_stack": [clean_text(k) for k in th.kernel_stack],
-        "frames": frames,
-        "by_tool": [(tool, [clean_text(format_frame(f)) for f in fs]) for tool, fs in th.frames_by_tool.items()],
-        "cited": bool(items),
-        "roles": [item.role for item in items],
-    }
-
-
-_ROLE_ORDER = {ProcessRole.ENGINE_CORE: 0, ProcessRole.WORKER: 1, ProcessRole.API_SERVER: 2, ProcessRole.OTHER: 3}
-
-
-def processes_view(bundle: Bundle | None, report: Report) -> list[dict[str, Any]]:
-    if bundle is None:
-        return []
-    index = _evidence_index(report.verdict.evidence)
-    out: list[dict[str, Any]] = []
-    for proc in bundle.processes:
-        threads = [_thread_view(proc, th, index) for th in proc.threads]
-        threads.sort(key=lambda t: not t["cited"])  # stable: cited threads first, else capture order
-        out.append({
-            "pid": proc.pid, "ppid": proc.ppid, "role": proc.role.value, "engine": proc.engine,
-            "comm": proc.comm, "cmdline": clean_text(shlex.join(proc.cmdline)) if proc.cmdline else "",
-            "state": proc.state.value, "wchan": proc.wchan, "cpu_percent": proc.cpu_percent,
-            "alive": proc.alive, "python_version": proc.python_version, "exe": proc.exe,
-            "tools": [t.model_dump(mode="json") for t in proc.tools],
-            "threads": threads,
-            "cited": any(t["cited"] for t in threads),
-            "_order": _ROLE_ORDER.get(proc.role, 9),
-        })
-    out.sort(key=lambda p: (not p["cited"], p["_order"]))
-    return out
-
-
 def _read_capped(path: Path, cap: int) -> tuple[str, int, bool]:
     """Text of ``path`` (head and tail when larger than ``cap``), its size, and whether it was cut."""
     size = path.stat().st_size
@@ -480,64 +359,6 @@ def bundle_href(rel: str | None, bundle_path: str | None) -> str | None:
     return quote(f"{base}/{'/'.join(parts)}" if base else "/".join(parts), safe="/")
 
 
-# ---------------------------------------------------------------- A/B
-
-_SIDE_BUNDLE = re.compile(r"^(?:\.\./)?[A-Za-z0-9_.-]+/bundle/?$")
-
-
-def _page_href(path: str | None, base: str) -> str | None:
-    """A link to ``path`` (relative to the A/B output folder ``base``, as seen from the page)."""
-    if not path or path.startswith(("/", "\\")) or ":" in path.split("/", 1)[0]:
-        return None
-    if ".." in PurePosixPath(path).parts:
-        return None
-    return quote(posixpath.normpath(posixpath.join(base, path)) if base else path, safe="/")
-
-
-def ab_view(report: Report) -> dict[str, Any] | None:
-    """Both runs of ``kvdiag ab`` side by side, from the stored comparison (``report.ab``).
-
-    Each side's verdict, summary, exit code, engines and report/bundle paths; per-engine verdicts
-    come from ``verdicts_by_engine`` keyed "side/engine", else from the side's verdict when that
-    names the engine.
-    """
-    ab = report.ab
-    if ab is None:
-        return None
-    # The A/B output folder as seen from the page: the folder holding the A/B bundle.
-    base = posixpath.dirname((report.bundle_path or "bundle").replace("\\", "/").rstrip("/"))
-    sides: list[dict[str, Any]] = []
-    for label, side in (("stock", ab.stock), ("fixed", ab.fixed)):
-        side_verdict = report.verdicts_by_engine.get(label)
-        engines: list[dict[str, Any]] = []
-        for name, info in side.engines.items():
-            own = report.verdicts_by_engine.get(f"{label}/{name}")
-            if own is not None:
-                kind: str | None = own.kind.value
-            elif side_verdict is not None and side_verdict.engine == name:
-                kind = side_verdict.kind.value
-            elif side_verdict is not None and side_verdict.kind.value == "healthy":
-                kind = "healthy"  # a healthy run: every engine in it is
-            else:
-                kind = None
-            engines.append({"name": name, "phase": info.phase.value, "healthy": info.healthy,
-                            "startup_s": info.startup_s, "verdict": kind})
-        report_rel = side.report or f"{label}/report.html"
-        if _SIDE_BUNDLE.match(side.bundle):
-            # stored relative to the A/B bundle folder ("../stock/bundle")
-            bundle_rel = posixpath.normpath(posixpath.join("bundle", side.bundle))
-        else:
-            bundle_rel = posixpath.join(posixpath.dirname(report_rel), "bundle")
-        sides.append({
-            "label": label, "verdict": side.verdict.value, "summary": side.summary, "exit_code": side.exit_code,
-            "report": report_rel, "report_href": _page_href(report_rel, base),
-            "bundle": bundle_rel, "bundle_href": _page_href(bundle_rel + "/bundle.json", base),
-            "engines": engines,
-        })
-    return {"separated": ab.separated, "sides": sides, "base": base,
-            "title": "A/B separated" if ab.separated else "A/B did not separate"}
-
-
 # ---------------------------------------------------------------- page
 
 def _env() -> jinja2.Environment:
@@ -561,15 +382,15 @@ def _fmt_num(value: object, digits: int = 2) -> str:
     return str(value)
 
 
-def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> str:
-    """Render the self-contained HTML page for ``report``.
+def render_html(report: Report | ReportView, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> str:
+    """Render the self-contained HTML page of a view (or of ``report`` with ``bundle``'s stacks).
 
-    ``bundle`` adds per-process, per-thread stacks (the evidence's key frames highlighted);
-    ``bundle_dir`` adds the raw tool outputs and logs found in it.
+    The view's stacks carry the evidence's key frames highlighted; ``bundle_dir`` adds the raw tool
+    outputs and logs found in it.
     """
-    safe_bundle = bundle   # redacted where its data entered (bundle writer / loader / write_outputs)
+    view = as_view(report, bundle)
+    report, safe_bundle, ab = view.report, view.bundle, view.ab   # redacted where its data entered
     data = report_dict(report)
-    ab = ab_view(report)
 
     def link(rel: str | None) -> str | None:
         """A link into the bundle folder; none to a file the folder does not hold."""
@@ -587,7 +408,7 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
         side = next((x for x in ab["sides"] if name.startswith(f"{x['label']}/")), None)
         if side is None or not rel:
             return None
-        return _page_href(f"{side['bundle']}/{rel}", str(ab["base"]))
+        return page_href(f"{side['bundle']}/{rel}", str(ab["base"]))
 
     script = (TEMPLATES / "report.js").read_text(encoding="utf-8")
     digest = base64.b64encode(hashlib.sha256(script.encode("utf-8")).digest()).decode("ascii")
@@ -599,8 +420,11 @@ def render_html(report: Report, bundle: Bundle | None = None, bundle_dir: Path |
         kind=report.verdict.kind.value,
         hang=report.verdict.kind.is_hang,
         diagram=cycle_diagram(report.verdict.cycle),
+        chain=view.chain,
         timeline=timeline_diagram(report),
-        processes=processes_view(safe_bundle, report),
+        processes=view.processes,
+        evidence=view.evidence,
+        has_key_frames=view.has_key_frames,
         # An A/B bundle holds no raw files of its own (each run's bundle does): list only what is here.
         raw=[item for item in raw_outputs(safe_bundle, bundle_dir) if ab is None or item["text"] is not None],
         have_bundle=safe_bundle is not None,

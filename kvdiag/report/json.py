@@ -1,8 +1,9 @@
-"""Build the :class:`Report` (report.json) from a bundle and its verdict.
+"""Build the :class:`Report` (report.json) from a bundle and its stored diagnosis.
 
-The report is the user-facing contract (schema/report.schema.json): every
-other renderer (HTML, Markdown, terminal) reads it, never the raw bundle
-alone. Its inputs were redacted where they entered (the bundle writer or loader, write_outputs).
+The report is the user-facing contract (schema/report.schema.json, generated from the models by
+:mod:`kvdiag.report.schema`): every other renderer reads it through the view
+(:mod:`kvdiag.report.view`). Its inputs were redacted where they entered (the bundle writer or loader,
+the report stage).
 """
 
 from __future__ import annotations
@@ -11,11 +12,12 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.analyze.health import engine_health
+from kvdiag.analyze.engines import judge_engines
 from kvdiag.model import (
     ABComparison,
-    BannerRisk,
     Bundle,
+    Diagnosis,
+    EngineJudgement,
     EnginePids,
     EngineRecord,
     Finding,
@@ -24,31 +26,22 @@ from kvdiag.model import (
     ReportEngine,
     Verdict,
 )
-from kvdiag.watch.banner import assess_risk_for
+from kvdiag.report.view import ReportView
 
 
-def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> ReportEngine:
-    """One ``report.engines[]`` item: the record plus banner risk and the engine's own verdict."""
-    risks = [assess_risk_for(b, rec.allocator) for b in rec.banners]
-    banners = [ReportBanner(**banner.model_dump(), risk=risk) for banner, risk in zip(rec.banners, risks, strict=True)]
-    banner_risk: BannerRisk | None = None
-    if risks:
-        reasons: list[str] = []
-        for risk in risks:
-            reasons.extend(r for r in risk.reasons if r not in reasons)
-        banner_risk = BannerRisk(risky=any(r.risky for r in risks),
-                                 pages_per_layer=min(r.pages_per_layer for r in risks), reasons=reasons)
-    health = engine_health(rec, verdict)
+def engine_entry(rec: EngineRecord, verdict: Verdict | None, judged: EngineJudgement | None) -> ReportEngine:
+    """One ``report.engines[]`` item: the record, its own verdict, and the health line and banner risks the
+    diagnosis stored for it (``judged``; None: a diagnosis without them, shown unjudged)."""
+    risks = judged.banner_risks if judged is not None and len(judged.banner_risks) == len(rec.banners) else None
+    banners = [] if risks is None else [ReportBanner(**banner.model_dump(), risk=risk)
+                                        for banner, risk in zip(rec.banners, risks, strict=True)]
     return ReportEngine(
         name=rec.name,
         allocator=rec.allocator,
         phase=rec.phase,
-        # Healthy means the engine's verdict is healthy (kvdiag.analyze.health): a stalled engine is
-        # not, even when its /health still answers (vLLM's /health does not see a decode stall);
-        # what /health said is kept apart and named in the health line.
-        healthy=health.healthy,
-        health=health.line,
-        health_note=health.note,
+        healthy=judged.healthy if judged is not None else False,
+        health=judged.health if judged is not None else "",
+        health_note=judged.health_note if judged is not None else None,
         health_endpoint_ok=rec.healthy,
         url=rec.url,
         exit_code=rec.exit_code,
@@ -56,7 +49,7 @@ def engine_entry(rec: EngineRecord, verdict: Verdict | None = None) -> ReportEng
         startup_s=rec.startup_s,
         banner=rec.banners[0].model_copy(deep=True) if rec.banners else None,
         banners=banners,
-        banner_risk=banner_risk,
+        banner_risk=judged.banner_risk if judged is not None else None,
         last_log_line=rec.last_log_line,
         log_path=rec.log_path,
         log_tail=list(rec.log_tail[-40:]),
@@ -78,24 +71,23 @@ def _merge_findings(*groups: list[Finding]) -> list[Finding]:
     return out
 
 
-def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
-                 verdicts_by_engine: dict[str, Verdict] | None = None,
-                 ab: ABComparison | None = None, bundle_path: str | None = None) -> Report:
-    """Assemble the (redacted) report for ``bundle`` judged as ``verdict``.
+def report_of(bundle: Bundle, diagnosis: Diagnosis, *, command: str = "", bundle_path: str | None = None) -> Report:
+    """report.json for ``bundle`` and the diagnosis stored with it: every judgement (verdicts, health lines,
+    banner risks, the soak's saturation) is read from them, none is made here.
 
-    Pure: no I/O, no clock (``created_at`` is the bundle's). Works on a partial
-    bundle from an interrupted run: no processes, no engines, empty evidence.
+    Pure: no I/O, no clock (``created_at`` is the bundle's). Works on a partial bundle from an
+    interrupted run: no processes, no engines, empty evidence.
     """
-    by_engine = dict(verdicts_by_engine or {})
-    engines = [engine_entry(e, by_engine.get(e.name)) for e in bundle.engines]
-    report = Report(
+    verdict, by_engine, ab = diagnosis.verdict, dict(diagnosis.verdicts_by_engine), diagnosis.ab
+    judged = {j.name: j for j in diagnosis.engines or []}
+    return Report(
         kvdiag_version=__version__,
         command=command or bundle.command,
         created_at=bundle.created_at,
-        exit_code=exit_code,
+        exit_code=diagnosis.exit_code,
         verdict=verdict,
         verdicts_by_engine=by_engine,
-        engines=engines,
+        engines=[engine_entry(e, by_engine.get(e.name), judged.get(e.name)) for e in bundle.engines],
         timeline=sorted(bundle.timeline, key=lambda e: e.t),
         findings=_merge_findings(bundle.findings, verdict.findings),
         soak=bundle.soak,
@@ -108,8 +100,49 @@ def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: i
         environment=bundle.environment,
         redaction=bundle.redaction.model_copy(deep=True),
         stall_to_verdict_s=bundle.stall_to_verdict_s,
+        outcome=ab.outcome if ab is not None else verdict.kind.value,
+        simulated_engines=simulated_engines(bundle),
     )
-    return report
+
+
+def diagnosis_of(bundle: Bundle, verdict: Verdict, *, exit_code: int,
+                 verdicts_by_engine: dict[str, Verdict] | None = None,
+                 ab: ABComparison | None = None) -> Diagnosis:
+    """A diagnosis from a caller that holds verdicts but no stored diagnosis (a hand-built bundle): the
+    engines' judgements are the stored ones when ``bundle``'s diagnosis holds these verdicts, else
+    judged by kvdiag.analyze, exactly as :func:`kvdiag.analyze.diagnose` stores them."""
+    by_engine = dict(verdicts_by_engine or {})
+    stored = bundle.diagnosis
+    engines = stored.engines if stored is not None and stored.verdicts_by_engine == by_engine else None
+    if engines is None:
+        engines = judge_engines(bundle, by_engine)
+    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=exit_code, ab=ab, engines=engines)
+
+
+def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
+                 verdicts_by_engine: dict[str, Verdict] | None = None,
+                 ab: ABComparison | None = None, bundle_path: str | None = None) -> Report:
+    """The report for ``bundle`` judged as ``verdict`` (see :func:`diagnosis_of`; a run renders
+    :func:`report_of` its stored diagnosis)."""
+    diag = diagnosis_of(bundle, verdict, exit_code=exit_code, verdicts_by_engine=verdicts_by_engine, ab=ab)
+    return report_of(bundle, diag, command=command, bundle_path=bundle_path)
+
+
+def simulated_engines(bundle: Bundle) -> list[str]:
+    """The engines of ``bundle`` that were kvdiag's simulated engines: each record's kind, else (older
+    bundles) the kind its scenario copy gives it (the scenario default is ``sim``)."""
+    declared: dict[str, str] = {}
+    scenario = bundle.scenario if isinstance(bundle.scenario, dict) else {}
+    specs = scenario.get("engines")
+    for spec in specs if isinstance(specs, list) else []:
+        if isinstance(spec, dict) and isinstance(spec.get("name"), str):
+            declared[spec["name"]] = str(spec.get("kind") or "sim")
+    out = []
+    for e in bundle.engines:
+        kind = e.kind or declared.get(e.name) or declared.get(e.name.split("/", 1)[-1])
+        if kind == "sim":
+            out.append(e.name)
+    return out
 
 
 def report_dict(report: Report) -> dict[str, Any]:
@@ -118,6 +151,8 @@ def report_dict(report: Report) -> dict[str, Any]:
     return data
 
 
-def render_json(report: Report) -> str:
-    """report.json text: pretty-printed, stable key order, UTF-8 (not ASCII-escaped)."""
+def render_json(report: Report | ReportView) -> str:
+    """report.json text (of a view's report): pretty-printed, stable key order, UTF-8 (not ASCII-escaped)."""
+    if isinstance(report, ReportView):
+        report = report.report
     return json.dumps(report_dict(report), indent=2, ensure_ascii=False) + "\n"

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import Bundle, EvidenceItem, Report, ReportEngine
-from kvdiag.report.html import ab_view, clean_text, format_frame, key_positions
+from kvdiag.model import Bundle, Report, ReportEngine
+from kvdiag.report.view import EvidenceLines, ReportView, as_view, clean_text
 from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
@@ -42,17 +42,23 @@ def _code(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
-def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
-    """Render the Markdown summary; ``bundle`` adds the stacks of the cited threads."""
+def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -> str:
+    """Render the Markdown summary of a view (or of ``report``; ``bundle`` adds the stacks of the cited
+    threads)."""
+    view = as_view(report, bundle)
+    report = view.report
     v = report.verdict
     out: list[str] = []
-    ab = ab_view(report)
+    ab = view.ab
     if ab is not None:  # the A/B outcome, not the stock side's hang, heads an A/B report
         out.append(f"### kvdiag: {ab['title']} (" + ", ".join(f"{side['label']}: `{side['verdict']}`"
                                                           for side in ab["sides"]) + ")")
     else:
         out.append(f"### kvdiag: `{v.kind.value}` ({v.confidence.value} confidence)")
     out.append("")
+    if report.simulated_engines:
+        out += [f"> **Simulated engines:** {', '.join(_code(n) for n in report.simulated_engines)} ran kvdiag's "
+                "simulated vLLM-shaped engine, not a real vLLM (model names are labels).", ""]
     out.append(f"**{_inline(clean_text(v.summary))}**")
     out.append("")
     facts = [f"command: {_code(report.command)}", f"exit code: {report.exit_code}"]
@@ -81,15 +87,16 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
         out += ["", "**Wait-for cycle** (A → B: A waits for B)", "",
                 _fence([" → ".join(v.cycle + [v.cycle[0]] if v.cycle[0] != v.cycle[-1] else v.cycle)])]
 
-    if v.evidence:
+    if view.evidence:
         out += ["", "#### Evidence"]
-        if any(item.key_frames for item in v.evidence):
+        if view.has_key_frames:
             out += ["", f"`{KEY_MARK.strip()}` marks the frames the verdict rests on."]
-        for item in v.evidence:
+        for ev in view.evidence:
+            item = ev.item
             where = f"pid {item.pid}, tid {item.tid}" + (f", engine {_code(item.engine)}" if item.engine else "")
             out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
             if item.frames:
-                out += ["", _fence(evidence_lines(item))]
+                out += ["", _fence(marked_lines(ev))]
 
     findings = report.findings
     if findings:
@@ -129,7 +136,7 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
             if e.error:
                 out.append(f"- {_cell(e.name)} error: {_code(e.error)}")
 
-    cited = _cited_stacks(report, bundle)
+    cited = _cited_stacks(view)
     if cited:
         out += ["", "<details><summary>Stacks of the cited threads</summary>", ""]
         for title, lines in cited:
@@ -165,12 +172,12 @@ def render_markdown(report: Report, bundle: Bundle | None = None) -> str:
     return "\n".join(out)
 
 
-def evidence_lines(item: EvidenceItem) -> list[str]:
+def marked_lines(ev: EvidenceLines) -> list[str]:
     """The cited frames, the key ones marked; a report without key frames lists them unmarked."""
-    if item.key_frames is None:
-        return list(item.frames)
+    if ev.item.key_frames is None:
+        return [text for text, _ in ev.lines]
     pad = " " * len(KEY_MARK)
-    return [(KEY_MARK if item.is_key(n) else pad) + f for n, f in enumerate(item.frames)]
+    return [(KEY_MARK if mark == "key" else pad) + text for text, mark in ev.lines]
 
 
 def _healthy(e: ReportEngine) -> str:
@@ -185,23 +192,15 @@ def _short(value: object, width: int = 120) -> str | None:
     return text if len(text) <= width else text[: width - 1] + "…"
 
 
-def _cited_stacks(report: Report, bundle: Bundle | None) -> list[tuple[str, list[str]]]:
-    if bundle is None:
-        return []
-    cited = {(item.pid, item.tid): item.role for item in report.verdict.evidence}
+def _cited_stacks(view: ReportView) -> list[tuple[str, list[str]]]:
     out: list[tuple[str, list[str]]] = []
-    for proc in bundle.processes:
-        for th in proc.threads:
-            role = cited.get((proc.pid, th.tid))
-            if role is None or not th.frames:
-                continue
-            items = [i for i in report.verdict.evidence if (i.pid, i.tid) == (proc.pid, th.tid)]
-            keys = key_positions(th.frames, items)
-            pad = " " * len(KEY_MARK) if keys else ""
-            lines = [(KEY_MARK if n in keys else pad) + format_frame(f)
-                     for n, f in enumerate(th.frames[:MAX_THREAD_FRAMES])]
-            if len(th.frames) > MAX_THREAD_FRAMES:
-                lines.append(f"… {len(th.frames) - MAX_THREAD_FRAMES} outer frames")
-            name = f' "{th.name}"' if th.name else ""
-            out.append((f"pid {proc.pid} tid {th.tid}{name} — {role}", list(lines)))
+    for proc, th in view.cited:
+        if not th.frames:
+            continue
+        pad = " " * len(KEY_MARK) if th.has_key_frames else ""
+        lines = [(KEY_MARK if f.key else pad) + f.text for f in th.frames[:MAX_THREAD_FRAMES]]
+        if len(th.frames) > MAX_THREAD_FRAMES:
+            lines.append(f"… {len(th.frames) - MAX_THREAD_FRAMES} outer frames")
+        name = f' "{th.name}"' if th.name else ""
+        out.append((f"pid {proc.pid} tid {th.tid}{name} — {th.roles[-1]}", lines))
     return out

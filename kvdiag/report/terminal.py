@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdiag.model import Report, VerdictKind
+from kvdiag.report.view import ReportView, as_view
 
 KEY_FRAMES = 8
 _DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
@@ -26,21 +27,37 @@ def _kind_style(kind: str) -> str:
     return _KIND_STYLE.get(kind, "bold red")
 
 
-def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] | None = None) -> None:
-    """Print the verdict, cited threads with their key frames, engines, findings and report files."""
+def render_terminal(report: Report | ReportView, console: Console, paths: Mapping[str, Path] | None = None,
+                    *, files: bool = True) -> None:
+    """Print the verdict, cited threads with their key frames, engines, findings and (``files``) where the
+    report files are."""
+    view = as_view(report)
+    report = view.report
     v = report.verdict
     kind = v.kind.value
     head = Text()
-    head.append("verdict: ", style="bold")
-    head.append(kind, style=_kind_style(kind))
-    head.append(f"  ({v.confidence.value} confidence)", style="dim")
-    if v.engine:
-        head.append("  engine ", style="dim")
-        head.append(v.engine, style="bold")
+    if report.ab is not None:
+        # An A/B's one outcome is the comparison; the stock side's verdict is its evidence.
+        style = "bold green" if report.ab.separated else "bold red"
+        head.append(report.ab.headline(), style=style)
+        head.append(f"  exit {report.exit_code}", style="dim")
+    else:
+        style = _kind_style(kind)
+        head.append("verdict: ", style="bold")
+        head.append(kind, style=style)
+        head.append(f"  ({v.confidence.value} confidence)", style="dim")
+        if v.engine:
+            head.append("  engine ", style="dim")
+            head.append(v.engine, style="bold")
     # Plain lines, not a Panel: callers print with soft_wrap, which would crop text inside a box.
-    console.rule(Text("kvdiag", style="bold"), style=_kind_style(kind).split()[-1])
+    console.rule(Text("kvdiag", style="bold"), style=style.split()[-1])
     console.print(head)
+    if report.simulated_engines:
+        console.print(Text(f"simulated engines: {', '.join(report.simulated_engines)} (kvdiag's simulated "
+                           "vLLM-shaped engine, not a real vLLM)", style="yellow"))
     console.print(Text(v.summary))
+    if report.ab is not None and v.evidence:
+        console.print(Text(f"the stock side's verdict: {kind} ({v.confidence.value} confidence)", style="bold"))
     if v.confidence_reasons:
         console.print(Text(f"confidence {v.confidence.value}: " + "; ".join(v.confidence_reasons), style="dim"))
     if v.signature:
@@ -60,7 +77,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
             cycle.append(cycle[0])
         console.print(Text("cycle: " + " → ".join(cycle), style="red" if v.kind.is_hang else ""))
 
-    for item in v.evidence:
+    for ev in view.evidence:
+        item = ev.item
         title = Text()
         title.append(f"pid {item.pid} tid {item.tid}", style="bold")
         if item.engine:
@@ -68,21 +86,24 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         title.append("  " + item.role, style="cyan")
         console.print(title)
         # The frames the rule rests on in bold (always shown), the rest of the citation dimmed.
-        shown = [n for n in range(len(item.frames)) if n < KEY_FRAMES or item.is_key(n)]
-        for n in shown:
-            if item.key_frames is None:
-                console.print(Text("    " + item.frames[n]))
-            elif item.is_key(n):
-                console.print(Text("  → " + item.frames[n], style="bold"))
+        shown = [(n, text, mark) for n, (text, mark) in enumerate(ev.lines) if n < KEY_FRAMES or mark == "key"]
+        for _, text, mark in shown:
+            if mark is None:
+                console.print(Text("    " + text))
+            elif mark == "key":
+                console.print(Text("  → " + text, style="bold"))
             else:
-                console.print(Text("    " + item.frames[n], style="dim"))
-        if len(item.frames) > len(shown):
-            console.print(Text(f"    … {len(item.frames) - len(shown)} more frames", style="dim"))
+                console.print(Text("    " + text, style="dim"))
+        if len(ev.lines) > len(shown):
+            console.print(Text(f"    … {len(ev.lines) - len(shown)} more frames", style="dim"))
 
     if report.engines:
-        table = Table(title="engines", title_justify="left", show_edge=False, pad_edge=False)
-        for col in ("engine", "allocator", "phase", "healthy", "verdict", "engine_core", "banner"):
-            table.add_column(col, overflow="fold")
+        # Identifiers (names, kinds, pids) are never broken across lines, at any width: only the
+        # health sentence wraps, at its spaces. No column rules, so seven columns fit in 80.
+        table = Table(title="engines", title_justify="left", box=None, pad_edge=False, header_style="bold")
+        for col in ("engine", "allocator", "phase", "healthy", "verdict", "EngineCore", "banner"):
+            table.add_column(col, no_wrap=col != "healthy", overflow="ellipsis" if col == "healthy" else "crop",
+                             min_width=8 if col == "healthy" else None)
         for e in report.engines:
             if e.banner_risk is not None:
                 risk_text = Text("RISK", style="bold red") if e.banner_risk.risky else Text("ok", style="green")
@@ -118,6 +139,8 @@ def render_terminal(report: Report, console: Console, paths: Mapping[str, Path] 
         if env.ptrace.problem:
             console.print(Text(f"  ptrace: {env.ptrace.problem}; fix: {env.ptrace.fix}", style="yellow"))
 
+    if not files:
+        return
     if paths:
         for name, path in paths.items():
             console.print(Text(f"  {name}: {path}"))

@@ -99,16 +99,64 @@ def _raise(msg: str, file: str, line: int | None, field: str | None) -> Scenario
     raise ScenarioError(msg, file, line, field)
 
 
+def field_line(text: str, loc: Loc) -> int | None:
+    """The 1-based line of field ``loc`` (``("engines", 0, "model")``) in scenario ``text``, or of the
+    nearest enclosing field that is written there (a field left to its default has no line of its own)."""
+    try:
+        node = yaml.compose(text, Loader=yaml.SafeLoader)
+        lines: dict[Loc, int] = {}
+        if node is not None:
+            _to_python(node, (), lines, "<scenario>")
+    except (yaml.YAMLError, ScenarioError):
+        return None
+    return _line_for(loc, lines)
+
+
+# The repository's scenarios/*.yaml travel in the package (CMakeLists.txt installs them here), so the
+# names the README uses work from an installed wheel too; a checkout has them beside the package.
+SHIPPED_DIR = "shipped"
+DEFAULT_NAMES = ("default", "two-engine")
+
+
+def shipped_scenarios() -> dict[str, Path]:
+    """Scenario name (file stem) → file, of the scenarios that come with kvdiag."""
+    found: dict[str, Path] = {}
+    here = Path(__file__).resolve().parent
+    for folder in (here.parents[1] / "scenarios", here / SHIPPED_DIR):
+        if folder.is_dir():
+            for f in sorted(folder.glob("*.yaml")):
+                found.setdefault(f.stem, f)
+    return found
+
+
+def _shipped(path: Path) -> Path | None:
+    """The shipped scenario a missing ``path`` names: `two-engine`, `two-engine.yaml` or
+    `scenarios/two-engine.yaml` (as the README writes it, from any folder)."""
+    parent = path.parent.as_posix()
+    if parent not in (".", "scenarios") or path.suffix not in ("", ".yaml"):
+        return None
+    return shipped_scenarios().get(path.name.removesuffix(".yaml"))
+
+
 def load_scenario(path: Path | None) -> tuple[Scenario, str, str]:
-    """Load a scenario file, or the embedded default. Returns (scenario, source name, text)."""
+    """Load a scenario file, a shipped scenario by name, or the embedded default (``None``, `default`,
+    `two-engine`). Returns (scenario, source name, text)."""
+    if path is not None and not path.exists() and str(path) in DEFAULT_NAMES:
+        path = None
     if path is None:
         text = resources.files("kvdiag.scenario").joinpath("builtin", DEFAULT_SCENARIO).read_text("utf-8")
         name = f"<builtin>/{DEFAULT_SCENARIO}"
     else:
+        if not path.exists():
+            shipped = _shipped(path)
+            if shipped is not None:
+                path = shipped
         try:
             text = path.read_text(encoding="utf-8")
         except FileNotFoundError:
-            raise ScenarioError("file not found", str(path)) from None
+            names = ", ".join(sorted(shipped_scenarios())) or "none found"
+            raise ScenarioError("file not found", str(path),
+                                hint=f"a file, or one of the shipped scenarios by name: {names}") from None
         except (OSError, UnicodeDecodeError) as exc:
             raise ScenarioError(f"cannot read: {exc}", str(path)) from None
         name = str(path)

@@ -146,6 +146,18 @@ class CaptureSpec(_Strict):
     when: Literal["stall", "always", "never"] = "stall"   # ("on" would parse as a YAML boolean)
 
 
+class ServeSpec(_Strict):
+    """After every engine is ready, serve requests for a while (hangs that come while serving).
+
+    Each ready engine gets one request after another (non-streaming completions of ``max_tokens``);
+    the first answer is its warm-up (bounded by ``windows.startup_timeout_s``), then a request in
+    flight with no answer for ``windows.stall_s`` is a stall, captured like a start-up stall.
+    """
+
+    duration_s: float = Field(20.0, gt=0, le=3600)     # how long to serve once every engine answered
+    max_tokens: int = Field(16, ge=1, le=4096)
+
+
 class DeviceSpec(_Strict):
     """The modelled device shared by co-located simulated engines."""
 
@@ -160,6 +172,7 @@ class Scenario(_Strict):
     windows: Windows = Field(default_factory=Windows)
     capture: CaptureSpec = Field(default_factory=CaptureSpec)
     device: DeviceSpec = Field(default_factory=DeviceSpec)
+    serve: ServeSpec | None = None
 
     @model_validator(mode="after")
     def _references(self) -> Scenario:

@@ -19,6 +19,12 @@ for real in the GIL cycle of kvcached issue #371; with the fixed one the engine 
 ``KVDIAG_VLLM_STALL_AFTER_S=T`` (optional) injects that same start-up path once, T seconds into
 serving, on the EngineCore main thread: a runtime stall whose cause is known.
 
+With ``KVDIAG_VLLM_HANG_RANK=R`` as well, the stall goes into one worker instead: the worker of rank R
+(tensor-parallel rank R of a TP-only engine) builds the stock engine-2 pool on its main thread in the
+first forward pass at least T seconds after its first one (which compiles kernels), and hangs there in the same GIL
+cycle; the other ranks then wait for it in their next collective, and the EngineCore waits for the
+answering rank on vLLM's shared-memory ring. The EngineCore itself does not stall then.
+
 Only the standard library, vLLM and kvdiag.allocator are imported here (this runs inside the
 engine; none of kvdiag's pipeline stages belong in it).
 """
@@ -35,6 +41,8 @@ import time
 from typing import Any
 
 ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
+STALL_ENV = "KVDIAG_VLLM_STALL_AFTER_S"
+HANG_RANK_ENV = "KVDIAG_VLLM_HANG_RANK"
 MB = 1024 * 1024
 GB = 1024 * MB
 
@@ -56,11 +64,40 @@ def _in_engine_core() -> bool:
         return False
 
 
+def _worker_rank() -> int | None:
+    """The executor rank of this process when it is a vLLM worker (multiprocessing name ``VllmWorker-R``:
+    the plugin loads before the worker sets its title)."""
+    name = multiprocessing.current_process().name
+    if name.startswith("VllmWorker-"):
+        try:
+            return int(name.rsplit("-", 1)[1])
+        except ValueError:
+            return None
+    return None
+
+
+def _hang_rank() -> int | None:
+    text = os.environ.get(HANG_RANK_ENV, "").strip()
+    try:
+        return int(text) if text else None
+    except ValueError:
+        return None
+
+
 def register() -> None:
-    """vLLM's plugin entry point: patch the block pool in the EngineCore when enabled."""
+    """vLLM's plugin entry point: patch the block pool in the EngineCore when enabled; in the worker of
+    rank ``KVDIAG_VLLM_HANG_RANK``, arm the injected stall."""
     global _installed
     kind = os.environ.get(ENABLE_ENV, "").strip().lower()
-    if kind not in ("stock", "fixed") or _installed or not _in_engine_core():
+    if kind not in ("stock", "fixed") or _installed:
+        return
+    rank = _worker_rank()
+    if rank is not None:
+        if rank == _hang_rank() and os.environ.get(STALL_ENV):
+            _arm_worker_stall(rank, float(os.environ[STALL_ENV]))
+            _installed = True
+        return
+    if not _in_engine_core():
         return
     from vllm.v1.core import block_pool
 
@@ -197,7 +234,8 @@ def _patch(cls: Any, kind: str) -> None:
     orig_touch = cls.touch
     layers = int(_env("KVDIAG_VLLM_LAYERS", "28"))
     per_layer = int(float(_env("KVDIAG_VLLM_KV_PER_LAYER_MB", "11")) * MB)
-    stall_after = os.environ.get("KVDIAG_VLLM_STALL_AFTER_S")
+    # With a hang rank the stall goes into that worker (see _arm_worker_stall), not here.
+    stall_after = os.environ.get(STALL_ENV) if _hang_rank() is None else None
     state: dict[str, float | bool] = {"ready_t": 0.0, "stalled": False}
 
     def __init__(self: Any, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
@@ -256,4 +294,35 @@ def _patch(cls: Any, kind: str) -> None:
     cls.free_blocks = free_blocks
 
 
-__all__ = ["ENABLE_ENV", "PoolBacking", "build_allocator", "register", "take_null_block"]
+def _arm_worker_stall(rank: int, after_s: float) -> None:
+    """Make this worker's first forward pass ``after_s`` seconds after its first one (the worker is warm and
+    serving: the first pass compiles kernels) build a stock engine-2 pool on the worker's main thread: the
+    GIL cycle, inside vLLM's ``Worker.execute_model``."""
+    from vllm.v1.worker import gpu_worker
+
+    cls = gpu_worker.Worker
+    orig_execute = cls.execute_model
+    state: dict[str, float | bool] = {"served_t": 0.0, "stalled": False}
+
+    def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
+        forward = getattr(scheduler_output, "total_num_scheduled_tokens", 0) > 0
+        served = float(state["served_t"])
+        if forward and served and not state["stalled"] and time.monotonic() - served >= after_s:
+            state["stalled"] = True
+            _log.warning("kvdiag plugin: %s=%g %s=%d: growing the pool by a stock engine-2 pool on worker rank "
+                         "%d's main thread now (pid %d)", STALL_ENV, after_s, HANG_RANK_ENV, rank, rank, os.getpid())
+            for h in logging.getLogger("vllm").handlers:
+                h.flush()
+            extra = build_allocator("stock", 28, 11 * MB, ipc_suffix=f"_RANK{rank}")
+            take_null_block(extra)
+        out = orig_execute(self, scheduler_output, *args, **kwargs)
+        if forward and not served:
+            state["served_t"] = time.monotonic()
+        return out
+
+    cls.execute_model = execute_model
+    _log.info("kvdiag plugin: worker rank %d will stall in its first forward pass %gs after its first one (pid %d)",
+              rank, after_s, os.getpid())
+
+
+__all__ = ["ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "PoolBacking", "build_allocator", "register", "take_null_block"]

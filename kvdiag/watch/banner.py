@@ -129,6 +129,17 @@ def assess_risk(banner: BannerInfo, gpu_utilization: float | None = None,
     return BannerRisk(risky=bool(reasons), pages_per_layer=pages, reasons=reasons)
 
 
+def load_risk(banner: BannerInfo) -> str | None:
+    """The deadlock a banner leaves open once the engine serves: with prealloc on, a kvcached without
+    the #422 fix hangs in the same GIL cycle whenever load empties the free list (a KV pool filled up:
+    the runtime stall), whatever the pool's size. None: prealloc off (no prealloc worker)."""
+    if not banner.enable_prealloc:
+        return None
+    return (f"prealloc is on: when load fills the KV pool ({pages_per_layer(banner)} page(s) per layer), "
+            "alloc_page waits with the GIL held while the prealloc worker needs it (kvcached #371 at runtime); "
+            "only a kvcached with the #422 fix is safe")
+
+
 def assess_risk_for(banner: BannerInfo, allocator: str | None) -> BannerRisk:
     """:func:`assess_risk` for an engine running ``allocator``: the deadlock the banner predicts is the
     stock allocator's (alloc_page waits holding the GIL); the fixed one waits without it, so for a

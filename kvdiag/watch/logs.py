@@ -19,7 +19,9 @@ _UVICORN_PID = re.compile(r"Started server process \[(?P<pid>\d+)\]")
 
 # (phase, pattern) in startup order; a later phase never moves the tracker back.
 _PHASE_PATTERNS: list[tuple[EnginePhase, re.Pattern[str]]] = [
-    (EnginePhase.LOADING, re.compile(r"Starting to load model|Loading weights|Loading safetensors|load model")),
+    # vLLM's wording, and a loader's generic progress ("loading shard 17/40", "Loading checkpoint shards").
+    (EnginePhase.LOADING, re.compile(r"Starting to load model|Loading weights|Loading safetensors|load model|"
+                                     r"[Ll]oading (?:\w+ )?(?:shards?|checkpoints?|weights)\b")),
     (EnginePhase.PROFILING, re.compile(r"[Pp]rofil|determine_available_memory|Memory profiling")),
     (EnginePhase.KV_INIT,
      re.compile(r"KV cache size|Available KV cache memory|init engine \(profile, create kv cache")),

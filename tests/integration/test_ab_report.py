@@ -153,3 +153,18 @@ def test_ab_engines_keep_their_field_names_and_older_bundles_still_load(ab_run: 
         del doc["ab"][label]["bundle"]    # type: ignore[index]
     view = ab_view(Report.model_validate(doc))
     assert view is not None and [s["bundle"] for s in view["sides"]] == ["stock/bundle", "fixed/bundle"]
+
+
+def test_one_outcome_everywhere_analyze_report_json_and_pages(ab_run: Path) -> None:
+    # The A/B's outcome (and ab's exit code), never the stock side's gil_cycle as the run's verdict.
+    analyzed = run_kvdiag("analyze", str(ab_run), timeout=120)
+    assert analyzed.returncode == 0, analyzed.stderr
+    assert analyzed.stdout.splitlines()[0] == "outcome: A/B separated (stock: gil_cycle, fixed: healthy)"
+    rendered = run_kvdiag("report", str(ab_run), timeout=120)
+    assert rendered.returncode == 0, rendered.stderr
+    assert "A/B separated (stock: gil_cycle, fixed: healthy)  exit 0" in rendered.stdout
+    assert not rendered.stdout.split("\n", 2)[1].startswith("verdict")
+    report = read_report(ab_run)
+    assert (report["outcome"], report["exit_code"]) == ("ab_separated", 0)
+    assert (ab_run / "report.md").read_text().startswith("### kvdiag: A/B separated")
+    assert report["simulated_engines"] == ["stock/coder", "stock/vlm", "fixed/coder", "fixed/vlm"]

@@ -122,3 +122,4 @@ def test_engine_core_of_captures_the_engine_core_not_the_api_server(tmp_path: Pa
     data = json.loads((tmp_path / "run" / "bundle" / "bundle.json").read_text())
     assert [p["pid"] for p in data["processes"]] == [h.pid]
     assert data["processes"][0]["role"] == "engine_core"
+    assert data["command"] == f"capture --engine-core-of {h.root_pid}"      # as the user typed it

@@ -88,11 +88,11 @@ def test_pre_fix_kvcached_on_the_path_is_flagged() -> None:
     assert code == 10, out
     data = json.loads(out)
     assert data["environment"]["kvcached"]["verdict"] == "pre_fix"
-    build = next(c for c in rows(out) if c["check"] == "prefix_build")
+    build = next(c for c in rows(out) if c["check"] == "allocator_build")
     assert "#371" in (build["upstream"] or "") and "0.1.6" in build["fix"]
     code, out = doctor("--json", env={"PYTHONPATH": str(FIXTURES / "kvcached_postfix")})
     assert json.loads(out)["environment"]["kvcached"]["verdict"] == "fixed"
-    assert not [c for c in rows(out) if c["check"] == "prefix_build"]
+    assert not [c for c in rows(out) if c["check"] == "allocator_build"]
 
 
 def test_usage_errors_exit_2() -> None:
@@ -131,3 +131,15 @@ def test_refused_capture_is_a_warning_with_its_fix() -> None:
     # a warning, not a hang risk: it alone does not make doctor exit 10
     env.kvcached = fingerprint_tree(FIXTURES / "kvcached_postfix")
     assert not [c for c in doctor_checks(env) if c.status is RiskStatus.RISK]
+
+
+def test_vllm_engines_pools_are_judged_like_simulated_ones() -> None:
+    # kind: vllm with kvdiag's plugin: the pool (vllm.pool), the co-location and the stock allocator
+    # are the same risks as on simulated engines; `repro` on this file hangs in the GIL cycle.
+    code, out = doctor("--scenario", "scenarios/two-engine-vllm-cpu.yaml", "--json")
+    assert code == 10, out
+    risks = {(c["check"], c["subject"]) for c in rows(out)}
+    assert ("prealloc_pool", "engine vlm") in risks
+    assert ("allocator_build", "engine vlm") in risks
+    assert any(check == "colocation" for check, _ in risks)
+    assert ("prealloc_pool", "engine coder") not in risks     # 283 MB / 2 MB pages: a big pool

@@ -88,7 +88,7 @@ def test_doctor_judges_the_scenario_engines_kvcached(engine_venv: Path, tmp_path
     assert ip["engines"] == ["vlm"] and ip["python"] == str(engine_venv / "bin" / "python")
     assert ip["kvcached"]["verdict"] == "pre_fix"
     assert data["environment"]["kvcached"]["installed"] is False
-    rows = {c["subject"]: c for c in data["checks"] if c["check"] == "prefix_build"}
+    rows = {c["subject"]: c for c in data["checks"] if c["check"] == "allocator_build"}
     engine_row = rows[f"kvcached of engine vlm ({engine_venv / 'bin' / 'python'})"]
     assert engine_row["status"] == "risk" and "#371" in (engine_row["upstream"] or "")
     assert rows["installed kvcached"]["status"] == "n/a"

@@ -75,9 +75,9 @@ def test_a_stopped_engine_core_is_named_and_the_watch_goes_on(tmp_path: Path) ->
                 # left as found: still stopped by us, traced by nobody
                 assert _state(core) == "T" and _tracer(core) == 0
                 metrics = httpx.get(f"http://127.0.0.1:{start['metrics_port']}/metrics", timeout=5).text
-                engine = f'engine="127.0.0.1:{sp.port}"'
-                assert f'kvdiag_watch_stalls_total{{{engine},kind="stopped"}} 1.0' in metrics
-                assert f'kvdiag_watch_last_verdict{{{engine},kind="stopped"}} 1.0' in metrics
+                engine = f'engine="127.0.0.1:{sp.port}",kind="stopped"'
+                assert f"kvdiag_watch_stalls_total{{{engine}}} 1.0" in metrics
+                assert f"kvdiag_watch_last_verdict{{{engine}}} 1.0" in metrics
             finally:
                 os.kill(core, signal.SIGCONT)
             recovered = w.wait_event("recovered", 20)

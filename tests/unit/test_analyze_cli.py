@@ -41,4 +41,4 @@ def test_analyze_healthy_bundle_exits_0() -> None:
 
 def test_analyze_missing_bundle_is_a_usage_error(tmp_path: Path) -> None:
     code, out = run("analyze", str(tmp_path / "nothing-here"))
-    assert code == 2 and "no bundle.json" in out and "Traceback" not in out
+    assert code == 2 and "no such file or folder" in out and "Traceback" not in out

@@ -1,0 +1,39 @@
+"""Each engine's judgement beside its verdict: the health line and the risk of every banner it printed.
+
+Judged once, where the diagnosis is made, and stored in it (``Diagnosis.engines``): renderers show it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from kvdiag.analyze.health import engine_health
+from kvdiag.model import BannerRisk, Bundle, EngineJudgement, EngineRecord, Verdict
+from kvdiag.watch.banner import assess_risk_for
+
+
+def combined_risk(risks: list[BannerRisk]) -> BannerRisk | None:
+    """All banners' risks as one: risky if any is, the fewest pages per layer, every reason once."""
+    if not risks:
+        return None
+    reasons: list[str] = []
+    for risk in risks:
+        reasons.extend(r for r in risk.reasons if r not in reasons)
+    return BannerRisk(risky=any(r.risky for r in risks), pages_per_layer=min(r.pages_per_layer for r in risks),
+                      reasons=reasons)
+
+
+def judge_engine(rec: EngineRecord, verdict: Verdict | None) -> EngineJudgement:
+    """``rec`` judged with its own verdict (None: no verdict names it)."""
+    risks = [assess_risk_for(b, rec.allocator) for b in rec.banners]
+    health = engine_health(rec, verdict)
+    return EngineJudgement(name=rec.name, healthy=health.healthy, health=health.line, health_note=health.note,
+                           banner_risks=risks, banner_risk=combined_risk(risks))
+
+
+def judge_engines(bundle: Bundle, verdicts_by_engine: Mapping[str, Verdict]) -> list[EngineJudgement]:
+    """Every engine of ``bundle``, in its order, each with the verdict keyed by its name."""
+    return [judge_engine(e, verdicts_by_engine.get(e.name)) for e in bundle.engines]
+
+
+__all__ = ["combined_risk", "judge_engine", "judge_engines"]

@@ -1,0 +1,532 @@
+"""One wait-for graph over every captured thread of every captured process, and the chain to its root.
+
+Pure: reads the bundle only. Each thread's waits become typed edges (kvdiag.model.WaitEdge) with the
+evidence that proves them: a read on a socket or pipe leads to the peer (a pipe's writers), a write
+blocked on a full pipe or socket to its readers, wait4/waitpid to the child, a futex in a MAP_SHARED
+file mapping to every other process mapping that file, a ZMQ call (the thread parks on the socket's
+signaler fd) to the peers of the process's ZMQ I/O thread's connections, a spinning reader of a shared
+ring whose bytes did not move to the ring's other mappers. Each edge also says what the wait is for:
+``work`` (a server or worker waiting for its next request: idle, not stuck), ``reply`` (a client waiting
+for an answer), ``blocked`` (data that cannot be delivered) or ``depends`` (it is as stuck as whoever
+it waits on: a parent on its child, a rank at a barrier, a ring reader).
+
+From every waiter the chain is followed process by process to its root: a process whose own stacks
+show a hang, a thread blocked on a lock or condition only its own (blocked) threads could release, a
+process parked waiting for work, one that runs or whose ring advances, or a cycle. The verdict's
+kind is the root's kind; a reply nobody produces (the chain ends at processes parked waiting for
+work) is a lost message across processes; a cycle of IPC waits is a cross-process wait cycle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from kvdiag.analyze import vocab as v
+from kvdiag.analyze.access import judgeable
+from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
+from kvdiag.analyze.rules import analyze_process, peer_phrase
+from kvdiag.model import (
+    Bundle,
+    Confidence,
+    EdgeEvidence,
+    EdgeKind,
+    EvidenceItem,
+    FdInfo,
+    FrameRef,
+    NodeRef,
+    ProcessEvidence,
+    SharedMapping,
+    Verdict,
+    VerdictKind,
+    WaitChain,
+    WaitEdge,
+    WaitGraphRecord,
+    WaitNode,
+)
+
+_ZMQ_SEND = ("zmq_msg_send", "zmq_send", "zmq_sendmsg", "zmq_sendiov")
+_ZMQ_RECV = ("zmq_msg_recv", "zmq_recv", "zmq_recvmsg", "zmq_recviov")
+_ZMQ_IO_THREAD = "ZMQbg/IO"
+_MAX_CHAIN = 16
+_BLOCKING = frozenset({WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT})
+_WORDS = {
+    EdgeKind.SOCKET_READ: "waits on a socket for", EdgeKind.PIPE_READ: "waits on a pipe for",
+    EdgeKind.SOCKET_WRITE_FULL: "is blocked writing a full socket to", EdgeKind.PIPE_WRITE_FULL:
+        "is blocked writing a full pipe only drained by", EdgeKind.CHILD_WAIT: "waits (wait4) for its child",
+    EdgeKind.SHARED_FUTEX: "waits on a shared futex that only another mapper can post:",
+    EdgeKind.SHM_RING: "spins on a shared-memory ring that only another mapper advances:",
+    EdgeKind.ZMQ: "waits on ZMQ for", EdgeKind.RAY_GET: "waits (ray.get) for",
+}
+
+
+# A process is (node, pid): pids are unique only within a host, and a merged bundle holds several.
+PKey = tuple[str | None, int]
+
+
+def pkey(ref: NodeRef | ProcessEvidence) -> PKey:
+    return (ref.node, ref.pid)
+
+
+@dataclass
+class Dep:
+    """One typed edge and what the waiter waits for (``work`` / ``reply`` / ``blocked`` / ``depends``)."""
+
+    edge: WaitEdge
+    purpose: str
+    dsts: list[PKey] = field(default_factory=list)     # candidate processes (an inferred edge has several)
+
+
+@dataclass
+class Root:
+    key: PKey
+    state: str                    # "hung", "blocked", "parked", "running", "stopped", "not_captured"
+    view: ThreadView | None = None
+    verdict: Verdict | None = None
+
+
+@dataclass
+class Chain:
+    deps: list[Dep]
+    root: Root | None
+    cycle: bool = False
+
+
+# More edge sources (ray.get across nodes, a runtime's own queues): each gets the graph, a process and one of
+# its classified threads and returns that thread's extra edges (CrossProcess.edge builds one).
+EdgeSource = Callable[["CrossProcess", ProcessEvidence, ThreadView], list[Dep]]
+EDGE_SOURCES: list[EdgeSource] = []
+
+
+class CrossProcess:
+    """The graph of one bundle: typed edges per thread, each process's own verdict, chains to roots."""
+
+    def __init__(self, bundle: Bundle) -> None:
+        self.bundle = bundle
+        machine = bundle.host.get("machine")
+        self.machine = machine
+        self.procs: dict[PKey, ProcessEvidence] = {pkey(p): p for p in bundle.processes if p.alive and p.threads}
+        self.views = {k: classify_process(p, machine) for k, p in self.procs.items()}
+        self._own: dict[PKey, Verdict | None] = {}
+        self.deps: dict[tuple[PKey, int], list[Dep]] = {}
+        for k, p in self.procs.items():
+            for view in self.views[k]:
+                found = self._edges(p, view) + [d for source in EDGE_SOURCES for d in source(self, p, view)]
+                if found:
+                    self.deps[(k, view.tid)] = found
+
+    def thread_deps(self, k: PKey) -> list[Dep]:
+        return [d for (q, _), ds in self.deps.items() if q == k for d in ds]
+
+    # ------------------------------------------------------------ edges
+
+    def ref(self, k: PKey, tid: int | None = None) -> NodeRef:
+        return NodeRef(node=k[0], pid=k[1], tid=tid)
+
+    def _frames(self, p: ProcessEvidence, view: ThreadView) -> list[FrameRef]:
+        idx = [i for i, f in enumerate(view.frames[:12]) if f.name in _ZMQ_SEND + _ZMQ_RECV or v.matches(
+            f.name, v.IO_READ) or v.matches(f.name, v.EVENT_WAIT) or f.kind == "python"][:3]
+        return [FrameRef(pid=view.pid, tid=view.tid, index=i, node=p.node) for i in idx]
+
+    def edge(self, p: ProcessEvidence, view: ThreadView, dsts: list[PKey], kind: EdgeKind, purpose: str,
+             inferred: bool = False, fd: FdInfo | None = None, **ev: str | int | None) -> Dep | None:
+        """A typed edge from ``view`` (a thread of ``p``) to the first of ``dsts`` (the others: alternatives)."""
+        dsts = [q for q in dict.fromkeys(dsts) if q != pkey(p)]
+        if not dsts:
+            return None
+        evidence = EdgeEvidence.model_validate({
+            "frames": self._frames(p, view), "fd": fd.fd if fd else None, "inode": fd.inode if fd else None,
+            "address": fd.address if fd else None, "text": peer_phrase(fd) if fd else "",
+            **{k: val for k, val in ev.items() if val is not None}})
+        edge = WaitEdge(src=self.ref(pkey(p), view.tid), dst=self.ref(dsts[0]), kind=kind, evidence=evidence,
+                        inferred=inferred or len(dsts) > 1)
+        return Dep(edge=edge, purpose=purpose, dsts=dsts)
+
+    @staticmethod
+    def _here(p: ProcessEvidence, pids: list[int]) -> list[PKey]:
+        """Peers read from /proc live on the waiter's own host."""
+        return [(p.node, q) for q in pids]
+
+    def _edges(self, p: ProcessEvidence, view: ThreadView) -> list[Dep]:
+        th = next(t for t in p.threads if t.tid == view.tid)
+        if view.idle_by_design or view.stopped:
+            return []
+        ring = self._ring(p, view)     # a spinner naps and wakes by design: its ring says whether it waits
+        if ring is not None:
+            return [ring]
+        if view.timed or view.woke:
+            return []
+        out: list[Dep | None] = []
+        names = {f.name for f in view.frames[:16]}
+        zmq = bool(names & set(_ZMQ_SEND + _ZMQ_RECV)) or "zmq_poll" in names or self._zmq_by_proc(p, view)
+        if zmq:
+            out.append(self._zmq(p, view, names))
+        elif view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) and not view.running:
+            for f in view.blocked_fds:
+                if f.kind not in ("socket", "pipe") or f.listening:
+                    continue
+                if view.kind is WaitKind.EVENT_WAIT and not view.wait_forever:
+                    continue
+                if f.kind == "pipe":
+                    peers = f.writer_pids if f.writer_pids is not None else f.peer_pids
+                    kind = EdgeKind.PIPE_READ
+                else:
+                    peers = f.peer_pids or (f.listener_pids or [])
+                    kind = EdgeKind.SOCKET_READ
+                out.append(self.edge(p, view, self._here(p, peers), kind, self._read_purpose(p, view, f), fd=f))
+        for f in th.write_fds:
+            peers = (f.reader_pids if f.reader_pids is not None else f.peer_pids) if f.kind == "pipe" else (
+                f.peer_pids or (f.listener_pids or []))
+            kind = EdgeKind.PIPE_WRITE_FULL if f.kind == "pipe" else EdgeKind.SOCKET_WRITE_FULL
+            out.append(self.edge(p, view, self._here(p, peers), kind, "blocked", fd=f, syscall=th.syscall))
+        if th.waited_pid is not None and not view.running:
+            kids = [th.waited_pid] if th.waited_pid > 0 else list(p.children or [])
+            out.append(self.edge(p, view, self._here(p, kids), EdgeKind.CHILD_WAIT, "depends", syscall=th.syscall))
+        m = th.futex_mapping
+        if m is not None and not view.running and view.kind in _BLOCKING:
+            out.append(self.edge(p, view, self._mappers(p, [m]), EdgeKind.SHARED_FUTEX, "depends", inferred=True,
+                                 mapping=m.line(), address=f"{th.futex_addr:#x}", inode=m.inode))
+        return [d for d in out if d is not None]
+
+    def _mappers(self, p: ProcessEvidence, maps: list[SharedMapping]) -> list[PKey]:
+        """Every other captured process of the same host mapping one of the same files."""
+        files = {(m.dev, m.inode) for m in maps}
+        return [k for k, other in self.procs.items() if k != pkey(p) and other.node == p.node and any(
+            (x.dev, x.inode) in files for x in other.shared_maps or [])]
+
+    def _own_engine(self, p: ProcessEvidence, peers: list[int]) -> bool:
+        """Every peer is another part (API server, EngineCore, worker) of ``p``'s own engine: its parts wait on
+        each other by design (an output reader, an input loop), so the wait is as stuck as the peer, no more."""
+        if p.role.value == "other" or not p.engine or not peers:
+            return False
+        parts = [self.procs.get((p.node, q)) for q in peers]
+        return all(x is not None and x.engine == p.engine and x.role.value != "other" for x in parts)
+
+    def _from_parent(self, p: ProcessEvidence, peers: list[int]) -> bool:
+        """The channel is the parent's: it writes, and every other writer is one of its children (a pool's
+        workers inherit the write end of the task queue with it): a worker waiting for its next order."""
+        if p.ppid is None or p.ppid not in peers:
+            return False
+        return all(q in (p.ppid, p.pid) or (x := self.procs.get((p.node, q))) is not None and x.ppid == p.ppid
+                   for q in peers)
+
+    def _read_purpose(self, p: ProcessEvidence, view: ThreadView, f: FdInfo) -> str:
+        peers = f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids
+        if self._own_engine(p, [q for q in peers if q != p.pid]):
+            return "depends"
+        if view.read_role == "request" or f.accepted or self._from_parent(p, peers):
+            return "work"
+        # A background thread's read while another thread of the process still acts is a receive loop (a
+        # pool's result handler, an engine's output reader), as the process-level rules judge it.
+        if not view.is_main and any(t.tid != view.tid and not t.idle_by_design and (
+                t.running or t.woke or t.timed or t.kind in (WaitKind.SLEEP, WaitKind.EVENT_WAIT, WaitKind.UNKNOWN))
+                for t in self.views[pkey(p)]):
+            return "work"
+        if view.read_role == "reply":
+            return "reply"
+        # A poll over several sources is a loop waiting for whatever comes, unless its frames say it waits
+        # for an answer.
+        if view.kind is WaitKind.EVENT_WAIT:
+            return "work"
+        return "reply"
+
+    @staticmethod
+    def _zmq_by_proc(p: ProcessEvidence, view: ThreadView) -> bool:
+        """Without frames, /proc alone shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
+        socket's signaler) in a process whose ZMQ I/O thread holds the connections."""
+        fds = view.blocked_fds
+        return not view.has_frames and view.wait_forever and bool(fds) and all(
+            f.kind == "anon" and "eventfd" in f.target for f in fds) and any(
+            (t.name or "").startswith(_ZMQ_IO_THREAD) for t in p.threads)
+
+    def _zmq(self, p: ProcessEvidence, view: ThreadView, names: set[str]) -> Dep | None:
+        conns = [f for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
+                 if f.kind == "socket" and not f.listening and (f.peer_pids or f.listener_pids)]
+        peers = [q for f in conns for q in (f.peer_pids or f.listener_pids or [])]
+        if self._own_engine(p, [q for q in peers if q != p.pid]):
+            purpose = "depends"
+        elif names & set(_ZMQ_SEND):
+            purpose = "blocked"
+        elif (names & set(_ZMQ_RECV) or not view.has_frames) and conns and not any(f.accepted for f in conns):
+            purpose = "reply"        # it connected (a client) and waits for what it asked (or, frameless, to send)
+        else:
+            purpose = "work"         # it bound: a server waiting for its next request, or a poll loop
+        sig = next((f for f in view.blocked_fds if f.kind == "anon"), None)
+        return self.edge(p, view, self._here(p, peers), EdgeKind.ZMQ, purpose, fd=conns[0] if conns else None,
+                         syscall=f"signaler fd {sig.fd} ({sig.target})" if sig else None)
+
+    def _ring(self, p: ProcessEvidence, view: ThreadView) -> Dep | None:
+        """A Python thread napping or spinning in a loop while no /dev/shm ring (not a semaphore) of its
+        process changed during the window: it waits on the rings' other mappers."""
+        if view.kind not in (WaitKind.SLEEP, WaitKind.RUNNING) or not any(f.kind == "python" for f in view.frames):
+            return None
+        changed = p.progress.shared_changed if p.progress is not None else {}
+        rings = [m for m in p.shared_maps or [] if m.path.startswith("/dev/shm/") and "/sem." not in m.path
+                 and changed.get(f"{m.dev}:{m.inode}") is False]
+        if not rings or any(changed.values()) or (p.progress is not None and p.progress.advanced):
+            return None
+        m = rings[0]
+        return self.edge(p, view, self._mappers(p, rings), EdgeKind.SHM_RING, "depends", inferred=True,
+                         mapping=m.line(), inode=m.inode,
+                         text=f"no byte of the ring's head changed during the window ({m.path})")
+
+    # ------------------------------------------------------------ roots
+
+    def own_verdict(self, k: PKey) -> Verdict | None:
+        if k not in self._own:
+            p = self.procs[k]
+            self._own[k] = analyze_process(p, self.machine, p.engine) if judgeable(
+                [p], self.bundle.findings) else None
+        return self._own[k]
+
+    def _moving(self, k: PKey) -> bool:
+        p = self.procs[k]
+        if p.progress is not None and (p.progress.advanced or any(p.progress.shared_changed.values())):
+            return True
+        return any((t.running or t.woke) and not t.idle_by_design and (k, t.tid) not in self.deps
+                   for t in self.views[k])
+
+    def root_of(self, k: PKey) -> Root:
+        if k not in self.procs:
+            return Root(key=k, state="not_captured")
+        own = self.own_verdict(k)
+        views = self.views[k]
+        if own is not None and own.kind in (VerdictKind.STOPPED, VerdictKind.TRACED):
+            return Root(key=k, state="stopped", verdict=own, view=self._view(k, own))
+        if self._moving(k):
+            return Root(key=k, state="running")
+        if own is not None and own.kind.is_hang and own.kind is not VerdictKind.BLOCKED_IPC_READ:
+            return Root(key=k, state="hung", verdict=own, view=self._view(k, own))
+        live = [t for t in views if not t.idle_by_design]
+        blocked = [t for t in live if t.kind in _BLOCKING and not t.timed and not t.shared_futex
+                   and (k, t.tid) not in self.deps]
+        # A thread that waits for the outside world (a read, a poll) may be the one to wake it, unless its
+        # own wait is stuck on something (a reply, a full pipe).
+        others_act = [t for t in live if t not in blocked and not any(
+            d.purpose in ("reply", "blocked") for d in self.deps.get((k, t.tid), [])) and (
+            t.running or t.woke or t.timed or t.kind in (WaitKind.SLEEP, WaitKind.UNKNOWN, WaitKind.EVENT_WAIT,
+                                                          WaitKind.IO_READ))]
+        if blocked and not others_act:
+            return Root(key=k, state="blocked", view=sorted(blocked, key=lambda t: (not t.is_main, t.tid))[0])
+        main = next((t for t in views if t.is_main), views[0] if views else None)
+        return Root(key=k, state="parked", view=main)
+
+    def _view(self, k: PKey, verdict: Verdict) -> ThreadView | None:
+        tid = verdict.evidence[0].tid if verdict.evidence else None
+        return next((t for t in self.views[k] if t.tid == tid), None)
+
+    # ------------------------------------------------------------ chains
+
+    def _next_dep(self, k: PKey, via: Dep | None) -> Dep | None:
+        """The wait through which process ``k`` is stuck: its thread's non-work edge, if any."""
+        cands = [d for d in self.thread_deps(k) if d.purpose != "work"]
+        shared = via.edge.evidence.inode if via is not None and via.edge.kind is EdgeKind.SHARED_FUTEX else None
+        # A thread waiting on the very futex we came through cannot post it.
+        cands = [d for d in cands if not (shared is not None and d.edge.kind is EdgeKind.SHARED_FUTEX
+                                          and d.edge.evidence.inode == shared)]
+        order = {"blocked": 0, "reply": 1, "depends": 2}
+        cands.sort(key=lambda d: (order.get(d.purpose, 3), d.edge.src.tid != k[1]))
+        return cands[0] if cands else None
+
+    def _pick(self, dep: Dep, on_chain: list[PKey]) -> PKey:
+        """Of an edge's candidate processes, the one that explains the wait: not already on the chain, not
+        waiting on the same shared futex, itself stuck on something else first."""
+        def rank(q: PKey) -> int:
+            if q in on_chain:
+                return 9
+            inode = dep.edge.evidence.inode
+            if any(d.edge.kind is dep.edge.kind and d.edge.evidence.inode == inode for d in self.thread_deps(q)):
+                return 8
+            nxt = self._next_dep(q, dep)
+            if nxt is not None:
+                return 0 if nxt.purpose in ("blocked", "reply") else 1
+            return {"hung": 1, "blocked": 2, "stopped": 3, "parked": 5, "running": 6}.get(self.root_of(q).state, 4)
+        return sorted(dep.dsts, key=rank)[0]
+
+    def chain_from(self, start: Dep) -> Chain:
+        deps = [start]
+        keys = [pkey(start.edge.src)]
+        while len(deps) < _MAX_CHAIN:
+            dep = deps[-1]
+            q = self._pick(dep, keys)
+            dep.edge = dep.edge.model_copy(update={"dst": self.ref(q)})
+            if q in keys:
+                return Chain(deps=deps, root=None, cycle=True)
+            keys.append(q)
+            nxt = self._next_dep(q, dep)
+            if nxt is None:
+                return Chain(deps=deps, root=self.root_of(q))
+            deps.append(Dep(edge=nxt.edge.model_copy(), purpose=nxt.purpose, dsts=list(nxt.dsts)))
+        return Chain(deps=deps, root=None)
+
+    def chains(self) -> list[Chain]:
+        return [self.chain_from(Dep(edge=d.edge.model_copy(), purpose=d.purpose, dsts=list(d.dsts)))
+                for ds in self.deps.values() for d in ds if d.purpose != "work"]
+
+    def record(self) -> WaitGraphRecord:
+        edges = [d.edge for ds in self.deps.values() for d in ds]
+        refs = {e.src.key(): e.src for e in edges} | {e.dst.key(): e.dst for e in edges}
+        return WaitGraphRecord(nodes=[WaitNode(ref=r, label=self.label(pkey(r), r.tid)) for r in refs.values()],
+                               edges=edges)
+
+    # ------------------------------------------------------------ words
+
+    def label(self, k: PKey, tid: int | None = None) -> str:
+        node, pid = k
+        p = self.procs.get(k) or next((x for x in self.bundle.processes if pkey(x) == k), None)
+        what = ""
+        if p is not None:
+            what = p.role.value if p.role.value != "other" else (p.comm or "")
+        head = f"pid {pid}" + (f" ({what})" if what else "") + (f" on {node}" if node else "")
+        if tid is not None and tid != pid:
+            view = next((t for t in self.views.get(k, []) if t.tid == tid), None)
+            head += f" {view.label if view else f'thread {tid}'}"
+        return head
+
+
+def _hang_of(chain: Chain) -> tuple[VerdictKind, str] | None:
+    """The chain's verdict kind and how its end is worded; None when the chain ends where nothing is stuck."""
+    purposes = {d.purpose for d in chain.deps}
+    if chain.cycle:
+        if purposes & {"reply", "blocked"}:
+            return VerdictKind.BLOCKED_IPC_READ, "cross-process wait cycle"
+        return None
+    root = chain.root
+    if root is None:
+        return None
+    if root.state in ("hung", "stopped") and root.verdict is not None:
+        return root.verdict.kind, root.state
+    if root.state == "blocked" and purposes & {"reply", "blocked"} and root.view is not None:
+        kind = VerdictKind.LOST_WAKEUP if root.view.kind in (WaitKind.COND_WAIT, WaitKind.PY_LOCK_WAIT) and (
+            root.view.kind is WaitKind.COND_WAIT or root.view.py_wait == "py_cond") else VerdictKind.UNKNOWN
+        return kind, "blocked"
+    if root.state == "parked" and purposes & {"reply", "blocked"}:
+        return VerdictKind.BLOCKED_IPC_READ, "lost message"
+    if root.state == "not_captured" and chain.deps[-1].purpose in ("reply", "blocked"):
+        return VerdictKind.BLOCKED_IPC_READ, "peer not captured"
+    return None
+
+
+_RANK = {"hung": 0, "stopped": 1, "blocked": 2, "cross-process wait cycle": 3, "lost message": 4,
+         "peer not captured": 6}
+
+
+def judge_across(bundle: Bundle) -> tuple[Verdict | None, WaitGraphRecord]:
+    """The cross-process verdict of ``bundle`` (None: no chain ends in a hang) and the whole graph."""
+    g = CrossProcess(bundle)
+    if not g.deps:
+        return None, g.record()
+    judged = [(c, h) for c in g.chains() if (h := _hang_of(c)) is not None]
+    if not judged:
+        return None, g.record()
+    chain, (kind, how) = sorted(judged, key=lambda ch: (_RANK.get(ch[1][1], 5), -len(ch[0].deps)))[0]
+    return _verdict(g, chain, kind, how), g.record()
+
+
+def _step(g: CrossProcess, d: Dep) -> str:
+    src = g.label(pkey(d.edge.src), d.edge.src.tid)
+    dst = g.label(pkey(d.edge.dst))
+    view = next((t for t in g.views.get(pkey(d.edge.src), []) if t.tid == d.edge.src.tid), None)
+    text = f"{src}{where(view) if view is not None else ''} {_WORDS.get(d.edge.kind, 'waits for')} {dst}"
+    if d.edge.kind is EdgeKind.ZMQ and d.purpose in ("reply", "blocked"):
+        text += " (a reply)" if d.purpose == "reply" else " (send blocked, queue full)"
+    return text
+
+
+def _place(item: EvidenceItem | None) -> str:
+    """`` in zmq_poll ← poll ← server``: the frames the root's citation rests on (its key frames)."""
+    if item is None or not item.key_frames:
+        return ""
+    names = [v.short_name(item.frames[k].split(" (")[0], components=2).removesuffix("()") for k in item.key_frames
+             if k < len(item.frames)]
+    return f" in {' ← '.join(dict.fromkeys(names))}" if names else ""
+
+
+def _root_text(g: CrossProcess, chain: Chain, how: str, item: EvidenceItem | None) -> str:
+    root = chain.root
+    if chain.cycle:
+        return "and so back to the start: each waits on the next, nobody moves"
+    assert root is not None
+    who = g.label(root.key, root.view.tid if root.view else None)
+    at = f" ({_place(item).strip()})" if _place(item) else ""
+    if how == "lost message":
+        return (f"{who} is parked waiting for work{at}: the message was lost between processes (every process "
+                f"waits for work while one waits for a reply nobody produces)")
+    if how == "peer not captured":
+        why = next((p.why_not for ev in g.bundle.processes for p in ev.peers_outside
+                    if (p.node, p.pid) == root.key and p.why_not), None)
+        why = why or "outside the captured tree; capture it with --pid, or let capture follow edges"
+        return f"{who} was not captured ({why}): the wait has no timeout and nothing of the waiting process runs"
+    if how in ("hung", "stopped") and root.verdict is not None:
+        return f"{who} is {root.verdict.kind.value}: {root.verdict.summary}"
+    frame = root.view.wait_frame if root.view else None
+    return (f"{who} is blocked in {frame or 'a lock/condition wait'}{_place(item)} with no timeout, and no "
+            f"thread of its process that could wake it runs")
+
+
+def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verdict:
+    evidence: list[EvidenceItem] = []
+    root = chain.root
+    if root is not None and root.verdict is not None and how in ("hung", "stopped"):
+        evidence += [e.model_copy(update={"role": f"root: {e.role}"}) for e in root.verdict.evidence]
+    elif root is not None and root.view is not None:
+        evidence.append(cite_item(root.view, f"root ({how}): {root.view.kind.value}", g.procs[root.key].engine,
+                                  BLOCKED_KEYS))
+    steps = "; ".join(_step(g, d) for d in chain.deps)
+    summary = f"{'request stuck across processes' if how != 'cross-process wait cycle' else how}: {steps}; "
+    summary += _root_text(g, chain, how, evidence[0] if evidence and root is not None else None)
+    for d in chain.deps:
+        view = next((t for t in g.views.get(pkey(d.edge.src), []) if t.tid == d.edge.src.tid), None)
+        if view is not None and not any(e.pid == view.pid and e.tid == view.tid for e in evidence):
+            keys = BLOCKED_KEYS if chain.cycle else CONTEXT_KEYS
+            evidence.append(cite_item(view, f"{d.edge.kind.value} ({d.purpose}): {_step(g, d)}",
+                                      g.procs[pkey(d.edge.src)].engine, keys))
+    labels = {d.edge.src.key(): g.label(pkey(d.edge.src), d.edge.src.tid) for d in chain.deps}
+    labels |= {d.edge.dst.key(): g.label(pkey(d.edge.dst)) for d in chain.deps}
+    rootref = None
+    if root is not None:
+        rootref = g.ref(root.key, root.view.tid if root.view else None)
+        labels[rootref.key()] = g.label(root.key, rootref.tid)
+    waits = WaitChain(edges=[d.edge for d in chain.deps], root=rootref, root_state=root.state if root else "cycle",
+                      cycle=chain.cycle, lost_message=how == "lost message", labels=labels)
+    if root is not None and evidence and evidence[0].pid == root.key[1]:
+        waits.root_role, waits.root_frames = evidence[0].role, list(evidence[0].frames)
+        waits.root_key_frames = list(evidence[0].key_frames or [])
+        waits.root_refs = [r.model_copy() for r in evidence[0].refs]
+    inferred = any(d.edge.inferred for d in chain.deps)
+    conf = Confidence.MEDIUM if inferred or how == "lost message" else Confidence.HIGH
+    if how == "peer not captured":
+        conf = Confidence.LOW
+    if root is not None and root.verdict is not None and root.verdict.confidence is Confidence.LOW:
+        conf = Confidence.LOW
+    reasons = [f"+ {len(chain.deps)} wait edge(s) across processes, each from /proc (fd peers, syscall "
+               "arguments, shared mappings)"]
+    if inferred:
+        reasons.append("- an edge rests on a possibility (any mapper of a shared file, any holder of a pipe end)")
+    cycle = [labels.get(d.edge.src.key(), d.edge.src.key()) for d in chain.deps] if chain.cycle else []
+    return Verdict(kind=kind, summary=summary, confidence=conf, evidence=evidence, waits=waits, cycle=cycle,
+                   confidence_reasons=reasons)
+
+
+def merge_across(overall: Verdict, cross: Verdict | None) -> Verdict:
+    """The overall verdict once the processes are judged as a whole: a capture whose processes look
+    healthy (or undecided) one by one takes the chain's verdict; a hang already named keeps its kind and
+    gains the chain when the chain ends at the process it names."""
+    if cross is None:
+        return overall
+    if overall.kind in (VerdictKind.HEALTHY, VerdictKind.INCONCLUSIVE):
+        out = cross.model_copy(deep=True)
+        out.engine = overall.engine
+        out.findings += overall.findings
+        return out
+    cited = {e.pid for e in overall.evidence}
+    on_chain = {n.pid for n in cross.waits.nodes()} if cross.waits is not None else set()
+    if cross.kind is overall.kind and cited & on_chain and overall.waits is None:
+        # The process-level verdict stays (its words and citations); the chain and its root are added.
+        out = overall.model_copy(deep=True)
+        out.waits = cross.waits
+        out.summary = f"{overall.summary}; across processes, {cross.summary}"
+        out.cycle = out.cycle or cross.cycle
+        return out
+    return overall

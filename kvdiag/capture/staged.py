@@ -1,0 +1,76 @@
+"""A capture in two stages: the engine core first, the rest of the tree only when it is needed.
+
+A vLLM tree is an API server, its EngineCore, workers and a resource tracker. The EngineCore is where
+an engine's hangs live; the pausing tools (pystack with native frames, gdb) on every other process
+cost more than the EngineCore's own capture (the API server maps torch: its native stack alone takes
+longer than the EngineCore's). So:
+
+1. the focus processes (the EngineCore) get every tool, while the others get what never pauses them
+   (/proc, py-spy without --native), at the same time;
+2. ``decides(evidence, findings)`` (the caller's judge: capture does not analyze) says whether that
+   evidence already names a hang in a focus process; if so the others' pausing tools are recorded as
+   skipped, with the reason;
+3. otherwise (no hang in the focus: the answer may lie elsewhere) the other processes get every tool
+   too, and their first-stage evidence is replaced.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from kvdiag.capture.base import CaptureBackend
+from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, capture_processes, make_backends
+from kvdiag.capture.tools import PyspyBackend, pyspy_nonblocking
+from kvdiag.model import Finding, ProcessEvidence, ToolRun
+
+Decider = Callable[[list[ProcessEvidence], list[Finding]], "str | None"]
+
+
+def _quiet(backends: list[CaptureBackend]) -> list[CaptureBackend]:
+    """The tools that never pause a target: /proc, and py-spy reading Python frames only."""
+    out: list[CaptureBackend] = []
+    for b in backends:
+        if isinstance(b, PyspyBackend):
+            out.append(pyspy_nonblocking(b.binary) if b.native else b)
+        elif not b.stops_target:
+            out.append(b)
+    return out
+
+
+def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, timeout_s: float,
+                   backends: Sequence[str | CaptureBackend] | None, bundle_dir: Path | None,
+                   decides: Decider) -> tuple[list[ProcessEvidence], list[Finding]]:
+    """Capture ``pids`` with the ``focus`` processes first (see the module); the evidence of every pid,
+    focus processes first, and the findings."""
+    chosen = make_backends(backends)
+    core = [p for p in pids if p in set(focus)]
+    rest = [p for p in pids if p not in set(focus)]
+    quiet = _quiet(make_backends(backends))   # instances of their own: both stages run at once
+    if not core or not rest:
+        return capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=chosen, bundle_dir=bundle_dir)
+    box: list[tuple[list[ProcessEvidence], list[Finding]]] = []
+    side = threading.Thread(target=lambda: box.append(capture_processes(
+        rest, raw_dir, timeout_s=timeout_s, backends=quiet, bundle_dir=bundle_dir)),
+        name="kvdiag-capture-rest", daemon=True)
+    side.start()
+    try:
+        ev_core, f_core = capture_processes(core, raw_dir, timeout_s=timeout_s, backends=chosen,
+                                            bundle_dir=bundle_dir)
+    finally:
+        side.join(timeout_s + CAPTURE_SLACK_S)
+    ev_rest, f_rest = box[0] if box else ([], [])
+    why = decides(ev_core + ev_rest, f_core + f_rest)
+    if why is not None:
+        quiet_names = {b.name for b in quiet}
+        for ev in ev_rest:
+            done = {t.tool for t in ev.tools}
+            for b in chosen:
+                if b.name not in quiet_names and b.name not in done:
+                    ev.tools.append(ToolRun(tool=b.name, ok=False, skipped=True,
+                                            error=f"{b.name} skipped: {why}; /proc and py-spy (without pausing "
+                                                  "it) read this process"))
+        return ev_core + ev_rest, f_core + f_rest
+    ev_rest, f_rest = capture_processes(rest, raw_dir, timeout_s=timeout_s, backends=chosen, bundle_dir=bundle_dir)
+    return ev_core + ev_rest, f_core + f_rest

@@ -1,0 +1,107 @@
+"""Fleet capture through a real local Ray cluster: 3 nodes (raylets with their own temp dirs) in a network
+namespace of its own, actors that really hang, kvdiag run inside that namespace.
+
+Actor ``<s>-a`` on node 0 calls actor ``<s>-b`` on node 1 and waits in ``ray.get``; B is stuck in a native
+lock-order inversion (``native``), a Python ABBA between its method's thread and a second thread
+(``pyabba``), or answers at once (``healthy``). ``lone-c`` idles on node 2, the node one test kills.
+One cluster for the module; the destructive test runs last.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+from ray_host import ClusterHost, unavailable  # noqa: E402
+
+pytestmark = pytest.mark.timeout(420)
+
+_WHY = unavailable()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[ClusterHost]:
+    if _WHY is not None:
+        pytest.skip(_WHY)
+    host = ClusterHost(nodes=3, scenarios="native,pyabba,healthy,lone")
+    try:
+        info = host.start()
+        assert info["ready"], "the hanging actors did not signal readiness"
+        yield host
+    finally:
+        host.stop()
+    assert host.left_in_namespace() == [], "processes of the cluster survived its teardown"
+    assert not host.dir.exists()
+
+
+def _capture(host: ClusterHost, out: Path, *args: str) -> tuple[int, dict[str, Any], dict[str, Any]]:
+    res = host.kvdiag("capture", "--ray", host.info["address"], *args, "--out", str(out), "--json")
+    assert res.returncode in (0, 10), res.stderr[-3000:]
+    bundle = json.loads((out / "bundle" / "bundle.json").read_text())
+    return res.returncode, json.loads(res.stdout), bundle
+
+
+def _node(bundle: dict[str, Any], node_id: str) -> dict[str, Any]:
+    return next(n for n in bundle["environment"]["nodes"] if n["node_id"] == node_id)
+
+
+def test_native_lock_cycle_named_with_the_chain_across_nodes(cluster: ClusterHost, tmp_path: Path) -> None:
+    a, b = cluster.actor("native-a"), cluster.actor("native-b")
+    code, out, bundle = _capture(cluster, tmp_path / "o", "--actor", "native-*")
+    v = out["verdict"]
+    assert code == 10 and v["kind"] == "lock_order_inversion", v["summary"]
+    node_a, node_b = _node(bundle, a["node_id"])["node"], _node(bundle, b["node_id"])["node"]
+    assert node_a != node_b
+    stuck = [e for e in v["evidence"] if e["pid"] == b["pid"] and e["node"] == node_b]
+    assert len(stuck) == 2 and all(any("pthread_mutex_lock" in f for f in e["frames"]) for e in stuck)
+    waiter = [e for e in v["evidence"] if e["pid"] == a["pid"] and e["node"] == node_a]
+    assert waiter and any("get" in f for f in waiter[0]["frames"]), v["evidence"]
+    assert f"node {node_a} pid {a['pid']}" in v["summary"] and "waited on across nodes" in v["summary"]
+    edge = v["waits"]["edges"][0]   # the typed chain: A's thread in ray.get -> B's process, on another node
+    assert edge["kind"] == "ray_get" and (edge["src"]["node"], edge["src"]["pid"]) == (node_a, a["pid"])
+    assert (edge["dst"]["node"], edge["dst"]["pid"]) == (node_b, b["pid"])
+    # processes keyed by node and pid; a node table in the environment; raw files kept per node
+    assert {(p["node"], p["pid"]) for p in bundle["processes"]} == {(node_a, a["pid"]), (node_b, b["pid"])}
+    assert {n["outcome"] for n in bundle["environment"]["nodes"]} >= {"captured", "no_targets"}
+    raw = [t["raw_path"] for p in bundle["processes"] for t in p["tools"] if t.get("raw_path")]
+    assert raw and all((tmp_path / "o" / "bundle" / r).is_file() for r in raw)
+    assert bundle["fleet"]["source"] == "ray" and bundle["fleet"]["tasks"]
+
+
+def test_python_abba_inside_a_ray_worker_is_a_lock_order_inversion(cluster: ClusterHost, tmp_path: Path) -> None:
+    b = cluster.actor("pyabba-b")
+    code, out, _ = _capture(cluster, tmp_path / "o", "--actor", "pyabba-*")
+    v = out["verdict"]
+    assert code == 10 and v["kind"] == "lock_order_inversion", v["summary"]
+    cited = [e for e in v["evidence"] if e["pid"] == b["pid"]]
+    assert len(cited) == 2, cited
+    frames = [" ".join(e["frames"]) for e in cited]
+    assert any("work" in f for f in frames) and any("report_stats" in f for f in frames)
+    assert "waited on across nodes" in v["summary"]
+
+
+def test_healthy_pair_is_healthy(cluster: ClusterHost, tmp_path: Path) -> None:
+    code, out, bundle = _capture(cluster, tmp_path / "o", "--actor", "healthy-*")
+    assert code == 0 and out["verdict"]["kind"] == "healthy", out["verdict"]["summary"]
+    assert len(bundle["processes"]) == 2
+
+
+def test_node_killed_during_capture_is_named_and_the_rest_reported(cluster: ClusterHost, tmp_path: Path) -> None:
+    lone = cluster.actor("lone-c")
+    cluster.command("kill-on-capture 2")
+    code, out, bundle = _capture(cluster, tmp_path / "o", "--actor", "healthy-*", "--actor", "lone-*")
+    assert cluster.read_line(30) == "killed"
+    dead = _node(bundle, lone["node_id"])
+    assert dead["outcome"] == "died", dead
+    v = out["verdict"]
+    assert code == 0 and v["kind"] == "healthy", v["summary"]
+    assert f"not captured: {dead['node']}" in v["summary"]
+    assert any(f["kind"] == "node_not_captured" and f["node"] == dead["node"] for f in v["findings"])
+    assert {p["pid"] for p in bundle["processes"]} == {cluster.actor("healthy-a")["pid"],
+                                                      cluster.actor("healthy-b")["pid"]}

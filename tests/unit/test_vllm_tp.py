@@ -1,0 +1,57 @@
+"""Tensor-parallel vLLM pieces that need no vLLM: the plugin's rank selection, the run's vllm_dist_*
+segments at teardown, the scenario's serving phase."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from kvdiag.launch.reaper import sweep_shm, vllm_dist_idents
+from kvdiag.scenario import load_scenario
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_runs_vllm_dist_segments_go_whatever_their_age_and_no_one_elses(tmp_path: Path) -> None:
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    run = tmp_path / "kvdiag-run-x"
+    (run / "tmp").mkdir(parents=True)
+    (run / "tmp" / "vllm_dist_aa11").write_text("rendezvous")
+    ours = [shm / "vllm_dist_aa11-tp:0-[0-1]-cpushm_0", shm / "vllm_dist_aa11-tp:0-[0-1]-cpushm_1"]
+    theirs = shm / "vllm_dist_bb22-tp:0-[0-1]-cpushm_0"
+    for p in (*ours, theirs):
+        p.write_bytes(b"x")
+    time.sleep(1.2)   # older than the run's start: only the rendezvous name makes them ours
+    idents = vllm_dist_idents([run])
+    assert idents == ["vllm_dist_aa11"]
+    removed = sweep_shm(time.time(), shm_dir=str(shm), owned=idents)
+    assert sorted(removed) == sorted(p.name for p in ours)
+    assert theirs.exists() and not any(p.exists() for p in ours)
+
+
+def test_plugin_arms_only_the_worker_of_the_hang_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    import multiprocessing
+
+    import kvdiag.vllm_plugin as plugin
+
+    monkeypatch.setenv(plugin.ENABLE_ENV, "fixed")
+    monkeypatch.setenv(plugin.HANG_RANK_ENV, "1")
+    monkeypatch.setenv(plugin.STALL_ENV, "2")
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: SimpleNamespace(name="VllmWorker-0"))
+    assert plugin._worker_rank() == 0 and plugin._hang_rank() == 1
+    plugin.register()   # rank 0: nothing to arm, and never the EngineCore's block pool
+    assert not plugin._installed
+    monkeypatch.setattr(multiprocessing, "current_process", lambda: SimpleNamespace(name="MainProcess"))
+    assert plugin._worker_rank() is None
+
+
+def test_tp2_scenario_serves_after_startup() -> None:
+    scen, _, _ = load_scenario(ROOT / "scenarios" / "tp2-vllm-cpu.yaml")
+    assert scen.serve is not None and scen.serve.duration_s > 0
+    engine = scen.engines[0]
+    assert "--tensor-parallel-size" in engine.vllm.args
+    assert engine.env["KVDIAG_VLLM_HANG_RANK"] == "1" and engine.allocator != "external"
