@@ -24,14 +24,16 @@ from typing import TextIO
 
 import httpx
 
+from kvdiag.analyze import analyze
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
-from kvdiag.model import TimelineEvent
+from kvdiag.fleet.ray import capture_cluster
+from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole, TimelineEvent
+from kvdiag.outputs import finish
 from kvdiag.proc import alive
-from kvdiag.runner import finish
 from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
 from kvdiag.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.watch.exporter import WatchExporter
@@ -40,9 +42,6 @@ from kvdiag.watch.looker import ServerLooker
 from kvdiag.watch.reading import Look
 from kvdiag.watch.retention import capture_dir, prune
 from kvdiag.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel, WatchOutcome
-
-RAY_NOT_YET = ("a Ray deployment's engines are captured through `kvdiag capture --ray`, which this build "
-               "does not have yet: run kvdiag watch on each engine's node (or pod) instead")
 
 
 @dataclass
@@ -60,6 +59,7 @@ class WatchOptions:
     duration_s: float | None = None
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     capture_timeout_s: float = 10.0
+    ray: str | None = None           # capture a stall through the Ray fleet path (every node) instead
 
     def validate(self) -> None:
         """Usage errors before anything starts."""
@@ -137,17 +137,36 @@ def locate(url: str, pid_hint: int | None = None) -> Located:
     return Located(server, cores[0])
 
 
+def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
+    """The EngineCore's evidence already names its hang: its workers then need no pausing tool (the early
+    stop of ``kvdiag capture``)."""
+    v = analyze(Bundle(processes=evidence, findings=findings))
+    cores = {e.pid for e in evidence if e.role is ProcessRole.ENGINE_CORE}
+    if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
+        return f"the EngineCore's evidence decided ({v.kind.value})"
+    return None
+
+
 def capture_stall(req: CaptureRequest, opts: WatchOptions, t0: float, clock: Callable[[], float]) -> CaptureResult:
     """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
-    --engine-core-of``), with the watch's metrics and timeline in the bundle; prune to --keep."""
-    scope = capture_scope(req.core_pid)
-    if scope.problems:
-        raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
+    --engine-core-of``; with --ray, every node of the cluster as ``kvdiag capture --ray``), with the watch's
+    metrics and timeline in the bundle; prune to --keep."""
     out_dir = capture_dir(opts.out, req.engine)
     bundle_dir = out_dir / "bundle"
-    bundle_dir.mkdir(parents=True, exist_ok=True)
-    bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
-                          command=f"watch --url {req.url}", pids=scope.pids)
+    command = f"watch --url {req.url}"
+    if opts.ray is not None:
+        bundle_dir.mkdir(parents=True, exist_ok=True)
+        bundle = capture_cluster(opts.ray, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools)
+        bundle.command = f"{command} --ray {opts.ray}"
+    else:
+        if req.core_pid is None:
+            raise UsageError(f"{req.engine}: no local EngineCore to capture")
+        scope = capture_scope(req.core_pid)
+        if scope.problems:
+            raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
+        bundle_dir.mkdir(parents=True, exist_ok=True)
+        bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
+                              command=command, pids=scope.pids, save=False, decides=core_decides)
     bundle.stall_detected = True
     bundle.stall_window_s = req.window_s
     # The engine's metrics as the watch read them; one engine per bundle, so they name none.
@@ -207,10 +226,11 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             hint = opts.pids[i] if opts.pids else None
             local = LocalEngine(locate=partial(locate, url, hint), clock=clock)
             local.refresh(force=True)
-            tr = EngineTracker(name, url, opts.window_s, period_s=opts.period_s, cooldown_s=opts.cooldown_s, t0=t0)
+            tr = EngineTracker(name, url, opts.window_s, period_s=opts.period_s, cooldown_s=opts.cooldown_s, t0=t0,
+                               capture_remote=opts.ray is not None)
             trackers.append(tr)
             lookers[name] = ServerLooker(url, client, local, clock=clock)
-            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out)}
+            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out), "ray": opts.ray}
         if opts.metrics_port is not None:
             exporter = WatchExporter(trackers)
             port = exporter.serve(opts.metrics_port, opts.metrics_addr)
@@ -235,4 +255,4 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             exporter.close()
 
 
-__all__ = ["RAY_NOT_YET", "WatchOptions", "capture_stall", "engine_name", "locate", "run_watch"]
+__all__ = ["WatchOptions", "core_decides", "capture_stall", "engine_name", "locate", "run_watch"]

@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 
 from kvdiag.defaults import WATCH_WINDOW_S
-from kvdiag.errors import ExitCode, UsageError
-from kvdiag.watchrun import RAY_NOT_YET, WatchOptions, run_watch
+from kvdiag.errors import ExitCode
+from kvdiag.watchrun import WatchOptions, run_watch
 
 
 def _human(line: str) -> None:
@@ -40,8 +40,10 @@ def watch_cmd(
                                           "until SIGTERM/SIGHUP).", show_default=False),
     tools: str = typer.Option("proc,py-spy,pystack,gdb", "--tools", help="Capture backends, comma-separated."),
     capture_timeout: float = typer.Option(10.0, "--capture-timeout", help="Bound on one capture, seconds."),
-    ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture through the Ray fleet path "
-                                   "(not in this build).", show_default=False),
+    ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture a stall on every node of this "
+                                   "Ray cluster (as `kvdiag capture --ray`; 'auto': the one `ray` connects to) "
+                                   "instead of the local EngineCore; needs `pip install 'kvdiag[ray]'`.",
+                                   show_default=False),
 ) -> int:
     """Follow running vLLM servers passively (no load of its own) and name a stall.
 
@@ -56,12 +58,10 @@ def watch_cmd(
     SIGTERM/SIGHUP stop it cleanly. Exit codes: 0 stopped cleanly, 10 a stall named (--once),
     2 bad usage.
     """
-    if ray is not None:
-        raise UsageError(f"--ray: {RAY_NOT_YET}")
     opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
                         keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
                         duration_s=duration, tools=[t.strip() for t in tools.split(",") if t.strip()],
-                        capture_timeout_s=capture_timeout)
+                        capture_timeout_s=capture_timeout, ray=ray)
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
     _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")

@@ -39,6 +39,7 @@ class EngineTracker:
     cooldown_s: float = 300.0
     t0: float = 0.0                     # run clock origin, for the snapshots' times
     history: int = 120                  # snapshots kept for the bundle
+    capture_remote: bool = False        # stalls are captured elsewhere (the Ray fleet path): no local EngineCore needed
     reachable: bool | None = None
     unreachable_since: float | None = None
     in_stall: bool = False
@@ -172,7 +173,7 @@ class EngineTracker:
         assert m is not None and self.stall_onset is not None
         quiet = round(look.t - self.stall_onset, 2)
         capture, why_not = True, None
-        if look.core is None:
+        if look.core is None and not self.capture_remote:
             capture, why_not = False, "no local EngineCore (run kvdiag watch on the engine's host or pod, or --pid)"
         elif self.last_capture_t is not None and look.t - self.last_capture_t < self.cooldown_s:
             capture = False
@@ -206,7 +207,7 @@ class CaptureRequest:
 
     engine: str
     url: str
-    core_pid: int
+    core_pid: int | None         # None: captured through the fleet path
     server_pid: int | None
     window_s: float
     onset_t: float          # run clock (seconds since the watch started)
@@ -294,12 +295,13 @@ class Sentinel:
             return Look(t=self.clock(), wall=wall, metrics=None, error=f"{type(exc).__name__}: {exc}"[:200])
 
     def _on_stall(self, tr: EngineTracker, ev: WatchEvent, look: Look, out: WatchOutcome) -> None:
-        if not ev.fields.get("capture") or look.core is None:
+        if not ev.fields.get("capture"):
             return
         tr.note_capture(look.t)
         onset = tr.stall_onset if tr.stall_onset is not None else look.t
-        req = CaptureRequest(engine=tr.name, url=tr.url, core_pid=look.core.pid, server_pid=look.server_pid,
-                             window_s=tr.window_s, onset_t=onset - tr.t0, detected_t=look.t - tr.t0,
+        req = CaptureRequest(engine=tr.name, url=tr.url, core_pid=look.core.pid if look.core else None,
+                             server_pid=look.server_pid, window_s=tr.window_s, onset_t=onset - tr.t0,
+                             detected_t=look.t - tr.t0,
                              onset_wall=look.wall - (look.t - onset), snapshots=tuple(tr.snapshots))
         try:
             res = self.capture(req)
