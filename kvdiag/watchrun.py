@@ -60,6 +60,7 @@ class WatchOptions:
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     capture_timeout_s: float = 10.0
     ray: str | None = None           # capture a stall through the Ray fleet path (every node) instead
+    verbose: bool = False            # a stderr line per look (else one per engine a minute)
 
     def validate(self) -> None:
         """Usage errors before anything starts."""
@@ -184,6 +185,40 @@ def capture_stall(req: CaptureRequest, opts: WatchOptions, t0: float, clock: Cal
                          exit_code=arts.exit_code, out=str(out_dir), stall_to_verdict_s=arts.bundle.stall_to_verdict_s)
 
 
+def status_line(tr: EngineTracker, look: Look, took_s: float) -> str:
+    """One stderr line about the last look at an engine."""
+    m = look.metrics
+    if m is None:
+        return f"{tr.name}: no answer ({look.error}); look took {took_s:.2f}s"
+    parts = [f"{tr.name}: in flight {m.in_flight if m.in_flight is not None else '-'}",
+             f"progress {m.progress:.0f}" if m.progress is not None else "progress -",
+             f"/health {look.health}"]
+    if m.kv_cache_usage is not None:
+        parts.append(f"KV {m.kv_cache_usage:.0%}")
+    if m.in_flight:
+        parts.append(f"quiet {tr.quiet_s:.1f}s")
+    if look.core is not None:
+        parts.append(f"EngineCore {look.core.pid} {look.core.state} {look.core.wchan or '-'} "
+                     f"CPU {tr.cpu_pct if tr.cpu_pct is not None else '-'}%")
+    parts.append(f"look {took_s:.2f}s")
+    return ", ".join(parts)
+
+
+class _StatusLines:
+    """Every look with --verbose, else one line per engine every ``every_s``."""
+
+    def __init__(self, human: Callable[[str], None], verbose: bool, clock: Callable[[], float],
+                 every_s: float = 60.0) -> None:
+        self.human, self.verbose, self.clock, self.every_s = human, verbose, clock, every_s
+        self._last: dict[str, float] = {}
+
+    def __call__(self, tr: EngineTracker, look: Look, took_s: float) -> None:
+        now = self.clock()
+        if self.verbose or now - self._last.get(tr.name, -1e9) >= self.every_s:
+            self._last[tr.name] = now
+            self.human(status_line(tr, look, took_s))
+
+
 class _StopFlag:
     """SIGTERM and SIGHUP end the watch at its next wait (every wait is bounded), never mid-capture."""
 
@@ -242,7 +277,7 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
                             capture=lambda req: capture_stall(req, opts, t0, clock), sink=sink, clock=clock,
                             wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
                             duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
-                            stop_reason=lambda: flag.reason)
+                            stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock))
         with _signals(flag):
             outcome = sentinel.run()
         return outcome

@@ -40,6 +40,8 @@ def watch_cmd(
                                           "until SIGTERM/SIGHUP).", show_default=False),
     tools: str = typer.Option("proc,py-spy,pystack,gdb", "--tools", help="Capture backends, comma-separated."),
     capture_timeout: float = typer.Option(10.0, "--capture-timeout", help="Bound on one capture, seconds."),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="A stderr line for every look (default: one "
+                                 "per engine a minute)."),
     ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture a stall on every node of this "
                                    "Ray cluster (as `kvdiag capture --ray`; 'auto': the one `ray` connects to) "
                                    "instead of the local EngineCore; needs `pip install 'kvdiag[ray]'`.",
@@ -61,7 +63,7 @@ def watch_cmd(
     opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
                         keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
                         duration_s=duration, tools=[t.strip() for t in tools.split(",") if t.strip()],
-                        capture_timeout_s=capture_timeout, ray=ray)
+                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose)
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
     _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")

@@ -57,6 +57,7 @@ class EngineTracker:
     _start_time: float | None = None
     _progress: float | None = None
     _cpu_prev: tuple[float, int, int] | None = None   # (t, pid, ticks)
+    _gaps: deque[float] = field(default_factory=lambda: deque(maxlen=20))
 
     def __post_init__(self) -> None:
         if self.window_s <= 0:
@@ -64,9 +65,14 @@ class EngineTracker:
         self._stall = self._new_stall()
 
     def _new_stall(self) -> ServingStall:
-        # A look that comes long after the previous one (the loop was capturing another engine,
-        # or starved of CPU) is not evidence: its first look never fires.
-        return ServingStall(self.window_s, clock=self._now, max_blind_s=max(3.0 * self.period_s, 2.0))
+        return ServingStall(self.window_s, clock=self._now, max_blind_s=self._blind_after())
+
+    def _blind_after(self) -> float:
+        """A look that comes this long after the previous one (the loop was capturing another engine, or
+        starved of CPU) is not evidence: it never fires. Relative to how long looks usually take here, so a
+        server whose /metrics is always slow is still judged."""
+        usual = sorted(self._gaps)[(len(self._gaps) - 1) // 2] if self._gaps else 0.0
+        return max(3.0 * self.period_s, 2.0, 3.0 * usual)
 
     def _now(self) -> float:
         return self.last_look.t if self.last_look is not None else 0.0
@@ -80,6 +86,8 @@ class EngineTracker:
         """Feed one look; returns the events it makes (none most of the time)."""
         events: list[WatchEvent] = []
         prev = self.last_look
+        if prev is not None and look.t > prev.t:
+            self._gaps.append(look.t - prev.t)
         self.last_look = look
         self._note_cpu(look)
         if look.metrics is None:
@@ -112,6 +120,7 @@ class EngineTracker:
         while len(self.snapshots) > self.history:
             self.snapshots.popleft()
         assert self._stall is not None
+        self._stall.max_blind_s = self._blind_after()
         in_flight = m.in_flight or 0
         stalled = self._stall.observe(in_flight, m.progress, now=look.t)
         if stalled and not self.in_stall:
@@ -252,6 +261,7 @@ class Sentinel:
     start_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
     wall: Clock | None = None
     stop_reason: Callable[[], str] | None = None   # why ``wait`` said stop (a signal's name)
+    progress: Callable[[EngineTracker, Look, float], None] | None = None   # each look, and how long it took
 
     def run(self) -> WatchOutcome:
         out = WatchOutcome()
@@ -260,7 +270,10 @@ class Sentinel:
         while True:
             tick = self.clock()
             for tr in self.trackers:
+                before = self.clock()
                 look = self._look(tr)
+                if self.progress is not None:
+                    self.progress(tr, look, self.clock() - before)
                 if first:
                     self.sink.emit(WatchEvent(START, tr.name, look.wall, {
                         "url": tr.url, "window_s": tr.window_s, "period_s": self.period_s, "once": self.once,

@@ -246,3 +246,10 @@ def test_retention_keeps_the_newest_and_only_touches_its_own_folders(tmp_path: P
     assert gone == made[:3]
     assert watch_captures(tmp_path) == made[3:]
     assert (tmp_path / "stall-mine").is_dir() and (tmp_path / "notes").is_dir()
+
+
+def test_a_server_whose_looks_are_always_slow_is_still_judged() -> None:
+    # /metrics of a busy API server can take seconds every time: every gap is long, none is a blind spell.
+    tr = EngineTracker("e", "http://x", window_s=6.0, period_s=0.5)
+    looks = [look(t * 2.5, running=2, tokens=min(t, 4)) for t in range(0, 12)]
+    assert [ev for _, ev, _ in events(tr, looks)] == ["stall"]

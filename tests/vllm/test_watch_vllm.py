@@ -65,7 +65,7 @@ def test_watch_names_a_stopped_engine_core_then_an_injected_gil_cycle(vllm_setup
             assert _wait_tokens(load, 0, 30), server.log_text()[-3000:]
 
             # 1. SIGSTOP: /health stays 200, the watch names `stopped` and leaves it stopped.
-            w1 = WatchProc("--url", server.url, "--once", "--window", "3", "--period", "0.5",
+            w1 = WatchProc("--url", server.url, "--once", "--window", "3", "--period", "0.5", "--verbose",
                            "--out", str(tmp_path / "out-stop"))
             watches.append(w1)
             w1.start()
@@ -86,7 +86,7 @@ def test_watch_names_a_stopped_engine_core_then_an_injected_gil_cycle(vllm_setup
 
             # 2. The injected GIL cycle: named gil_cycle within window + 3 s of the last token, /health 200.
             before = {pid: _status(pid) for pid in server.tree()}
-            w2 = WatchProc("--url", server.url, "--once", "--window", f"{WINDOW_S:g}", "--period", "0.5",
+            w2 = WatchProc("--url", server.url, "--once", "--window", f"{WINDOW_S:g}", "--period", "0.5", "--verbose",
                            "--out", str(tmp_path / "out-gil"))
             watches.append(w2)
             w2.start()
