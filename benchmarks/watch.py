@@ -1,7 +1,7 @@
 """Benchmark: what `kvdiag watch` costs a real vLLM CPU server, and how fast it names a stall.
 
 One real `vllm serve` (vLLM CPU, the tiny model, kvdiag's plugin with the fixed allocator; started by this
-script, not by kvdiag) under a steady streaming load (4 streams of 120-147 tokens, --max-num-seqs 2):
+script, not by kvdiag) under a steady streaming load (4 streams of 120-147 tokens, --max-num-seqs 1):
 
 1. overhead: alternating rounds of the same load without and with `kvdiag watch --url` running beside it
    (its default 1 s period), tokens/s counted by the client in each round; the order alternates per pair.
@@ -158,7 +158,7 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-watch-"))
     load_avg = os.getloadavg()[0]
     if args.long:
-        server = VllmServer(tmp / "vllm.log", max_num_seqs=2)
+        server = VllmServer(tmp / "vllm.log", max_num_seqs=1)
         try:
             server.start()
             if not server.wait_ready(240):
@@ -172,7 +172,7 @@ def main() -> int:
         print(f"RESULT long_stalls={r['stalls']} long_s={args.long_s:g} window_s={args.window:g}")
         return 0
     budget = 3 + args.pairs * (2 * args.round_s + 6) + args.stops * (args.window + 8) + 15
-    server = VllmServer(tmp / "vllm.log", stall_after_s=budget, max_num_seqs=2)
+    server = VllmServer(tmp / "vllm.log", stall_after_s=budget, max_num_seqs=1)
     try:
         server.start()
         if not server.wait_ready(240):

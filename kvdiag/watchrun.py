@@ -24,16 +24,17 @@ from typing import TextIO
 
 import httpx
 
-from kvdiag.analyze import analyze
+from kvdiag.analyze import analyze, diagnose
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
 from kvdiag.fleet.ray import capture_cluster
-from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole, TimelineEvent
+from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole, TimelineEvent, Verdict
 from kvdiag.outputs import finish
 from kvdiag.proc import alive
+from kvdiag.redact import redact_bundle
 from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
 from kvdiag.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.watch.exporter import WatchExporter
@@ -148,26 +149,8 @@ def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> st
     return None
 
 
-def capture_stall(req: CaptureRequest, opts: WatchOptions, t0: float, clock: Callable[[], float]) -> CaptureResult:
-    """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
-    --engine-core-of``; with --ray, every node of the cluster as ``kvdiag capture --ray``), with the watch's
-    metrics and timeline in the bundle; prune to --keep."""
-    out_dir = capture_dir(opts.out, req.engine)
-    bundle_dir = out_dir / "bundle"
-    command = f"watch --url {req.url}"
-    if opts.ray is not None:
-        bundle_dir.mkdir(parents=True, exist_ok=True)
-        bundle = capture_cluster(opts.ray, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools)
-        bundle.command = f"{command} --ray {opts.ray}"
-    else:
-        if req.core_pid is None:
-            raise UsageError(f"{req.engine}: no local EngineCore to capture")
-        scope = capture_scope(req.core_pid)
-        if scope.problems:
-            raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
-        bundle_dir.mkdir(parents=True, exist_ok=True)
-        bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
-                              command=command, pids=scope.pids, save=False, decides=core_decides)
+def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
+    """What the watch saw, in the bundle: the engine's metrics and when progress stopped."""
     bundle.stall_detected = True
     bundle.stall_window_s = req.window_s
     # The engine's metrics as the watch read them; one engine per bundle, so they name none.
@@ -178,11 +161,46 @@ def capture_stall(req: CaptureRequest, opts: WatchOptions, t0: float, clock: Cal
         TimelineEvent(t=round(req.detected_t, 3), event="stall detected", engine=req.engine,
                       detail=f"requests in flight, no progress for {req.window_s:g}s"),
     ]
-    arts = finish(out_dir, bundle, verdict_t=clock() - t0)
+
+
+def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None], opts: WatchOptions, t0: float,
+                  clock: Callable[[], float]) -> CaptureResult:
+    """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
+    --engine-core-of``; with --ray, every node of the cluster as ``kvdiag capture --ray``), with the watch's
+    metrics and timeline in the bundle; ``announce`` the verdict as soon as the evidence is in; prune to --keep."""
+    out_dir = capture_dir(opts.out, req.engine)
+    bundle_dir = out_dir / "bundle"
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    command = f"watch --url {req.url}"
+    known: list[Diagnosis] = []
+
+    def early(partial: Bundle) -> None:
+        _add_watch_record(partial, req)
+        known.append(diagnose(redact_bundle(partial)))
+        announce(_result(known[0].verdict, known[0].exit_code, out_dir, None))
+
+    if opts.ray is not None:
+        bundle = capture_cluster(opts.ray, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools)
+        bundle.command = f"{command} --ray {opts.ray}"
+        _add_watch_record(bundle, req)
+    else:
+        if req.core_pid is None:
+            raise UsageError(f"{req.engine}: no local EngineCore to capture")
+        scope = capture_scope(req.core_pid)
+        if scope.problems:
+            raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
+        bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
+                              command=command, pids=scope.pids, save=False, decides=core_decides, on_evidence=early)
+        if not known:
+            _add_watch_record(bundle, req)
+    arts = finish(out_dir, bundle, verdict_t=clock() - t0, diagnosis=known[0] if known else None)
     prune(opts.out, opts.keep)
-    v = arts.verdict
-    return CaptureResult(kind=v.kind.value, summary=v.summary, confidence=v.confidence.value,
-                         exit_code=arts.exit_code, out=str(out_dir), stall_to_verdict_s=arts.bundle.stall_to_verdict_s)
+    return _result(arts.verdict, arts.exit_code, out_dir, arts.bundle.stall_to_verdict_s)
+
+
+def _result(v: Verdict, exit_code: int, out_dir: Path, stall_to_verdict_s: float | None) -> CaptureResult:
+    return CaptureResult(kind=v.kind.value, summary=v.summary, confidence=v.confidence.value, exit_code=exit_code,
+                         out=str(out_dir), stall_to_verdict_s=stall_to_verdict_s)
 
 
 def status_line(tr: EngineTracker, look: Look, took_s: float) -> str:
@@ -274,7 +292,8 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             for f in start_fields.values():
                 f["metrics_port"] = port
         sentinel = Sentinel(trackers=trackers, lookers=lookers,
-                            capture=lambda req: capture_stall(req, opts, t0, clock), sink=sink, clock=clock,
+                            capture=lambda req, announce: capture_stall(req, announce, opts, t0, clock),
+                            sink=sink, clock=clock,
                             wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
                             duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
                             stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock))

@@ -18,7 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.events import ERROR, RECOVERED, RESTART, STALL, START, STOP, VERDICT, EventSink, WatchEvent
+from kvdiag.watch.events import (
+    ERROR,
+    RECOVERED,
+    REPORT,
+    RESTART,
+    STALL,
+    START,
+    STOP,
+    VERDICT,
+    EventSink,
+    WatchEvent,
+)
 from kvdiag.watch.reading import CoreSample, Look
 from kvdiag.watch.stall import ServingStall
 
@@ -251,7 +262,8 @@ class Sentinel:
 
     trackers: list[EngineTracker]
     lookers: dict[str, Callable[[], Look]]
-    capture: Callable[[CaptureRequest], CaptureResult]
+    # capture(request, announce): announce(result) as soon as the verdict is known (optional), return it
+    capture: Callable[[CaptureRequest, Callable[[CaptureResult], None]], CaptureResult]
     sink: EventSink
     clock: Clock
     wait: Callable[[float], bool]           # sleeps up to S seconds; True when asked to stop
@@ -316,14 +328,28 @@ class Sentinel:
                              server_pid=look.server_pid, window_s=tr.window_s, onset_t=onset - tr.t0,
                              detected_t=look.t - tr.t0,
                              onset_wall=look.wall - (look.t - onset), snapshots=tuple(tr.snapshots))
+        said: list[CaptureResult] = []
+
+        def announce(res: CaptureResult) -> None:
+            # The verdict as soon as the evidence names it; the report folder is being written.
+            if not said:
+                said.append(res)
+                self._verdict(tr, req, res)
+
         try:
-            res = self.capture(req)
+            res = self.capture(req, announce)
         except Exception as exc:  # noqa: BLE001 - a failed capture is an event; the watch goes on
             self.sink.emit(WatchEvent(ERROR, tr.name, self._wall_now(look), {
                 "kind": "capture", "error": f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:300]}))
             return
         out.named += 1
-        wall = self._wall_now(look)
+        if not said:
+            self._verdict(tr, req, res)
+        self.sink.emit(WatchEvent(REPORT, tr.name, self._wall_now(look), {
+            "kind": res.kind, "out": res.out, "stall_to_verdict_s": res.stall_to_verdict_s}))
+
+    def _verdict(self, tr: EngineTracker, req: CaptureRequest, res: CaptureResult) -> None:
+        wall = self.wall() if self.wall is not None else req.onset_wall
         self.sink.emit(WatchEvent(VERDICT, tr.name, wall, {
             "kind": res.kind, "summary": res.summary, "confidence": res.confidence, "exit_code": res.exit_code,
             "out": res.out, "stall_to_verdict_s": res.stall_to_verdict_s,

@@ -49,10 +49,10 @@ def _wait_tokens(load: SteadyLoad, more_than: int, timeout_s: float) -> bool:
 
 
 def test_watch_names_a_stopped_engine_core_then_an_injected_gil_cycle(vllm_setup: VllmSetup, tmp_path: Path) -> None:
-    # More streams than the engine runs at once: requests always wait, so the gauges vLLM's EngineCore last
+    # More streams than the engine runs at once (one): requests always wait, so the gauges vLLM's EngineCore last
     # published show work in flight whenever the injected stall lands (a frozen EngineCore publishes nothing:
     # one that froze right after an idle step leaves 0 running and 0 waiting, invisible to /metrics).
-    server = VllmServer(tmp_path / "vllm.log", stall_after_s=STALL_AFTER_S, max_num_seqs=2)
+    server = VllmServer(tmp_path / "vllm.log", stall_after_s=STALL_AFTER_S, max_num_seqs=1)
     watches: list[WatchProc] = []
     try:
         server.start()
