@@ -55,7 +55,7 @@ def watch_cmd(
     --window seconds, whatever /health says; no requests is idle; a restarted server is an
     event. A stall is captured once, read-only (as `kvdiag capture --engine-core-of`), into a
     report folder under --out; then the watch goes on (--cooldown), or ends with --once.
-    Events are JSON lines on stdout (start, stall, verdict, restart, recovered, error, stop),
+    Events are JSON lines on stdout (start, stall, verdict, report, restart, recovered, error, stop),
     progress on stderr. The watched processes are never signalled or stopped.
     SIGTERM/SIGHUP stop it cleanly. Exit codes: 0 stopped cleanly, 10 a stall named (--once),
     2 bad usage.
