@@ -3,14 +3,15 @@
 One real `vllm serve` (vLLM CPU, the tiny model, kvdiag's plugin with the fixed allocator; started by this
 script, not by kvdiag) under a steady streaming load (4 streams of 120-147 tokens, --max-num-seqs 1):
 
-1. overhead: alternating rounds of the same load without and with `kvdiag watch --url` running beside it
-   (its default 1 s period), tokens/s counted by the client in each round; the order alternates per pair.
-   overhead = 1 - median(with) / median(without); the spread of the rounds without is the noise floor.
-   The watch's own CPU is read from /proc over its rounds.
-2. stall onset -> verdict: one `kvdiag watch` left running (window --window, cooldown 0) while the
-   EngineCore is SIGSTOPped --stops times (each named `stopped`, then SIGCONT: the server recovers), and then
-   the GIL cycle KVDIAG_VLLM_STALL_AFTER_S injects into serving (named `gil_cycle`). onset = the client's last
-   token; verdict = the verdict event's time. Reported: median and max of onset -> verdict, minus the window.
+1. overhead: alternating rounds of the same load with one `kvdiag watch --url` beside it (its default 1 s
+   period) running, and SIGSTOPped (kvdiag's own process) in the rounds without; tokens/s counted by the
+   client in each round, the order alternating per pair. overhead = 1 - median(with) / median(without); the
+   noise is the rounds without's standard deviation over their median. The watch's own CPU is read from /proc.
+2. stall onset -> verdict: a watch left running (window --window, cooldown 0) while the EngineCore is
+   SIGSTOPped --stops times (each named `stopped`, then SIGCONT: the server recovers); then a fresh server
+   whose EngineCore falls into the GIL cycle KVDIAG_VLLM_STALL_AFTER_S injects (--stall-after s into
+   serving), watched with --once (named `gil_cycle`). onset = the client's last token; verdict = the verdict
+   event's time. Reported: median and max of onset -> verdict, and what is left after the window.
 
 `--long`: instead, the same server healthy under load for --long-s seconds and then idle for --long-s
 seconds with the watch beside it: the number of stalls it reports (must be 0).
@@ -65,45 +66,54 @@ def _start_watch(server: VllmServer, out: Path, *extra: str) -> WatchProc:
 
 
 def overhead(server: VllmServer, load: SteadyLoad, out: Path, pairs: int, round_s: float) -> dict[str, Any]:
+    """Alternating rounds on one watch process: running in the rounds with, SIGSTOPped (kvdiag's own process,
+    not the server) in the rounds without, so no round pays for its start-up."""
     without: list[float] = []
     with_: list[float] = []
     cpu: list[float] = []
-    for i in range(pairs):
-        for watched in ((False, True) if i % 2 == 0 else (True, False)):
-            if not watched:
-                without.append(_measure(load, round_s))
-                print(f"  pair {i + 1} without watch: {without[-1]:8.0f} tok/s", flush=True)
-                continue
-            w = _start_watch(server, out / f"overhead-{i}")
-            time.sleep(1.0)          # its start-up (imports, discovery) is not the steady cost
-            assert w.popen is not None
-            c0, t0 = _cpu_s(w.popen.pid), time.monotonic()
-            with_.append(_measure(load, round_s))
-            c1, t1 = _cpu_s(w.popen.pid), time.monotonic()
-            if c0 is not None and c1 is not None:
-                cpu.append((c1 - c0) / (t1 - t0))
-            w.terminate()
-            w.wait(20)
-            w.kill()
-            share = cpu[-1] * 100 if cpu else 0.0
-            print(f"  pair {i + 1} with watch:    {with_[-1]:8.0f} tok/s (watch CPU {share:.2f} %)", flush=True)
+    w = _start_watch(server, out / "overhead")
+    assert w.popen is not None
+    pid = w.popen.pid
+    try:
+        time.sleep(2.0)          # its start-up (imports, discovery) is not the steady cost
+        for i in range(pairs):
+            for watched in ((False, True) if i % 2 == 0 else (True, False)):
+                os.kill(pid, signal.SIGCONT if watched else signal.SIGSTOP)
+                time.sleep(0.3)
+                c0, t0 = _cpu_s(pid), time.monotonic()
+                rate = _measure(load, round_s)
+                c1, t1 = _cpu_s(pid), time.monotonic()
+                if watched:
+                    with_.append(rate)
+                    if c0 is not None and c1 is not None:
+                        cpu.append((c1 - c0) / (t1 - t0))
+                    print(f"  pair {i + 1} with watch:    {rate:8.0f} tok/s (watch CPU {cpu[-1] * 100:.2f} %)",
+                          flush=True)
+                else:
+                    without.append(rate)
+                    print(f"  pair {i + 1} without watch: {rate:8.0f} tok/s", flush=True)
+        os.kill(pid, signal.SIGCONT)
+        stalls_seen = len(w.named("stall"))
+        w.terminate()
+        w.wait(20)
+    finally:
+        if w.popen.poll() is None:
+            os.kill(pid, signal.SIGCONT)
+        w.kill()
     base = statistics.median(without)
-    noise = (max(without) - min(without)) / base if base else 0.0
+    noise = statistics.pstdev(without) / base if base and len(without) > 1 else 0.0
     return {"without": without, "with": with_, "overhead": 1 - statistics.median(with_) / base if base else 0.0,
-            "noise": noise, "watch_cpu": statistics.median(cpu) if cpu else None}
+            "noise": noise, "watch_cpu": statistics.median(cpu) if cpu else None, "stalls": stalls_seen}
 
 
-def stalls(server: VllmServer, load: SteadyLoad, out: Path, stops: int, window_s: float,
-           stall_at: float) -> list[dict[str, Any]]:
+def sigstops(server: VllmServer, load: SteadyLoad, out: Path, stops: int, window_s: float) -> list[dict[str, Any]]:
+    """One watch left running (cooldown 0) while the EngineCore is SIGSTOPped and SIGCONTed ``stops`` times."""
     core = server.engine_core_pid()
     assert core is not None
-    w = _start_watch(server, out / "stalls", "--window", f"{window_s:g}", "--period", "0.5", "--cooldown", "0")
+    w = _start_watch(server, out / "stops", "--window", f"{window_s:g}", "--period", "0.5", "--cooldown", "0")
     rows: list[dict[str, Any]] = []
     try:
         for k in range(stops):
-            if time.monotonic() > stall_at - 3 * window_s - 10:
-                print("  (no time left for another SIGSTOP before the injected stall)")
-                break
             time.sleep(2.0)
             os.kill(core, signal.SIGSTOP)
             try:
@@ -116,18 +126,36 @@ def stalls(server: VllmServer, load: SteadyLoad, out: Path, stops: int, window_s
             print(f"  SIGSTOP {k + 1}: {v['kind']:8s} {rows[-1]['s']:.2f} s after the last token", flush=True)
             if w.wait_event("recovered", 30) is None:
                 raise SystemExit("no recovery after SIGCONT:\n" + w.diag())
-        v = w.wait_event("verdict", max(60.0, stall_at - time.monotonic() + 60))
-        if v is None or load.last_token_wall is None:
-            raise SystemExit("no verdict for the injected stall:\n" + w.diag())
-        rows.append({"stall": "injected GIL cycle", "kind": v["kind"], "s": v["unix"] - load.last_token_wall,
-                     "health": next((e.get("health") for e in reversed(w.named("stall"))), None)})
-        print(f"  injected: {v['kind']:8s} {rows[-1]['s']:.2f} s after the last token, /health {rows[-1]['health']}",
-              flush=True)
         w.terminate()
         w.wait(20)
     finally:
         w.kill()
     return rows
+
+
+def injected(tmp: Path, window_s: float, stall_after_s: float) -> dict[str, Any]:
+    """A fresh server whose EngineCore falls into the GIL cycle ``stall_after_s`` into serving, watched from
+    its start (--once)."""
+    server = VllmServer(tmp / "vllm-gil.log", stall_after_s=stall_after_s, max_num_seqs=1)
+    try:
+        server.start()
+        if not server.wait_ready(240):
+            raise SystemExit(server.log_text()[-3000:])
+        with SteadyLoad(server.url, served_model(server.url), streams=4, max_tokens=120, read_timeout_s=60) as load:
+            w = _start_watch(server, tmp / "gil", "--once", "--window", f"{window_s:g}", "--period", "0.5")
+            try:
+                if w.wait(stall_after_s + 90) != 10 or load.last_token_wall is None:
+                    raise SystemExit("no verdict for the injected stall:\n" + w.diag())
+            finally:
+                w.kill()
+            (v,), (st,) = w.named("verdict"), w.named("stall")
+            row = {"stall": "injected GIL cycle", "kind": v["kind"], "s": v["unix"] - load.last_token_wall,
+                   "health": st.get("health")}
+            print(f"  injected: {v['kind']:8s} {row['s']:.2f} s after the last token, /health {row['health']}",
+                  flush=True)
+            return row
+    finally:
+        server.stop()
 
 
 def long_run(server: VllmServer, out: Path, long_s: float, window_s: float) -> dict[str, Any]:
@@ -148,8 +176,9 @@ def long_run(server: VllmServer, out: Path, long_s: float, window_s: float) -> d
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--pairs", type=int, default=6, help="alternating without/with rounds")
-    ap.add_argument("--round-s", type=float, default=8.0)
+    ap.add_argument("--pairs", type=int, default=10, help="alternating without/with rounds")
+    ap.add_argument("--round-s", type=float, default=5.0)
+    ap.add_argument("--stall-after", type=float, default=15.0, help="KVDIAG_VLLM_STALL_AFTER_S of the last server")
     ap.add_argument("--stops", type=int, default=3, help="SIGSTOP stalls before the injected one")
     ap.add_argument("--window", type=float, default=4.0)
     ap.add_argument("--long", action="store_true", help="10 minutes healthy under load, 10 idle: stalls reported")
@@ -171,28 +200,28 @@ def main() -> int:
         print(f"scrape errors {r['errors']}, watch exit {r['rc']}, load average at start {load_avg:.1f}")
         print(f"RESULT long_stalls={r['stalls']} long_s={args.long_s:g} window_s={args.window:g}")
         return 0
-    budget = 3 + args.pairs * (2 * args.round_s + 6) + args.stops * (args.window + 8) + 15
-    server = VllmServer(tmp / "vllm.log", stall_after_s=budget, max_num_seqs=1)
+    server = VllmServer(tmp / "vllm.log", max_num_seqs=1)
     try:
         server.start()
         if not server.wait_ready(240):
             raise SystemExit(server.log_text()[-3000:])
-        stall_at = time.monotonic() + budget - 1.0
         with SteadyLoad(server.url, served_model(server.url), streams=4, max_tokens=120, read_timeout_s=60) as load:
             time.sleep(3.0)
             print("overhead rounds:", flush=True)
             ov = overhead(server, load, tmp, args.pairs, args.round_s)
             print("stalls:", flush=True)
-            rows = stalls(server, load, tmp, args.stops, args.window, stall_at)
+            rows = sigstops(server, load, tmp, args.stops, args.window)
     finally:
         server.stop()
+    rows.append(injected(tmp, args.window, args.stall_after))
     after = [r["s"] for r in rows]
     med, mx = statistics.median(after), max(after)
     print("\n| measure | value |\n|---|---|")
     print(f"| tokens/s without watch (median of {len(ov['without'])}) | {statistics.median(ov['without']):.0f} |")
     print(f"| tokens/s with watch (median of {len(ov['with'])}) | {statistics.median(ov['with']):.0f} |")
     print(f"| throughput overhead | {ov['overhead'] * 100:+.2f} % |")
-    print(f"| noise floor (spread of the rounds without) | {ov['noise'] * 100:.2f} % |")
+    print(f"| noise (std of the rounds without / their median) | {ov['noise'] * 100:.2f} % |")
+    print(f"| stalls reported during the overhead rounds | {ov['stalls']} |")
     if ov["watch_cpu"] is not None:
         print(f"| watch's own CPU | {ov['watch_cpu'] * 100:.2f} % of a core |")
     for r in rows:
