@@ -49,7 +49,7 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
 import hanger_kit as hk  # noqa: E402
 
 from kvdiag.analyze import analyze  # noqa: E402
-from kvdiag.bundle_io import save_bundle  # noqa: E402
+from kvdiag.bundle import save_bundle  # noqa: E402
 from kvdiag.capture.bundle import capture_tree  # noqa: E402
 from kvdiag.capture.merge import bundle_without_tool  # noqa: E402
 from kvdiag.model import Bundle, Verdict, VerdictKind  # noqa: E402
@@ -105,7 +105,8 @@ class CrossResult:
     """The cross-process table: verdicts with and without following edges, and capture times."""
 
     def __init__(self) -> None:
-        self.tally: dict[str, dict[str, Counter[str]]] = {"follow": {}, "no_follow": {}}
+        self.tally: dict[str, dict[str, Counter[str]]] = {"follow": {}, "no_follow": {},
+                                                          **{f"follow_{m}": {} for m in MODES[1:]}}
         self.chain_ok: dict[str, Counter[bool]] = {}
         self.times: dict[str, list[tuple[float, float]]] = {}   # kind -> [(with, without)]
 
@@ -167,6 +168,9 @@ def cross_process(cases: list[str], runs: int, tmp: Path, keep: Path | None) -> 
                     out.tally[mode].setdefault(kind, Counter())[verdict.kind.value] += 1
                     if follow:
                         out.chain_ok.setdefault(kind, Counter())[_chain_ok(kind, verdict)] += 1
+                        for m in MODES[1:]:
+                            seen = out.tally[f"follow_{m}"].setdefault(kind, Counter())
+                            seen[analyze(drop(bundle, m)).kind.value] += 1
                         if run == 0 and keep is not None:
                             keep_bundle(bundle, keep / kind, kind)
                     shutil.rmtree(dest, ignore_errors=True)
@@ -189,10 +193,13 @@ def print_cross(x: CrossResult, skipped: dict[str, str]) -> None:
             cells.append("ok" if not bad else ", ".join(f"{v} x{n}" for v, n in sorted(bad.items())))
         chain = "ok" if not x.chain_ok[kind].get(False) else f"{x.chain_ok[kind][False]} no"
         times = " ".join(f"{a:.2f}/{b:.2f}" for a, b in pairs)
-        print(f"{kind:{width}} {hk.KINDS[kind].expect:18} {cells[0]:20} {cells[1]:20} {chain:6} {times}")
-    for mode in ("follow", "no_follow"):
+        missing = "; ".join(f"{m.removeprefix('follow_')}: {v} x{n}" for m in x.tally if m.startswith("follow_")
+                            for v, n in sorted(x.tally[m][kind].items()) if v != hk.KINDS[kind].expect)
+        print(f"{kind:{width}} {hk.KINDS[kind].expect:18} {cells[0]:20} {cells[1]:20} {chain:6} {times}"
+              + (f"  [tool missing: {missing}]" if missing else ""))
+    for mode in x.tally:
         r = x.score(mode)
-        print(f"xproc {mode:10} accuracy {r['accuracy']:.3f}  false deadlocks {r['false_deadlock']:.0f}/"
+        print(f"xproc {mode:18} accuracy {r['accuracy']:.3f}  false deadlocks {r['false_deadlock']:.0f}/"
               f"{r['progressing']:.0f}  missed deadlocks {r['missed_deadlock']:.0f}/{r['hanging']:.0f}")
     print(f"capture with/without following edges: median ratio {x.ratio():.2f}")
 

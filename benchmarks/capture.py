@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
@@ -40,8 +41,9 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
 import hanger_kit as hk  # noqa: E402
 
 from kvdiag.analyze import analyze  # noqa: E402
-from kvdiag.capture import capture_processes, find_engine_processes, process_tree  # noqa: E402
+from kvdiag.capture import capture_processes, find_engine_processes  # noqa: E402
 from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole  # noqa: E402
+from kvdiag.osread.ptable import process_tree  # noqa: E402
 
 TARGET_PARALLEL_S = 3.0
 TARGET_CRITICAL_S = 1.0
@@ -63,8 +65,8 @@ def one(pids: list[int], raw: Path, parallel: bool) -> tuple[float, float, str, 
 def hung_vllm_tree() -> Iterator[tuple[list[int], dict[int, str]]]:
     """Engine 2 of the vLLM CPU scenario, alone, launched by kvdiag and left hung; torn down on exit."""
     from kvdiag.launch.process import ProcessSet
-    from kvdiag.launch.session import Outcome, ScenarioRun
     from kvdiag.scenario import load_scenario
+    from kvdiag.scenariorun import Outcome, ScenarioRun
     from kvdiag.sim.harness import remove_device_files
 
     scen, _, _ = load_scenario(ROOT / "scenarios" / "two-engine-vllm-cpu.yaml")
@@ -212,11 +214,16 @@ def main_vllm(rounds: int, busy: int = 0) -> int:
             if time.monotonic() > settle_end:
                 raise SystemExit("the EngineCore never showed the GIL cycle within 120 s")
             time.sleep(2)
-        # Before issue 14: every tool on every process at once, gdb reading every library's symbols.
+        # The baseline: every tool on every process at once, gdb reading every library's symbols.
         before_s, _, before_verdict = _timed(pids, Path(tmp) / "before", ["proc", "py-spy", "pystack", "gdb-full"])
         print(f"before (no focus, gdb reading all symbols): {before_s:.3f}s, verdict {before_verdict}")
         api = next(p for p in pids if role_of[p] == "api_server")
         cli_capture_once(api, Path(tmp) / "cli-warmup")   # the interpreter's files in the page cache
+        env = json.loads((Path(tmp) / "cli-warmup" / "bundle" / "bundle.json").read_text()).get("environment") or {}
+        for ip in env.get("engine_packages", []):
+            pk = ip.get("packages", {})
+            print(f"captured engine's packages ({ip.get('who')}, {ip.get('python')}): vllm {pk.get('vllm')}, "
+                  f"torch {pk.get('torch')}")
         print(f"{'round':>5} {'core_s':>7} {'critical_s':>10} {'verdict':>10} {'full_s':>7} {'verdict':>10} "
               f"{'serial_s':>8} {'tool_sum_s':>10} {'pystack_s':>9} {'cli_verdict_s':>13} {'cli_s':>6} "
               f"{'ratio':>5} {'load1':>5}")

@@ -26,7 +26,7 @@ CPU (user+sys, time.process_time of each client process over its load window) pe
 Prints tables and ends with
 `RESULT ttft_p50_err=... itl_p50_err=... ttft_p99_err=... itl_p99_err=... cpu_ratio=...`.
 
-``--vllm`` (issue 14): kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server (prefix
+``--vllm``: kvdiag's soak client and `vllm bench serve` on the SAME real vLLM CPU server (prefix
 caching off), ONE CLIENT AT A TIME, in cycles of three runs, bench / kvdiag / bench2, the order rotated each
 cycle (bench2 is bench again: the reference measured against itself the same way gives the noise floor).
 Every run sends the same request mix: 48 completions, 64 prompt tokens (bench: its random dataset, seed 0 in
@@ -218,7 +218,7 @@ def _tap_transport(concurrency: int, sink: dict[str, list[float]]) -> Any:
 # client processes
 def client_kvdiag(url: str, concurrency: int, duration: float, max_tokens: int, start_at: float,
                   tap: bool) -> dict[str, Any]:
-    from kvdiag.soak.loadgen import LoadConfig, LoadGenerator
+    from kvdiag.load.loadgen import LoadConfig, LoadGenerator
 
     cfg = LoadConfig(base_url=url, concurrency=concurrency, max_tokens=max_tokens, prompt=PROMPT)
     sink: dict[str, list[float]] = {"ttft": [], "itl": [], "tokens": []}
@@ -426,7 +426,7 @@ def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_l
     """kvdiag's LoadGenerator sending exactly ``num`` requests; its raw samples, for the parent to reduce."""
     import random
 
-    from kvdiag.soak.loadgen import LoadConfig, LoadGenerator, RequestStatus
+    from kvdiag.load.loadgen import LoadConfig, LoadGenerator, RequestStatus
 
     rnd = random.Random(seed)
     prompt = [rnd.randrange(4, 500) for _ in range(input_len)]   # ids past the special tokens

@@ -12,3 +12,9 @@ KILL_GRACE_S = 5.0          # SIGTERM -> SIGKILL at teardown
 TOOL_TIMEOUT_S = 15.0       # one capture tool on one process
 SWEEP_STALL_WINDOW_S = 2.0  # a sweep cell's stall window: the capture's stacks decide the verdict, not the window
 SWEEP_MAX_JOBS = 4          # cells in parallel by default: min(CPUs, this)
+# Capture tools, in the order they run: /proc first (it never pauses the target and opens the progress
+# window), then the stack tools.
+DEFAULT_TOOLS = ("proc", "py-spy", "pystack", "gdb")
+# KV pool usage at or above this share is full: with requests running and no tokens, a decode stall; in a
+# soak, the load saturated the pool.
+KV_FULL = 0.9

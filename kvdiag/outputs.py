@@ -11,7 +11,7 @@ from pathlib import Path
 
 from kvdiag.analyze import diagnose
 from kvdiag.analyze.diagnosis import complete
-from kvdiag.analyze.soak import stall_to_verdict_s
+from kvdiag.analyze.soak import judged_soak, stall_to_verdict_s
 from kvdiag.bundle import write_bundle
 from kvdiag.errors import UsageError
 from kvdiag.model import Bundle, Diagnosis, TimelineEvent, Verdict
@@ -61,6 +61,8 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     environment). Renderers read only the diagnosis stored in the bundle.
     """
     red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
+    if red.soak is not None:   # the soak's judgement, stored beside the readings it came from
+        red.soak = judged_soak(red.soak, red.metrics)
     diag = diagnosis if diagnosis is not None else diagnose(red, runs)
     if verdict_t is not None:
         red.stall_to_verdict_s = stall_to_verdict_s(red.timeline, verdict_t)

@@ -6,6 +6,7 @@ its package's public functions and the Bundle passed between them.
 
 from __future__ import annotations
 
+import copy
 import datetime as _dt
 import os
 import platform
@@ -17,12 +18,18 @@ from pathlib import Path
 from types import TracebackType
 
 from rich.console import Console
+from rich.markup import escape
 
 from kvdiag import __version__
+from kvdiag.allocator import remove_device_files
+from kvdiag.capture.bundle import capture_engine
+from kvdiag.environment import add_engine_packages, collect_environment
+from kvdiag.environment.interpreter import interpreter_of_pid
+from kvdiag.environment.runtime import collect_runtime
 from kvdiag.errors import Interrupted, KvdiagError, UsageError
+from kvdiag.launch.interpreters import engine_interpreters
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
-from kvdiag.launch.session import EngineWatch, Outcome, RunResult, ScenarioRun
 from kvdiag.model import (
     Bundle,
     TimelineEvent,
@@ -33,7 +40,9 @@ from kvdiag.outputs import RunArtifacts as RunArtifacts
 from kvdiag.outputs import default_out_dir as default_out_dir
 from kvdiag.outputs import finish as finish
 from kvdiag.outputs import prepare_out_dir as prepare_out_dir
+from kvdiag.redact import Tally, copy_redacted, note_file, write_redacted
 from kvdiag.scenario.models import Scenario
+from kvdiag.scenariorun import EngineWatch, Outcome, RunResult, ScenarioRun
 
 
 def host_info() -> dict[str, str]:
@@ -42,8 +51,6 @@ def host_info() -> dict[str, str]:
 
 
 def new_bundle(command: str) -> Bundle:
-    from kvdiag.environment import collect_environment
-
     return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   environment=collect_environment())
@@ -52,8 +59,6 @@ def new_bundle(command: str) -> Bundle:
 def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[str], timeout_s: float,
                      bundle: Bundle) -> None:
     """Capture every process of each given engine into the bundle (read-only)."""
-    from kvdiag.capture.bundle import capture_engine
-
     for w in watches:
         if w.proc.pid is None:
             continue
@@ -63,8 +68,6 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
         bundle.findings.extend(findings)
     if bundle.environment is not None:
         # kvcached's segments and worker sockets as they are while the engines hang (not at launch).
-        from kvdiag.environment.runtime import collect_runtime
-
         try:
             bundle.environment.kvcached_runtime = collect_runtime()
         except OSError as exc:
@@ -73,8 +76,6 @@ def _capture_engines(watches: list[EngineWatch], bundle_dir: Path, tools: list[s
 
 def _copy_logs_redacted(raw_log_dir: Path, bundle_dir: Path, bundle: Bundle | None = None) -> None:
     """Copy the engines' raw logs into bundle/logs/, redacted; what was removed goes into the summary."""
-    from kvdiag.redact import Tally, copy_redacted, note_file
-
     logs_dir = bundle_dir / "logs"
     logs_dir.mkdir(parents=True, exist_ok=True)
     for src in sorted(raw_log_dir.glob("*.log")):
@@ -108,16 +109,11 @@ class LaunchedRun:
         self.run: ScenarioRun
 
     def __enter__(self) -> LaunchedRun:
-        from kvdiag.redact import Tally, note_file, write_redacted
-
         tally = Tally()
         write_redacted(self.bundle_dir / "scenario.yaml", self._text, tally)
         note_file(self.bundle.redaction, "scenario.yaml", tally.as_dict())
         if self.bundle.environment is not None and not self.bundle.environment.engine_packages:
             # The versions the engines' own interpreters see (a vLLM venv), not only kvdiag's.
-            from kvdiag.environment import add_engine_packages
-            from kvdiag.launch.interpreters import engine_interpreters
-
             add_engine_packages(self.bundle.environment, engine_interpreters(self.scenario))
         procs = ProcessSet(grace_s=self.scenario.windows.kill_grace_s)
         procs.__enter__()
@@ -140,9 +136,6 @@ class LaunchedRun:
         env = self.bundle.environment
         if env is None:
             return
-        from kvdiag.environment import add_engine_packages
-        from kvdiag.environment.interpreter import interpreter_of_pid
-
         known = {name for ip in env.engine_packages for name in ip.engines}
         found: list[tuple[str, str, list[str]]] = []
         for w in self.run.watches:
@@ -176,8 +169,6 @@ class LaunchedRun:
                 self._final_logs()
             if self.device is not None and self.scenario.device.name is None:
                 # The modelled device was this run's own: drop its shared lock/accounting files.
-                from kvdiag.allocator import remove_device_files
-
                 remove_device_files(self.device)
 
 
@@ -270,8 +261,6 @@ def _fill_bundle(bundle: Bundle, result: RunResult) -> None:
 
 
 def _esc(text: str) -> str:
-    from rich.markup import escape
-
     return escape(text)
 
 
@@ -285,8 +274,6 @@ def run_ab(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: 
     The A/B bundle names both nested bundles (``runs``); its diagnosis (the comparison) is
     computed from them by analyze, so `kvdiag analyze/report` on the A/B folder says the same.
     """
-    import copy
-
     switchable(scenario, "kvdiag ab")
     sides: dict[str, RunArtifacts] = {}
     for allocator in AB_SIDES:

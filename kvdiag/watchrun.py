@@ -10,7 +10,6 @@ SIGTERM/SIGHUP. Nothing here signals or stops a watched process.
 
 from __future__ import annotations
 
-import os
 import signal
 import threading
 import time
@@ -30,12 +29,13 @@ from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
-from kvdiag.fleet.ray import capture_cluster
+from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole, TimelineEvent, Verdict
+from kvdiag.osread.net import listening_pids
+from kvdiag.osread.ptable import alive
+from kvdiag.osread.stat import read_stat
 from kvdiag.outputs import finish
-from kvdiag.proc import alive
 from kvdiag.redact import redact_bundle
-from kvdiag.soak.procnet import is_local_host, listening_pids, server_pid, url_host_port
 from kvdiag.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.watch.exporter import WatchExporter
 from kvdiag.watch.local import LocalEngine, Located
@@ -61,6 +61,8 @@ class WatchOptions:
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     capture_timeout_s: float = 10.0
     ray: str | None = None           # capture a stall through the Ray fleet path (every node) instead
+    # the fleet path's capture (address, bundle folder, timeout, tools) -> merged bundle; given by the CLI
+    ray_capture: Callable[[str, Path, float, list[str]], Bundle] | None = None
     verbose: bool = False            # a stderr line per look (else one per engine a minute)
 
     def validate(self) -> None:
@@ -81,7 +83,7 @@ class WatchOptions:
             raise UsageError(f"--pid given {len(self.pids)} time(s) for {len(self.urls)} --url: give one --pid per "
                              "--url, in the same order, or none (found from each URL's port)")
         for pid in self.pids:
-            if pid <= 1 or not os.path.isdir(f"/proc/{pid}"):
+            if pid <= 1 or read_stat(pid) is None:
                 raise UsageError(f"--pid {pid}: no such process",
                                  hint="the API server (`vllm serve`) or its EngineCore")
         if not 0 < self.window_s <= 3600:
@@ -180,7 +182,9 @@ def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None]
         announce(_result(known[0].verdict, known[0].exit_code, out_dir, None))
 
     if opts.ray is not None:
-        bundle = capture_cluster(opts.ray, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools)
+        if opts.ray_capture is None:
+            raise UsageError("--ray: this kvdiag has no fleet capture")
+        bundle = opts.ray_capture(opts.ray, bundle_dir, opts.capture_timeout_s, opts.tools)
         bundle.command = f"{command} --ray {opts.ray}"
         _add_watch_record(bundle, req)
     else:

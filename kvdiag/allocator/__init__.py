@@ -8,6 +8,7 @@ csrc/); the stock one deadlocks on purpose in kvcached #371's cycle.
 from __future__ import annotations
 
 import importlib
+import os
 from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, cast
@@ -107,8 +108,6 @@ def kvcached_env_kwargs(env: Mapping[str, str]) -> dict[str, Any]:
 
 def remove_device_files(device_name: str) -> None:
     """Delete a modelled device's shared files (lock and accounting) once no engine uses it."""
-    import os
-
     try:
         native = native_module()
         paths = [native.device_lock_path(device_name), native.device_account_path(device_name)]

@@ -11,88 +11,14 @@ from __future__ import annotations
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.diagnosis import diagnose, exit_code_for
-from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node
-from kvdiag.analyze.rules import SEVERITY, analyze_process, engine_verdict, severity
+from kvdiag.analyze.overall import analyze, analyze_by_engine
+from kvdiag.analyze.rules import SEVERITY, analyze_process, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.analyze.xproc import judge_across, merge_across
-from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
 
 __all__ = [
     "SEVERITY", "ThreadView", "WaitGraph", "WaitKind", "analyze", "analyze_by_engine", "analyze_process",
     "classify_process", "classify_thread", "diagnose", "exit_code_for", "hang_signature", "judge_across",
     "merge_across", "severity", "sign",
 ]
-
-
-def _groups(bundle: Bundle) -> list[tuple[str, list[ProcessEvidence]]]:
-    names = [e.name for e in bundle.engines]
-    out: list[tuple[str, list[ProcessEvidence]]] = [
-        (n, [p for p in bundle.processes if p.engine == n]) for n in names]
-    loose = [p for p in bundle.processes if p.engine not in names]
-    if loose:
-        out.append((f"pid-{loose[0].pid}", loose))
-    return out
-
-
-def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
-    """Verdict per engine name (insertion order: the bundle's engine order); in a bundle merged from
-    several hosts, per node and engine (``node/engine``), each node judged on its own processes."""
-    if is_merged(bundle):
-        return by_node(bundle, _by_engine)
-    return _by_engine(bundle)
-
-
-def _by_engine(bundle: Bundle) -> dict[str, Verdict]:
-    engines = {e.name: e for e in bundle.engines}
-    out: dict[str, Verdict] = {}
-    # The processes judged as a whole: a wait that crosses a process boundary is named at its root, in the
-    # verdict of the engine whose process waits first.
-    cross = judge_across(bundle)[0]
-    for name, procs in _groups(bundle):
-        pids = {p.pid for p in procs}
-        if name in engines:
-            relevant = [f for f in bundle.findings if f.engine == name or (f.pid is not None and f.pid in pids)]
-        else:
-            relevant = [f for f in bundle.findings if f.engine is None and (f.pid is None or f.pid in pids)]
-        verdict = engine_verdict(name, engines.get(name), procs, bundle, relevant)
-        if cross is not None and cross.waits is not None and cross.waits.edges[0].src.pid in pids:
-            verdict = merge_across(verdict, cross)
-        out[name] = sign(verdict, bundle)
-    return out
-
-
-def analyze(bundle: Bundle) -> Verdict:
-    """The overall verdict: the worst engine's, with the other engines named in the summary."""
-    by = analyze_by_engine(bundle)
-    if is_merged(bundle):
-        # A pid is unique only within its node: the processes are judged as a whole node by node, then
-        # the waits that cross nodes are joined (kvdiag.analyze.fleet).
-        overall = _worst(by, bundle, whole=False)
-        for node, sub in node_bundles(bundle):
-            cross = judge_across(sub)[0]
-            if cross is not None:
-                overall = merge_across(overall, on_node(cross, node))
-        return sign(across_nodes(overall, bundle, by), bundle)
-    return _worst(by, bundle)
-
-
-def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdict:
-    if not by:
-        return Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.LOW,
-                       summary="the bundle holds no engines and no captured processes: nothing to diagnose")
-    ranked = sorted(by.items(), key=lambda kv: severity(kv[1].kind))
-    name, worst = ranked[0]
-    overall = worst.model_copy(deep=True)
-    if len(ranked) > 1:
-        others = ", ".join(f"{n}: {v.kind.value}" for n, v in ranked[1:])
-        overall.summary = f"{overall.summary} (other engines: {others})"
-    seen = {(f.kind, f.message) for f in overall.findings}
-    extra: list[Finding] = []
-    for _, v in ranked[1:]:
-        for f in v.findings:
-            if (f.kind, f.message) not in seen:
-                seen.add((f.kind, f.message))
-                extra.append(f)
-    overall.findings += extra
-    return sign(overall, bundle)

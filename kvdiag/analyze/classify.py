@@ -14,6 +14,7 @@ from enum import Enum
 
 from kvdiag.analyze import vocab as v
 from kvdiag.model import FdInfo, Frame, GilState, ProcessEvidence, ThreadEvidence, ThreadState
+from kvdiag.osread.syscall import syscalls_of
 
 # A thread that used at least this many CPU ticks over the sampling interval is running; a GIL
 # waiter's 5 ms timed waits never add up to that.
@@ -85,10 +86,6 @@ class ThreadView:
     @property
     def label(self) -> str:
         return f"thread {self.tid} ({self.name})" if self.name else f"thread {self.tid}"
-
-
-def _arch_syscalls(machine: str | None) -> dict[str, frozenset[int]]:
-    return v.SYSCALLS.get(machine or "x86_64", v.SYSCALLS["x86_64"])
 
 
 def _kind_from_frames(segment: list[Frame]) -> tuple[WaitKind | None, str | None]:
@@ -231,7 +228,7 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         if kind is not None:
             break
     view.py_wait = _python_wait(all_stacks)
-    sysnames = _arch_syscalls(machine)
+    sysnames = syscalls_of(machine)
     wchan = th.wchan or ""
     nr = th.syscall_nr
     view.wait_addr = th.futex_addr

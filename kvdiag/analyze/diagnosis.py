@@ -16,8 +16,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.analyze.engines import judge_engines
-from kvdiag.analyze.health import engine_health
-from kvdiag.analyze.soak import saturation_verdict
+from kvdiag.analyze.overall import analyze, analyze_by_engine
+from kvdiag.analyze.soak import judged_soak, saturation_verdict, served_verdict
 from kvdiag.analyze.xproc import judge_across
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
@@ -30,6 +30,7 @@ from kvdiag.model import (
     EngineRecord,
     Verdict,
     VerdictKind,
+    engine_health,
 )
 
 AB_SIDES = ("stock", "fixed")
@@ -68,12 +69,10 @@ def _conclude(bundle: Bundle, runs: Mapping[str, Bundle] | None) -> Diagnosis:
                          exit_code=ExitCode.INTERRUPTED, notes=["the run was interrupted: no verdict"])
     if bundle.runs:
         return _diagnose_ab(bundle, runs or {})
-    from kvdiag.analyze import analyze, analyze_by_engine
-
     verdict, by_engine = analyze(bundle), analyze_by_engine(bundle)
     code = exit_code_for(verdict)
     notes: list[str] = []
-    soak = bundle.soak
+    soak = None if bundle.soak is None else judged_soak(bundle.soak, bundle.metrics)
     if soak is not None and verdict.kind is VerdictKind.HEALTHY:
         if soak.server_unreachable:
             engine = bundle.engines[0] if bundle.engines else None
@@ -91,6 +90,8 @@ def _conclude(bundle: Bundle, runs: Mapping[str, Bundle] | None) -> Diagnosis:
             verdict = saturation_verdict(verdict, soak)
             code = exit_code_for(verdict)
             notes.append("no stall, but the KV cache never got near full: inconclusive (exit 6)")
+        else:
+            verdict = served_verdict(verdict, soak)
     graph = judge_across(bundle)[1]
     return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=code, notes=notes,
                      wait_graph=graph if graph.edges else None)

@@ -20,12 +20,20 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvdiag.defects import (
+    BLOCK_OVER_PAGE,
+    FIX_BUILD,
+    FIX_PREALLOC,
+    GIL_HOLDING_ALLOC_PAGE,
+    HEADROOM_UNDERFLOW,
+)
+from kvdiag.logs.banner import assess_risk, pages_per_layer
 from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, KvcachedBuild, RiskStatus
-from kvdiag.watch.banner import assess_risk, pages_per_layer
 
 DEFAULT_KVCACHED_UTIL = 0.95
-FIX_BUILD = "install kvcached >= 0.1.6 (or a git build at or after 666671b, PR #422)"
-FIX_PREALLOC = "KVCACHED_PAGE_PREALLOC_ENABLED=false on this engine"
+_GIL = GIL_HOLDING_ALLOC_PAGE.ticket
+_UNDERFLOW = HEADROOM_UNDERFLOW.ticket
+_BLOCK = BLOCK_OVER_PAGE.ticket
 
 
 @dataclass
@@ -86,7 +94,7 @@ def pool_checks(engines: Sequence[EnginePlan], banners: Sequence[BannerInfo]) ->
                              None if sim_fixed else
                              f"{FIX_PREALLOC}, or a bigger KV pool (more than {banner.min_reserved_pages} pages "
                              f"per layer: raise --gpu-memory-utilization or lower KVCACHED_MIN_RESERVED_PAGES), "
-                             f"or {FIX_BUILD}", "kvcached #371"))
+                             f"or {FIX_BUILD}", _GIL))
         else:
             rows.append(_row("prealloc_pool", subject, RiskStatus.OK, pool))
     return rows
@@ -111,7 +119,7 @@ def colocation_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> 
                 f"kvcached engines {names} share one GPU and {', '.join(e.name for e in later)} start(s) with "
                 f"prealloc on while an earlier engine is live (the co-location hang of kvcached #371)",
                 f"one kvcached engine per GPU, or {FIX_PREALLOC.replace('this engine', 'the later engines')}, "
-                f"or {FIX_BUILD} (and >= #448 so co-located engines get a real virtual pool)", "kvcached #371"))
+                f"or {FIX_BUILD} (and >= #448 so co-located engines get a real virtual pool)", _GIL))
         elif later:
             rows.append(_row("colocation", device, RiskStatus.OK,
                              f"kvcached engines {names} share one GPU; the allocator has the #422 fix"))
@@ -125,8 +133,8 @@ def colocation_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> 
         rows.append(_row("colocation", "this host (live)", RiskStatus.RISK if pre else RiskStatus.OK,
                          f"{len(rt.segments)} kvcached engine(s) live now ({live}); a new prealloc engine on the "
                          f"same GPU is co-located" + (" with a pre-fix build" if pre else ""),
-                         f"start the new engine with KVCACHED_PAGE_PREALLOC_ENABLED=false, or {FIX_BUILD}"
-                         if pre else None, "kvcached #371" if pre else None))
+                         f"start the new engine with {GIL_HOLDING_ALLOC_PAGE.workaround}, or {FIX_BUILD}"
+                         if pre else None, _GIL if pre else None))
     return rows
 
 
@@ -166,7 +174,7 @@ def _build_row(subject: str, k: KvcachedBuild, env: EnvironmentRecord) -> Doctor
                     f"{where}: pre-fix build: {ev}{extra}"
                     + (" (KVCACHED_PAGE_PREALLOC_ENABLED is off here: no prealloc worker, no GIL cycle)"
                        if off else ""),
-                    f"{FIX_BUILD}; until then KVCACHED_PAGE_PREALLOC_ENABLED=false",
+                    f"{FIX_BUILD}; until then {GIL_HOLDING_ALLOC_PAGE.workaround}",
                     gil.upstream if gil else None)
     if k.verdict in ("fixed", "not_affected"):
         return _row("allocator_build", subject, RiskStatus.RISK if others else RiskStatus.OK,
@@ -189,7 +197,7 @@ def build_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> list[
                                  f"{e.what} with kvdiag's stock allocator: the pre-#422 model (alloc_page "
                                  "waits with the GIL held)",
                                  "allocator: fixed in the scenario (or `--allocator fixed`) to see the fix",
-                                 "kvcached #371"))
+                                 _GIL))
             else:
                 rows.append(_row("allocator_build", f"engine {e.name}", RiskStatus.OK,
                                  f"{e.what} with kvdiag's {e.allocator} allocator"))
@@ -222,7 +230,7 @@ def headroom_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> li
                              detail + (": below it, and on a build without #377's fix the unsigned subtraction "
                                        "wraps so the prealloc reserve is uncapped" if wraps else ": below it"),
                              "free GPU memory (lower the engines' --gpu-memory-utilization)"
-                             + (f", and {FIX_BUILD}" if wraps else ""), "kvcached #377"))
+                             + (f", and {FIX_BUILD}" if wraps else ""), _UNDERFLOW))
         else:
             rows.append(_row("headroom", f"GPU {g.index}", RiskStatus.OK, detail))
     groups: dict[str, list[EnginePlan]] = {}
@@ -237,7 +245,7 @@ def headroom_checks(engines: Sequence[EnginePlan], env: EnvironmentRecord) -> li
             rows.append(_row("headroom", device, RiskStatus.RISK,
                              f"engines claim {parts} = {total:.2f} of the device, more than "
                              f"KVCACHED_GPU_UTILIZATION={limit:g}: the device ends fuller than kvcached's headroom",
-                             f"lower --gpu-memory-utilization so the sum stays <= {limit:g}", "kvcached #377"))
+                             f"lower --gpu-memory-utilization so the sum stays <= {limit:g}", _UNDERFLOW))
         else:
             rows.append(_row("headroom", device, RiskStatus.OK,
                              f"engines claim {parts} = {total:.2f} of the device (<= {limit:g})"))
@@ -269,7 +277,7 @@ def page_block_checks(engines: Sequence[EnginePlan]) -> list[DoctorCheck]:
             if e.tokens_per_page < e.block_size:
                 rows.append(_row("page_vs_block", subject, RiskStatus.RISK,
                                  f"a page holds {e.tokens_per_page} tokens, a KV block needs {e.block_size}",
-                                 "raise KVCACHED_PAGE_SIZE_MB", "kvcached #367"))
+                                 "raise KVCACHED_PAGE_SIZE_MB", _BLOCK))
             else:
                 rows.append(_row("page_vs_block", subject, RiskStatus.OK,
                                  f"a {e.page_size_mb or '?'} MB page holds {e.tokens_per_page} tokens, "
@@ -279,7 +287,7 @@ def page_block_checks(engines: Sequence[EnginePlan]) -> list[DoctorCheck]:
                          f"page {e.page_size_mb or 2} MB; a block's size depends on the model (hybrid linear-"
                          "attention/Mamba state can exceed a page): a kvcached with #367 refuses to start naming "
                          "KVCACHED_PAGE_SIZE_MB, older builds hang silently in warm-up",
-                         "if warm-up hangs with an empty pool, raise KVCACHED_PAGE_SIZE_MB", "kvcached #367"))
+                         "if warm-up hangs with an empty pool, raise KVCACHED_PAGE_SIZE_MB", _BLOCK))
     return rows
 
 

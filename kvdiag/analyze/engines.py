@@ -7,9 +7,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvdiag.analyze.health import engine_health
-from kvdiag.model import BannerRisk, Bundle, EngineJudgement, EngineRecord, Verdict
-from kvdiag.watch.banner import assess_risk_for
+from kvdiag.logs.banner import assess_risk_for
+from kvdiag.model import BannerRisk, Bundle, EngineJudgement, EngineRecord, Verdict, engine_health
 
 
 def combined_risk(risks: list[BannerRisk]) -> BannerRisk | None:

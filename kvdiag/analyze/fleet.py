@@ -168,6 +168,11 @@ def tcp_waits(bundle: Bundle) -> list[CrossNodeWait]:
     machine = bundle.host.get("machine")
     holders: dict[tuple[str, str], tuple[str | None, int]] = {}
     views = {(p.node, p.pid): classify_process(p, machine) for p in bundle.processes if p.node}
+    for p in bundle.processes:
+        for conn in p.tcp_connections if p.node else []:
+            ends = _endpoints(conn)
+            if ends is not None:
+                holders.setdefault(ends, (p.node, p.pid))
     for (node, pid), ts in views.items():
         for t in ts:
             for f in t.blocked_fds:
@@ -201,6 +206,10 @@ def _target_label(w: CrossNodeWait, bundle: Bundle) -> str:
     if w.target is not None:
         return _label(w.target, bundle)
     return f"node {w.target_node} pid {w.target_pid} (not captured)"
+
+
+def _cites(verdict: Verdict, node: str | None, pid: int) -> bool:
+    return any(i.node == node and i.pid == pid for i in verdict.evidence)
 
 
 def _edge(w: CrossNodeWait, bundle: Bundle) -> WaitEdge:
@@ -250,15 +259,28 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
         return Verdict(kind=VerdictKind.NO_EVIDENCE, confidence=Confidence.LOW, findings=missing,
                        summary=f"no process of any node could be judged: {names}")
     chains: list[str] = []
-    for w in ray_get_waits(bundle) + tcp_waits(bundle):
-        target_v = analyze_process(w.target, machine, w.target.engine) if w.target is not None else None
+    waits = [(w, analyze_process(w.target, machine, w.target.engine) if w.target is not None else None)
+             for w in ray_get_waits(bundle) + tcp_waits(bundle)]
+    for w, target_v in waits:
+        # The worst verdict is a waiter whose wait ends at a hung process on another node: that one is the cause.
+        if target_v is None or not target_v.kind.is_hang or not _cites(out, w.waiter.node, w.waiter.pid) or \
+                _cites(out, w.target_node, w.target_pid):
+            continue
+        cause = next((v for v in by.values() if _cites(v, w.target_node, w.target_pid)), None)
+        if cause is not None:
+            consequence = out
+            out = cause.model_copy(deep=True)
+            out.findings.append(Finding(kind="waits_on_hung_peer", node=w.waiter.node, pid=w.waiter.pid, message=(
+                f"{_label(w.waiter, bundle)} waits across nodes on {_target_label(w, bundle)}, which is itself hung "
+                f"({target_v.kind.value}): a consequence, not the cause. {consequence.summary}")))
+            out.findings += [f for f in consequence.findings if f not in out.findings]
+    for w, target_v in waits:
         state = (f"{target_v.kind.value} there" if target_v is not None else
                  "no hang seen there" if w.target is not None else "not captured")
         text = f"{_label(w.waiter, bundle)} (thread {w.thread.tid}) waits across nodes in {w.how} on " \
                f"{_target_label(w, bundle)}: {state}"
         out.findings.append(Finding(kind="waits_across_nodes", node=w.waiter.node, pid=w.waiter.pid, message=text))
-        if target_v is not None and target_v.kind.is_hang and any(
-                i.node == w.target_node and i.pid == w.target_pid for i in out.evidence):
+        if target_v is not None and target_v.kind.is_hang and _cites(out, w.target_node, w.target_pid):
             chains.append(f"{_label(w.waiter, bundle)} → {_target_label(w, bundle)}")
             item: EvidenceItem = cite_item(w.thread, f"waits in {w.how} on {_target_label(w, bundle)}, which is hung",
                                            w.waiter.engine, CONTEXT_KEYS)

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvdiag.defects import GIL_HOLDING_ALLOC_PAGE, UNBOUNDED_IPC_READ, KvcachedDefect
 from kvdiag.model import KnownDefect, Verdict, VerdictKind
 
 
@@ -24,28 +25,20 @@ class KnownHang:
     signatures: frozenset[str] = field(default_factory=frozenset)
 
 
-_ISSUE_371 = "kvcached#371"
-_URL_371 = "https://github.com/ovg-project/kvcached/issues/371"
+def _known(defect: KvcachedDefect, title: str) -> KnownDefect:
+    """How a verdict names a catalogued defect; ``title`` says what this verdict saw of it."""
+    return KnownDefect(id=defect.id, title=title, fixed_by=defect.fixed_by, fixed_in=defect.fixed_in,
+                       workaround=defect.workaround, url=defect.url)
 
 
-def _gil_371(title: str) -> KnownDefect:
-    """The GIL half of kvcached #371: the same fix, workaround and page, whatever the verdict saw of it."""
-    return KnownDefect(id=_ISSUE_371, title=title, fixed_by="PR #422 (666671b)", fixed_in="0.1.6",
-                       workaround="KVCACHED_PAGE_PREALLOC_ENABLED=false", url=_URL_371)
-
-
-_PREALLOC_GIL = _gil_371("prealloc GIL cycle: alloc_page waits with the GIL held while the prealloc worker needs "
-                         "the GIL in map_pages (also #334)")
-_GIL_HELD_WAIT = _gil_371("alloc_page waits for the prealloc worker with the GIL held: every Python thread stalls "
-                          "behind it (GIL half of #371)")
-_RUNTIME_STALL = _gil_371("runtime stall under load: decode stops while alloc_page waits with the "
-                          "GIL held and the prealloc worker needs the GIL in map_pages")
-_IPC_READ = KnownDefect(
-    id=_ISSUE_371,
-    title="worker IPC reply awaited with no timeout: a live but stuck worker hangs the engine (IPC half of #371)",
-    fixed_by="PR #422 (KVCACHED_IPC_TIMEOUT)", fixed_in="0.1.6",
-    workaround="restart the stuck worker; a kvcached >= 0.1.6 fails after KVCACHED_IPC_TIMEOUT seconds",
-    url=_URL_371)
+_PREALLOC_GIL = _known(GIL_HOLDING_ALLOC_PAGE, "prealloc GIL cycle: alloc_page waits with the GIL held while the "
+                       "prealloc worker needs the GIL in map_pages (also #334)")
+_GIL_HELD_WAIT = _known(GIL_HOLDING_ALLOC_PAGE, "alloc_page waits for the prealloc worker with the GIL held: every "
+                        "Python thread stalls behind it (GIL half of #371)")
+_RUNTIME_STALL = _known(GIL_HOLDING_ALLOC_PAGE, "runtime stall under load: decode stops while alloc_page waits "
+                        "with the GIL held and the prealloc worker needs the GIL in map_pages")
+_IPC_READ = _known(UNBOUNDED_IPC_READ, "worker IPC reply awaited with no timeout: a live but stuck worker hangs the "
+                   "engine (IPC half of #371)")
 
 KNOWN: tuple[KnownHang, ...] = (
     KnownHang(_PREALLOC_GIL, frozenset({VerdictKind.GIL_CYCLE}),

@@ -27,8 +27,11 @@ from kvdiag.analyze.evidence import (
 )
 from kvdiag.analyze.gpu import gpu_wait_progressed, rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.runtime import may_release_python_lock
+from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.defaults import STALL_WINDOW_S
+from kvdiag.defaults import KV_FULL, STALL_WINDOW_S
+from kvdiag.logs.banner import assess_risk_for
+from kvdiag.logs.lines import CRASH_AT_EXIT, OOM_AT_EXIT
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -44,18 +47,11 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.watch.banner import assess_risk_for
 
 # Worst first: the overall verdict is the worst engine's.
 # Worst first; each kind's rank is part of its one definition (KIND_SPECS in kvdiag.model).
 SEVERITY: tuple[VerdictKind, ...] = tuple(sorted(VerdictKind, key=lambda k: k.spec.rank))
-KV_NEAR_FULL = 0.9
 _TARGET_STATES = (VerdictKind.STOPPED, VerdictKind.TRACED)
-_OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|\bOOM\b|oom[-_ ]kill|"
-                  r"Killed process \d+|Cannot allocate memory|std::bad_alloc|MemoryError", re.IGNORECASE)
-_CRASH = re.compile(r"Traceback \(most recent call last\)|Segmentation fault|core dumped|Aborted|"
-                    r"Fatal Python error|terminate called|EngineDeadError|SIGSEGV|SIGABRT|"
-                    r"failed in CUDA driver", re.IGNORECASE)
 _HOLDER_BLOCKED = frozenset({WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.FUTEX_WAIT, WaitKind.IO_READ,
                              WaitKind.PY_LOCK_WAIT})
 _WAIT_WORDS = {
@@ -76,6 +72,8 @@ def _where(proc: ProcessEvidence) -> str:
     at = f" on node {proc.node}" if proc.node else ""
     if role is None:
         return f"pid {proc.pid}{at}"
+    if proc.role is ProcessRole.WORKER and (title := process_title(proc)) and title != "Worker":
+        role = title   # which rank a tensor-parallel worker is (Worker_TP1), not just "a Worker"
     return f"pid {proc.pid}{at} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
 
 
@@ -844,7 +842,7 @@ def decode_stalled(e: EngineRecord, metrics: Iterable[MetricsSnapshot], window_s
     if len(snaps) < 2 or not (e.healthy or e.phase in (EnginePhase.SERVING, EnginePhase.STALLED)):
         return None
     last = snaps[-1]
-    if (last.running or 0) <= 0 or (last.kv_cache_usage or 0) < KV_NEAR_FULL:
+    if (last.running or 0) <= 0 or (last.kv_cache_usage or 0) < KV_FULL:
         return None
     i = len(snaps) - 1
     while i > 0 and snaps[i - 1].generation_tokens == last.generation_tokens:
@@ -867,7 +865,7 @@ def decode_stalled_from_log(e: EngineRecord) -> str | None:
     last = stats[-STALL_STATS_LINES:]
     if len(last) < STALL_STATS_LINES:
         return None
-    if not all(float(m["gen"]) == 0.0 and int(m["run"]) > 0 and float(m["kv"]) / 100 >= KV_NEAR_FULL for m in last):
+    if not all(float(m["gen"]) == 0.0 and int(m["run"]) > 0 and float(m["kv"]) / 100 >= KV_FULL for m in last):
         return None
     m = last[-1]
     return (f"{m['run']} request(s) running, {m['wait']} waiting, KV cache {m['kv']}% full, generation "
@@ -1050,12 +1048,12 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     if e is not None:
         text = _engine_text(e)
         exited_badly = e.exit_code not in (None, 0) or (e.phase is EnginePhase.EXITED and e.exit_code != 0)
-        if _OOM.search(text) and (exited_badly or e.error):
-            line = _telling_line(text, _OOM)
+        if OOM_AT_EXIT.search(text) and (exited_badly or e.error):
+            line = _telling_line(text, OOM_AT_EXIT)
             return done(Verdict(kind=VerdictKind.OOM, confidence=Confidence.HIGH,
                                 summary=f"{name}: out of memory: {line.strip()[:200]}"))
-        if exited_badly or (e.error and _CRASH.search(e.error)):
-            line = _telling_line(text, _CRASH) or (e.error or "")
+        if exited_badly or (e.error and CRASH_AT_EXIT.search(e.error)):
+            line = _telling_line(text, CRASH_AT_EXIT) or (e.error or "")
             code = f" with exit code {e.exit_code}" if e.exit_code is not None else ""
             # Without an exit code (a bare capture) the end of the log is the only witness.
             what = f"engine exited{code}" if exited_badly or e.phase is EnginePhase.EXITED else \

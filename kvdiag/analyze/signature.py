@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 from kvdiag.analyze import vocab as v
+from kvdiag.analyze.known import match_known
 from kvdiag.model import Bundle, EvidenceItem, Frame, Verdict
 
 FRAMES_PER_THREAD = 4
@@ -140,8 +141,6 @@ def hang_signature(verdict: Verdict, bundle: Bundle | None = None) -> str | None
 
 def sign(verdict: Verdict, bundle: Bundle | None = None) -> Verdict:
     """Set ``verdict.signature`` and ``verdict.known`` (in place; returned for chaining)."""
-    from kvdiag.analyze.known import match_known
-
     verdict.signature = hang_signature(verdict, bundle)
     verdict.known = match_known(verdict, signature_groups(verdict, bundle)) if verdict.signature else None
     return verdict

@@ -13,7 +13,7 @@ import re
 import sys
 
 from kvdiag.model import Frame
-from kvdiag.proc import FUTEX_WCHANS
+from kvdiag.osread.syscall import FUTEX_WCHANS
 
 _SUFFIX = re.compile(r"(@@?GLIBC[\w.]*|\.constprop\.\d+|\.isra\.\d+|\.part\.\d+|\.cold)+$")
 
@@ -106,16 +106,6 @@ WCHAN_EVENT = ("do_epoll_wait", "ep_poll", "poll_schedule_timeout", "do_select",
                "do_sys_poll", "inet_csk_accept", "unix_accept", "sigsuspend", "do_sigtimedwait",
                "sys_pause", "do_sys_pause")
 WCHAN_SLEEP = ("hrtimer_nanosleep", "do_nanosleep", "clock_nanosleep")
-
-# x86_64 / aarch64 syscall numbers by meaning.
-SYSCALLS: dict[str, dict[str, frozenset[int]]] = {
-    "x86_64": {"read": frozenset({0, 17, 19, 45, 47, 299}), "event": frozenset({7, 23, 232, 281, 270, 271, 288, 43,
-                                                                              441, 34, 130, 128}),
-               "sleep": frozenset({35, 230}), "futex": frozenset({202}), "yield": frozenset({24})},
-    "aarch64": {"read": frozenset({63, 67, 65, 207, 212, 243}), "event": frozenset({73, 72, 22, 242, 202, 133, 137,
-                                                                                   441}),
-                "sleep": frozenset({101, 115}), "futex": frozenset({98}), "yield": frozenset({124})},
-}
 
 # Threads that sit idle by design (pools, monitors, library I/O threads): never a hang by themselves.
 IDLE_THREAD_NAMES = re.compile(

@@ -27,11 +27,14 @@ from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
 from kvdiag.analyze.rules import analyze_process, peer_phrase
+from kvdiag.analyze.vllm_titles import process_title
+from kvdiag.analyze.vllm_waits import shared_progress, vllm_wait
 from kvdiag.model import (
     Bundle,
     Confidence,
     EdgeEvidence,
     EdgeKind,
+    EnginePhase,
     EvidenceItem,
     FdInfo,
     FrameRef,
@@ -59,6 +62,21 @@ _WORDS = {
     EdgeKind.SHM_RING: "spins on a shared-memory ring that only another mapper advances:",
     EdgeKind.ZMQ: "waits on ZMQ for", EdgeKind.RAY_GET: "waits (ray.get) for",
 }
+
+
+def _native(view: ThreadView) -> bool:
+    return any(f.kind == "native" for f in view.frames)
+
+
+def _zmq_python_calls(view: ThreadView) -> set[str]:
+    """pyzmq's own Python frames (zmq/sugar): a send or a receive, worded as libzmq's calls."""
+    out: set[str] = set()
+    for f in view.frames[:8]:
+        if f.kind == "python" and "/zmq/" in (f.file or ""):
+            name = f.name.rsplit(".", 1)[-1]
+            out |= {"zmq_msg_send"} if name.startswith("send") else {"zmq_msg_recv"} if name.startswith(
+                "recv") else {"zmq_poll"} if name == "poll" else set()
+    return out
 
 
 # A process is (node, pid): pids are unique only within a host, and a merged bundle holds several.
@@ -110,6 +128,7 @@ class CrossProcess:
         self.views = {k: classify_process(p, machine) for k, p in self.procs.items()}
         self._own: dict[PKey, Verdict | None] = {}
         self.deps: dict[tuple[PKey, int], list[Dep]] = {}
+        self._stalled = {e.name for e in bundle.engines if e.phase is EnginePhase.STALLED}
         for k, p in self.procs.items():
             for view in self.views[k]:
                 found = self._edges(p, view) + [d for source in EDGE_SOURCES for d in source(self, p, view)]
@@ -140,7 +159,7 @@ class CrossProcess:
             "address": fd.address if fd else None, "text": peer_phrase(fd) if fd else "",
             **{k: val for k, val in ev.items() if val is not None}})
         edge = WaitEdge(src=self.ref(pkey(p), view.tid), dst=self.ref(dsts[0]), kind=kind, evidence=evidence,
-                        inferred=inferred or len(dsts) > 1)
+                        inferred=inferred or len(dsts) > 1, purpose=purpose)
         return Dep(edge=edge, purpose=purpose, dsts=dsts)
 
     @staticmethod
@@ -150,6 +169,8 @@ class CrossProcess:
 
     def _edges(self, p: ProcessEvidence, view: ThreadView) -> list[Dep]:
         th = next(t for t in p.threads if t.tid == view.tid)
+        if not view.stopped and (vllm := self._vllm(p, view)) is not None:
+            return vllm   # vLLM's own protocol says what the thread waits on, and whether it moves
         if view.idle_by_design or view.stopped:
             return []
         ring = self._ring(p, view)     # a spinner naps and wakes by design: its ring says whether it waits
@@ -158,7 +179,7 @@ class CrossProcess:
         if view.timed or view.woke:
             return []
         out: list[Dep | None] = []
-        names = {f.name for f in view.frames[:16]}
+        names = {f.name for f in view.frames[:16]} | _zmq_python_calls(view)
         zmq = bool(names & set(_ZMQ_SEND + _ZMQ_RECV)) or "zmq_poll" in names or self._zmq_by_proc(p, view)
         if zmq:
             out.append(self._zmq(p, view, names))
@@ -211,6 +232,20 @@ class CrossProcess:
         return all(q in (p.ppid, p.pid) or (x := self.procs.get((p.node, q))) is not None and x.ppid == p.ppid
                    for q in peers)
 
+    def _vllm(self, p: ProcessEvidence, view: ThreadView) -> list[Dep] | None:
+        """The thread's wait in vLLM's protocol (kvdiag.analyze.vllm_waits); None when it is in none."""
+        here = {q: x for (n, q), x in self.procs.items() if n == p.node}
+        views = {q: self.views[(n, q)] for (n, q) in self.procs if n == p.node}
+        vw = vllm_wait(p, view, here, self._stalled, views)
+        if vw is None:
+            return None
+        if vw.moving:
+            return []
+        m = vw.mapping
+        dep = self.edge(p, view, self._here(p, vw.peers), vw.kind, vw.purpose, inferred=vw.inferred, text=vw.text,
+                        mapping=m.line() if m is not None else None, inode=m.inode if m is not None else None)
+        return [dep] if dep is not None else []
+
     def _read_purpose(self, p: ProcessEvidence, view: ThreadView, f: FdInfo) -> str:
         peers = f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids
         if self._own_engine(p, [q for q in peers if q != p.pid]):
@@ -233,10 +268,10 @@ class CrossProcess:
 
     @staticmethod
     def _zmq_by_proc(p: ProcessEvidence, view: ThreadView) -> bool:
-        """Without frames, /proc alone shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
+        """Without native frames, /proc shows a ZMQ wait: an untimed poll on nothing but eventfds (a ZMQ
         socket's signaler) in a process whose ZMQ I/O thread holds the connections."""
         fds = view.blocked_fds
-        return not view.has_frames and view.wait_forever and bool(fds) and all(
+        return not _native(view) and view.wait_forever and bool(fds) and all(
             f.kind == "anon" and "eventfd" in f.target for f in fds) and any(
             (t.name or "").startswith(_ZMQ_IO_THREAD) for t in p.threads)
 
@@ -248,7 +283,7 @@ class CrossProcess:
             purpose = "depends"
         elif names & set(_ZMQ_SEND):
             purpose = "blocked"
-        elif (names & set(_ZMQ_RECV) or not view.has_frames) and conns and not any(f.accepted for f in conns):
+        elif (names & set(_ZMQ_RECV) or not _native(view)) and conns and not any(f.accepted for f in conns):
             purpose = "reply"        # it connected (a client) and waits for what it asked (or, frameless, to send)
         else:
             purpose = "work"         # it bound: a server waiting for its next request, or a poll loop
@@ -282,10 +317,24 @@ class CrossProcess:
 
     def _moving(self, k: PKey) -> bool:
         p = self.procs[k]
-        if p.progress is not None and (p.progress.advanced or any(p.progress.shared_changed.values())):
+        shared = shared_progress(p)   # vLLM's segments: their flags, not whoever spins on them
+        if shared is None:
+            shared = p.progress is not None and any(p.progress.shared_changed.values())
+        if shared or self._advanced(p):
             return True
         return any((t.running or t.woke) and not t.idle_by_design and (k, t.tid) not in self.deps
                    for t in self.views[k])
+
+    def _advanced(self, p: ProcessEvidence) -> bool:
+        """I/O of its own, or growth of a log no other captured process writes: the processes of one engine
+        share its log file (vLLM's API server logs every /health), whose growth does not say who wrote."""
+        pr = p.progress
+        if pr is None:
+            return False
+        if any(pr.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw", "rchar", "syscr")):
+            return True
+        others = {f for k, x in self.procs.items() if k != pkey(p) and x.node == p.node for f in x.log_files}
+        return any(grew > 0 and path not in others for path, grew in pr.log_growth.items())
 
     def root_of(self, k: PKey) -> Root:
         if k not in self.procs:
@@ -364,8 +413,27 @@ class CrossProcess:
         return [self.chain_from(Dep(edge=d.edge.model_copy(), purpose=d.purpose, dsts=list(d.dsts)))
                 for ds in self.deps.values() for d in ds if d.purpose != "work"]
 
+    def _inside(self) -> list[WaitEdge]:
+        """Thread → thread edges inside each process, as the process-level rules read them: a mutex wait to
+        the owner read from the mutex, a GIL wait to the holder."""
+        out: list[WaitEdge] = []
+        for k, p in self.procs.items():
+            holder = next((t for t in self.views[k] if t.holds_gil), None)
+            for th, view in zip(p.threads, self.views[k], strict=True):
+                frames = [FrameRef(pid=p.pid, tid=th.tid, index=0, node=p.node)] if view.frames else []
+                if th.futex_owner_tid is not None and th.futex_owner_tid != th.tid:
+                    out.append(WaitEdge(src=self.ref(k, th.tid), dst=self.ref(k, th.futex_owner_tid),
+                                        kind=EdgeKind.MUTEX_OWNER, purpose="depends", evidence=EdgeEvidence(
+                                            frames=frames, address=f"{th.futex_addr:#x}" if th.futex_addr else None,
+                                            syscall=th.syscall, text="owner TID read from the mutex")))
+                if view.waits_gil and holder is not None and holder.tid != th.tid:
+                    out.append(WaitEdge(src=self.ref(k, th.tid), dst=self.ref(k, holder.tid),
+                                        kind=EdgeKind.GIL_HOLDER, purpose="depends", evidence=EdgeEvidence(
+                                            frames=frames, text="; ".join(view.gil_wait_signals))))
+        return out
+
     def record(self) -> WaitGraphRecord:
-        edges = [d.edge for ds in self.deps.values() for d in ds]
+        edges = [d.edge for ds in self.deps.values() for d in ds] + self._inside()
         refs = {e.src.key(): e.src for e in edges} | {e.dst.key(): e.dst for e in edges}
         return WaitGraphRecord(nodes=[WaitNode(ref=r, label=self.label(pkey(r), r.tid)) for r in refs.values()],
                                edges=edges)
@@ -377,7 +445,8 @@ class CrossProcess:
         p = self.procs.get(k) or next((x for x in self.bundle.processes if pkey(x) == k), None)
         what = ""
         if p is not None:
-            what = p.role.value if p.role.value != "other" else (p.comm or "")
+            # vLLM's own name says which rank (Worker_TP1)
+            what = process_title(p) or (p.role.value if p.role.value != "other" else (p.comm or ""))
         head = f"pid {pid}" + (f" ({what})" if what else "") + (f" on {node}" if node else "")
         if tid is not None and tid != pid:
             view = next((t for t in self.views.get(k, []) if t.tid == tid), None)

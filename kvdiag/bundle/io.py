@@ -32,9 +32,9 @@ def raw_dir(root: Path, pid: int) -> Path:
 
     ``root`` is :func:`raw_root` of the bundle folder. A pid is unique within one run, and each
     process's engine is recorded in bundle.json (``processes[].engine``), so the path does not
-    repeat it. Bundles written before this layout kept a run's engines as ``raw/<engine>/<pid>/``;
-    they stay readable because every tool run stores its file's bundle-relative ``raw_path``,
-    which the loader and renderers follow (never a path rebuilt from this layout).
+    repeat it. A bundle laid out otherwise (``raw/<engine>/<pid>/``) stays readable because every
+    tool run stores its file's bundle-relative ``raw_path``, which the loader and renderers follow
+    (never a path rebuilt from this layout).
     """
     return root / str(pid)
 

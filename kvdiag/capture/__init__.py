@@ -5,7 +5,7 @@ tool trouble) and :func:`find_engine_processes` (which pid is the EngineCore).
 """
 
 from kvdiag.capture.base import BackendResult, CaptureBackend, resolve_tool, run_tool
-from kvdiag.capture.discover import classify_title, find_engine_processes, log_prefix_pids, process_tree
+from kvdiag.capture.discover import classify_title, find_engine_processes, log_prefix_pids
 from kvdiag.capture.orchestrate import (
     CAPTURE_SLACK_S,
     DEFAULT_BACKENDS,
@@ -19,5 +19,5 @@ from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
 __all__ = [
     "CAPTURE_SLACK_S", "DEFAULT_BACKENDS", "BackendResult", "CaptureBackend", "GdbBackend", "ProcBackend",
     "PyspyBackend", "PystackBackend", "capture_processes", "classify_title", "find_engine_processes", "log_prefix_pids",
-    "make_backends", "process_tree", "resolve_tool", "run_tool", "verify_untouched",
+    "make_backends", "resolve_tool", "run_tool", "verify_untouched",
 ]

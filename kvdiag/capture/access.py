@@ -24,12 +24,16 @@ import os
 import re
 import signal
 
+from kvdiag.capture.elfsym import find_runtime_symbol
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.model import PtraceAccess, TargetAccess
-from kvdiag.proc import read_stat
-from kvdiag.proc import read_text as _read
+from kvdiag.osread.maps import read_maps
+from kvdiag.osread.mem import mem_open_error
+from kvdiag.osread.process import read_comm, read_exe
+from kvdiag.osread.ptable import ancestors
+from kvdiag.osread.stat import read_stat
+from kvdiag.osread.status import read_status
 
-PF_KTHREAD = 0x00200000          # task flag of kernel threads (/proc/PID/stat field 9)
 KTHREADD_COMM = "kthreadd"
 _PYTHON_EXE = re.compile(r"^python[\d.]*[dmu]*$|^pypy[\d.]*$")
 
@@ -48,32 +52,10 @@ def host_ptrace_facts() -> PtraceAccess:
     return probe_ptrace()
 
 
-def _status(pid: int | str) -> dict[str, str]:
-    out: dict[str, str] = {}
-    for line in (_read(f"/proc/{pid}/status") or "").splitlines():
-        key, sep, val = line.partition(":")
-        if sep:
-            out[key.strip()] = val.strip()
-    return out
-
-
-def _stat_fields(pid: int) -> list[str] | None:
-    """Fields of /proc/PID/stat from field 3 (state) on; None when the process is gone."""
-    text = _read(f"/proc/{pid}/stat")
-    if text is None:
-        return None
-    return text[text.rfind(")") + 2:].split()
-
-
 def is_kernel_thread(pid: int) -> bool:
     """A kernel thread: the PF_KTHREAD task flag (kthreadd and everything it starts)."""
-    fields = _stat_fields(pid)
-    if not fields or len(fields) < 7:
-        return False
-    try:
-        return bool(int(fields[6]) & PF_KTHREAD)
-    except ValueError:
-        return False
+    st = read_stat(pid)
+    return st is not None and st.kernel_thread
 
 
 def _describe_wait_status(status: int) -> str:
@@ -87,54 +69,17 @@ def _describe_wait_status(status: int) -> str:
     return f"killed by {name}" + (" (core dumped)" if status & 0x80 else "")
 
 
-def _exit_status(fields: list[str]) -> str | None:
-    """The wait status of an exited (zombie) process: stat field 52, shown when we may read it."""
-    if len(fields) < 50:
-        return None
-    try:
-        raw = int(fields[49])
-    except ValueError:
-        return None
-    return _describe_wait_status(raw)
-
-
-def _is_ancestor(ancestor: int, pid: int) -> bool:
-    st = read_stat(pid)
-    for _ in range(4096):
-        if st is None or st.ppid <= 0:
-            return False
-        if st.ppid == ancestor:
-            return True
-        st = read_stat(st.ppid)
-    return False
-
-
-def _mem_open(pid: int) -> OSError | None:
-    """Open /proc/PID/mem read-only (the kernel's ptrace-attach check); None when allowed."""
-    try:
-        fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-    except OSError as exc:
-        return exc
-    os.close(fd)
-    return None
-
-
 def runs_python(pid: int) -> bool | None:
     """True when a Python interpreter is in ``pid`` (libpython mapped, a python executable, or the
     interpreter's ``_PyRuntime`` symbol); None when its memory map cannot be read."""
-    try:
-        exe = os.path.basename(os.readlink(f"/proc/{pid}/exe"))
-    except OSError:
-        exe = ""
+    exe = os.path.basename(read_exe(pid) or "")
     if _PYTHON_EXE.match(exe.replace(" (deleted)", "")):
         return True
-    maps = _read(f"/proc/{pid}/maps")
+    maps = read_maps(pid)
     if maps is None:
         return None
-    if "libpython" in maps:
+    if any("libpython" in m.path for m in maps):
         return True
-    from kvdiag.capture.elfsym import find_runtime_symbol
-
     try:
         return find_runtime_symbol(pid) is not None
     except (OSError, ValueError):
@@ -176,7 +121,7 @@ def _explain(pid: int, err: OSError, uid: int | None, facts: PtraceAccess, euid:
         access.refused.append(f"kernel.yama.ptrace_scope=2 ({_SCOPE_MEANING[2]}) and kvdiag lacks CAP_SYS_PTRACE")
         access.fixes.append(_sudo_line(pid))
         return
-    if scope == 1 and not facts.cap_sys_ptrace and not _is_ancestor(os.getpid(), pid):
+    if scope == 1 and not facts.cap_sys_ptrace and os.getpid() not in ancestors(pid):
         access.refused.append(f"kernel.yama.ptrace_scope=1 ({_SCOPE_MEANING[1]}); pid {pid} is not a child of kvdiag")
         access.fixes.append(_sudo_line(pid))
         access.fixes.append("or allow tracing your own processes until reboot: sudo sysctl kernel.yama.ptrace_scope=0")
@@ -203,20 +148,16 @@ def check_target(pid: int) -> TargetAccess:
     euid = os.geteuid()
     access = TargetAccess(our_uid=euid, ptrace_scope=facts.yama_ptrace_scope,
                           cap_sys_ptrace=bool(facts.cap_sys_ptrace), container=facts.container, seccomp=facts.seccomp)
-    status = _status(pid)
-    try:
-        access.uid = int(status["Uid"].split()[0])
-    except (KeyError, ValueError, IndexError):
-        access.uid = None
-    fields = _stat_fields(pid)
-    if fields is None:
+    status = read_status(pid)
+    access.uid = status.uid if status is not None else None
+    st = read_stat(pid)
+    if st is None:
         access.ptrace_ok = False
         access.refused.append(f"pid {pid} does not exist (any more)")
         return access
-    access.state = fields[0] if fields else None
-    tracer = status.get("TracerPid", "")
-    access.tracer_pid = int(tracer) if tracer.isdigit() else None
-    if is_kernel_thread(pid) or (pid == 2 and (_read("/proc/2/comm") or "").strip() == KTHREADD_COMM):
+    access.state = st.state
+    access.tracer_pid = status.tracer_pid if status is not None else None
+    if st.kernel_thread or (pid == 2 and read_comm(2) == KTHREADD_COMM):
         access.kernel_thread = True
         access.ptrace_ok = False
         access.python = False
@@ -225,14 +166,14 @@ def check_target(pid: int) -> TargetAccess:
         access.fixes.append("pass the pid of the engine process (the EngineCore, or its API server with "
                             "--engine-core-of)")
         return access
-    if fields[0] in ("Z", "X"):
+    if st.state in ("Z", "X"):
         access.zombie = True
         access.ptrace_ok = False
         access.python = None
         if facts.cap_sys_ptrace or access.uid == euid:   # else the kernel shows 0, not the status
-            access.exit_status = _exit_status(fields)
+            access.exit_status = _describe_wait_status(st.exit_code) if st.exit_code is not None else None
         return access
-    err = _mem_open(pid)
+    err = mem_open_error(pid)
     if err is not None:
         if err.errno == errno.ENOENT or not os.path.isdir(f"/proc/{pid}"):
             access.ptrace_ok = False

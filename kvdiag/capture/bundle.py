@@ -12,12 +12,15 @@ from pathlib import Path
 from kvdiag import __version__
 from kvdiag.bundle import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
-from kvdiag.capture.discover import find_engine_processes, process_tree
+from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.follow import note_followed, peers_outside
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
+from kvdiag.environment import collect_environment
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole
+from kvdiag.osread.ptable import process_tree
+from kvdiag.osread.tcp import tcp_connections
 
 
 def host_info() -> dict[str, str]:
@@ -57,8 +60,6 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     tool only when that does not decide (:mod:`kvdiag.capture.staged`); None: every process, every tool.
     ``follow``: the processes outside ``pids`` that a blocked thread waits on are captured too (bounded).
     """
-    from kvdiag.environment import collect_environment
-
     pids = list(pids)
     roots = list(roots) if roots else pids
     roles: dict[ProcessRole, list[int]] = {}
@@ -94,6 +95,9 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                                                bundle_dir=bundle_dir)
     findings += note_followed(evidence, followed, named)
     with_roles(evidence)
+    for ev in evidence:
+        if ev.alive:   # what another host's capture is matched with (kvdiag merge, capture --ray)
+            ev.tcp_connections = tcp_connections(ev.pid) or []
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids
                                  else len(pids)))

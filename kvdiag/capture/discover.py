@@ -12,10 +12,9 @@ from __future__ import annotations
 
 import re
 
-import psutil
-
 from kvdiag.model import ProcessRole
-from kvdiag.proc import process_tree as process_tree
+from kvdiag.osread.process import read_cmdline, read_comm
+from kvdiag.osread.ptable import ancestors, process_tree
 
 _ENGINE_RE = re.compile(r"(^|[^A-Za-z])EngineCore", re.IGNORECASE)
 _WORKER_RE = re.compile(r"^VLLM::(Worker|VllmWorker)|(^|[^A-Za-z])VllmWorker|::Worker(_|$)")
@@ -57,18 +56,7 @@ def log_prefix_pids(lines: list[str]) -> dict[str, int]:
 
 def _title(pid: int) -> tuple[str, str]:
     """(cmdline joined by spaces, comm); empty strings when unreadable."""
-    try:
-        with open(f"/proc/{pid}/cmdline", "rb") as fh:
-            raw = fh.read()
-        cmd = " ".join(a.decode("utf-8", "replace") for a in raw.split(b"\x00") if a)
-    except OSError:
-        cmd = ""
-    try:
-        with open(f"/proc/{pid}/comm", encoding="utf-8", errors="replace") as fh:
-            comm = fh.read().strip()
-    except OSError:
-        comm = ""
-    return cmd, comm
+    return " ".join(read_cmdline(pid) or []), read_comm(pid) or ""
 
 
 def classify_title(cmdline: str, comm: str) -> ProcessRole:
@@ -92,20 +80,8 @@ def classify_title(cmdline: str, comm: str) -> ProcessRole:
 
 def _ancestors(pid: int, root_pid: int) -> list[int]:
     """Parents of ``pid`` up to and including ``root_pid`` (empty when unreadable)."""
-    out: list[int] = []
-    try:
-        proc = psutil.Process(pid)
-        for _ in range(64):
-            parent = proc.parent()
-            if parent is None:
-                break
-            out.append(parent.pid)
-            if parent.pid == root_pid:
-                break
-            proc = parent
-    except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
-        pass
-    return out
+    chain = ancestors(pid)
+    return chain[:chain.index(root_pid) + 1] if root_pid in chain else chain
 
 
 def find_engine_processes(root_pid: int, log_pids: dict[str, int] | None = None) -> dict[ProcessRole, list[int]]:

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO
 
+from kvdiag.osread.maps import Mapping, read_maps
+from kvdiag.osread.process import read_exe
+
 _ELF_MAGIC = b"\x7fELF"
 _SHT_SYMTAB = 2
 _SHT_DYNSYM = 11
@@ -27,15 +30,6 @@ class ElfSymbol:
     name: str
     value: int           # st_value: link-time address
     size: int
-
-
-@dataclass(frozen=True)
-class Mapping:
-    start: int
-    end: int
-    perms: str
-    offset: int
-    path: str
 
 
 def _read_at(fh: BinaryIO, offset: int, size: int) -> bytes:
@@ -94,24 +88,6 @@ def elf_symbol(path: str | Path, name: str, max_table_bytes: int = 64 << 20) -> 
     return None
 
 
-def read_maps(pid: int) -> list[Mapping]:
-    out: list[Mapping] = []
-    try:
-        text = Path(f"/proc/{pid}/maps").read_text()
-    except OSError:
-        return out
-    for line in text.splitlines():
-        parts = line.split(None, 5)
-        if len(parts) < 6 or not parts[5].startswith("/"):
-            continue
-        lo, _, hi = parts[0].partition("-")
-        try:
-            out.append(Mapping(int(lo, 16), int(hi, 16), parts[1], int(parts[2], 16), parts[5].strip()))
-        except ValueError:
-            continue
-    return out
-
-
 def _open_path(pid: int, path: str) -> str:
     """The target's file as seen from here: via /proc/PID/root when it lives in another mount ns."""
     via_root = f"/proc/{pid}/root{path}"
@@ -127,14 +103,11 @@ class RuntimeSymbol:
 
 def find_runtime_symbol(pid: int, name: str = "_PyRuntime") -> RuntimeSymbol | None:
     """Run-time address of ``name`` in ``pid``, searching libpython first, then the executable."""
-    maps = read_maps(pid)
     by_path: dict[str, list[Mapping]] = {}
-    for m in maps:
-        by_path.setdefault(m.path, []).append(m)
-    try:
-        exe = os.readlink(f"/proc/{pid}/exe")
-    except OSError:
-        exe = ""
+    for m in read_maps(pid) or []:
+        if m.path.startswith("/"):
+            by_path.setdefault(m.path, []).append(m)
+    exe = read_exe(pid) or ""
     candidates = [p for p in by_path if "libpython" in os.path.basename(p)]
     if exe in by_path:
         candidates.append(exe)

@@ -13,48 +13,30 @@ import time
 from collections.abc import Sequence
 
 from kvdiag.capture.access import check_target, is_kernel_thread
-from kvdiag.capture.fds import FdResolver, epoll_targets
+from kvdiag.capture.fds import FdResolver
 from kvdiag.model import Finding, PeerProcess, ProcessEvidence
+from kvdiag.osread.fds import epoll_targets
+from kvdiag.osread.syscall import HOST_SYSCALLS, parse_syscall
+from kvdiag.osread.tasks import list_tids, read_syscall
 from kvdiag.osread.waitargs import blocked_call
 
 # Peers captured beyond the tree, at most: each costs a capture of its own.
 MAX_FOLLOWED = 4
-_READ_FD_NRS = {0, 17, 19, 45, 47, 295}          # read family (x86_64): the fd is the first argument
-_EPOLL_NRS = {232, 281}
 _FOLLOW_S = 1.0
-
-
-def _syscalls(pid: int) -> list[str]:
-    out: list[str] = []
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return out
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/syscall", encoding="ascii") as fh:
-                out.append(fh.read().strip())
-        except OSError:
-            continue
-    return out
 
 
 def _waited_fds(pid: int) -> list[int]:
     """The fds the process's blocked threads read, write or wait on through epoll."""
     fds: list[int] = []
-    for raw in _syscalls(pid):
-        parts = raw.split()
-        if len(parts) < 2 or not parts[0].isdigit():
+    for tid in list_tids(pid):
+        raw = (read_syscall(pid, tid) or "").strip()
+        nr, args = parse_syscall(raw)
+        if nr is None or nr < 0 or not args:
             continue
-        nr = int(parts[0])
-        try:
-            arg0 = int(parts[1], 16)
-        except ValueError:
-            continue
-        if nr in _READ_FD_NRS:
-            fds.append(arg0)
-        elif nr in _EPOLL_NRS:
-            fds += epoll_targets(pid, arg0)
+        if nr in HOST_SYSCALLS.get("read", ()):
+            fds.append(args[0])
+        elif nr in HOST_SYSCALLS.get("epoll", ()):
+            fds += epoll_targets(pid, args[0])
         else:
             call = blocked_call(raw)
             if call is not None and call.op == "write" and call.fd is not None:

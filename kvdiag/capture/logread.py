@@ -11,8 +11,8 @@ import os
 import time
 
 from kvdiag.capture.procfs import log_files
+from kvdiag.logs.lines import LogState, feed_line
 from kvdiag.model import EnginePhase, EngineRecord
-from kvdiag.watch.logs import LogState, feed_line
 
 TAIL_BYTES = 256 * 1024
 TAIL_LINES = 200

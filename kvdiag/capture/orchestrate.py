@@ -48,7 +48,7 @@ from kvdiag.bundle import raw_dir as bundle_raw_dir
 from kvdiag.capture.access import check_target
 from kvdiag.capture.base import BackendResult, CaptureBackend, kill_active_tools
 from kvdiag.capture.merge import merge_threads
-from kvdiag.capture.procfs import ProcBackend, ProcWindow, list_tids, read_status
+from kvdiag.capture.procfs import ProcBackend, ProcWindow
 from kvdiag.capture.tools import (
     GdbBackend,
     PyspyBackend,
@@ -57,12 +57,15 @@ from kvdiag.capture.tools import (
     pyspy_nonblocking,
     pystack_lock_locals,
 )
+from kvdiag.defaults import DEFAULT_TOOLS
 from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
 from kvdiag.osread.nvml import GpuSampler, gpu_present
-from kvdiag.proc import read_stat
+from kvdiag.osread.stat import read_stat
+from kvdiag.osread.status import read_status
+from kvdiag.osread.tasks import list_tids
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
-DEFAULT_BACKENDS = ("proc", "py-spy", "pystack", "gdb")
+DEFAULT_BACKENDS = DEFAULT_TOOLS
 _FACTORIES: dict[str, Callable[[], CaptureBackend]] = {
     "proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
     "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "pystack-locals": pystack_lock_locals,
@@ -73,8 +76,7 @@ _CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # bounds the whole capture's gdb time whatever the number of processes).
 GDB_BUDGET_S = 4.0
 # Every ptrace tool pauses its target while it reads: it runs at a higher CPU priority where kvdiag may raise
-# it (root / CAP_SYS_NICE), so on a busy machine it ends sooner and the pause is shorter (on 2 cores with 4
-# busy sessions beside it, the EngineCore's verdict came in 1.42 s at the default priority, 0.90 s at -5).
+# it (root / CAP_SYS_NICE), so on a busy machine it ends sooner and the pause is shorter.
 # The focus processes' pystack still goes first: the others wait for it (_ToolSlots).
 _PTRACE_NICE = -5
 # A ptrace tool that is not last in the chain gets at most this share of the budget, so a hung
@@ -112,13 +114,12 @@ class _Before:
 
 def _observe(pid: int) -> _Before:
     st = read_status(pid)
-    if not st:
+    if st is None:
         return _Before(exists=False)
-    tracer = st.get("TracerPid", "0")
     tids = list_tids(pid)
     stopped = frozenset(tid for tid in tids
                         if (ts := read_stat(pid, tid)) is not None and _stopped(ts.state))
-    return _Before(True, st.get("State", "?")[:1], int(tracer) if tracer.isdigit() else 0, tids, stopped)
+    return _Before(True, st.state, st.tracer_pid or 0, tids, stopped)
 
 
 def _stopped(code: str) -> bool:

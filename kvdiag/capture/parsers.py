@@ -268,18 +268,3 @@ def parse_gdb(text: str) -> list[ThreadEvidence]:
         if fm:
             current.frames.append(parse_gdb_frame(fm.group(2)))
     return threads
-
-
-# ---------------------------------------------------------------- /proc
-
-def parse_kernel_stack(text: str) -> list[str]:
-    """``[<0>] futex_wait_queue+0x60/0x90`` lines → function names, innermost first."""
-    out: list[str] = []
-    for line in text.splitlines():
-        line = line.strip()
-        if not line:
-            continue
-        if line.startswith("[<"):
-            line = line.split("]", 1)[-1].strip()
-        out.append(line.split("+", 1)[0].strip())
-    return out

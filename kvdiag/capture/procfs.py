@@ -16,8 +16,8 @@ ptrace rights, the same permission the stack tools need):
 from __future__ import annotations
 
 import os
-import platform
 import re
+import stat
 import struct
 import time
 from dataclasses import dataclass, field
@@ -26,8 +26,7 @@ from pathlib import Path
 from kvdiag.capture import xwaits
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
-from kvdiag.capture.fds import FdResolver, epoll_targets
-from kvdiag.capture.parsers import parse_kernel_stack
+from kvdiag.capture.fds import FdResolver
 from kvdiag.model import (
     FdInfo,
     Finding,
@@ -38,23 +37,31 @@ from kvdiag.model import (
     ThreadState,
     ToolRun,
 )
-from kvdiag.proc import read_text as _read
+from kvdiag.osread.fds import epoll_targets, fd_stat, readlink
+from kvdiag.osread.mem import TargetMemory
+from kvdiag.osread.process import read_cmdline, read_comm, read_exe, read_io
+from kvdiag.osread.stat import read_stat
+from kvdiag.osread.status import Status, read_status
+from kvdiag.osread.syscall import (
+    FUTEX_PI_CMDS,
+    FUTEX_TID_MASK,
+    FUTEX_WAIT,
+    HOST_MACHINE,
+    HOST_POLL_TIMEOUT_ARG,
+    HOST_SYSCALLS,
+    futex_wait_of,
+    int_timeout,
+    parse_syscall,
+)
+from kvdiag.osread.tasks import TaskReading, read_syscall, read_wchan, snapshot
 from kvdiag.redact import Tally, redact_argv, write_redacted
-
-_MACHINE = platform.machine()
-# futex(2) syscall number per architecture (the first argument is the futex address).
-FUTEX_SYSCALL_NR = {"x86_64": 202, "aarch64": 98}.get(_MACHINE, 202)
-_FUTEX_CMD_MASK = 0x7F          # strips FUTEX_PRIVATE_FLAG (128) and FUTEX_CLOCK_REALTIME (256)
-FUTEX_WAIT = 0
-_FUTEX_PI_CMDS = {6, 11, 13}    # LOCK_PI, WAIT_REQUEUE_PI, LOCK_PI2: the word holds the owner TID
-_FUTEX_TID_MASK = 0x3FFFFFFF
 
 # Offset of the GIL struct inside _PyRuntime, per CPython version, read from debug builds with gdb
 # (``p (char*)&_PyRuntime.ceval.gil - (char*)&_PyRuntime``); other versions are located by scanning.
 _GIL_OFFSETS: dict[tuple[int, int], int] = {(3, 11): 360}
 _DEFAULT_SWITCH_INTERVAL_US = 5000
 # interval, last_holder, locked(+pad), switch_number, then cond, mutex, switch_cond, switch_mutex.
-_PTHREAD_MUTEX_SIZE = 48 if _MACHINE == "aarch64" else 40
+_PTHREAD_MUTEX_SIZE = 48 if HOST_MACHINE == "aarch64" else 40
 _PTHREAD_COND_SIZE = 48
 GIL_STRUCT_SIZE = 32 + 2 * (_PTHREAD_COND_SIZE + _PTHREAD_MUTEX_SIZE)
 _MAX_RUNTIME_SCAN = 4 << 20
@@ -68,187 +75,26 @@ def thread_state(code: str) -> ThreadState:
     return _STATE.get(code[:1], ThreadState.UNKNOWN)
 
 
-def _stat_fields(text: str) -> list[str]:
-    """Fields of /proc/.../stat from field 3 on (comm may contain spaces and parentheses)."""
-    return text[text.rfind(")") + 2:].split()
-
-
-@dataclass
-class TaskSample:
-    tid: int
-    comm: str | None = None
-    state: str = "?"
-    utime: int | None = None
-    stime: int | None = None
-    wchan: str | None = None
-    syscall: str | None = None
-    kernel_stack: list[str] = field(default_factory=list)
-    ctx_switches: int | None = None
-
-    @property
-    def ticks(self) -> int | None:
-        if self.utime is None or self.stime is None:
-            return None
-        return self.utime + self.stime
-
-
-def read_task(pid: int, tid: int, full: bool = True) -> TaskSample | None:
-    base = f"/proc/{pid}/task/{tid}"
-    stat = _read(f"{base}/stat")
-    if stat is None:
-        return None
-    sample = TaskSample(tid=tid)
-    f = _stat_fields(stat)
-    if len(f) > 12:
-        sample.state = f[0]
-        sample.utime, sample.stime = int(f[11]), int(f[12])
-    sample.ctx_switches = _ctx_switches(base)
-    if not full:
-        return sample
-    comm = _read(f"{base}/comm")
-    sample.comm = comm.strip() if comm is not None else None
-    wchan = _read(f"{base}/wchan")
-    sample.wchan = wchan.strip() if wchan and wchan.strip() not in ("", "0") else None
-    syscall = _read(f"{base}/syscall")
-    sample.syscall = syscall.strip() if syscall else None
-    stack = _read(f"{base}/stack")
-    sample.kernel_stack = parse_kernel_stack(stack) if stack else []
-    return sample
-
-
-def _ctx_switches(base: str) -> int | None:
-    text = _read(f"{base}/status")
-    if text is None:
-        return None
-    total = 0
-    found = False
-    for line in text.splitlines():
-        if line.startswith(("voluntary_ctxt_switches:", "nonvoluntary_ctxt_switches:")):
-            total += int(line.split(":", 1)[1])
-            found = True
-    return total if found else None
-
-
-def read_io(pid: int) -> dict[str, int]:
-    """/proc/PID/io counters ({} when unreadable)."""
-    out: dict[str, int] = {}
-    for line in (_read(f"/proc/{pid}/io") or "").splitlines():
-        key, _, val = line.partition(":")
-        if val.strip().isdigit():
-            out[key.strip()] = int(val)
-    return out
-
-
 def log_files(pid: int) -> list[str]:
     """Regular files the process writes its stdout/stderr to (where a bare process logs)."""
     out: list[str] = []
     for fd in (1, 2):
-        try:
-            path = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
+        path = readlink(pid, fd)
+        if path is None or not path.startswith("/") or path.startswith(("/dev/", "/proc/")) or path in out:
             continue
-        if path.startswith("/") and not path.startswith(("/dev/", "/proc/")) and path not in out:
-            try:
-                if os.path.isfile(f"/proc/{pid}/fd/{fd}"):
-                    out.append(path)
-            except OSError:
-                continue
+        st = fd_stat(pid, fd)
+        if st is not None and stat.S_ISREG(st.st_mode):
+            out.append(path)
     return out
 
 
 def _sizes(pid: int, paths: list[str]) -> dict[str, int]:
     out: dict[str, int] = {}
     for fd in (1, 2):
-        try:
-            path = os.readlink(f"/proc/{pid}/fd/{fd}")
-            if path in paths and path not in out:
-                out[path] = os.stat(f"/proc/{pid}/fd/{fd}").st_size
-        except OSError:
-            continue
+        path = readlink(pid, fd)
+        if path in paths and path not in out and (st := fd_stat(pid, fd)) is not None:
+            out[path] = st.st_size
     return out
-
-
-def list_tids(pid: int) -> list[int]:
-    try:
-        return sorted(int(t) for t in os.listdir(f"/proc/{pid}/task") if t.isdigit())
-    except OSError:
-        return []
-
-
-def snapshot(pid: int, full: bool = True) -> dict[int, TaskSample]:
-    out: dict[int, TaskSample] = {}
-    for tid in list_tids(pid):
-        s = read_task(pid, tid, full)
-        if s is not None:
-            out[tid] = s
-    return out
-
-
-def read_status(pid: int) -> dict[str, str]:
-    text = _read(f"/proc/{pid}/status") or ""
-    out: dict[str, str] = {}
-    for line in text.splitlines():
-        key, sep, val = line.partition(":")
-        if sep:
-            out[key.strip()] = val.strip()
-    return out
-
-
-def parse_syscall(raw: str | None) -> tuple[int | None, list[int]]:
-    """``202 0x7f.. 0x189 ...`` → (202, [args]); ``running`` / ``-1 sp pc`` → (None or -1, [])."""
-    if not raw:
-        return None, []
-    parts = raw.split()
-    try:
-        nr = int(parts[0])
-    except ValueError:
-        return None, []
-    if nr < 0:
-        return nr, []
-    args: list[int] = []
-    for p in parts[1:7]:
-        try:
-            args.append(int(p, 16))
-        except ValueError:
-            break
-    return nr, args
-
-
-def futex_wait_of(raw: str | None) -> tuple[int, int] | None:
-    """(address, command) when the syscall line is a futex wait."""
-    nr, args = parse_syscall(raw)
-    if nr != FUTEX_SYSCALL_NR or len(args) < 2:
-        return None
-    return args[0], args[1] & _FUTEX_CMD_MASK
-
-
-class TargetMemory:
-    """Read-only access to another process's memory; never stops it."""
-
-    def __init__(self, pid: int) -> None:
-        self._fd: int | None = None
-        try:
-            self._fd = os.open(f"/proc/{pid}/mem", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-
-    @property
-    def ok(self) -> bool:
-        return self._fd is not None
-
-    def read(self, addr: int, size: int) -> bytes | None:
-        if self._fd is None or addr <= 0:
-            return None
-        try:
-            data = os.pread(self._fd, size, addr)
-        except (OSError, OverflowError, ValueError):
-            return None
-        return data if len(data) == size else None
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def _version_of(path: str) -> tuple[int, int] | None:
@@ -281,7 +127,7 @@ def locate_gil(pid: int, mem: TargetMemory, tids: list[int]) -> GilInfo | None:
         return None
     info = GilInfo(runtime=rt, start=rt.address, end=rt.address + max(rt.size, 1), precise=False,
                    how="_PyRuntime extent (GIL offset unknown for this interpreter)")
-    version = _version_of(rt.object_path) or _version_of(os.path.realpath(f"/proc/{pid}/exe"))
+    version = _version_of(rt.object_path) or _version_of(os.path.realpath(read_exe(pid) or ""))
     start: int | None = None
     if version in _GIL_OFFSETS:
         cand = rt.address + _GIL_OFFSETS[version]
@@ -327,11 +173,11 @@ def read_gil_holder(mem: TargetMemory, info: GilInfo, tids: list[int]) -> tuple[
 
 def futex_owner(mem: TargetMemory, addr: int, cmd: int, tids: set[int], waiter: int) -> int | None:
     """Owner TID of the lock a FUTEX_WAIT / LOCK_PI waiter sleeps on, if it is a mutex we can read."""
-    if cmd in _FUTEX_PI_CMDS:
+    if cmd in FUTEX_PI_CMDS:
         word = mem.read(addr, 4)
         if word is None:
             return None
-        owner = struct.unpack("<I", word)[0] & _FUTEX_TID_MASK
+        owner = struct.unpack("<I", word)[0] & FUTEX_TID_MASK
     elif cmd == FUTEX_WAIT:
         data = mem.read(addr, 12)
         if data is None:
@@ -352,11 +198,11 @@ class ProcWindow:
     start: float
     window_start: float
     window_end: float
-    status: dict[str, str]
+    status: Status
     logs: list[str]
     io_before: dict[str, int]
     sizes_before: dict[str, int]
-    first: dict[int, TaskSample]
+    first: dict[int, TaskReading]
     mem: TargetMemory
     mem_ok: bool = False
     gil: GilInfo | None = None
@@ -399,7 +245,7 @@ class ProcBackend:
         start = time.monotonic()
         argv = [f"/proc/{pid}"]
         status = read_status(pid)
-        if not status:
+        if status is None:
             run = ToolRun(tool=self.name, ok=False, duration_s=0.0, command=argv,
                           error=f"process {pid} does not exist")
             return BackendResult(tool=run, process=ProcessEvidence(pid=pid, alive=False))
@@ -430,7 +276,7 @@ class ProcBackend:
         tids = list(first)
         try:
             second = snapshot(pid, full=False)
-            second_sys = {tid: _read(f"/proc/{pid}/task/{tid}/syscall") for tid in first}
+            second_sys = {tid: read_syscall(pid, tid) for tid in first}
             io_after, sizes_after = read_io(pid), _sizes(pid, w.logs)
             window = time.monotonic() - w.window_start
             holder_after: int | None = None
@@ -439,8 +285,7 @@ class ProcBackend:
             elapsed = max(time.monotonic() - w.start, 1e-6)
             proc, tally, status = w.proc, w.tally, w.status
             assert proc is not None
-            tracer = status.get("TracerPid", "0")
-            proc.tracer_pid = int(tracer) if tracer.isdigit() and int(tracer) > 0 else None
+            proc.tracer_pid = status.tracer_pid or None
             proc.log_files = w.logs
             findings: list[Finding] = []
             threads = self._threads(pid, first, second, second_sys, mem, gil)
@@ -482,36 +327,24 @@ class ProcBackend:
                              python_version=proc.python_version)
 
     @staticmethod
-    def _process(pid: int, status: dict[str, str], tally: Tally | None = None) -> ProcessEvidence:
+    def _process(pid: int, status: Status, tally: Tally | None = None) -> ProcessEvidence:
         proc = ProcessEvidence(pid=pid)
-        proc.comm = (_read(f"/proc/{pid}/comm") or "").strip() or None
-        cmd = _read(f"/proc/{pid}/cmdline") or ""
+        proc.comm = read_comm(pid) or None
         # Redacted as read: a key on the command line never reaches the bundle, proc.txt or a report.
-        proc.cmdline = redact_argv([a for a in cmd.split("\x00") if a][:64], tally)
-        proc.state = thread_state(status.get("State", "?"))
-        wchan = (_read(f"/proc/{pid}/wchan") or "").strip()
-        proc.wchan = wchan if wchan not in ("", "0") else None
-        try:
-            proc.exe = os.readlink(f"/proc/{pid}/exe")
-        except OSError:
-            proc.exe = None
-        ppid = status.get("PPid")
-        proc.ppid = int(ppid) if ppid and ppid.isdigit() else None
-        caught = status.get("SigCgt", "")
-        try:
-            mask = int(caught, 16)
-            proc.signals_caught = [n for n in range(1, 65) if mask >> (n - 1) & 1]
-        except ValueError:
-            proc.signals_caught = None
-        stat = _read(f"/proc/{pid}/stat")
-        if stat:
-            f = _stat_fields(stat)
-            if len(f) > 2 and f[2].lstrip("-").isdigit():
-                proc.pgid = int(f[2])
+        proc.cmdline = redact_argv((read_cmdline(pid) or [])[:64], tally)
+        proc.state = thread_state(status.state)
+        proc.wchan = read_wchan(pid)
+        proc.exe = read_exe(pid)
+        proc.ppid = status.ppid
+        mask = status.sig_caught
+        proc.signals_caught = [n for n in range(1, 65) if mask >> (n - 1) & 1] if mask is not None else None
+        st = read_stat(pid)
+        if st is not None:
+            proc.pgid = st.pgid
         return proc
 
     @staticmethod
-    def _threads(pid: int, first: dict[int, TaskSample], second: dict[int, TaskSample],
+    def _threads(pid: int, first: dict[int, TaskReading], second: dict[int, TaskReading],
                  second_sys: dict[int, str | None], mem: TargetMemory, gil: GilInfo | None) -> list[ThreadEvidence]:
         tidset = set(first)
         out: list[ThreadEvidence] = []
@@ -524,7 +357,7 @@ class ProcBackend:
                 if alt_nr is not None and alt_nr >= 0:
                     raw_sys, nr = alt, alt_nr
             th = ThreadEvidence(tid=tid, name=s.comm, state=thread_state(s.state), wchan=s.wchan,
-                                kernel_stack=s.kernel_stack, syscall=raw_sys, syscall_nr=nr)
+                                kernel_stack=list(s.kernel_stack), syscall=raw_sys, syscall_nr=nr)
             later = second.get(tid)
             if later is not None:
                 th.utime_ticks, th.stime_ticks = later.utime, later.stime
@@ -573,17 +406,7 @@ class ProcBackend:
         return path
 
 
-# Syscalls whose first argument is the fd being read, and the poll family (x86_64, aarch64).
-_READ_FD_NRS = {"x86_64": {0, 17, 19, 45, 47, 295}, "aarch64": {63, 65, 67, 207, 212}}.get(_MACHINE, set())
-_EPOLL_NRS = {"x86_64": {232, 281}, "aarch64": {22}}.get(_MACHINE, set())
-_POLL_NRS = {"x86_64": {7: 2, 271: -1}, "aarch64": {73: -1}}.get(_MACHINE, {})   # nr -> timeout arg index
 _MAX_POLL_FDS = 64
-
-
-def _int_timeout(register: int) -> int:
-    """An ``int timeout`` argument as the register holds it: negative (wait forever) becomes -1."""
-    t = register & 0xFFFFFFFF
-    return -1 if t >= 1 << 31 else t
 
 
 def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
@@ -600,20 +423,20 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
             continue
         fds: list[int] = []
         timeout: int | None = None
-        if nr in _READ_FD_NRS:
+        if nr in HOST_SYSCALLS.get("read", ()):
             fds = [args[0]]
-        elif nr in _EPOLL_NRS and len(args) >= 4:
+        elif nr in HOST_SYSCALLS.get("epoll", ()) and len(args) >= 4:
             fds = epoll_targets(pid, args[0])
-            timeout = _int_timeout(args[3])
-        elif nr in _POLL_NRS and len(args) >= 3:
+            timeout = int_timeout(args[3])
+        elif nr in HOST_POLL_TIMEOUT_ARG and len(args) >= 3:
             nfds = min(args[1], _MAX_POLL_FDS)
             raw = mem.read(args[0], 8 * nfds) if mem.ok and nfds else None
             if raw is not None:
                 fds = [struct.unpack_from("<i", raw, 8 * i)[0] for i in range(nfds)]
                 fds = [fd for fd in fds if fd >= 0]
-            idx = _POLL_NRS[nr]
+            idx = HOST_POLL_TIMEOUT_ARG[nr]
             if idx >= 0:
-                timeout = _int_timeout(args[idx])
+                timeout = int_timeout(args[idx])
             else:
                 timeout = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
         else:

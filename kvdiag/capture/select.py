@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from kvdiag.capture.discover import _title, classify_title
 from kvdiag.model import ProcessRole
-from kvdiag.proc import process_tree, read_stat
+from kvdiag.osread.ptable import ancestors, process_tree
+from kvdiag.osread.status import read_status
 
 # More processes than a vLLM tree has (API server, EngineCore per DP rank, a worker per TP rank,
 # resource tracker) even at 8 GPUs; a tree this big is a session or a host.
@@ -26,23 +27,8 @@ MAX_TREE = 64
 
 def _uid(pid: int) -> int | None:
     """Real uid of ``pid`` (None when it is gone)."""
-    try:
-        with open(f"/proc/{pid}/status", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith("Uid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError, IndexError):
-        return None
-    return None
-
-
-def _ancestors(pid: int) -> list[int]:
-    out: list[int] = []
-    st = read_stat(pid)
-    while st is not None and st.ppid > 0 and len(out) < 4096:
-        out.append(st.ppid)
-        st = read_stat(st.ppid)
-    return out
+    status = read_status(pid)
+    return status.uid if status is not None else None
 
 
 @dataclass
@@ -68,7 +54,7 @@ def capture_scope(root: int, *, me: int | None = None, my_uid: int | None = None
     problems: list[str] = []
     if root == 1:
         problems.append("pid 1 is the init process: its tree is every process on the host")
-    elif root in _ancestors(me):
+    elif root in ancestors(me):
         problems.append(f"pid {root} is an ancestor of kvdiag itself (a shell or a session): its tree is "
                         "everything started from it")
     # The engine's owner is whoever owns the pid the user named: `sudo kvdiag capture` of another

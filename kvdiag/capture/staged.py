@@ -61,7 +61,11 @@ def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, 
     finally:
         side.join(timeout_s + CAPTURE_SLACK_S)
     ev_rest, f_rest = box[0] if box else ([], [])
-    why = decides(ev_core + ev_rest, f_core + f_rest)
+    try:
+        # No first-stage evidence of the rest (its capture failed): nothing decides, capture it in full.
+        why = decides(ev_core + ev_rest, f_core + f_rest) if box else None
+    except Exception:  # noqa: BLE001 - a judge that fails decides nothing: the rest gets every tool
+        why = None
     if why is not None:
         quiet_names = {b.name for b in quiet}
         for ev in ev_rest:

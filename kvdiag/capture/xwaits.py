@@ -11,11 +11,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvdiag.capture import vllmrings
 from kvdiag.capture.fds import FdResolver
 from kvdiag.model import FdInfo, ProcessEvidence, SharedMapping, ThreadEvidence
 from kvdiag.osread.children import children
-from kvdiag.osread.holders import scan_holders, tcp_listeners
+from kvdiag.osread.fds import scan_holders
 from kvdiag.osread.maps import mapping_at, read_head, shared_file_mappings
+from kvdiag.osread.net import tcp_listeners
 from kvdiag.osread.waitargs import blocked_call
 
 # Only these shared mappings are sampled for progress: /dev/shm segments (rings, queues, semaphores).
@@ -33,6 +35,7 @@ class SharedWindow:
     pid: int
     maps: list[SharedMapping] | None = None
     heads: dict[str, bytes] = field(default_factory=dict)
+    rings: vllmrings.RingWindow | None = None
 
 
 def _sampled(maps: list[SharedMapping]) -> list[SharedMapping]:
@@ -48,6 +51,7 @@ def _sampled(maps: list[SharedMapping]) -> list[SharedMapping]:
 def begin(pid: int) -> SharedWindow:
     """First reading: the shared mappings and their heads."""
     w = SharedWindow(pid=pid, maps=shared_file_mappings(pid))
+    w.rings = vllmrings.begin(pid, w.maps)
     for m in _sampled(w.maps or []):
         head = read_head(pid, m, _HEAD_BYTES)
         if head is not None:
@@ -61,6 +65,7 @@ def finish(w: SharedWindow, proc: ProcessEvidence, threads: list[ThreadEvidence]
     (``resolver``: the process's fd resolver, shared with the reads)."""
     pid = w.pid
     proc.shared_maps = w.maps
+    proc.shm_rings = vllmrings.finish(w.rings) if w.rings is not None else None
     proc.children = children(pid)
     if proc.progress is not None:
         for m in _sampled(w.maps or []):

@@ -9,8 +9,9 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import read_log_lines
+from kvdiag.defects import FIX_BUILD, GIL_HOLDING_ALLOC_PAGE
 from kvdiag.errors import ExitCode
-from kvdiag.watch.banner import assess_risk, load_risk, parse_banners
+from kvdiag.logs.banner import assess_risk, load_risk, parse_banners
 
 
 def banner_cmd(
@@ -54,7 +55,7 @@ def banner_cmd(
             if later and not r.risky:
                 typer.echo(f"  RISK under load: {later}")
             if r.risky or later:
-                typer.echo("  workaround: KVCACHED_PAGE_PREALLOC_ENABLED=false, or a kvcached with the #422 fix")
+                typer.echo(f"  workaround: {GIL_HOLDING_ALLOC_PAGE.workaround}, or {FIX_BUILD}")
             else:
                 typer.echo("  no deadlock risk from this banner (prealloc off: no prealloc worker)")
     return ExitCode.DEADLOCK if risky else ExitCode.OK

@@ -22,6 +22,7 @@ from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
 from kvdiag.fleet.ray import capture_cluster
 from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
+from kvdiag.osread.stat import read_stat
 from kvdiag.outputs import RunArtifacts, finish, prepare_out_dir
 from kvdiag.redact import redact_bundle
 
@@ -31,12 +32,12 @@ def _target(pid: int | None, engine_core_of: int | None) -> int:
     if (pid is None) == (engine_core_of is None):
         raise UsageError("give exactly one of --pid PID and --engine-core-of API_SERVER_PID")
     if pid is not None:
-        if pid <= 0 or not os.path.isdir(f"/proc/{pid}"):
+        if pid <= 0 or read_stat(pid) is None:
             raise UsageError(f"--pid {pid}: no such process",
                              hint="pass the pid of the EngineCore, or --engine-core-of API_SERVER_PID")
         return pid
     assert engine_core_of is not None
-    if engine_core_of <= 0 or not os.path.isdir(f"/proc/{engine_core_of}"):
+    if engine_core_of <= 0 or read_stat(engine_core_of) is None:
         raise UsageError(f"--engine-core-of {engine_core_of}: no such process")
     cores = engine_cores_of(engine_core_of)
     if not cores:

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 from rich.console import Console
 
 from kvdiag.errors import UsageError
+from kvdiag.report import build_report, render_terminal
 
 if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
     from kvdiag.runner import RunArtifacts
@@ -36,8 +37,6 @@ def read_log_lines(path: Path) -> list[str]:
 
 def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:
     """The run's outcome on stdout (``con``: another console, e.g. in tests)."""
-    from kvdiag.report import build_report, render_terminal
-
     con = con or result_console()
     # The view the report files were written from; a caller without one renders the verdicts it holds.
     diag = arts.bundle.diagnosis

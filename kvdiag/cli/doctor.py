@@ -23,10 +23,16 @@ from rich.text import Text
 from kvdiag import __version__
 from kvdiag.analyze.doctor import DEFAULT_KVCACHED_UTIL, EnginePlan, doctor_checks
 from kvdiag.cli.common import read_log_lines
+from kvdiag.environment import add_engine_packages, collect_environment
 from kvdiag.errors import ExitCode
+from kvdiag.launch.engines import engine_env
+from kvdiag.launch.interpreters import engine_interpreters
+from kvdiag.logs.banner import parse_banners
 from kvdiag.model import BannerInfo, DoctorReport, EnvironmentRecord, RiskStatus
+from kvdiag.redact import redact_obj
+from kvdiag.report.envtext import environment_lines
 from kvdiag.scenario import EngineSpec, Scenario, load_scenario
-from kvdiag.watch.banner import parse_banners
+from kvdiag.sim.config import SimConfig
 
 if TYPE_CHECKING:
     from kvdiag.launch.interpreters import EngineInterpreter
@@ -60,8 +66,6 @@ def _num(text: str | None, cast: type[float] | type[int], errors: list[str], wha
 
 def engine_plans(scenario: Scenario, environ: dict[str, str]) -> list[EnginePlan]:
     """Resolve each scenario engine as it would launch (scenario env over this process's env)."""
-    from kvdiag.launch.engines import engine_env
-
     plans: list[EnginePlan] = []
     for spec in scenario.ordered_engines():
         env = {**environ, **engine_env(spec)}
@@ -95,8 +99,6 @@ def _pool_plan(spec: EngineSpec, env: dict[str, str], scenario: Scenario, preall
                util: float | int | None, page_env: float | int | None, errors: list[str]) -> EnginePlan:
     """An engine whose KV pool is kvdiag's allocator: a simulated engine, or a real vLLM engine with
     kvdiag's plugin (its ``vllm.pool``); both live on the run's modelled device."""
-    from kvdiag.sim.config import SimConfig
-
     defaults = SimConfig()
     pool = spec.sim if spec.kind == "sim" else spec.vllm.pool
     page = int(page_env) if page_env is not None else pool.page_size_mb
@@ -161,8 +163,6 @@ def headline(env: EnvironmentRecord) -> list[str]:
 
 
 def render(report: DoctorReport, console: Console) -> None:
-    from kvdiag.report.envtext import environment_lines
-
     console.rule(Text("kvdiag doctor", style="bold"))
     for line in headline(report.environment):
         console.print(Text(line, style="bold"))
@@ -213,15 +213,10 @@ def doctor_cmd(
 
     Exit codes: 0 no known risk applies, 10 at least one does, 2 bad usage or scenario.
     """
-    from kvdiag.environment import collect_environment
-    from kvdiag.redact import redact_obj
-
     scen_name: str | None = None
     plans: list[EnginePlan] = []
     interpreters: list[EngineInterpreter] = []
     if scenario is not None:
-        from kvdiag.launch.interpreters import engine_interpreters
-
         scen, scen_name = _load(scenario)
         plans = engine_plans(scen, dict(os.environ))
         interpreters = engine_interpreters(scen)
@@ -229,8 +224,6 @@ def doctor_cmd(
     env = collect_environment()
     if interpreters:
         # The kvcached build (and versions) each engine's own interpreter imports, not only kvdiag's.
-        from kvdiag.environment import add_engine_packages
-
         add_engine_packages(env, interpreters)
     checks = doctor_checks(env, plans, banners)
     risky = any(c.status is RiskStatus.RISK for c in checks)

@@ -9,6 +9,7 @@ import sys
 import threading
 from types import FrameType
 
+import click
 import typer
 
 from kvdiag import __version__
@@ -99,8 +100,6 @@ def _show_usage_error(exc: BaseException, argv: list[str]) -> None:
 
 def _usage_of(argv: list[str]) -> str | None:
     """"Usage: kvdiag CMD [OPTIONS]..." and the --help hint for the deepest command ``argv`` names."""
-    import click
-
     try:
         cmd: click.Command = typer.main.get_command(app)
         path = ["kvdiag"]

@@ -9,7 +9,10 @@ import typer
 
 from kvdiag.analyze.diagnosis import complete
 from kvdiag.bundle import atomic_write_text, load_run
+from kvdiag.cli.common import result_console
 from kvdiag.errors import ExitCode, UsageError
+from kvdiag.report import render_html, render_terminal, run_view, write_view
+from kvdiag.sweep.session import is_sweep_folder, rerender_sweep
 
 
 def report_cmd(
@@ -24,10 +27,6 @@ def report_cmd(
     said (the stored diagnosis); a bundle without one is analyzed first.
     Exit codes: 0 written, 2 no readable bundle or an unwritable output.
     """
-    from kvdiag.cli.common import result_console
-    from kvdiag.report import render_html, render_terminal, run_view, write_view
-    from kvdiag.sweep.session import is_sweep_folder, rerender_sweep
-
     if is_sweep_folder(bundle):   # a sweep's folder: its report.json is what it concluded
         for name, path in rerender_sweep(bundle, html, out).items():
             typer.echo(f"  {name}: {path}")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from kvdiag.sim.api_server import main
+
 sim_app = typer.Typer(name="sim", help="The built-in simulated kvcached/vLLM engine.", no_args_is_help=True,
                       add_completion=False)
 
@@ -15,8 +17,6 @@ sim_app = typer.Typer(name="sim", help="The built-in simulated kvcached/vLLM eng
 )
 def serve_cmd(ctx: typer.Context) -> int:
     """Serve a simulated engine (API server + EngineCore). All flags: kvdiag sim serve --help."""
-    from kvdiag.sim.api_server import main
-
     return main(list(ctx.args))
 
 

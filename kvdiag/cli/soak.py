@@ -10,6 +10,9 @@ import typer
 from kvdiag.cli.common import console, print_summary, result_console
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.model import SoakStats
+from kvdiag.runner import prepare_out_dir
+from kvdiag.scenario import load_scenario
+from kvdiag.soakrun import SoakOptions, SoakRun
 
 
 class AllocatorChoice(str, Enum):
@@ -50,17 +53,12 @@ def soak(
     6 nothing stalled but the KV cache never got near full (inconclusive), 4 the engine
     failed, 2 bad usage or scenario, 130 interrupted.
     """
-    from kvdiag.runner import prepare_out_dir
-    from kvdiag.soak.session import SoakOptions, SoakRun
-
     opts = SoakOptions(model=model, url=url, scenario=scenario, duration_s=duration, concurrency=concurrency,
                        max_tokens=max_tokens, allocator=allocator.value if allocator else None,
                        stall_window_s=stall_window, chat=chat, read_timeout_s=read_timeout, capture=capture,
                        drain_grace_s=drain_grace)
     opts.validate()  # usage errors before any folder is created
     if scenario is not None and url is None:
-        from kvdiag.scenario import load_scenario
-
         load_scenario(scenario)  # an invalid scenario file is a usage error, before any folder exists
     out_dir = prepare_out_dir(out, "soak")
     con = console()
@@ -84,7 +82,13 @@ def soak_lines(s: SoakStats, stall_to_verdict_s: float | None = None) -> list[st
     def ms(v: float | None) -> str:
         return "-" if v is None else f"{v * 1000:.1f} ms"
 
-    out = [f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out; "
+    pending = ""
+    if s.stalled and s.in_flight_at_end:
+        pending = f", {s.in_flight_at_end} in flight at the stall"
+    elif s.in_flight_at_end and s.drain_s is None:
+        pending = f", {s.in_flight_at_end} in flight when the load ended"
+    out = [f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out"
+           f"{pending}; "
            # An average over the whole load (ramp-up and drain included); the live lines' rate is over their
            # last 5 s, so a steady live rate above this average is not a contradiction: both are labelled.
            f"{s.tokens} tokens, avg {rate:.0f} tok/s over {active:.1f} s; TTFT p50 {ms(s.ttft_p50_s)} "

@@ -7,9 +7,16 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.defaults import WATCH_WINDOW_S
+from kvdiag.defaults import DEFAULT_TOOLS, WATCH_WINDOW_S
 from kvdiag.errors import ExitCode
+from kvdiag.fleet.ray import capture_cluster
+from kvdiag.model import Bundle
 from kvdiag.watchrun import WatchOptions, run_watch
+
+
+def _ray_capture(address: str, bundle_dir: Path, timeout_s: float, tools: list[str]) -> Bundle:
+    return capture_cluster(address, bundle_dir, timeout_s=timeout_s, backends=tools,
+                           progress=lambda m: typer.echo(f"kvdiag watch: {m}", err=True))
 
 
 def _human(line: str) -> None:
@@ -38,7 +45,7 @@ def watch_cmd(
                                    "again for this many seconds (its stalls are still reported)."),
     duration: float | None = typer.Option(None, "--duration", help="Stop after this many seconds (default: run "
                                           "until SIGTERM/SIGHUP).", show_default=False),
-    tools: str = typer.Option("proc,py-spy,pystack,gdb", "--tools", help="Capture backends, comma-separated."),
+    tools: str = typer.Option(",".join(DEFAULT_TOOLS), "--tools", help="Capture backends, comma-separated."),
     capture_timeout: float = typer.Option(10.0, "--capture-timeout", help="Bound on one capture, seconds."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="A stderr line for every look (default: one "
                                  "per engine a minute)."),
@@ -63,7 +70,8 @@ def watch_cmd(
     opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
                         keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
                         duration_s=duration, tools=[t.strip() for t in tools.split(",") if t.strip()],
-                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose)
+                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose,
+                        ray_capture=_ray_capture)
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
     _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")

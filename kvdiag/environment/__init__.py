@@ -19,20 +19,16 @@ import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import TypeVar
 
+from kvdiag import __version__
 from kvdiag.environment.gpu import read_gpus
-from kvdiag.environment.host import (
-    cgroup_limits,
-    memory_total_mb,
-    os_name,
-    package_versions,
-    process_environ,
-    relevant_env,
-    usable_cpus,
-)
+from kvdiag.environment.host import os_name, package_versions, relevant_env
+from kvdiag.environment.interpreter import engines_packages, pid_packages
 from kvdiag.environment.kvcached import fingerprint_tree, installed_kvcached
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.environment.runtime import collect_runtime
 from kvdiag.model import EnvironmentRecord, GpuInfo, InterpreterPackages
+from kvdiag.osread.host import cgroup_limits, memory_total_mb, usable_cpus
+from kvdiag.osread.process import read_environ
 
 __all__ = ["add_engine_packages", "collect_environment", "engine_version", "fingerprint_tree", "installed_kvcached",
            "probe_ptrace"]
@@ -66,8 +62,6 @@ def add_engine_packages(rec: EnvironmentRecord,
                         engines: Sequence[tuple[str, str] | tuple[str, str, Sequence[str]]]) -> None:
     """Record the versions (and kvcached build) the engines' interpreters see; ``engines``: (engine name,
     interpreter path[, folders first on its sys.path]). An interpreter already recorded gains the names."""
-    from kvdiag.environment.interpreter import engines_packages
-
     none: list[InterpreterPackages] = []
     for new in _safe(rec.errors, "engine packages", lambda: engines_packages(engines), none):
         same = next((ip for ip in rec.engine_packages if ip.python == new.python and ip.packages == new.packages
@@ -90,7 +84,7 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
     errors: list[str] = []
     source = "kvdiag" if environ is None else "given"
     if environ is None and target_pid is not None:
-        environ = process_environ(target_pid)
+        environ = read_environ(target_pid)
         if environ is None:
             errors.append(f"environment of pid {target_pid}: not readable; kvdiag's own is shown")
         else:
@@ -99,16 +93,9 @@ def collect_environment(environ: Mapping[str, str] | None = None, *, gpus: bool 
     rec = EnvironmentRecord(os=_safe(errors, "os", os_name, ""), kernel=platform.release(),
                             machine=platform.machine(), python=platform.python_version())
     rec.packages = _safe(errors, "packages", package_versions, {})
-    try:
-        from kvdiag import __version__
-
-        rec.packages["kvdiag"] = __version__
-    except ImportError:  # pragma: no cover - kvdiag is importable: we are it
-        pass
+    rec.packages["kvdiag"] = __version__
     rec.packages_python = sys.executable
     if target_pid is not None:
-        from kvdiag.environment.interpreter import pid_packages
-
         got = _safe(errors, f"packages of pid {target_pid}", lambda: pid_packages(target_pid), None)
         if got is not None:
             rec.engine_packages.append(got)

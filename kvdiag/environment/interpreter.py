@@ -33,8 +33,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvdiag.environment.child import ChildTimeout, run_bounded
-from kvdiag.environment.host import PACKAGES, process_environ
-from kvdiag.osread.mapped_files import mapped_files
+from kvdiag.environment.host import PACKAGES
+from kvdiag.environment.kvcached import build_at, site_kvcached
+from kvdiag.model import InterpreterPackages
+from kvdiag.osread.maps import mapped_files
+from kvdiag.osread.process import read_cmdline, read_cwd, read_environ, read_exe
 
 if TYPE_CHECKING:
     from kvdiag.model import InterpreterPackages
@@ -174,20 +177,16 @@ def resolve_command(cand: str, cwd: str, path_var: str) -> str | None:
     return None
 
 
-def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, list[str]]:
+def interpreter_of_pid(pid: int) -> tuple[str, list[str]]:
     """(interpreter path, PYTHONPATH entries) of a running process; OSError when /proc does not say."""
-    exe = os.readlink(proc_root / str(pid) / "exe")
+    exe = read_exe(pid)
+    if exe is None:
+        raise OSError(f"the executable of pid {pid} cannot be read")
     if exe.endswith(" (deleted)"):
         raise OSError(f"the executable of pid {pid} was deleted ({exe})")
-    env = process_environ(pid) or {}
-    try:
-        cwd = os.readlink(proc_root / str(pid) / "cwd")
-    except OSError:
-        cwd = "/"
-    try:
-        argv = [a.decode(errors="replace") for a in (proc_root / str(pid) / "cmdline").read_bytes().split(b"\0")]
-    except OSError:
-        argv = []
+    env = read_environ(pid) or {}
+    cwd = read_cwd(pid) or "/"
+    argv = read_cmdline(pid) or []
     argv0 = argv[0] if argv else ""
     if not re.match(r"(python|pypy)", os.path.basename(exe)):
         raise OSError(f"pid {pid} runs {exe}, not a Python interpreter")
@@ -202,7 +201,7 @@ def interpreter_of_pid(pid: int, proc_root: Path = Path("/proc")) -> tuple[str, 
     if not _is_env_python(python):
         # argv[0] did not name the environment (a title set over argv, or the base python running a
         # venv's script): the environment the process really imports from.
-        python = environment_of_pid(pid, exe, argv, env, cwd, proc_root) or python
+        python = environment_of_pid(pid, exe, argv, env, cwd) or python
     return python, sys_path_head(argv[1:], cwd, env.get("PYTHONPATH", ""))
 
 
@@ -227,8 +226,7 @@ def _env_python(prefix: Path, exe: str) -> str | None:
     return None
 
 
-def environment_of_pid(pid: int, exe: str, argv: Sequence[str], env: dict[str, str], cwd: str,
-                       proc_root: Path = Path("/proc")) -> str | None:
+def environment_of_pid(pid: int, exe: str, argv: Sequence[str], env: dict[str, str], cwd: str) -> str | None:
     """The interpreter of the virtual environment (or conda prefix) ``pid`` runs in, from what the
     process says of itself, in order: ``VIRTUAL_ENV``; a venv holding the script it runs (``bin/vllm``);
     the prefix of the site-packages it has mapped (torch's, an extension's). None: none found."""
@@ -239,7 +237,7 @@ def environment_of_pid(pid: int, exe: str, argv: Sequence[str], env: dict[str, s
         if arg.startswith("/") or arg.startswith("."):
             script = Path(arg if os.path.isabs(arg) else os.path.join(cwd, arg))
             candidates += [script.parent.parent, script.parent.parent.parent]
-    for path in mapped_files(pid, proc_root):
+    for path in mapped_files(pid):
         m = _SITE.match(path)
         if m:
             candidates.append(Path(m.group(1)))
@@ -290,9 +288,6 @@ def packages_of(who: str, python: str, extra_path: Sequence[str] = ()) -> Interp
     """The record of one interpreter: asked by running it, else read from its venv's site-packages.
 
     It carries the fingerprint of the kvcached build that interpreter imports (not kvdiag's own)."""
-    from kvdiag.environment.kvcached import build_at, site_kvcached
-    from kvdiag.model import InterpreterPackages
-
     rec = InterpreterPackages(who=who, python=python)
     try:
         (rec.python_version, rec.packages), locations, commit = _ask(python, extra_path, PACKAGES, QUERY_TIMEOUT_S)
@@ -308,20 +303,17 @@ def packages_of(who: str, python: str, extra_path: Sequence[str] = ()) -> Interp
     return rec
 
 
-def _mapped_kvcached(pid: int, proc_root: Path = Path("/proc")) -> str | None:
+def _mapped_kvcached(pid: int) -> str | None:
     """The kvcached package folder whose extension module the process has loaded (what really runs)."""
-    try:
-        maps = (proc_root / str(pid) / "maps").read_text(errors="replace")
-    except OSError:
-        return None
-    m = re.search(r"(/\S*/kvcached)/[^/\s]+\.so$", maps, re.MULTILINE)
-    return m.group(1) if m else None
+    for path in mapped_files(pid):
+        m = re.fullmatch(r"(/\S*/kvcached)/[^/\s]+\.so", path)
+        if m:
+            return m.group(1)
+    return None
 
 
 def pid_packages(pid: int) -> InterpreterPackages:
     """The versions the Python of a running process (``kvdiag capture --pid``) sees, and its kvcached."""
-    from kvdiag.environment.kvcached import build_at
-
     python, extra = interpreter_of_pid(pid)
     rec = packages_of(f"pid {pid}", python, extra)
     loaded = _mapped_kvcached(pid)

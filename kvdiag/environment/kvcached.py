@@ -31,23 +31,13 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
+from kvdiag.defects import BY_KEY, GIL_HOLDING_ALLOC_PAGE, HEADROOM_UNDERFLOW, UNBOUNDED_IPC_READ
 from kvdiag.model import DefectCheck, DefectStatus, KvcachedBuild
-from kvdiag.proc import read_text as _read
+from kvdiag.osread.files import read_text as _read
 
-GIL_DEFECT = "gil_holding_alloc_page"
-IPC_DEFECT = "unbounded_ipc_read"
-UNDERFLOW_DEFECT = "headroom_underflow"
-
-_TITLES = {
-    GIL_DEFECT: "alloc_page keeps the GIL while it waits; the prealloc thread calls back into Python",
-    IPC_DEFECT: "worker IPC reply read with no timeout",
-    UNDERFLOW_DEFECT: "unsigned underflow in get_avail_physical_pages removes the reserve's memory cap",
-}
-_UPSTREAM = {
-    GIL_DEFECT: "kvcached #371 (also #334), fixed by PR #422 (666671b), first in 0.1.6",
-    IPC_DEFECT: "kvcached #371, fixed by PR #422 (KVCACHED_IPC_TIMEOUT), first in 0.1.6",
-    UNDERFLOW_DEFECT: "kvcached #377, fixed by f8b07c8 (saturating_subtract), first in 0.1.6",
-}
+GIL_DEFECT = GIL_HOLDING_ALLOC_PAGE.key
+IPC_DEFECT = UNBOUNDED_IPC_READ.key
+UNDERFLOW_DEFECT = HEADROOM_UNDERFLOW.key
 
 _BUILD_VERDICT: dict[DefectStatus, Literal["pre_fix", "fixed", "not_affected", "unknown"]] = {
     DefectStatus.PRESENT: "pre_fix", DefectStatus.FIXED: "fixed", DefectStatus.NOT_APPLICABLE: "not_affected",
@@ -58,8 +48,8 @@ _MAX_BINARY_BYTES = 256 * 1024 * 1024
 
 
 def _check(defect: str, status: DefectStatus, evidence: list[str]) -> DefectCheck:
-    return DefectCheck(defect=defect, title=_TITLES[defect], status=status, upstream=_UPSTREAM[defect],
-                       evidence=evidence)
+    known = BY_KEY[defect]
+    return DefectCheck(defect=defect, title=known.title, status=status, upstream=known.upstream, evidence=evidence)
 
 
 def _def_statement(text: str, method: str) -> str | None:

@@ -20,15 +20,12 @@ import os
 from pathlib import Path
 
 from kvdiag.model import PtraceAccess
+from kvdiag.osread.files import read_text
+from kvdiag.osread.host import yama_ptrace_scope
+from kvdiag.osread.process import read_environ
+from kvdiag.osread.status import read_status
 
 CAP_SYS_PTRACE = 19
-
-
-def _status_field(name: str, status: str) -> str | None:
-    for line in status.splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    return None
 
 
 def detect_container() -> str | None:
@@ -39,20 +36,14 @@ def detect_container() -> str | None:
         return "podman"
     if Path("/.dockerenv").exists():
         return "docker"
-    try:
-        cg = Path("/proc/1/cgroup").read_text(encoding="utf-8")
-    except OSError:
-        cg = ""
+    cg = read_text("/proc/1/cgroup") or ""
     for needle, name in (("kubepods", "kubernetes"), ("docker", "docker"), ("lxc", "lxc"),
                          ("containerd", "containerd")):
         if needle in cg:
             return name
-    try:
-        env1 = Path("/proc/1/environ").read_bytes()
-        if b"container=" in env1:
-            return env1.split(b"container=", 1)[1].split(b"\0", 1)[0].decode(errors="replace") or "container"
-    except OSError:
-        pass
+    env1 = read_environ(1) or {}
+    if "container" in env1:
+        return env1["container"] or "container"
     return None
 
 
@@ -67,23 +58,12 @@ def _fix_for_cap(container: str | None) -> str:
 def probe_ptrace(proc_root: Path = Path("/proc")) -> PtraceAccess:
     """Read Yama's scope, this process's capabilities, uid, seccomp mode and container; judge attach."""
     acc = PtraceAccess(uid=os.getuid(), container=detect_container())
-    try:
-        acc.yama_ptrace_scope = int((proc_root / "sys/kernel/yama/ptrace_scope").read_text().strip())
-    except (OSError, ValueError):
-        acc.yama_ptrace_scope = None
-    try:
-        status = (proc_root / "self/status").read_text(encoding="utf-8")
-    except OSError:
-        status = ""
-    cap = _status_field("CapEff", status)
-    if cap:
-        try:
-            acc.cap_sys_ptrace = bool(int(cap, 16) >> CAP_SYS_PTRACE & 1)
-        except ValueError:
-            acc.cap_sys_ptrace = None
-    sec = _status_field("Seccomp", status)
-    if sec and sec.isdigit():
-        acc.seccomp = int(sec)
+    acc.yama_ptrace_scope = yama_ptrace_scope(proc_root)
+    status = read_status("self", proc_root=str(proc_root))
+    if status is not None and status.cap_eff is not None:
+        acc.cap_sys_ptrace = bool(status.cap_eff >> CAP_SYS_PTRACE & 1)
+    if status is not None and status.seccomp is not None:
+        acc.seccomp = status.seccomp
     judge(acc)
     return acc
 

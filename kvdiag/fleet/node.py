@@ -29,7 +29,10 @@ def capture_on_node(pids: Sequence[int], timeout_s: float, backends: Sequence[st
     folder = Path(tempfile.mkdtemp(prefix="kvdiag-node-"))
     try:
         if wanted:
-            capture_pids(wanted, folder, timeout_s=timeout_s, backends=list(backends), command=command)
+            # The selection is the fleet's: Ray's runtime (raylet, GCS, dashboard) holds the other end of
+            # every worker's sockets, and a wait across nodes is read from Ray's task table, not from peers.
+            capture_pids(wanted, folder, timeout_s=timeout_s, backends=list(backends), command=command,
+                         follow=False)
         data = pack_dir(folder)
     finally:
         shutil.rmtree(folder, ignore_errors=True)

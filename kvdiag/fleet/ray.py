@@ -86,7 +86,7 @@ def _str(x: object) -> str:
 
 def discover(ray: Any) -> ClusterView:
     """Nodes, live actors and workers (with node id and pid) and the unfinished tasks, from the state API."""
-    from ray.util import state
+    from ray.util import state  # ray is optional and heavy: imported by --ray only, after import_ray
 
     try:
         nodes = state.list_nodes(limit=_STATE_LIMIT, raise_on_missing_output=False)
@@ -129,7 +129,7 @@ def _why(exc: BaseException) -> tuple[NodeOutcome, str]:
 def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: float, backends: Sequence[str],
                       command: str) -> dict[str, NodeCapture]:
     """One capture task per node, pinned to it (hard affinity), all at once; bounded."""
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy  # optional, as above
 
     task = ray.remote(num_cpus=0, max_retries=0)(capture_on_node)
     began = time.monotonic()
@@ -164,13 +164,27 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
 
 
 def _alive_now(ray: Any) -> set[str]:
-    from ray.util import state
+    from ray.util import state  # ray is optional and heavy: imported by --ray only, after import_ray
 
     try:
         return {n.node_id for n in state.list_nodes(limit=_STATE_LIMIT, raise_on_missing_output=False)
                 if n.state == "ALIVE"}
     except Exception:  # noqa: BLE001 - only sharpens a reason already given
         return set()
+
+
+def _name_engines(bundle: Bundle, labels: dict[int, str]) -> None:
+    """Name each process's group after what Ray calls it (``actor PyAbba (b) pid 12``), not ``pid-12``."""
+    renamed: dict[str, str] = {}
+    for e in bundle.engines:
+        pid = int(e.name[4:]) if e.name.startswith("pid-") and e.name[4:].isdigit() else None
+        if pid is not None and pid in labels:
+            renamed[e.name] = f"{labels[pid]} pid {pid}"
+            e.name = renamed[e.name]
+    for p in bundle.processes:
+        p.engine = renamed.get(p.engine or "", p.engine)
+    for f in bundle.findings:
+        f.engine = renamed.get(f.engine or "", f.engine)
 
 
 def _access_refusal(bundle: Bundle) -> str | None:
@@ -200,9 +214,13 @@ def capture_cluster(address: str, out_bundle_dir: Path, *, select: str = "vllm",
 
 def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, patterns: Sequence[str], timeout_s: float,
                      backends: Sequence[str], say: Callable[[str], None]) -> Bundle:
+    t0 = time.monotonic()
     ray = connect(address)
+    timings = {"connect": round(time.monotonic() - t0, 3)}
     try:
+        t1 = time.monotonic()
         view = discover(ray)
+        timings["discover"] = round(time.monotonic() - t1, 3)
         sel: Selection = select_targets(view.actors, view.workers, select=select, patterns=list(patterns),
                                         exclude={view.driver})
         if not sel.targets:
@@ -213,7 +231,9 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         say(f"capturing {len(sel.targets)} process(es) ({sel.described}) on {len(by_node)} node(s) of the Ray "
             f"cluster at {address}")
         command = f"capture --ray {address}"
+        t2 = time.monotonic()
         answers = run_node_captures(ray, by_node, timeout_s=timeout_s, backends=backends, command=command)
+        timings["nodes"] = round(time.monotonic() - t2, 3)
         alive = _alive_now(ray) if any(a.outcome != "captured" for a in answers.values()) else set()
     finally:
         ray.shutdown()
@@ -246,11 +266,12 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         folder = out_bundle_dir / NODES_DIR / node_dir_name(name)
         unpack_dir(answer.pack, folder)
         bundle, _ = load_bundle(folder)
+        _name_engines(bundle, {t.pid: t.label for t in sel.by_node().get(node.node_id, [])})
         refusal = _access_refusal(bundle)
         if refusal is not None:
             record.outcome, record.reason = "refused", refusal
         parts.append(NodePart(record, bundle, folder))
-    fleet = FleetRecord(source="ray", address=address, selector=sel.described, notes=list(sel.notes),
+    fleet = FleetRecord(source="ray", address=address, selector=sel.described, notes=list(sel.notes), timings=timings,
                         actors=[RayActorRecord(actor_id=a.actor_id, class_name=a.class_name, name=a.name,
                                                node=names.get(a.node_id), pid=a.pid, state="ALIVE")
                                 for a in view.actors],

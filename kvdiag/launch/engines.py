@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.interpreter import module_argv
+from kvdiag.launch.vllm import expand, find_vllm, native_library, stage_plugin
 from kvdiag.scenario.models import EngineSpec
 
 PORT_ENV = "KVDIAG_ENGINE_PORT"
@@ -55,8 +56,6 @@ def substitute(arg: str, spec: EngineSpec, port: int, model: str | None = None) 
 
 def vllm_argv(spec: EngineSpec, port: int) -> list[str]:
     """`vllm serve MODEL --host H --port P ARGS...` from the engine's vLLM environment."""
-    from kvdiag.launch.vllm import expand, find_vllm
-
     model = expand(spec.model)
     return [find_vllm(spec.python), "serve", model, "--host", spec.host, "--port", str(port),
             *(substitute(a, spec, port, model) for a in spec.vllm.args)]
@@ -66,8 +65,6 @@ def vllm_env(spec: EngineSpec, device_name: str, device_size_gb: float, run_dir:
     """What kvdiag's plugin in the EngineCore reads (kvdiag.vllm_plugin), when kvdiag's allocator is used."""
     if spec.allocator == "external":
         return {}
-    from kvdiag.launch.vllm import native_library, stage_plugin
-
     pool = spec.vllm.pool
     env = {
         "KVDIAG_VLLM_ALLOCATOR": spec.allocator,

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 from typing import NamedTuple
 
+from kvdiag.environment.interpreter import resolve_command, sys_path_head
 from kvdiag.launch.engines import substitute
 from kvdiag.launch.vllm import engine_python
 from kvdiag.scenario.models import EngineSpec, Scenario
@@ -60,8 +61,6 @@ def command_interpreter(argv: list[str], env: dict[str, str], cwd: str) -> Engin
     """The Python a command line runs (``argv[0]`` or its ``#!`` line), named ``""``; None when not Python.
 
     ``env`` is the engine's environment (PATH, PYTHONPATH); ``cwd`` its working folder."""
-    from kvdiag.environment.interpreter import resolve_command, sys_path_head
-
     if not argv:
         return None
     path_var = env.get("PATH", os.defpath)

@@ -22,29 +22,20 @@ import tempfile
 import time
 from collections.abc import Iterable
 
-from kvdiag.proc import alive, group_alive
+from kvdiag.osread.fds import fd_links
+from kvdiag.osread.maps import read_maps
+from kvdiag.osread.process import read_environ
+from kvdiag.osread.ptable import alive, group_alive
+from kvdiag.osread.stat import all_pids
 
 RUN_ID_ENV = "KVDIAG_RUN_ID"
 
 
 def pids_with_marker(run_id: str) -> list[int]:
     """Pids whose environment holds KVDIAG_RUN_ID=run_id (zombies excluded)."""
-    needle = f"{RUN_ID_ENV}={run_id}".encode()
     me = os.getpid()
-    found: list[int] = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == me:
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                env = fh.read()
-        except OSError:
-            continue
-        if not alive(int(entry)):
-            continue
-        if needle in env.split(b"\0"):
-            found.append(int(entry))
-    return found
+    return [pid for pid in all_pids()
+            if pid != me and (read_environ(pid) or {}).get(RUN_ID_ENV) == run_id and alive(pid)]
 
 
 def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> None:
@@ -107,27 +98,12 @@ def _shm_in_use() -> set[str]:
     """Names under /dev/shm some live process maps or holds open."""
     used: set[str] = set()
     marker = SHM_DIR + "/"
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/maps", "rb") as fh:
-                for line in fh:
-                    at = line.find(marker.encode())
-                    if at >= 0:
-                        used.add(line[at + len(marker):].split(b" ")[0].strip().decode(errors="replace"))
-        except OSError:
-            pass
-        try:
-            for fd in os.listdir(f"/proc/{entry}/fd"):
-                try:
-                    link = os.readlink(f"/proc/{entry}/fd/{fd}")
-                except OSError:
-                    continue
-                if link.startswith(marker):
-                    used.add(link[len(marker):])
-        except OSError:
-            pass
+    for pid in all_pids():
+        for m in read_maps(pid) or []:
+            at = m.path.find(marker)
+            if at >= 0:
+                used.add(m.path[at + len(marker):].split(" ")[0])
+        used.update(link[len(marker):] for link in (fd_links(pid) or {}).values() if link.startswith(marker))
     return used
 
 

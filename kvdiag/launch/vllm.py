@@ -10,7 +10,8 @@ stock|fixed``), :func:`stage_plugin` writes a folder that goes first on the engi
   kvdiag.allocator from it), and
 - a ``*.dist-info`` whose entry point registers ``kvdiag.vllm_plugin:register`` under vLLM's
   ``vllm.general_plugins`` group, so vLLM itself loads the plugin in each of its processes.
-The plugin is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is set, and acts only in the EngineCore.
+The plugin is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is set, and acts only in the EngineCore (and, with
+``KVDIAG_VLLM_HANG_RANK``, in the worker of that rank).
 The folder lives in the run's private temp folder and goes with it.
 """
 
@@ -21,6 +22,8 @@ import re
 import shutil
 from pathlib import Path
 
+import kvdiag
+from kvdiag.allocator import native_module
 from kvdiag.errors import ToolMissing
 
 VENV_ENV = "KVDIAG_VLLM_VENV"
@@ -93,16 +96,12 @@ def engine_python(python_setting: str | None) -> str | None:
 
 
 def _kvdiag_package() -> Path:
-    import kvdiag
-
     return Path(kvdiag.__file__).resolve().parent
 
 
 def native_library() -> str | None:
     """Path of the built kvdiag._native extension (editable installs keep it outside the package)."""
     try:
-        from kvdiag.allocator import native_module
-
         path = getattr(native_module(), "__file__", None)
     except Exception:  # noqa: BLE001 - reported by the plugin inside the engine instead
         return None

@@ -12,7 +12,8 @@ Conventions:
 - times in the timeline are seconds since the run started (monotonic);
 - paths inside a bundle are relative to the bundle folder.
 
-One module per concern: kinds, evidence, gpu, run, environment, doctor, judged, verdict, bundle, report, waits.
+One module per concern: kinds, evidence, gpu, run, environment, doctor, judged, verdict, bundle, report, waits,
+health (what "healthy" means in every report, derived from an engine's record and verdict).
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ from kvdiag.model.gpu import (
     GpuReadings,
     GpuSnapshot,
 )
+from kvdiag.model.health import EngineHealth, engine_health
 from kvdiag.model.judged import EngineJudgement
 from kvdiag.model.kinds import (
     KIND_SPECS,
@@ -80,6 +82,10 @@ from kvdiag.model.report import (
     ReportBanner,
     ReportEngine,
 )
+from kvdiag.model.rings import (
+    RingGeometry,
+    RingReading,
+)
 from kvdiag.model.run import (
     BannerInfo,
     BannerRisk,
@@ -88,6 +94,9 @@ from kvdiag.model.run import (
     MetricsSnapshot,
     SoakStats,
     TimelineEvent,
+)
+from kvdiag.model.soakseries import (
+    SoakSample,
 )
 from kvdiag.model.sweep import (
     SWEEP_SCHEMA_VERSION,
@@ -127,7 +136,9 @@ from kvdiag.model.waits import (
 )
 
 __all__ = [
+    "EngineHealth",
     "EngineJudgement",
+    "engine_health",
     "FleetRecord",
     "NodeOutcome",
     "NodeRecord",
@@ -181,6 +192,8 @@ __all__ = [
     "ProcessEvidence",
     "ProcessRole",
     "ProgressSample",
+    "RingGeometry",
+    "RingReading",
     "PtraceAccess",
     "RateLine",
     "RedactionSummary",
@@ -193,6 +206,7 @@ __all__ = [
     "SWEEP_SCHEMA_VERSION",
     "SharedMapping",
     "ShmSegment",
+    "SoakSample",
     "SoakStats",
     "SweepAxis",
     "SweepCell",

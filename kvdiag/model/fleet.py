@@ -64,3 +64,5 @@ class FleetRecord(_Model):
     actors: list[RayActorRecord] = Field(default_factory=list)
     tasks: list[RayTaskRecord] = Field(default_factory=list)
     notes: list[str] = Field(default_factory=list)
+    # Where the driver's time went, seconds: "connect", "discover", "nodes" (first task sent → last answer).
+    timings: dict[str, float] = Field(default_factory=dict)

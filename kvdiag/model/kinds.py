@@ -35,7 +35,7 @@ class VerdictKind(str, Enum):
     # nothing it does can be judged; capture left it as found.
     STOPPED = "stopped"
     TRACED = "traced"
-    # No evidence is not health (issue 21): outcomes that say why nothing could be judged.
+    # No evidence is not health: outcomes that say why nothing could be judged.
     NO_ACCESS = "no_access"            # ptrace / /proc/PID/mem refused: the fix is named (exit 3)
     EXITED = "exited"                  # the target exited before or during capture (exit 5)
     ZOMBIE = "zombie"                  # exited, not reaped by its parent: nothing runs (exit 5)

@@ -45,7 +45,7 @@ class ReportEngine(_Model):
     name: str
     allocator: str | None = None     # stock | fixed | external
     phase: EnginePhase = EnginePhase.NOT_STARTED
-    # Healthy means the engine's verdict is healthy (kvdiag.analyze.health): a stalled engine is not,
+    # Healthy means the engine's verdict is healthy (kvdiag.model.health): a stalled engine is not,
     # even when its /health still answers; what /health said is kept apart and named in the health line.
     healthy: bool = False
     health: str = ""                 # "yes", "no (decode stall; /health still answered)"

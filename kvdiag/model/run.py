@@ -5,6 +5,7 @@ from __future__ import annotations
 from pydantic import Field
 
 from kvdiag.model.kinds import EnginePhase, _Model
+from kvdiag.model.soakseries import SoakSample
 
 
 class BannerInfo(_Model):
@@ -67,8 +68,8 @@ class EngineRecord(_Model):
     startup_s: float | None = None
     error: str | None = None         # crash / OOM text seen in the log
     log_idle_s: float | None = None  # seconds since the log was last written, when a bare process was captured
-    # The scenario's engine kind: "sim" (kvdiag's simulated engine), "vllm" or "command"; None in bundles
-    # written before it was recorded (the bundle's scenario copy says).
+    # The scenario's engine kind: "sim" (kvdiag's simulated engine), "vllm" or "command"; None when not
+    # recorded (the bundle's scenario copy says).
     kind: str | None = None
 
 
@@ -113,6 +114,14 @@ class SoakStats(_Model):
     machine_cpu_busy: float | None = None    # all CPUs, 0..1
     bottleneck: str | None = None            # "client", "server", "load" (only when not saturated)
     saturation_note: str | None = None
+    # The loaded time on the run's clock: the /metrics snapshots analyze judges saturation from (with the
+    # readings above); None in bundles whose run judged it itself (their judgement is kept as stored).
+    load_from_t: float | None = None
+    load_until_t: float | None = None
+    # Requests still in flight when the load ended (at the stall, an exit, the end of the drain).
+    in_flight_at_end: int | None = None
+    # The client's counters over time (about two a second), for the report's plots; [] in older bundles.
+    series: list[SoakSample] = Field(default_factory=list)
 
 
 class Finding(_Model):

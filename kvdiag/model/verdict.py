@@ -44,8 +44,8 @@ class EvidenceItem(_Model):
     engine: str | None = None
     node: str | None = None          # the host ``pid`` lives on, in a bundle merged from several hosts
     # Indices into ``frames`` of the frames the rule's conclusion rests on (the wait primitive, the
-    # first project frame, ...), decided by the analyzer; renderers highlight only these. None: a
-    # report written before the field existed (nothing is highlighted).
+    # first project frame, ...), decided by the analyzer; renderers highlight only these. None: not
+    # recorded (nothing is highlighted).
     key_frames: list[int] | None = None
     # ``refs[n]`` is the captured frame ``frames[n]`` displays, so ``key_frames`` index both; renderers
     # find a cited frame in the bundle by this reference, never by its text. Empty: a report written
@@ -75,7 +75,7 @@ class Verdict(_Model):
     signature: str | None = None
     known: KnownDefect | None = None
     # What raised or lowered ``confidence`` ("+ /health answered", "- no stacks were captured"):
-    # evidence only, never timing noise (issue 17 item 6).
+    # evidence only, never timing noise (a verdict must not change with the machine's load).
     confidence_reasons: list[str] = Field(default_factory=list)
     # The cross-process wait chain the verdict followed, first waiter to root (kvdiag.analyze.xproc);
     # None: judged inside one process.
@@ -86,7 +86,7 @@ class ABEngine(_Model):
     """One engine of one A/B side (``ab.<side>.engines[name]`` in bundle.json and report.json)."""
 
     phase: EnginePhase = EnginePhase.NOT_STARTED
-    healthy: bool = False            # its verdict is healthy (kvdiag.analyze.health)
+    healthy: bool = False            # its verdict is healthy (kvdiag.model.health)
     health: str = ""                 # the health line: "yes", "no (decode stall; /health still answered)"
     startup_s: float | None = None
 
@@ -97,7 +97,7 @@ class ABSide(_Model):
     verdict: VerdictKind
     summary: str
     exit_code: int
-    # The side's bundle folder, relative to the A/B bundle folder ("" in reports written before it was kept).
+    # The side's bundle folder, relative to the A/B bundle folder ("" when not recorded).
     bundle: str = ""
     report: str | None = None        # the side's report.html, relative to the A/B output folder
     engines: dict[str, ABEngine] = Field(default_factory=dict)

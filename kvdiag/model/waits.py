@@ -92,6 +92,10 @@ class WaitEdge(_Model):
     kind: EdgeKind
     evidence: EdgeEvidence = Field(default_factory=EdgeEvidence)
     inferred: bool = False
+    # What the waiter waits for: "work" (a server or worker waiting for its next request: idle), "reply"
+    # (a call waiting for its answer), "blocked" (data it cannot deliver), "depends" (as stuck as the
+    # other end: a parent on its child, a rank at a barrier, a ring reader, a lock owner). "": not said.
+    purpose: str = ""
 
 
 class WaitNode(_Model):

@@ -2,20 +2,15 @@
 
 from __future__ import annotations
 
-import os
+from kvdiag.osread.files import PROC, read_text
+from kvdiag.osread.tasks import list_tids
 
 
 def children(pid: int) -> list[int] | None:
     """Child pids of ``pid`` (any of its threads may have forked them); None when /proc cannot say."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
+    tids = list_tids(pid)
+    if not tids:
         return None
-    out: list[int] = []
-    for tid in tids:
-        try:
-            with open(f"/proc/{pid}/task/{tid}/children", encoding="ascii") as fh:
-                out += [int(x) for x in fh.read().split() if x.isdigit()]
-        except OSError:
-            continue
-    return sorted(set(out))
+    out = {int(x) for tid in tids for x in (read_text(f"{PROC}/{pid}/task/{tid}/children") or "").split()
+           if x.isdigit()}
+    return sorted(out)

@@ -13,7 +13,7 @@ import html as _html
 import os
 from pathlib import Path
 
-from kvdiag.bundle_io import atomic_write_text
+from kvdiag.bundle import atomic_write_text
 from kvdiag.model import ABComparison, Bundle, Diagnosis, Finding, Report, Verdict
 from kvdiag.redact import redact_bundle
 from kvdiag.report.html import render_html

@@ -86,4 +86,26 @@ def environment_lines(env: EnvironmentRecord) -> list[str]:
         lines.append(f"  {key}={value}")
     for err in env.errors:
         lines.append(f"not collected: {err}")
+    lines += node_lines(env)
+    return lines
+
+
+def node_lines(env: EnvironmentRecord) -> list[str]:
+    """The node table of a bundle merged from several hosts (the record above is its first node's)."""
+    if not env.nodes:
+        return []
+    lines = [f"nodes ({len(env.nodes)}; the lines above describe the first captured one):"]
+    for n in env.nodes:
+        facts = [n.outcome + (f": {n.reason}" if n.reason and n.outcome != "captured" else "")]
+        if n.head:
+            facts.append("head")
+        if n.pids:
+            facts.append(f"pids {', '.join(map(str, n.pids))}")
+        if n.capture_s is not None:
+            facts.append(f"capture {n.capture_s:.1f}s")
+        if n.bytes_moved is not None:
+            facts.append(f"{n.bytes_moved / 1024:.0f} KiB sent")
+        if n.kernel:
+            facts.append(f"kernel {n.kernel} ({n.machine or '?'}), {n.cpus if n.cpus is not None else '?'} CPUs")
+        lines.append(f"  {n.node}: " + "; ".join(facts))
     return lines

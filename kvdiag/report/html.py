@@ -422,6 +422,7 @@ def render_html(report: Report | ReportView, bundle: Bundle | None = None, bundl
         diagram=cycle_diagram(report.verdict.cycle),
         chain=view.chain,
         timeline=timeline_diagram(report),
+        soak=view.soak,
         processes=view.processes,
         evidence=view.evidence,
         has_key_frames=view.has_key_frames,

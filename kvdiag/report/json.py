@@ -137,10 +137,12 @@ def simulated_engines(bundle: Bundle) -> list[str]:
     for spec in specs if isinstance(specs, list) else []:
         if isinstance(spec, dict) and isinstance(spec.get("name"), str):
             declared[spec["name"]] = str(spec.get("kind") or "sim")
+    # A captured process says it through its command line (`python -m kvdiag.sim serve ...`).
+    sim_pids = {p.pid for p in bundle.processes if any("kvdiag.sim" in a for a in p.cmdline[:4])}
     out = []
     for e in bundle.engines:
         kind = e.kind or declared.get(e.name) or declared.get(e.name.split("/", 1)[-1])
-        if kind == "sim":
+        if kind == "sim" or (kind is None and sim_pids & set(e.pids.values())):
             out.append(e.name)
     return out
 

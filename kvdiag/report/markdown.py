@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import re
 
+from kvdiag.logs.lines import MAX_LINE
 from kvdiag.model import Bundle, Report, ReportEngine
+from kvdiag.report.envtext import environment_lines
 from kvdiag.report.view import EvidenceLines, ReportView, as_view, clean_text
-from kvdiag.watch.logs import MAX_LINE
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
@@ -76,6 +77,11 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
         out += ["", f"> **{known}**"]
     if report.interrupted:
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
+    if view.soak is not None:
+        # A soak's figures come first, with their units (the plots are in report.html).
+        out += ["", "#### Soak results", "", "| | |", "|---|---|"]
+        out += [f"| {f.label} | {_cell(f.value)}{' (' + _cell(f.note) + ')' if f.note else ''} |"
+                for f in view.soak.figures]
     if ab is not None:
         out += ["", "| allocator | verdict | exit code | engines | report |",
                 "|---|---|---|---|---|"]
@@ -93,7 +99,8 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
             out += ["", f"`{KEY_MARK.strip()}` marks the frames the verdict rests on."]
         for ev in view.evidence:
             item = ev.item
-            where = f"pid {item.pid}, tid {item.tid}" + (f", engine {_code(item.engine)}" if item.engine else "")
+            where = (f"node {_code(item.node)}, " if item.node else "") + f"pid {item.pid}, tid {item.tid}" + (
+                f", engine {_code(item.engine)}" if item.engine else "")
             out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
             if item.frames:
                 out += ["", _fence(marked_lines(ev))]
@@ -161,8 +168,6 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
     if report.created_at:
         env_lines.append(f"created: {report.created_at}")
     if report.environment is not None:
-        from kvdiag.report.envtext import environment_lines
-
         env_lines += environment_lines(report.environment)
     red = report.redaction
     env_lines.append(f"redacted: {red.total} value(s)" + (
@@ -181,7 +186,7 @@ def marked_lines(ev: EvidenceLines) -> list[str]:
 
 
 def _healthy(e: ReportEngine) -> str:
-    """The engine's health line (derived from its verdict and probes by kvdiag.analyze.health)."""
+    """The engine's health line (derived from its verdict and probes by kvdiag.model.health)."""
     return e.health or ("yes" if e.healthy else "no")
 
 

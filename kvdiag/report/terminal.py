@@ -14,6 +14,7 @@ from rich.table import Table
 from rich.text import Text
 
 from kvdiag.model import Report, VerdictKind
+from kvdiag.report.envtext import gpu_lines, package_summary
 from kvdiag.report.view import ReportView, as_view
 
 KEY_FRAMES = 8
@@ -132,8 +133,6 @@ def render_terminal(report: Report | ReportView, console: Console, paths: Mappin
 
     env = report.environment
     if env is not None:
-        from kvdiag.report.envtext import gpu_lines, package_summary
-
         console.print(Text(f"  environment: {env.os}, kernel {env.kernel}, Python {env.python}, "
                            f"{package_summary(env)}; {'; '.join(gpu_lines(env))}", style="dim"))
         if env.ptrace.problem:

@@ -18,6 +18,7 @@ from urllib.parse import quote
 
 from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence
 from kvdiag.report.chain import ChainView, chain_view
+from kvdiag.report.soakview import SoakView, soak_view
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -244,6 +245,7 @@ class ReportView:
     evidence: list[EvidenceLines] = field(default_factory=list)
     ab: dict[str, Any] | None = None
     chain: ChainView | None = None   # the verdict's cross-process wait chain, as rows
+    soak: SoakView | None = None     # a soak's figures and plots (kvdiag.report.soakview)
 
     @property
     def has_key_frames(self) -> bool:
@@ -257,7 +259,7 @@ def build_view(report: Report, bundle: Bundle | None = None) -> ReportView:
     return ReportView(report=report, bundle=bundle, processes=cited_first(processes),
                       cited=[(p, t) for p in processes for t in p.threads if t.cited],
                       evidence=[evidence_lines(item) for item in evidence], ab=ab_view(report),
-                      chain=chain_view(report.verdict))
+                      chain=chain_view(report.verdict), soak=soak_view(report, bundle))
 
 
 def as_view(report: Report | ReportView, bundle: Bundle | None = None) -> ReportView:

@@ -122,10 +122,14 @@ def shipped_scenarios() -> dict[str, Path]:
     """Scenario name (file stem) → file, of the scenarios that come with kvdiag."""
     found: dict[str, Path] = {}
     here = Path(__file__).resolve().parent
-    for folder in (here.parents[1] / "scenarios", here / SHIPPED_DIR):
+    # The repository's folder links two of its files to the embedded defaults; an install keeps no
+    # links, so the embedded folders are read too.
+    folders = (here.parents[1] / "scenarios", here / SHIPPED_DIR, here / "builtin")
+    for folder in folders:
         if folder.is_dir():
             for f in sorted(folder.glob("*.yaml")):
-                found.setdefault(f.stem, f)
+                if f.is_file():
+                    found.setdefault(f.stem, f)
     return found
 
 

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Literal, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from kvdiag import defaults as D
 
 ToolName = Literal["pystack", "py-spy", "gdb", "proc"]
-_ALL_TOOLS: tuple[ToolName, ...] = ("pystack", "py-spy", "gdb", "proc")
 
 
 class _Strict(BaseModel):
@@ -141,7 +140,7 @@ class Windows(_Strict):
 
 class CaptureSpec(_Strict):
     tools: list[ToolName] = Field(
-        default_factory=lambda: list(_ALL_TOOLS))
+        default_factory=lambda: [cast(ToolName, t) for t in D.DEFAULT_TOOLS])
     tool_timeout_s: float = Field(D.TOOL_TIMEOUT_S, gt=0, le=600)
     when: Literal["stall", "always", "never"] = "stall"   # ("on" would parse as a YAML boolean)
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import json
 import os
 import random
@@ -30,7 +31,7 @@ from starlette.routing import Route
 
 from kvdiag.sim import vlog
 from kvdiag.sim.client import EngineCoreClient, EngineDeadError, EngineStartupError, RequestState
-from kvdiag.sim.config import SimConfig
+from kvdiag.sim.config import SimConfig, parse_args
 from kvdiag.sim.core import VLLM_VERSION
 from kvdiag.sim.metrics import MetricsRegistry
 from kvdiag.sim.tokens import VOCAB, VOCAB_JSON, count_chat_tokens, count_prompt_tokens
@@ -455,8 +456,6 @@ def _drop_device_files(device_name: str) -> None:
     same device keep the files (the native check looks for live users under the file's lock).
     """
     try:
-        import importlib
-
         importlib.import_module("kvdiag._native").remove_stale_device_files(device_name)
     except Exception:  # noqa: BLE001 - no native module: no files were made; never mask the exit
         pass
@@ -516,7 +515,5 @@ def _serve(cfg: SimConfig) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m kvdiag.sim [serve] ...`."""
-    from kvdiag.sim.config import parse_args
-
     cfg = parse_args(list(sys.argv[1:] if argv is None else argv))
     return serve(cfg)

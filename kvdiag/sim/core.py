@@ -26,7 +26,7 @@ from multiprocessing.connection import Connection
 from types import FrameType
 from typing import Any, cast
 
-from kvdiag.allocator import native_module
+from kvdiag.allocator import make_allocator, native_module
 from kvdiag.sim import protocol as P
 from kvdiag.sim import vlog
 from kvdiag.sim.config import GB, SimConfig
@@ -60,7 +60,7 @@ def _set_parent_death_signal(parent_pid: int) -> None:
 
 def _set_title() -> None:
     try:
-        import setproctitle
+        import setproctitle  # optional in a subject's interpreter: prctl(PR_SET_NAME) below is the fallback
 
         setproctitle.setproctitle(PROCESS_TITLE)
     except ImportError:  # comm still changes through prctl(PR_SET_NAME)
@@ -276,8 +276,6 @@ class EngineCore:
 
     def _init_kv_pool(self) -> None:
         cfg = self.cfg
-        from kvdiag.allocator import make_allocator
-
         # Logged before the allocator exists: as in the seed, the banner is the last line of a hung engine.
         self.log.info("kvdiag sim: building the KV pool: %d pages of %d MiB x %d layers, %d tokens/page, on %s/%s",
                       cfg.pages_per_layer, cfg.page_size_mb, cfg.layers, cfg.tokens_per_page, cfg.backend,

@@ -17,9 +17,10 @@ from types import TracebackType
 import httpx
 
 from kvdiag.allocator import remove_device_files
+from kvdiag.osread.children import children
+from kvdiag.osread.process import read_comm
+from kvdiag.osread.ptable import alive as process_alive
 from kvdiag.ports import free_port
-from kvdiag.proc import alive as process_alive
-from kvdiag.proc import children
 from kvdiag.sim.cmdline import command
 
 __all__ = ["SimProcess", "children", "free_port", "process_alive", "remove_device_files"]
@@ -95,13 +96,9 @@ class SimProcess:
         """The EngineCore child (its comm is ``VLLM::EngineCor``)."""
         deadline = time.monotonic() + timeout_s
         while True:
-            for child in children(self.pid):
-                try:
-                    with open(f"/proc/{child}/comm") as fh:
-                        if fh.read().strip() == "VLLM::EngineCor":
-                            return child
-                except OSError:
-                    continue
+            for child in children(self.pid) or []:
+                if read_comm(child) == "VLLM::EngineCor":
+                    return child
             if time.monotonic() >= deadline or self.returncode() is not None:
                 return None
             time.sleep(0.05)

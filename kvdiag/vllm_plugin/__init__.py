@@ -2,7 +2,8 @@
 
 vLLM loads general plugins in every one of its processes (API server, EngineCore, Worker, and any
 other `vllm` command). This one is inert unless ``KVDIAG_VLLM_ALLOCATOR`` is ``stock`` or ``fixed``, and
-then acts only in the EngineCore, where kvcached acts (../shared/design/kvcached-facts.md section 3):
+then acts only in the EngineCore (and in the one worker ``KVDIAG_VLLM_HANG_RANK`` names), where kvcached
+acts (../shared/design/kvcached-facts.md section 3):
 
 1. vLLM's ``BlockPool.__init__`` is where kvcached's ElasticBlockPool builds its KVCacheManager: the
    hook builds kvdiag's page allocator there (kind from KVDIAG_VLLM_ALLOCATOR, host backend on the
@@ -39,6 +40,8 @@ import sys
 import threading
 import time
 from typing import Any
+
+from kvdiag.allocator import kvcached_env_kwargs, make_allocator
 
 ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
 STALL_ENV = "KVDIAG_VLLM_STALL_AFTER_S"
@@ -99,6 +102,7 @@ def register() -> None:
         return
     if not _in_engine_core():
         return
+    # vLLM exists only inside its own processes, and is heavy: imported once the plugin is enabled
     from vllm.v1.core import block_pool
 
     _patch(block_pool.BlockPool, kind)
@@ -110,7 +114,7 @@ def register() -> None:
 def _native() -> Any:
     """kvdiag._native: importable from the package, else loaded from KVDIAG_NATIVE_PATH."""
     try:
-        import kvdiag._native as native
+        import kvdiag._native as native  # optional: an unbuilt extension is loaded from KVDIAG_NATIVE_PATH
 
         return native
     except ImportError:
@@ -134,9 +138,7 @@ def _always_false() -> bool:
 
 def build_allocator(kind: str, layers: int, mem_size_per_layer: int, ipc_suffix: str = "") -> Any:
     """kvdiag's allocator of ``kind`` as kvcached's KVCacheManager builds its PageAllocator (prints the banner)."""
-    _native()  # make kvdiag._native importable before kvdiag.allocator asks for it
-    from kvdiag.allocator import kvcached_env_kwargs, make_allocator
-
+    _native()  # make kvdiag._native importable before make_allocator asks for it
     kwargs: dict[str, Any] = {
         "num_layers": layers, "mem_size_per_layer": mem_size_per_layer, "page_size": 2 * MB,
         "world_size": 1, "pp_rank": 0, "async_sched": False, "contiguous_layout": True,

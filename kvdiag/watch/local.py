@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kvdiag.proc import alive, read_stat
-from kvdiag.watch.probe import read_wchan
+from kvdiag.osread.ptable import alive
+from kvdiag.osread.stat import read_stat
+from kvdiag.osread.tasks import read_wchan
 from kvdiag.watch.reading import CoreSample
 
 Clock = Callable[[], float]

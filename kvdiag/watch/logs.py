@@ -1,95 +1,10 @@
-"""Follow an engine's log file and track its startup phase from what it prints."""
+"""Follow an engine's log file as it grows (what its lines say is kvdiag.logs.lines')."""
 
 from __future__ import annotations
 
-import re
-from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdiag.model import BannerInfo, EnginePhase
-from kvdiag.watch.banner import BANNER_MARKER, parse_banner
-
-# Characters of one log line kept where a line is quoted (events, reports); a banner is about 300.
-MAX_LINE = 2000
-
-# vLLM prefixes: "(EngineCore pid=6898) ...", "(EngineCore_DP0 pid=..)", "(APIServer pid=6790) ...".
-_PID_PREFIX = re.compile(r"\((?P<who>[A-Za-z]+(?:_[A-Za-z]*\d+)?)(?:-\d+)? pid=(?P<pid>\d+)\)")
-_UVICORN_PID = re.compile(r"Started server process \[(?P<pid>\d+)\]")
-
-# (phase, pattern) in startup order; a later phase never moves the tracker back.
-_PHASE_PATTERNS: list[tuple[EnginePhase, re.Pattern[str]]] = [
-    # vLLM's wording, and a loader's generic progress ("loading shard 17/40", "Loading checkpoint shards").
-    (EnginePhase.LOADING, re.compile(r"Starting to load model|Loading weights|Loading safetensors|load model|"
-                                     r"[Ll]oading (?:\w+ )?(?:shards?|checkpoints?|weights)\b")),
-    (EnginePhase.PROFILING, re.compile(r"[Pp]rofil|determine_available_memory|Memory profiling")),
-    (EnginePhase.KV_INIT,
-     re.compile(r"KV cache size|Available KV cache memory|init engine \(profile, create kv cache")),
-    (EnginePhase.BANNER, re.compile(re.escape(BANNER_MARKER))),
-    (EnginePhase.SERVING, re.compile(r"Application startup complete")),
-]
-_ORDER = [EnginePhase.NOT_STARTED, EnginePhase.LAUNCHING, EnginePhase.LOADING, EnginePhase.PROFILING,
-          EnginePhase.KV_INIT, EnginePhase.BANNER, EnginePhase.SERVING]
-
-_OOM = re.compile(r"out of memory|CUDA_ERROR_OUT_OF_MEMORY|OutOfMemoryError|Cannot allocate memory|"
-                  r"oom-kill|std::bad_alloc", re.IGNORECASE)
-_ERROR = re.compile(r"Traceback \(most recent call last\)|EngineDeadError|Engine core initialization failed|"
-                    r"Fatal Python error|Segmentation fault|core dumped|terminate called|std::abort|"
-                    r"RuntimeError: |AssertionError")
-
-
-@dataclass
-class LogState:
-    """What one engine's log has told us so far."""
-
-    phase: EnginePhase = EnginePhase.LAUNCHING
-    lines_seen: int = 0
-    banners: list[BannerInfo] = field(default_factory=list)
-    pids: dict[str, int] = field(default_factory=dict)
-    tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
-    errors: list[str] = field(default_factory=list)
-    oom: bool = False
-    events: list[tuple[EnginePhase, int]] = field(default_factory=list)  # phase reached at line no
-
-    @property
-    def last_line(self) -> str | None:
-        return self.tail[-1] if self.tail else None
-
-
-def feed_line(state: LogState, line: str, source: str | None = None) -> list[str]:
-    """Update ``state`` with one log line; returns human-readable events it caused."""
-    state.lines_seen += 1
-    state.tail.append(line)
-    events: list[str] = []
-    for m in _PID_PREFIX.finditer(line[:80]):
-        who = m.group("who").lower()
-        role = ("engine_core" if who.startswith("enginecore") else "api_server" if who.startswith("apiserver")
-                else "worker" if "worker" in who else None)
-        if role and role not in state.pids:
-            state.pids[role] = int(m.group("pid"))
-            events.append(f"{role} pid {m.group('pid')}")
-    um = _UVICORN_PID.search(line)
-    if um and "api_server" not in state.pids:
-        state.pids["api_server"] = int(um.group("pid"))
-    banner = parse_banner(line, state.lines_seen, source)
-    if banner is not None:
-        state.banners.append(banner)
-        # The fields the prealloc deadlock turns on, whole (the raw banner is in the log and the bundle).
-        events.append(f"banner group_id={banner.group_id} num_layers={banner.num_layers} "
-                      f"mem_size_per_layer={banner.mem_size_per_layer_mb:g}MB page_size={banner.page_size_mb:g}MB "
-                      f"enable_prealloc={int(banner.enable_prealloc)} "
-                      f"min_reserved_pages={banner.min_reserved_pages} max_reserved_pages={banner.max_reserved_pages}")
-    for phase, pattern in _PHASE_PATTERNS:
-        if pattern.search(line) and _ORDER.index(phase) > _ORDER.index(state.phase):
-            state.phase = phase
-            state.events.append((phase, state.lines_seen))
-            events.append(f"phase {phase.value}")
-    if _OOM.search(line):
-        state.oom = True
-        state.errors.append(line.strip()[:500])
-    elif _ERROR.search(line):
-        state.errors.append(line.strip()[:500])
-    return events
+from kvdiag.logs.lines import LogState, feed_line
 
 
 class LogFollower:

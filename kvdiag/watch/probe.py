@@ -3,16 +3,16 @@
 from __future__ import annotations
 
 import math
-import os
 import time
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.proc import FUTEX_WCHANS, process_tree, read_stat
+from kvdiag.osread.stat import read_stat
+from kvdiag.osread.tasks import list_tids
 
-__all__ = ["metric_samples", "process_tree"]
+__all__ = ["metric_samples"]
 
 _WANTED = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
@@ -101,22 +101,5 @@ def cpu_ticks(pids: list[int]) -> int | None:
 
 def threads_blocked(pid: int) -> bool | None:
     """True when every thread of ``pid`` sleeps (S/D); None if unreadable."""
-    try:
-        tids = os.listdir(f"/proc/{pid}/task")
-    except OSError:
-        return None
-    states = [st.state for st in (read_stat(pid, int(t)) for t in tids) if st is not None]
+    states = [st.state for st in (read_stat(pid, tid) for tid in list_tids(pid)) if st is not None]
     return all(s in ("S", "D") for s in states) if states else None
-
-
-def read_wchan(pid: int, tid: int | None = None) -> str | None:
-    path = f"/proc/{pid}/task/{tid}/wchan" if tid else f"/proc/{pid}/wchan"
-    try:
-        with open(path) as fh:
-            return fh.read().strip() or None
-    except OSError:
-        return None
-
-
-def is_futex_wchan(wchan: str | None) -> bool:
-    return bool(wchan) and any(w in (wchan or "") for w in FUTEX_WCHANS)

@@ -1,4 +1,4 @@
-"""No evidence is not health (issue 21), on real processes.
+"""No evidence is not health, on real processes.
 
 - a real GIL-cycle hang owned by root, captured by kvdiag running as a second, ordinary user:
   exit 3, ``no_access``, the refusal and the fix named, never ``healthy``; captured by root

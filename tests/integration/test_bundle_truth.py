@@ -3,7 +3,7 @@
 Each command really runs (repro stock and fixed, soak with and without a stall on the simulated
 engine, ab, capture of a real hanging program); then `kvdiag analyze DIR --json` recomputes the
 diagnosis from the bundle alone and `kvdiag report DIR` re-renders the stored one. Verdict, exit
-code and the per-engine verdicts must equal the run's (issue 11).
+code and the per-engine verdicts must equal the run's.
 """
 
 from __future__ import annotations

@@ -19,10 +19,11 @@ import pytest
 
 from kvdiag.analyze import analyze
 from kvdiag.bundle import raw_root
-from kvdiag.capture import CAPTURE_SLACK_S, capture_processes, find_engine_processes, process_tree
+from kvdiag.capture import CAPTURE_SLACK_S, capture_processes, find_engine_processes
 from kvdiag.capture.tools import PystackBackend
 from kvdiag.cli.main import main as kvdiag_main
 from kvdiag.model import Bundle, ProcessRole, VerdictKind
+from kvdiag.osread.ptable import process_tree
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
 sys.path.insert(0, str(HANGERS))

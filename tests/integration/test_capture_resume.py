@@ -1,4 +1,4 @@
-"""Capture never leaves a target stopped (issue 17 item 9), with real ptrace.
+"""Capture never leaves a target stopped, with real ptrace.
 
 A debugger killed mid-attach leaves its target stopped once the kernel detaches it (the SIGSTOP
 of PTRACE_ATTACH is delivered after all). ``hung_attacher.py`` is such a debugger: a real

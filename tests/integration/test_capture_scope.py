@@ -22,7 +22,7 @@ import pytest
 
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.cli.main import main as kvdiag_main
-from kvdiag.proc import process_tree
+from kvdiag.osread.ptable import process_tree
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
 sys.path.insert(0, str(HANGERS))

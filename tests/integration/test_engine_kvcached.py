@@ -1,4 +1,4 @@
-"""The kvcached build fingerprint of each engine's own interpreter, not kvdiag's (issue 14 leftover).
+"""The kvcached build fingerprint of each engine's own interpreter, not kvdiag's.
 
 A real venv (``python -m venv``) imports the pre-fix kvcached fixture through a ``.pth`` file;
 kvdiag's own interpreter does not see it. The record, ``kvdiag doctor`` and a captured pid must

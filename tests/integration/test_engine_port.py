@@ -1,4 +1,4 @@
-"""The {port} placeholder on a `kind: command` engine (issue 17 item 4), on the simulated engine.
+"""The {port} placeholder on a `kind: command` engine, on the simulated engine.
 
 A command that uses {port} is reached on the port kvdiag chose, and that port is in the report; a
 command that ignores it (listens on a port of its own) ends the run with a clear error naming both

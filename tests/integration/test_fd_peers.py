@@ -1,8 +1,8 @@
-"""capture/fds.py on real sockets: the sock_diag dump and the /proc/*/fd scan are complete, and bounded.
+"""osread's sock_diag dump and /proc/*/fd scan (and capture/fds.py over them) on real sockets: complete, bounded.
 
-A child process holds thousands of Unix socketpairs (more than fill one netlink reply, which the old
-code cut at a 1 s timeout) and one end of a pipe; kvdiag's lookups must find every pair and the child
-as the holder, and must say "partial" (never pass a cut table as complete) when the deadline is spent.
+A child process holds thousands of Unix socketpairs (more than fill one netlink reply) and one end of a
+pipe; kvdiag's lookups must find every pair and the child as the holder, and must say "partial" (never
+pass a cut table as complete) when the deadline is spent.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvdiag.capture.fds import FdResolver, _owners, unix_peers
+from kvdiag.capture.fds import FdResolver
+from kvdiag.osread.fds import inode_holders
+from kvdiag.osread.sockdiag import unix_sockets
 
 PAIRS = 3000
 HOLDER = """
@@ -52,7 +54,8 @@ def holder() -> Iterator[tuple[subprocess.Popen[str], list[int], int]]:
 @pytest.mark.timeout(120)
 def test_sock_diag_dump_is_read_to_the_end(holder: tuple[subprocess.Popen[str], list[int], int]) -> None:
     _, inodes, _ = holder
-    peers, partial = unix_peers(time.monotonic() + 30)
+    dump = unix_sockets(time.monotonic() + 30)
+    peers, partial = dump.peers(), dump.partial
     assert partial is None
     assert len(peers) >= 2 * PAIRS
     for a, b in zip(inodes[::2], inodes[1::2], strict=True):   # sampled across all the pairs, last ones too
@@ -62,9 +65,9 @@ def test_sock_diag_dump_is_read_to_the_end(holder: tuple[subprocess.Popen[str], 
 @pytest.mark.timeout(120)
 def test_a_spent_deadline_says_partial_never_complete(holder: tuple[subprocess.Popen[str], list[int], int]) -> None:
     proc, inodes, pipe_inode = holder
-    peers, partial = unix_peers(time.monotonic() - 1)
+    partial = unix_sockets(time.monotonic() - 1).partial
     assert partial is not None and "deadline" in partial
-    owners, scan_partial = _owners({pipe_inode}, os.getpid(), time.monotonic() - 1)
+    owners, scan_partial = inode_holders({pipe_inode}, os.getpid(), time.monotonic() - 1)
     assert scan_partial is not None and "deadline" in scan_partial
 
 
@@ -72,7 +75,7 @@ def test_a_spent_deadline_says_partial_never_complete(holder: tuple[subprocess.P
 def test_owner_scan_finds_the_holder_among_every_process(holder: tuple[subprocess.Popen[str], list[int], int]) -> None:
     proc, inodes, pipe_inode = holder
     start = time.monotonic()
-    owners, partial = _owners({pipe_inode, inodes[-1]}, os.getpid(), time.monotonic() + 60)
+    owners, partial = inode_holders({pipe_inode, inodes[-1]}, os.getpid(), time.monotonic() + 60)
     assert partial is None
     assert owners.get(pipe_inode) == [proc.pid] and owners.get(inodes[-1]) == [proc.pid]
     assert time.monotonic() - start < 60

@@ -56,3 +56,14 @@ def test_non_editable_install_repro_from_the_repository_root(tmp_path: Path) -> 
     assert report["verdict"]["kind"] == "gil_cycle", report["verdict"]
     logs = "".join(p.read_text() for p in (out / "bundle" / "logs").glob("*.log"))
     assert "No module named" not in logs
+    # The README's scenario names work from the installed package, in a folder without scenarios/.
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    for name in ("scenarios/two-engine-vllm-cpu.yaml", "soak-hybrid", "two-engine"):
+        doctor = subprocess.run([str(venv / "bin" / "kvdiag"), "doctor", "--scenario", name, "--json"],
+                                capture_output=True, text=True, timeout=120, cwd=elsewhere, env=env)
+        assert doctor.returncode == 10, (name, doctor.stderr[-2000:])
+    shipped = subprocess.run([str(python), "-c", "from kvdiag.scenario.loader import shipped_scenarios as s; "
+                              "print(sorted(map(str, s().values())))"], capture_output=True, text=True, timeout=60,
+                             cwd=elsewhere, env=env)
+    assert "two-engine-vllm-cpu" in shipped.stdout and str(ROOT) not in shipped.stdout, shipped.stdout

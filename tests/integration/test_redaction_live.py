@@ -1,4 +1,4 @@
-"""No secret byte reaches an output folder (issue 20), checked on real runs.
+"""No secret byte reaches an output folder, checked on real runs.
 
 Real processes carry every secret-flag name and every credential shape on their command line
 and in their environment: a plain Python process (`kvdiag capture --pid`) and a launched
@@ -218,7 +218,7 @@ def test_repro_of_a_launched_engine_writes_no_secret(tmp_path: Path, secret_valu
     scen = _engine_scenario(tmp_path, secret_values, stalls=False, device=device)
     out = tmp_path / "repro"
     proc = run_kvdiag("repro", "two-engine", "--scenario", str(scen), "--out", str(out), timeout=300)
-    # the verdict on an idle engine is the analyzer's business (issue 13); here: what was written
+    # the verdict on an idle engine is the analyzer's business; here: what was written
     assert proc.returncode in (0, 10), proc.stdout[-2000:] + proc.stderr[-3000:]
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     captured = [p for p in bundle["processes"] if "--api-key" in p["cmdline"]]

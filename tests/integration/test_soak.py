@@ -35,7 +35,7 @@ def _assert_stall_verdict(report: dict[str, object], bundle: dict[str, object]) 
     verdict = report["verdict"]
     assert isinstance(verdict, dict)
     events = [e["event"] for e in report["timeline"]]  # type: ignore[union-attr]
-    # A stall under load, not one at startup (issue 12 item 1: that left no /metrics to read).
+    # A stall under load, not one at startup (a stall at startup leaves no /metrics to read).
     assert "soak load started" in events, (events, verdict)
     metrics = bundle["metrics"]
     assert isinstance(metrics, list) and metrics, "no /metrics scrape in the bundle"
@@ -67,7 +67,7 @@ def test_stock_allocator_decode_stall_is_found_and_captured(tmp_path: Path) -> N
     events = [e["event"] for e in report["timeline"]]  # type: ignore[union-attr]
     for ev in ("soak load started", "stall onset (last progress)", "stall detected", "capture finished", "verdict"):
         assert ev in events, events
-    # stall detected → verdict: in report.json and in the printed summary (issue 17 item 7)
+    # stall detected → verdict: in report.json and in the printed summary
     t = {e["event"]: e["t"] for e in report["timeline"]}  # type: ignore[union-attr]
     to_verdict = report["stall_to_verdict_s"]
     assert isinstance(to_verdict, float) and to_verdict > 0
@@ -197,7 +197,7 @@ def test_engine_crash_during_the_soak_is_a_crash(tmp_path: Path) -> None:
 
 
 def test_an_unsaturated_soak_is_inconclusive_exit_6(tmp_path: Path) -> None:
-    """Two streams cannot fill the pool: no stall, but the soak tested nothing (issue 17 item 10)."""
+    """Two streams cannot fill the pool: no stall, but the soak tested nothing."""
     out = tmp_path / "light"
     proc = _kvdiag("soak", "--allocator", "fixed", "--concurrency", "2", "--duration", "4", "--out", str(out))
     assert proc.returncode == 6, proc.stderr[-3000:] + proc.stdout[-3000:]
@@ -244,7 +244,7 @@ def test_duration_is_honoured_on_a_busy_machine(tmp_path: Path) -> None:
     assert soak["drain_grace_s"] == 3 and soak["drain_s"] is not None and soak["drain_s"] <= 3 + 1.0
     assert soak["drain_in_flight"] is not None and 0 <= soak["drain_cut"] <= soak["drain_in_flight"]
     t = {e["event"]: e["t"] for e in report["timeline"]}  # type: ignore[union-attr]
-    # from the load's start to its end: warm-up + 10 s + the drain, not the 20-25 % overshoot of issue 17
+    # from the load's start to its end: warm-up + 10 s + the drain, no overshoot
     loaded_wall = t["soak load stopped"] - t["soak load started"]
     assert loaded_wall <= 10 + soak["drain_s"] + 3.0, (loaded_wall, soak)
     assert soak["metrics_scrapes"] >= 6, soak

@@ -1,4 +1,4 @@
-"""Issue 12 item 1: on a busy machine an engine that has not printed its first line yet is starting, not stalled.
+"""On a busy machine an engine that has not printed its first line yet is starting, not stalled.
 
 Under CPU spinners (more than there are cores, each bounded and killed afterwards), an engine whose
 interpreter has not printed anything for longer than the stall window (its start delayed by a

@@ -13,7 +13,8 @@ import pytest
 
 from kvdiag.analyze import analyze, analyze_by_engine, classify_process, exit_code_for
 from kvdiag.analyze.classify import WaitKind
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
+from kvdiag.logs.banner import parse_banner
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -24,7 +25,6 @@ from kvdiag.model import (
     ProcessRole,
     VerdictKind,
 )
-from kvdiag.watch.banner import parse_banner
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 sys.path.insert(0, str(FIXTURES))

@@ -1,4 +1,4 @@
-"""Never a false deadlock across processes (issue 13): a blocked read is judged with its peer.
+"""Never a false deadlock across processes: a blocked read is judged with its peer.
 
 Bundles (real captures, tests/fixtures/bundles):
 - sim_idle_always: `kvdiag repro two-engine --allocator fixed` with `capture: {when: always}`, both
@@ -14,7 +14,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvdiag.analyze import analyze, analyze_by_engine, analyze_process, exit_code_for
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.model import (
     Bundle,
     EnginePhase,

@@ -8,7 +8,7 @@ from kvdiag.analyze import analyze, classify_process
 from kvdiag.analyze.classify import WaitKind
 from kvdiag.analyze.vocab import is_system_frame, norm
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.model import Bundle, Confidence, Frame, GilState, VerdictKind
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"

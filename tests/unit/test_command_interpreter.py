@@ -1,4 +1,4 @@
-"""Which Python a `kind: command` engine runs, read from its command line before launch (issue 14 leftover)."""
+"""Which Python a `kind: command` engine runs, read from its command line before launch."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 17 item 6: a healthy verdict's confidence depends on evidence, not on timing noise, and says why.
+"""A healthy verdict's confidence depends on evidence, not on timing noise, and says why.
 
 An idle engine and a busy one are equally healthy: whether a thread happened to be on a CPU when
 it was sampled must not move the confidence. Evidence raises it (the engine answered its probe,

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvdiag.analyze import analyze, exit_code_for
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.capture.merge import bundle_without_tool
 from kvdiag.model import Bundle, VerdictKind
 

@@ -1,4 +1,4 @@
-"""Package versions of the engine's own interpreter (a vLLM venv), not kvdiag's (issue 15 follow-up).
+"""Package versions of the engine's own interpreter (a vLLM venv), not kvdiag's.
 
 The fake environments are real folders with real dist-info METADATA written here; the interpreter
 query runs a real child Python.

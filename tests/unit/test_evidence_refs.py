@@ -9,7 +9,7 @@ import pytest
 
 from kvdiag.analyze import diagnose
 from kvdiag.analyze import vocab as v
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.model import Bundle, EvidenceItem, Frame
 from kvdiag.report import build_view, report_of
 

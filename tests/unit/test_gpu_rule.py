@@ -15,7 +15,7 @@ import pytest
 from kvdiag.analyze import analyze_process, diagnose
 from kvdiag.analyze.gpu import cuda_wait
 from kvdiag.analyze.rules import engine_verdict
-from kvdiag.bundle_io import load_bundle, save_bundle
+from kvdiag.bundle import load_bundle, save_bundle
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.parsers import parse_gdb, parse_pyspy, parse_pystack

@@ -1,4 +1,4 @@
-"""Issue 17 item 2: the health line is derived from the verdict and the probes, for every verdict kind.
+"""The health line is derived from the verdict and the probes, for every verdict kind.
 
 A report once said `healthy: no` beside the verdict `healthy`. Every rendering (report.json, the
 terminal table, report.md, report.html) must agree with the engine's verdict: "yes" exactly when
@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from kvdiag.analyze.health import engine_health
-from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind
+from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind, engine_health
 from kvdiag.report import build_report, render_markdown, render_terminal, write_outputs
 
 

@@ -17,7 +17,7 @@ import jsonschema
 import pytest
 
 from kvdiag.analyze import analyze
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.model import Bundle, EvidenceItem, Verdict
 from kvdiag.report import build_report, render_html, render_json, render_markdown
 from kvdiag.report.html import format_frame

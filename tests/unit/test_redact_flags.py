@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.bundle_io import save_bundle
+from kvdiag.bundle import save_bundle
 from kvdiag.cli.main import main as kvdiag_main
 from kvdiag.model import Bundle, ProcessEvidence, ThreadEvidence, ToolRun
 from kvdiag.redact import (

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 from rich.console import Console
 
-from kvdiag.bundle_io import save_bundle
+from kvdiag.bundle import save_bundle
 from kvdiag.cli.main import main
 from kvdiag.model import (
     ABComparison,
@@ -387,7 +387,7 @@ def test_terminal_summary() -> None:
     con = Console(file=buf, width=160, color_system=None, record=False)
     render_terminal(report, con, {"report.html": Path("/tmp/x/report.html")})
     out = buf.getvalue()
-    assert out.index("gil_cycle") < out.index("pid 200 tid 200") < out.index("engines")
+    assert out.index("gil_cycle") < out.index("pid 200 tid 200") < out.index("\nengines")
     assert "std::condition_variable::wait" in out and "take_gil" in out
     assert "RISK" in out and "[bold red]not markup[/bold red]" in out
     assert "report.html: /tmp/x/report.html" in out

@@ -8,7 +8,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvdiag.analyze import analyze
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.environment import collect_environment
 from kvdiag.environment.kvcached import fingerprint_tree
 from kvdiag.model import InterpreterPackages, IpcSocket, KvcachedBuild, KvcachedRuntime, ShmSegment

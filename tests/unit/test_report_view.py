@@ -11,7 +11,7 @@ import pytest
 from rich.console import Console
 
 import kvdiag.report.json as report_json
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.cli.common import print_summary
 from kvdiag.cli.main import main
 from kvdiag.model import Report

@@ -9,7 +9,7 @@ import pytest
 from kvdiag.analyze import analyze
 from kvdiag.analyze.known import KNOWN
 from kvdiag.analyze.signature import canonical_name, hang_signature, signature_groups
-from kvdiag.bundle_io import load_bundle
+from kvdiag.bundle import load_bundle
 from kvdiag.capture.parsers import parse_pystack
 from kvdiag.model import Bundle, EvidenceItem, ProcessEvidence, ProcessRole, ThreadState, Verdict, VerdictKind
 

@@ -12,9 +12,9 @@ from types import SimpleNamespace
 from rich.console import Console
 
 from kvdiag.analyze import analyze, analyze_by_engine
+from kvdiag.load.progress import ProgressView
 from kvdiag.model import Bundle
 from kvdiag.report import build_report, render_markdown, render_terminal
-from kvdiag.soak.progress import ProgressView
 
 BUNDLE = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "soak_gil_cycle" / "bundle.json"
 
@@ -65,7 +65,7 @@ def test_a_stalled_engine_is_not_reported_healthy_even_if_health_answered() -> N
     out = io.StringIO()
     render_terminal(report, Console(file=out, width=200))
     row = next(line for line in out.getvalue().splitlines() if line.startswith("hybrid ") and "stock" in line)
-    # the health line names the verdict and what /health said (kvdiag.analyze.health)
+    # the health line names the verdict and what /health said (kvdiag.model.health)
     why = verdict.kind.value.replace("_", " ")
     assert "stalled" in row and entry.health == f"no ({why}; /health still answered)"
     assert " yes " not in row

@@ -13,8 +13,8 @@ import pytest
 import uvicorn
 
 from kvdiag.launch.process import free_port
-from kvdiag.soak.loadgen import LoadConfig, LoadGenerator, RequestStatus
-from kvdiag.soak.watchdog import MetricsPoller, NoProgressWatchdog
+from kvdiag.load.loadgen import LoadConfig, LoadGenerator, RequestStatus
+from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

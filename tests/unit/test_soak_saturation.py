@@ -8,7 +8,8 @@ import sys
 import time
 
 from kvdiag.analyze import diagnose, exit_code_for
-from kvdiag.analyze.soak import saturation_verdict, stall_to_verdict_s
+from kvdiag.analyze.saturation import judge
+from kvdiag.analyze.soak import judged_soak, saturation_verdict, stall_to_verdict_s
 from kvdiag.errors import ExitCode
 from kvdiag.model import (
     Bundle,
@@ -20,7 +21,8 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.soak.saturation import SaturationSampler, judge, machine_cpu_times
+from kvdiag.osread.host import cpu_times
+from kvdiag.watch.saturation import SaturationSampler
 
 
 def _snaps(kv: list[float], running: float, waiting: float = 0.0) -> list[MetricsSnapshot]:
@@ -139,7 +141,7 @@ def test_stall_to_verdict() -> None:
 
 def test_sampler_reads_real_cpu_time() -> None:
     """A real child burning CPU shows up as server CPU; the machine counters move."""
-    assert machine_cpu_times() is not None
+    assert cpu_times() is not None
     child = subprocess.Popen([sys.executable, "-c", "import time\nend = time.monotonic() + 30\n"
                               "while time.monotonic() < end: pass"])
     try:
@@ -158,3 +160,24 @@ def test_sampler_reads_real_cpu_time() -> None:
     assert s.machine_busy is not None and 0.0 < s.machine_busy <= 1.0
     assert s.client_cpu is not None and s.client_cpu >= 0.0
     assert os.sysconf("SC_CLK_TCK") > 0
+
+
+def test_saturation_is_judged_from_the_readings_and_the_loaded_time_the_bundle_stores() -> None:
+    """A bundle that names its loaded time is judged from its readings and the /metrics snapshots within it:
+    a snapshot before the load (startup) or after it (the stall's confirmation) does not count."""
+    snaps = [MetricsSnapshot(t=0.5, kv_cache_usage=0.99, running=0, generation_tokens=0.0)]    # before the load
+    snaps += [MetricsSnapshot(t=1.0 + i, kv_cache_usage=u, running=8, waiting=0, generation_tokens=100.0 * i)
+              for i, u in enumerate([0.1, 0.3, 0.4])]
+    snaps.append(MetricsSnapshot(t=9.0, kv_cache_usage=0.98, running=8, generation_tokens=300.0))   # after it
+    soak = SoakStats(requests_ok=10, tokens=2560, streams_requested=8, streams_in_flight_mean=7.9, client_cpu=0.1,
+                     server_cpu=0.2, machine_cpu_busy=0.1, load_from_t=1.0, load_until_t=3.5)
+    b = Bundle(command="soak", stall_window_s=5.0, metrics=snaps, soak=soak,
+               engines=[EngineRecord(name="hybrid", phase=EnginePhase.SERVING, healthy=True)])
+    judged = judged_soak(soak, snaps)
+    assert judged.saturated is False and judged.kv_usage_peak == 0.4 and judged.bottleneck == "load"
+    assert judged.saturation_note is not None and judged.saturation_note.startswith("not saturated: KV cache "
+                                                                                     "peaked at 40%")
+    diag = diagnose(b)
+    assert diag.verdict.kind is VerdictKind.NOT_SATURATED and judged.saturation_note in diag.verdict.summary
+    # without a loaded time (an older bundle) the judgement stays as the run stored it
+    assert judged_soak(SoakStats(saturated=True), snaps).saturated is True

@@ -9,14 +9,10 @@ from pathlib import Path
 import pytest
 
 from kvdiag.errors import UsageError
+from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
+from kvdiag.osread.net import listening_pids
 from kvdiag.scenario import load_scenario
-from kvdiag.soak.procnet import (
-    is_local_host,
-    listening_pids,
-    server_pid,
-    url_host_port,
-)
-from kvdiag.soak.session import SoakOptions, load_soak_scenario, single_engine
+from kvdiag.soakrun import SoakOptions, load_soak_scenario, single_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -25,7 +21,7 @@ def test_soak_hybrid_scenario_is_valid_and_embedded() -> None:
     scen, _, text = load_scenario(ROOT / "scenarios" / "soak-hybrid.yaml")
     builtin, name, builtin_text = load_soak_scenario(None)
     assert name == "<builtin>/soak-hybrid.yaml"
-    assert text == builtin_text, "scenarios/soak-hybrid.yaml and kvdiag/soak/builtin/soak-hybrid.yaml differ"
+    assert text == builtin_text, "scenarios/soak-hybrid.yaml and kvdiag/scenario/builtin/soak-hybrid.yaml differ"
     e = scen.engines[0]
     assert e.kind == "sim" and e.allocator == "stock" and e.prealloc is True
     assert e.env["KVCACHED_PAGE_SIZE_MB"] == "4" and e.env["KVCACHED_CONTIGUOUS_LAYOUT"] == "false"

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.soak.sse import SSEEvent, SSEParser, SSEProtocolError
+from kvdiag.load.sse import SSEEvent, SSEParser, SSEProtocolError
 
 VLLM = Path(__file__).resolve().parents[2].parent / "shared" / "vllm"
 

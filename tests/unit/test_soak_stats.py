@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvdiag.soak.stats import LatencySummary, SampleReservoir, SoakSummary, percentile
+from kvdiag.load.stats import LatencySummary, SampleReservoir, SoakSummary, percentile
 
 
 def test_percentile_linear_interpolation() -> None:

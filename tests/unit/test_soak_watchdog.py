@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from kvdiag.analyze.soak import flat_generation_span
 from kvdiag.model import MetricsSnapshot
-from kvdiag.soak.watchdog import NoProgressWatchdog, flat_generation_span
+from kvdiag.watch.watchdog import NoProgressWatchdog
 
 
 class FakeClock:

@@ -15,10 +15,10 @@ import pytest
 
 from kvdiag.errors import ScenarioError, ToolMissing
 from kvdiag.launch.engines import PORT_ENV, plan_engine
-from kvdiag.launch.ports import listening_ports
 from kvdiag.launch.process import ENGINE_TEMP_DIRS, ProcessSet
 from kvdiag.launch.reaper import sweep_shm
 from kvdiag.launch.vllm import ENTRY_POINT_GROUP, expand, stage_plugin
+from kvdiag.osread.net import listening_ports
 from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 

@@ -55,3 +55,12 @@ def test_tp2_scenario_serves_after_startup() -> None:
     engine = scen.engines[0]
     assert "--tensor-parallel-size" in engine.vllm.args
     assert engine.env["KVDIAG_VLLM_HANG_RANK"] == "1" and engine.allocator != "external"
+
+
+def test_a_tensor_parallel_worker_is_named_by_its_rank() -> None:
+    from kvdiag.analyze.vllm_titles import process_title, worker_rank
+    from kvdiag.model import ProcessEvidence
+
+    tp1 = ProcessEvidence(pid=2, comm="VLLM::Worker_TP", cmdline=["VLLM::Worker_TP1\0\0"])
+    assert process_title(tp1) == "Worker_TP1" and worker_rank(tp1) == 1
+    assert process_title(ProcessEvidence(pid=3, comm="python3", cmdline=["python3", "x.py"])) is None

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvdiag.logs.lines import LogState, feed_line
 from kvdiag.model import EnginePhase
-from kvdiag.watch.logs import LogFollower, LogState, feed_line, scan_file
+from kvdiag.watch.logs import LogFollower, scan_file
 from kvdiag.watch.probe import parse_metrics
 from kvdiag.watch.stall import Observation, StallDetector
 
@@ -96,7 +97,7 @@ def test_parse_real_metrics() -> None:
 
 
 def test_stall_window_is_not_applied_before_the_first_log_line() -> None:
-    """Issue 12 item 1: an interpreter that has printed nothing yet (busy machine) is starting, not stalled."""
+    """An interpreter that has printed nothing yet (busy machine) is starting, not stalled."""
     d = StallDetector(window_s=5.0)
     for t in range(0, 60):  # a minute of silence with no CPU progress, before any output
         assert not d.observe(Observation(now=float(t), new_log_lines=0, cpu_ticks=100, healthy=False,

@@ -11,7 +11,10 @@ from kvdiag.model import (
     FdInfo,
     Frame,
     ProcessEvidence,
+    ProcessRole,
     ProgressSample,
+    SharedMapping,
+    TargetAccess,
     ThreadEvidence,
     ThreadState,
     VerdictKind,
@@ -79,3 +82,39 @@ def test_os_reading_decoders() -> None:
     w = blocked_call("1 0x1 0x7efd 0x400000 0x0 0x0 0x0", "x86_64")
     assert w is not None and w.op == "write" and w.fd == 1
     assert blocked_call("0 0x3 0x0 0x0", "x86_64") is None
+
+
+def _spinner(pid: int, role: ProcessRole, ring: SharedMapping, cpu: int = 6) -> ProcessEvidence:
+    """A process whose main thread spins on a shared-memory ring (vLLM's shm_broadcast acquire_read)."""
+    th = ThreadEvidence(tid=pid, name="MainThread", state=ThreadState.RUNNING, cpu_ticks_delta=cpu,
+                        ctx_switches_delta=40, frames=[
+                            Frame(name="sched_yield", library="libc.so.6"),
+                            Frame(name="acquire_read", kind="python", file="/v/distributed/shm_broadcast.py"),
+                            Frame(name="dequeue", kind="python", file="/v/distributed/shm_broadcast.py")])
+    return ProcessEvidence(pid=pid, comm=role.value, role=role, engine="e", threads=[th], shared_maps=[ring],
+                           progress=ProgressSample(window_s=0.4, shared_changed={f"{ring.dev}:{ring.inode}": False}))
+
+
+def test_a_ring_whose_other_rank_is_stopped_names_that_rank_at_the_end_of_the_chain() -> None:
+    """EngineCore and TP0 spin on the broadcast ring; TP1 was SIGSTOPped: nothing advances the ring."""
+    ring = SharedMapping(start=0x7F0000000000, end=0x7F0000100000, perms="rw-s", dev="00:1b", inode=77,
+                         path="/dev/shm/psm_1234")
+    core = _spinner(20, ProcessRole.ENGINE_CORE, ring)
+    tp0 = _spinner(30, ProcessRole.WORKER, ring)
+    tp1 = _spinner(31, ProcessRole.WORKER, ring, cpu=0)
+    tp1.state = ThreadState.STOPPED
+    tp1.threads[0].state = ThreadState.STOPPED
+    tp1.access = TargetAccess(state="T")
+    cross, _ = judge_across(Bundle(processes=[core, tp0, tp1]))
+    assert cross is not None and cross.kind is VerdictKind.STOPPED, cross and cross.summary
+    assert cross.waits is not None and cross.waits.root is not None and cross.waits.root.pid == 31
+    assert {e.kind for e in cross.waits.edges} == {EdgeKind.SHM_RING}
+
+
+def test_an_idle_ring_is_not_a_hang() -> None:
+    """The same ring with every rank spinning and nothing stopped: idle, not stuck."""
+    ring = SharedMapping(start=0x7F0000000000, end=0x7F0000100000, perms="rw-s", dev="00:1b", inode=77,
+                         path="/dev/shm/psm_1234")
+    procs = [_spinner(20, ProcessRole.ENGINE_CORE, ring), _spinner(30, ProcessRole.WORKER, ring),
+             _spinner(31, ProcessRole.WORKER, ring)]
+    assert judge_across(Bundle(processes=procs))[0] is None

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import sys
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,12 +50,14 @@ _VLLM_TMP = re.compile(r"^([0-9a-f]{8}-[0-9a-f]{4}-4[0-9a-f]{3}-[89ab][0-9a-f]{3
 
 @dataclass
 class Leftovers:
-    """Listings of the test's own TMPDIR, vLLM-shaped names in /tmp, and psm_* segments in /dev/shm."""
+    """Listings of the test's own TMPDIR, vLLM-shaped names in /tmp, and vLLM's psm_* and vllm_dist_* segments
+    in /dev/shm."""
 
     tmpdir: Path
 
     def snapshot(self) -> dict[str, set[str]]:
-        shm = {n for n in os.listdir("/dev/shm") if n.startswith("psm_")} if os.path.isdir("/dev/shm") else set()
+        shm = ({n for n in os.listdir("/dev/shm") if n.startswith(("psm_", "vllm_dist_"))}
+               if os.path.isdir("/dev/shm") else set())
         return {"tmpdir": set(os.listdir(self.tmpdir)),
                 "tmp": {n for n in os.listdir("/tmp") if _VLLM_TMP.match(n)}, "shm": shm}
 
@@ -89,3 +92,17 @@ def processes_with(text: str) -> list[str]:
         except OSError:
             continue
     return found
+
+
+def assert_clean(leftovers: Leftovers, before: dict[str, set[str]]) -> None:
+    # Our run is over and must have left nothing; a bounded grace only lets another kvdiag run on a shared
+    # machine (whose /tmp/kvdiag-rpc-* or psm_* the listing also sees) finish its own teardown.
+    deadline = time.monotonic() + 20
+    after = leftovers.snapshot()
+    while time.monotonic() < deadline and any(after[k] - before[k] for k in ("tmp", "shm")):
+        time.sleep(0.5)
+        after = leftovers.snapshot()
+    assert after["tmpdir"] == before["tmpdir"], f"left in TMPDIR: {after['tmpdir'] - before['tmpdir']}"
+    assert not after["tmp"] - before["tmp"], f"vLLM files left in /tmp: {after['tmp'] - before['tmp']}"
+    assert not after["shm"] - before["shm"], f"left in /dev/shm: {after['shm'] - before['shm']}"
+    assert not processes_with(str(leftovers.tmpdir)), processes_with(str(leftovers.tmpdir))

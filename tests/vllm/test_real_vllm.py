@@ -1,4 +1,4 @@
-"""Real vLLM CPU 0.32 end to end (issue 14, issue 17 items 5 and 8): kvdiag launches `vllm serve` with its
+"""Real vLLM CPU 0.32 end to end: kvdiag launches `vllm serve` with its
 kvcached-shaped plugin, reproduces the seed's hang inside a real EngineCore, soaks a real server, and leaves
 no process, temp file or shared-memory segment behind."""
 
@@ -7,28 +7,13 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
-from conftest import Leftovers, VllmSetup, processes_with
+from conftest import Leftovers, VllmSetup, assert_clean
 from kvcli import read_report, run_kvdiag
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIO = ROOT / "scenarios" / "two-engine-vllm-cpu.yaml"
-
-
-def _assert_clean(leftovers: Leftovers, before: dict[str, set[str]]) -> None:
-    # Our run is over and must have left nothing; a bounded grace only lets another kvdiag run on a shared
-    # machine (whose /tmp/kvdiag-rpc-* or psm_* the listing also sees) finish its own teardown.
-    deadline = time.monotonic() + 20
-    after = leftovers.snapshot()
-    while time.monotonic() < deadline and any(after[k] - before[k] for k in ("tmp", "shm")):
-        time.sleep(0.5)
-        after = leftovers.snapshot()
-    assert after["tmpdir"] == before["tmpdir"], f"left in TMPDIR: {after['tmpdir'] - before['tmpdir']}"
-    assert not after["tmp"] - before["tmp"], f"vLLM files left in /tmp: {after['tmp'] - before['tmp']}"
-    assert not after["shm"] - before["shm"], f"psm_* left in /dev/shm: {after['shm'] - before['shm']}"
-    assert not processes_with(str(leftovers.tmpdir)), processes_with(str(leftovers.tmpdir))
 
 
 def test_two_engine_stock_hangs_in_engine_two_core(vllm_setup: VllmSetup, leftovers: Leftovers,
@@ -57,7 +42,7 @@ def test_two_engine_stock_hangs_in_engine_two_core(vllm_setup: VllmSetup, leftov
     assert "Init C++ PageAllocator" in log and "(EngineCore pid=" in log and "kvdiag plugin" in log
     timeline = [e["event"] for e in report["timeline"]]  # type: ignore[union-attr]
     assert "completion answered" in timeline  # engine 1 served while engine 2 hung
-    _assert_clean(leftovers, before)
+    assert_clean(leftovers, before)
 
 
 def test_two_engine_fixed_starts_and_both_answer(vllm_setup: VllmSetup, leftovers: Leftovers,
@@ -73,7 +58,7 @@ def test_two_engine_fixed_starts_and_both_answer(vllm_setup: VllmSetup, leftover
     assert engines["vlm"]["allocator"] == "fixed" and engines["vlm"]["banner"]["mem_size_per_layer_mb"] == 11
     answered = [e["engine"] for e in report["timeline"] if e["event"] == "completion answered"]  # type: ignore
     assert sorted(answered) == ["coder", "vlm"]
-    _assert_clean(leftovers, before)
+    assert_clean(leftovers, before)
 
 
 def test_soak_launches_real_vllm_and_completes(vllm_setup: VllmSetup, leftovers: Leftovers,
@@ -90,7 +75,7 @@ def test_soak_launches_real_vllm_and_completes(vllm_setup: VllmSetup, leftovers:
     soak = report["soak"]
     assert isinstance(soak, dict)
     assert soak["requests_ok"] > 0 and soak["tokens"] >= soak["requests_ok"] * 256 and not soak["stalled"]
-    _assert_clean(leftovers, before)
+    assert_clean(leftovers, before)
 
 
 def test_soak_names_a_stall_injected_into_the_engine_core(vllm_setup: VllmSetup, leftovers: Leftovers,
@@ -115,7 +100,7 @@ def test_soak_names_a_stall_injected_into_the_engine_core(vllm_setup: VllmSetup,
     bundle = json.loads((out / "bundle" / "bundle.json").read_text())
     core = [p for p in bundle["processes"] if p["role"] == "engine_core"]
     assert core and str(core[0]["pid"]) in verdict["summary"]
-    _assert_clean(leftovers, before)
+    assert_clean(leftovers, before)
 
 
 def test_soak_and_vllm_bench_count_the_same_tokens(vllm_setup: VllmSetup, tmp_path: Path) -> None:

@@ -1,0 +1,3 @@
+"""The load stage: N streaming clients (:mod:`~kvdiag.load.loadgen`, its raw HTTP and SSE parser, latency
+statistics), the live progress line, and which local process serves a URL. Readings taken while the load
+runs are the watch stage's; the saturation judgement is analyze's."""

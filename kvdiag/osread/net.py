@@ -1,0 +1,120 @@
+"""/proc/net: the host's Unix and TCP socket tables, who listens on a TCP port, and this host's addresses."""
+
+from __future__ import annotations
+
+import socket
+import struct
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import psutil
+
+from kvdiag.osread.fds import held_inodes
+from kvdiag.osread.files import PROC, read_text
+from kvdiag.osread.stat import all_pids
+
+_UNIX_ACCEPTCON = 0x00010000       # __SO_ACCEPTCON in /proc/net/unix "Flags": a listening socket
+TCP_LISTEN_HEX = "0A"              # the st column of a listening socket in /proc/net/tcp
+
+
+@dataclass(frozen=True)
+class UnixNetEntry:
+    inode: int
+    listening: bool
+    path: str | None          # the bound path; accepted sockets show their listener's path, clients none
+
+
+@dataclass(frozen=True)
+class TcpEntry:
+    proto: str                # "tcp" or "tcp6"
+    inode: int
+    local: str                # "ip:port"
+    remote: str
+    state: str                # the st column in hex ("0A": listening, "01": established)
+    local_port: int
+
+    @property
+    def listening(self) -> bool:
+        return self.state == TCP_LISTEN_HEX
+
+
+def unix_table() -> dict[int, UnixNetEntry]:
+    """inode -> entry of every Unix socket in /proc/net/unix ({} when unreadable)."""
+    out: dict[int, UnixNetEntry] = {}
+    for line in (read_text(f"{PROC}/net/unix") or "").splitlines()[1:]:
+        parts = line.split()
+        if len(parts) < 7 or not parts[6].isdigit():
+            continue
+        try:
+            flags = int(parts[3], 16)
+        except ValueError:
+            continue
+        out[int(parts[6])] = UnixNetEntry(int(parts[6]), bool(flags & _UNIX_ACCEPTCON),
+                                          parts[7] if len(parts) > 7 else None)
+    return out
+
+
+def _hexaddr(text: str) -> tuple[str, int]:
+    addr, port = text.split(":")
+    if len(addr) == 8:
+        ip = socket.inet_ntop(socket.AF_INET, struct.pack("<I", int(addr, 16)))
+    else:
+        raw = bytes.fromhex(addr)
+        ip = socket.inet_ntop(socket.AF_INET6, b"".join(raw[i:i + 4][::-1] for i in range(0, 16, 4)))
+    return ip, int(port, 16)
+
+
+def tcp_table(proc_root: str = PROC) -> list[TcpEntry]:
+    """Every TCP socket of /proc/net/tcp and tcp6 (IPv4 first)."""
+    out: list[TcpEntry] = []
+    for proto in ("tcp", "tcp6"):
+        for line in (read_text(f"{proc_root}/net/{proto}") or "").splitlines()[1:]:
+            parts = line.split()
+            if len(parts) < 10 or not parts[9].isdigit():
+                continue
+            try:
+                (lip, lport), (rip, rport) = _hexaddr(parts[1]), _hexaddr(parts[2])
+            except (ValueError, OSError):
+                continue
+            out.append(TcpEntry(proto, int(parts[9]), f"{lip}:{lport}", f"{rip}:{rport}", parts[3], lport))
+    return out
+
+
+def tcp_listeners() -> dict[tuple[str, int], int]:
+    """(proto, port) -> inode of every listening TCP socket of the host."""
+    return {(e.proto, e.local_port): e.inode for e in tcp_table() if e.listening}
+
+
+def _listen_table() -> dict[int, int]:
+    """Socket inode -> port of every listening TCP socket."""
+    return {e.inode: e.local_port for e in tcp_table() if e.listening and e.inode}
+
+
+def listening_ports(pids: Iterable[int]) -> list[int]:
+    """Sorted TCP ports some process of ``pids`` holds a listening socket on."""
+    table = _listen_table()
+    if not table:
+        return []
+    return sorted({table[ino] for pid in pids for ino in held_inodes(pid, "socket") if ino in table})
+
+
+def listening_pids(port: int) -> list[int]:
+    """Pids holding a listening TCP socket on ``port`` (any address, IPv4 and IPv6; a forked server may list
+    several). Processes whose fds may not be read are left out."""
+    wanted = {ino for ino, p in _listen_table().items() if p == port}
+    if not wanted:
+        return []
+    return sorted(pid for pid in all_pids() if held_inodes(pid, "socket") & wanted)
+
+
+def local_addresses() -> set[str]:
+    """Every IPv4/IPv6 address of this host's interfaces (zone suffixes dropped)."""
+    out: set[str] = set()
+    try:
+        for addrs in psutil.net_if_addrs().values():
+            for a in addrs:
+                if a.family in (socket.AF_INET, socket.AF_INET6):
+                    out.add(a.address.split("%", 1)[0])   # drop an IPv6 zone ("fe80::1%eth0")
+    except (psutil.Error, OSError):
+        pass
+    return out
