@@ -41,7 +41,7 @@ from steadyload import SteadyLoad, served_model  # noqa: E402
 from vllmserver import VllmServer  # noqa: E402
 from watchproc import WatchProc  # noqa: E402
 
-from kvdiag.proc import read_stat  # noqa: E402
+from kvdiag.osread.stat import read_stat  # noqa: E402
 
 CLK = os.sysconf("SC_CLK_TCK") or 100
 

@@ -22,7 +22,7 @@ import httpx
 from kvdiag.allocator import remove_device_files
 from kvdiag.launch.vllm import default_model, find_vllm, native_library, stage_plugin
 from kvdiag.ports import free_port
-from kvdiag.proc import children
+from kvdiag.osread.children import children
 
 
 class VllmServer:
@@ -88,7 +88,7 @@ class VllmServer:
         return False
 
     def engine_core_pid(self) -> int | None:
-        for child in children(self.pid):
+        for child in children(self.pid) or []:
             try:
                 with open(f"/proc/{child}/comm") as fh:
                     if fh.read().strip() == "VLLM::EngineCor":
@@ -103,7 +103,7 @@ class VllmServer:
         while todo:
             pid = todo.pop()
             out.append(pid)
-            todo.extend(children(pid))
+            todo.extend(children(pid) or [])
         return out
 
     def log_text(self) -> str:
