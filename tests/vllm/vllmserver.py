@@ -21,8 +21,8 @@ import httpx
 
 from kvdiag.allocator import remove_device_files
 from kvdiag.launch.vllm import default_model, find_vllm, native_library, stage_plugin
-from kvdiag.ports import free_port
 from kvdiag.osread.children import children
+from kvdiag.ports import free_port
 
 
 class VllmServer:
