@@ -37,7 +37,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
 sys.path.insert(0, str(ROOT / "tests" / "vllm"))
 
-from steadyload import SteadyLoad, served_model  # noqa: E402
+from steadyload import SteadyLoad, served_model, wait_engine_busy  # noqa: E402
 from vllmserver import VllmServer  # noqa: E402
 from watchproc import WatchProc  # noqa: E402
 
@@ -115,6 +115,7 @@ def sigstops(server: VllmServer, load: SteadyLoad, out: Path, stops: int, window
     try:
         for k in range(stops):
             time.sleep(2.0)
+            wait_engine_busy(server.url)     # a stall under load: the EngineCore has requests when it stops
             os.kill(core, signal.SIGSTOP)
             try:
                 v = w.wait_event("verdict", 60)

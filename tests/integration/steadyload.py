@@ -90,6 +90,26 @@ class SteadyLoad:
         self.stop()
 
 
+def wait_engine_busy(url: str, timeout_s: float = 20.0) -> bool:
+    """Poll /metrics until the engine reports a request running or waiting (the gauges the EngineCore last
+    published; a tiny model's engine is idle between requests much of the time, waiting for the API server)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                text = client.get(f"{url.rstrip('/')}/metrics").text
+            except (httpx.HTTPError, OSError):
+                text = ""
+            busy = 0.0
+            for line in text.splitlines():
+                if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
+                    busy += float(line.rsplit(" ", 1)[1])
+            if busy > 0:
+                return True
+            time.sleep(0.02)
+    return False
+
+
 def served_model(url: str) -> str | None:
     """The first model id the server lists (None when it does not answer)."""
     try:

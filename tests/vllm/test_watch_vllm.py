@@ -17,7 +17,7 @@ from conftest import VllmSetup
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 
-from steadyload import SteadyLoad, served_model  # noqa: E402
+from steadyload import SteadyLoad, served_model, wait_engine_busy  # noqa: E402
 from vllmserver import VllmServer  # noqa: E402
 from watchproc import WatchProc  # noqa: E402
 
@@ -71,6 +71,7 @@ def test_watch_names_a_stopped_engine_core_then_an_injected_gil_cycle(vllm_setup
             w1.start()
             assert w1.wait_event("start", 60) is not None, w1.diag()
             time.sleep(1.5)
+            assert wait_engine_busy(server.url)     # stopped under load: the EngineCore has requests
             os.kill(core, signal.SIGSTOP)
             try:
                 assert w1.wait(90) == 10, w1.diag()
