@@ -213,6 +213,8 @@ def main() -> int:
     ap.add_argument("--only", nargs="*", default=None, help="program names (default: all)")
     ap.add_argument("--keep-bundles", type=Path, default=None, help="save the first run's bundles here")
     ap.add_argument("--xproc-runs", type=int, default=2, help="runs of each cross-process program")
+    ap.add_argument("--keep-wrong", type=Path, default=None,
+                    help="save here the bundle of every capture whose all-tools verdict is wrong")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-accuracy-"))
     chosen = [k for k in (args.only or hk.KINDS) if k not in hk.BENCH_EXCLUDE]
@@ -247,7 +249,10 @@ def main() -> int:
                 bundle = capture_tree(h.root_pid, tmp / f"{kind}-{run}", timeout_s=10.0, backends=list(TOOLS))
                 capture_s.append(time.monotonic() - t0)
             for mode in MODES:
-                tally[mode][kind][analyze(drop(bundle, mode)).kind.value] += 1
+                got = analyze(drop(bundle, mode)).kind.value
+                tally[mode][kind][got] += 1
+                if mode == "all_tools" and got != hk.KINDS[kind].expect and args.keep_wrong is not None:
+                    keep_bundle(bundle, args.keep_wrong / f"{kind}-{run}", kind)
             if run == 0 and args.keep_bundles is not None:
                 keep_bundle(bundle, args.keep_bundles / kind, kind)
             shutil.rmtree(tmp / f"{kind}-{run}", ignore_errors=True)

@@ -7,6 +7,7 @@ layer <= min_reserved_pages) and the sweep must state that rule. The sweep runs 
 it, no process of it, no file in that TMPDIR and no new kvdiag file in /dev/shm may be left.
 
     python benchmarks/sweep.py [--pages 4] [--reserved 4] [--jobs 0] [--engines vlm] [--full]
+                               [--also-jobs N] [--also-engines vlm]
 
 ``--full``: the 100-cell grid (10 x 10). Without it: a 4 x 4 grid, with the projected 100-cell time.
 Run under `flock /tmp/kvdiag-bench.lock`.
@@ -64,6 +65,9 @@ def main() -> int:
     ap.add_argument("--reserved", type=int, default=4, help="min_reserved_pages 1..N")
     ap.add_argument("--jobs", type=int, default=0)
     ap.add_argument("--full", action="store_true", help="the 100-cell grid (10 x 10)")
+    ap.add_argument("--also-jobs", type=int, default=0,
+                    help="then the same sweep with --jobs N (and --also-engines), timed right after, for comparison")
+    ap.add_argument("--also-engines", default=None)
     ap.add_argument("--engines", default=None, help="pass --engines NAMES to the sweep (e.g. vlm)")
     ap.add_argument("--keep", type=Path, default=None, help="keep the sweep's output folder here")
     args = ap.parse_args()
@@ -114,7 +118,26 @@ def main() -> int:
         rule_ok = "pages per layer ≤ min_reserved_pages" in rule and report["rule"]["fits"]
         time.sleep(1.0)
         left = leftovers(tmp, out)
-        keep = args.keep is not None or bool(wrong) or not rule_ok or rc != 10
+        keep = (args.keep is not None or bool(wrong) or not rule_ok or rc != 10
+                or not report["banner_check"]["agree"])
+        also: tuple[float, int, int, int] | None = None
+        if args.also_jobs or args.also_engines:
+            out2 = tmp.parent / f"{tmp.name}-out2"
+            alt = list(sweep_args)
+            for flag in ("--out", "--jobs", "--engines"):
+                if flag in alt:
+                    i = alt.index(flag)
+                    del alt[i:i + 2]
+            alt += ["--out", str(out2)]
+            alt += ["--jobs", str(args.also_jobs)] if args.also_jobs else []
+            alt += ["--engines", args.also_engines] if args.also_engines else []
+            rc2, wall2, _ = kvdiag(alt, env, 3600)
+            rep2 = json.loads((out2 / "report.json").read_text())
+            bad2 = sum(1 for c in rep2["cells"] if (c["outcome"] == "hang") !=
+                       (int(c["params"]["kv_per_layer_mb"]) // 2 <= c["params"]["min_reserved_pages"]))
+            time.sleep(1.0)
+            also = (wall2, bad2, len(leftovers(tmp, out2)), rep2["jobs"])
+            shutil.rmtree(out2, ignore_errors=True)
     finally:
         if not keep:
             shutil.rmtree(out, ignore_errors=True)
@@ -133,6 +156,12 @@ def main() -> int:
     print(f"{'':24}{'wall s':>10}{'cells/min':>12}{'100 cells':>12}")
     print(f"{'by hand (repro each)':24}{by_hand:>10.1f}{cells / by_hand * 60:>12.1f}{100 / (cells / by_hand):>11.0f}s")
     print(f"{'kvdiag sweep':24}{wall:>10.1f}{per_min:>12.1f}{projected:>11.0f}s")
+    extra = ""
+    if also is not None:
+        label = f"  jobs {also[3]}, engines {args.also_engines or args.engines or 'all'}"
+        print(f"{label:24}{also[0]:>10.1f}{cells / also[0] * 60:>12.1f}{100 / (cells / also[0]):>11.0f}s"
+              f"  (wrong cells {also[1]}, leftovers {also[2]})")
+        extra = f" also_cells_per_min={cells / also[0] * 60:.1f} also_wrong_cells={also[1]} also_leftovers={also[2]}"
     print(f"baseline runs: hang {base['hang']:.1f} s, healthy {base['healthy']:.1f} s; sweep runs: hang median "
           f"{hang_wall[len(hang_wall) // 2] if hang_wall else 0:.1f} s, healthy median "
           f"{ok_wall[len(ok_wall) // 2] if ok_wall else 0:.1f} s (one run's wall, {report['jobs']} at a time)")
@@ -142,7 +171,7 @@ def main() -> int:
     met = int(projected < TARGET_100_S and not wrong and rule_ok and not left and rc == 10)
     print(f"RESULT cells_per_min={per_min:.1f} projected_100_cells_s={projected:.0f} cells={cells} wall_s={wall:.1f} "
           f"speedup_vs_by_hand={by_hand / wall:.2f} wrong_cells={len(wrong)} rule_recovered={int(rule_ok)} "
-          f"leftovers={len(left)} target_met={met}")
+          f"leftovers={len(left)} target_met={met}{extra}")
     return 0 if met else 1
 
 

@@ -11,7 +11,7 @@ POLL_S = 0.25               # watcher poll period
 KILL_GRACE_S = 5.0          # SIGTERM -> SIGKILL at teardown
 TOOL_TIMEOUT_S = 15.0       # one capture tool on one process
 SWEEP_STALL_WINDOW_S = 2.0  # a sweep cell's stall window: the capture's stacks decide the verdict, not the window
-SWEEP_MAX_JOBS = 4          # cells in parallel by default: min(CPUs, this)
+SWEEP_MAX_JOBS = 4          # runs in parallel by default: min(CPUs + 1, this)
 # Capture tools, in the order they run: /proc first (it never pauses the target and opens the progress
 # window), then the stack tools.
 DEFAULT_TOOLS = ("proc", "py-spy", "pystack", "gdb")

@@ -14,19 +14,22 @@ import shutil
 import socket
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Protocol
 
 from rich.console import Console
 from rich.markup import escape
 
-from kvdiag import __version__
+from kvdiag import __version__, interrupts
 from kvdiag.allocator import remove_device_files
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.environment import add_engine_packages, collect_environment
 from kvdiag.environment.interpreter import interpreter_of_pid
 from kvdiag.environment.runtime import collect_runtime
-from kvdiag.errors import Interrupted, KvdiagError, UsageError
+from kvdiag.errors import Interrupted, UsageError
 from kvdiag.launch.interpreters import engine_interpreters
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
@@ -185,6 +188,113 @@ def switchable(scenario: Scenario, what: str) -> None:
                               "plugin); run the scenario without the switch to diagnose it as it is")
 
 
+class RunStages(Protocol):
+    """What a command puts into the one run: its watch (with its load and its capture on a trigger)
+    and the facts it leaves in the bundle."""
+
+    def watch(self, launched: LaunchedRun | None) -> None:
+        """Watch the subject until the run's end or its trigger, capturing on it; may be interrupted."""
+
+    def fill(self, bundle: Bundle, interrupted: bool) -> None:
+        """Put what the run saw into ``bundle`` (also after an interrupt: the partial report's facts)."""
+
+    def verdict_t(self) -> float:
+        """Seconds on the run's clock now (the verdict event's time)."""
+
+
+@dataclass
+class RunPlan:
+    """One run: where it writes, its bundle, what it launches (no scenario: a subject already running)."""
+
+    out_dir: Path
+    bundle: Bundle
+    progress: Callable[[str], None]
+    console: Console
+    scenario: Scenario | None = None
+    scenario_text: str = ""
+    stopping: str | None = "stopping engines"   # said with the verdict, before teardown (None: nothing to stop)
+
+
+def run_lifecycle(plan: RunPlan, stages: Callable[[LaunchedRun | None], RunStages]) -> RunArtifacts:
+    """The one run of every command: launch → watch → capture on trigger → analyze → write bundle → render →
+    teardown (the output folder is prepared by the command, before anything starts).
+
+    The verdict and the report come before teardown, so the user has them as soon as the evidence is in
+    and stopping hung engines (their grace period) adds no delay. Ctrl-C, SIGTERM and SIGHUP
+    (:mod:`kvdiag.interrupts`) end it at once: teardown, the partial report (the bundle written once,
+    marked interrupted), then :class:`Interrupted`.
+    """
+    bundle = plan.bundle
+    arts: RunArtifacts | None = None
+    interrupted: Interrupted | None = None
+    run: RunStages | None = None
+    filled = False
+    try:
+        frame = (LaunchedRun(plan.scenario, plan.scenario_text, bundle, plan.out_dir / "bundle", plan.progress)
+                 if plan.scenario is not None else nullcontext(None))
+        with interrupts.raising(), frame as launched:
+            run = stages(launched)
+            try:
+                run.watch(launched)
+            except (Interrupted, KeyboardInterrupt) as exc:
+                interrupted = interrupts.as_interrupted(exc)
+                bundle.findings.extend(getattr(exc, "capture_findings", []))   # a target capture had to resume
+            run.fill(bundle, interrupted is not None)
+            filled = True
+            if launched is not None:
+                launched.copy_logs()
+            if interrupted is None:
+                arts = finish(plan.out_dir, bundle, verdict_t=run.verdict_t())
+                if plan.stopping:
+                    plan.progress(f"verdict {arts.verdict.kind.value}; {plan.stopping}")
+    except (Interrupted, KeyboardInterrupt) as exc:
+        interrupted = interrupted or interrupts.as_interrupted(exc)
+    if interrupted is not None or arts is None:
+        stop = interrupted or Interrupted("interrupted")
+        if run is not None and not filled:   # stopped before the facts were in: the partial report's
+            run.fill(bundle, True)
+        bundle.interrupted = True
+        bundle.interrupted_reason = stop.message
+        arts = finish(plan.out_dir, bundle)
+        plan.console.print(f"interrupted; partial report written to {plan.out_dir}")
+        raise stop
+    return arts
+
+
+class _ScenarioStages:
+    """`repro` (and each side of `ab`): the scenario's engines in order, watched until each is ready,
+    stalls, dies or times out; the stalled ones (or, ``capture.when: always``, every live one) captured."""
+
+    def __init__(self, scenario: Scenario, launched: LaunchedRun, progress: Callable[[str], None]) -> None:
+        self.scenario = scenario
+        self.launched = launched
+        self.progress = progress
+        self.run = launched.run
+        self.result: RunResult | None = None
+
+    def watch(self, launched: LaunchedRun | None) -> None:
+        run, scenario = self.run, self.scenario
+        self.result = result = run.run()
+        when = scenario.capture.when
+        targets = (result.stalled if when == "stall" else
+                   [w for w in result.watches if w.proc.alive()] if when == "always" else [])
+        if targets:
+            self.progress(f"capturing {', '.join(w.spec.name for w in targets)} "
+                          f"({', '.join(scenario.capture.tools)})")
+            _capture_engines(targets, self.launched.bundle_dir, list(scenario.capture.tools),
+                             scenario.capture.tool_timeout_s, self.launched.bundle)
+            run.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3), event="capture finished"))
+        self.launched.note_interpreters()   # after capture: asking an interpreter must not delay it
+
+    def fill(self, bundle: Bundle, interrupted: bool) -> None:
+        run = self.run
+        _fill_bundle(bundle, self.result if self.result is not None and not interrupted
+                     else RunResult(run.watches, run.timeline, run.metrics, run.t0))
+
+    def verdict_t(self) -> float:
+        return time.monotonic() - self.run.t0
+
+
 def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out_dir: Path, command: str,
                  console: Console, allocator: str | None = None,
                  on_event: Callable[[str], None] | None = None) -> RunArtifacts:
@@ -197,9 +307,6 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
     bundle.scenario = scenario.model_dump(mode="json")
     bundle.scenario_path = scenario_name
     bundle.stall_window_s = scenario.windows.stall_s
-    bundle_dir = out_dir / "bundle"
-    result: RunResult | None = None
-    interrupted: KvdiagError | None = None
     started = time.monotonic()
 
     def progress(msg: str) -> None:
@@ -207,44 +314,11 @@ def run_scenario(scenario: Scenario, scenario_name: str, scenario_text: str, out
         if on_event:
             on_event(msg)
 
-    arts: RunArtifacts | None = None
-    try:
-        with LaunchedRun(scenario, scenario_text, bundle, bundle_dir, progress) as launched:
-            run = launched.run
-            try:
-                result = run.run()
-                when = scenario.capture.when
-                targets = (result.stalled if when == "stall" else
-                           [w for w in result.watches if w.proc.alive()] if when == "always" else [])
-                if targets:
-                    progress(f"capturing {', '.join(w.spec.name for w in targets)} "
-                             f"({', '.join(scenario.capture.tools)})")
-                    _capture_engines(targets, bundle_dir, list(scenario.capture.tools),
-                                     scenario.capture.tool_timeout_s, bundle)
-                    run.timeline.append(TimelineEvent(t=round(time.monotonic() - run.t0, 3),
-                                                      event="capture finished"))
-                launched.note_interpreters()   # after capture: asking an interpreter must not delay it
-            except (Interrupted, KeyboardInterrupt) as exc:
-                interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
-                result = RunResult(run.watches, run.timeline, run.metrics, run.t0)
-                bundle.findings.extend(getattr(exc, "capture_findings", []))   # a target capture had to resume
-            _fill_bundle(bundle, result)
-            launched.copy_logs()
-            if interrupted is None:
-                # Verdict and report before teardown: the user gets them as soon as the
-                # evidence is in, and stopping hung engines (grace period) adds no delay.
-                arts = finish(out_dir, bundle, verdict_t=time.monotonic() - run.t0)
-                progress(f"verdict {arts.verdict.kind.value}; stopping engines")
-    except (Interrupted, KeyboardInterrupt) as exc:
-        interrupted = exc if isinstance(exc, Interrupted) else Interrupted(str(exc) or "interrupted (Ctrl-C)")
-    if interrupted is not None or arts is None:
-        stop = interrupted or Interrupted("interrupted")
-        bundle.interrupted = True
-        bundle.interrupted_reason = stop.message
-        finish(out_dir, bundle)
-        console.print(f"interrupted; partial report written to {out_dir}")
-        raise stop
-    return arts
+    def stages(launched: LaunchedRun | None) -> RunStages:
+        assert launched is not None
+        return _ScenarioStages(scenario, launched, progress)
+
+    return run_lifecycle(RunPlan(out_dir, bundle, progress, console, scenario, scenario_text), stages)
 
 
 def _fill_bundle(bundle: Bundle, result: RunResult) -> None:

@@ -10,19 +10,17 @@ SIGTERM/SIGHUP. Nothing here signals or stops a watched process.
 
 from __future__ import annotations
 
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from types import FrameType
 from typing import TextIO
 
 import httpx
 
+from kvdiag import interrupts
 from kvdiag.analyze import analyze, diagnose
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
@@ -248,22 +246,9 @@ class _StopFlag:
         self.event = threading.Event()
         self.reason = ""
 
-    def handler(self, signum: int, frame: FrameType | None) -> None:
-        self.reason = f"received {signal.Signals(signum).name}"
+    def stop(self, reason: str) -> None:
+        self.reason = reason
         self.event.set()
-
-
-@contextmanager
-def _signals(flag: _StopFlag) -> Iterator[None]:
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, flag.handler) for sig in (signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, old in previous.items():
-            signal.signal(sig, old)
 
 
 def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
@@ -301,7 +286,7 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
                             wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
                             duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
                             stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock))
-        with _signals(flag):
+        with interrupts.on_stop(flag.stop, signals=interrupts.STOP_SIGNALS):
             outcome = sentinel.run()
         return outcome
     except OSError as exc:

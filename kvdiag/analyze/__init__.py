@@ -12,7 +12,8 @@ from __future__ import annotations
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process, classify_thread
 from kvdiag.analyze.diagnosis import diagnose, exit_code_for
 from kvdiag.analyze.overall import analyze, analyze_by_engine
-from kvdiag.analyze.rules import SEVERITY, analyze_process, severity
+from kvdiag.analyze.process import analyze_process
+from kvdiag.analyze.rulekit import SEVERITY, severity
 from kvdiag.analyze.signature import hang_signature, sign
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.analyze.xproc import judge_across, merge_across

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import CONTEXT_KEYS, cite_item
-from kvdiag.analyze.rules import analyze_process
+from kvdiag.analyze.process import analyze_process
 from kvdiag.model import (
     Bundle,
     Confidence,

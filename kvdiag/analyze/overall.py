@@ -3,8 +3,9 @@ the processes judged as a whole, so a wait that crosses a process boundary is na
 
 from __future__ import annotations
 
+from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node
-from kvdiag.analyze.rules import engine_verdict, severity
+from kvdiag.analyze.rulekit import severity
 from kvdiag.analyze.signature import sign
 from kvdiag.analyze.xproc import judge_across, merge_across
 from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind

@@ -26,7 +26,8 @@ from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
-from kvdiag.analyze.rules import analyze_process, peer_phrase
+from kvdiag.analyze.process import analyze_process
+from kvdiag.analyze.rulekit import peer_phrase
 from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.vllm_waits import shared_progress, vllm_wait
 from kvdiag.model import (
@@ -322,8 +323,10 @@ class CrossProcess:
             shared = p.progress is not None and any(p.progress.shared_changed.values())
         if shared or self._advanced(p):
             return True
-        return any((t.running or t.woke) and not t.idle_by_design and (k, t.tid) not in self.deps
-                   for t in self.views[k])
+        # The main thread in a sleep or a timed wait is doing something that ends by itself (a worker running
+        # its job); a background thread's nap is more often a heartbeat than the work a waiter waits for.
+        return any(((t.running or t.woke) or (t.is_main and (t.kind is WaitKind.SLEEP or t.timed)))
+                   and not t.idle_by_design and (k, t.tid) not in self.deps for t in self.views[k])
 
     def _advanced(self, p: ProcessEvidence) -> bool:
         """I/O of its own, or growth of a log no other captured process writes: the processes of one engine

@@ -11,10 +11,10 @@ from kvdiag.capture.orchestrate import (
     DEFAULT_BACKENDS,
     capture_processes,
     make_backends,
-    verify_untouched,
 )
 from kvdiag.capture.procfs import ProcBackend
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
+from kvdiag.capture.untouched import verify_untouched
 
 __all__ = [
     "CAPTURE_SLACK_S", "DEFAULT_BACKENDS", "BackendResult", "CaptureBackend", "GdbBackend", "ProcBackend",

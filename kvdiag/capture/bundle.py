@@ -19,8 +19,8 @@ from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole
+from kvdiag.osread.net import tcp_connections
 from kvdiag.osread.ptable import process_tree
-from kvdiag.osread.tcp import tcp_connections
 
 
 def host_info() -> dict[str, str]:

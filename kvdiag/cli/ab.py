@@ -21,7 +21,7 @@ def ab_cmd(
                                help="Runs per allocator: each side becomes a rate k/N with a 95 % bound "
                                     "(\"fixed 0/10 hung, 95 % bound ≤ 31 %\"), run as a sweep over allocator."),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, max=64,
-                             help="With --repeat: runs in parallel (0: min(CPUs, 4))."),
+                             help="With --repeat: runs in parallel (0: min(CPUs + 1, 4))."),
 ) -> int:
     """Run a scenario with the stock and with the fixed allocator; compare both runs.
 

@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import sys
-import threading
-from collections.abc import Callable
 from pathlib import Path
-from types import FrameType
 
 import typer
 
@@ -57,21 +53,6 @@ def _core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> s
     if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
         return f"the EngineCore's evidence decided ({v.kind.value})"
     return None
-
-
-def _raise_interrupt(signum: int, frame: FrameType | None) -> None:
-    raise KeyboardInterrupt
-
-
-def _interruptible(work: Callable[[], Bundle]) -> Bundle:
-    """Run ``work`` with SIGTERM turned into KeyboardInterrupt, so the capture kills its tools first."""
-    if threading.current_thread() is not threading.main_thread():
-        return work()
-    previous = signal.signal(signal.SIGTERM, _raise_interrupt)
-    try:
-        return work()
-    finally:
-        signal.signal(signal.SIGTERM, previous)
 
 
 def capture_cmd(
@@ -126,13 +107,7 @@ def capture_cmd(
     target = _target(pid, engine_core_of)
     if target == os.getpid():
         raise UsageError("--pid: refusing to capture kvdiag itself")
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
-    names = [t.strip() for t in tools.split(",") if t.strip()]
-    try:
-        make_backends(names)
-    except ValueError as exc:
-        raise UsageError(f"--tools: {exc}") from None
+    names = _checked_options(timeout, tools)
     kthread = is_kernel_thread(target)
     if kthread:
         # Refused, but as an outcome with a report (kernel_thread, exit 5), not a scope question:
@@ -166,10 +141,9 @@ def capture_cmd(
             sys.stdout.flush()
             typer.echo("writing the report", err=True)
 
-    bundle = _interruptible(lambda: capture_tree(target, bundle_dir, timeout_s=timeout, backends=names,
-                                                 command=command, pids=scope.pids, save=False,
-                                                 on_evidence=early, decides=_core_decides,
-                                                 follow=follow and not kthread))
+    # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
+    bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command, pids=scope.pids,
+                          save=False, on_evidence=early, decides=_core_decides, follow=follow and not kthread)
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
     return print_outcome(arts, bundle_dir, as_json, said=said[0] if said else None)
@@ -195,9 +169,8 @@ def print_outcome(arts: RunArtifacts, bundle_dir: Path, as_json: bool, said: str
     return code
 
 
-def _capture_ray(address: str, select: str, patterns: list[str], out: Path | None, timeout: float, tools: str,
-                 as_json: bool) -> int:
-    """``capture --ray``: the same capture on every node of a Ray cluster, merged into one bundle."""
+def _checked_options(timeout: float, tools: str) -> list[str]:
+    """The tool names of ``--tools``, once ``--timeout`` and every name are known good (UsageError if not)."""
     if not 0 < timeout <= 600:
         raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
     names = [t.strip() for t in tools.split(",") if t.strip()]
@@ -205,11 +178,17 @@ def _capture_ray(address: str, select: str, patterns: list[str], out: Path | Non
         make_backends(names)
     except ValueError as exc:
         raise UsageError(f"--tools: {exc}") from None
+    return names
+
+
+def _capture_ray(address: str, select: str, patterns: list[str], out: Path | None, timeout: float, tools: str,
+                 as_json: bool) -> int:
+    """``capture --ray``: the same capture on every node of a Ray cluster, merged into one bundle."""
+    names = _checked_options(timeout, tools)
     out_dir = prepare_out_dir(out, "capture")
     bundle_dir = out_dir / "bundle"
-    bundle = _interruptible(lambda: capture_cluster(address, bundle_dir, select=select, patterns=patterns,
-                                                    timeout_s=timeout, backends=names,
-                                                    progress=lambda m: typer.echo(m, err=True)))
+    bundle = capture_cluster(address, bundle_dir, select=select, patterns=patterns, timeout_s=timeout,
+                             backends=names, progress=lambda m: typer.echo(m, err=True))
     return print_outcome(finish(out_dir, bundle), bundle_dir, as_json)
 
 

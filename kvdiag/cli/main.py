@@ -4,16 +4,13 @@ from __future__ import annotations
 
 import importlib
 import os
-import signal
 import sys
-import threading
-from types import FrameType
 
 import click
 import typer
 
-from kvdiag import __version__
-from kvdiag.errors import ExitCode, KvdiagError, Terminated
+from kvdiag import __version__, interrupts
+from kvdiag.errors import ExitCode, KvdiagError
 
 # Each module defines ``register(app)`` adding its command(s).
 _COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact",
@@ -132,19 +129,9 @@ def _optional_values(argv: list[str]) -> list[str]:
     return out
 
 
-def _on_sigterm(signum: int, frame: FrameType | None) -> None:
-    raise Terminated(f"received {signal.Signals(signum).name}")
-
-
 def main(argv: list[str] | None = None) -> int:
     """Run the CLI; returns the process exit code (also used as sys.exit)."""
-    if threading.current_thread() is threading.main_thread():
-        # SIGTERM/SIGHUP end a run like Ctrl-C does: teardown, partial report, exit 130.
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            signal.signal(sig, _on_sigterm)
-        # Started as a background job of a script, kvdiag inherits SIGINT ignored and Python then
-        # installs no KeyboardInterrupt handler; `kill -INT` must still end the run cleanly.
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+    interrupts.install()   # SIGTERM/SIGHUP end a run like Ctrl-C does: teardown, partial report, exit 130
     debug = "--debug" in (argv if argv is not None else sys.argv[1:]) or os.environ.get("KVDIAG_DEBUG") == "1"
     try:
         args = list(argv) if argv is not None else sys.argv[1:]
@@ -185,16 +172,7 @@ def run() -> None:
         code = main()
     except KeyboardInterrupt:  # landed between main's handlers and here
         code = ExitCode.INTERRUPTED
-    # The run is over and its outputs are written: a late Ctrl-C or SIGTERM must not turn that
-    # exit status into a death by signal during interpreter shutdown. One that lands before the
-    # handlers are swapped raises here; once SIG_IGN is in place a still-pending one is dropped.
-    while True:
-        try:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-                signal.signal(sig, signal.SIG_IGN)
-            break
-        except KeyboardInterrupt:
-            continue
+    interrupts.ignore_from_now()
     sys.exit(code)
 
 

@@ -20,7 +20,8 @@ from kvdiag.sweep.session import SweepConfig, run_sweep, stored_identity, summar
 
 
 def default_jobs() -> int:
-    return max(1, min(os.cpu_count() or 1, D.SWEEP_MAX_JOBS))
+    """One run more than CPUs: a hung run spends its stall window idle (benchmarks/results/sweep_jobs.txt)."""
+    return max(1, min((os.cpu_count() or 1) + 1, D.SWEEP_MAX_JOBS))
 
 
 def sweep_cmd(
@@ -37,7 +38,7 @@ def sweep_cmd(
     repeat: int = typer.Option(1, "--repeat", "-n", min=1, max=1000,
                                help="Runs per cell: each cell becomes a rate k/N with a 95 % interval."),
     jobs: int = typer.Option(0, "--jobs", "-j", min=0, max=64,
-                             help=f"Runs in parallel (0: min(CPUs, {D.SWEEP_MAX_JOBS})); runs sharing a named "
+                             help=f"Runs in parallel (0: min(CPUs + 1, {D.SWEEP_MAX_JOBS})); runs sharing a named "
                                   "device or a fixed port never overlap."),
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/sweep-<timestamp>)."),
     resume: bool = typer.Option(False, "--resume",

@@ -157,7 +157,9 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
                 continue
             out[node_id] = NodeCapture(pack=answer["pack"], seconds=spent)
     for ref, node_id in pending.items():
-        ray.cancel(ref, force=True)
+        # Not force: the task gets KeyboardInterrupt, and the capture kills its tools and resumes any
+        # target they left stopped before the worker ends (a killed worker would leave that undone).
+        ray.cancel(ref, force=False)
         out[node_id] = NodeCapture(outcome="unreachable", reason=f"no answer within {bound:.0f}s",
                                    seconds=round(time.monotonic() - began, 3))
     return out

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections.abc import Callable
+from contextlib import ExitStack
 from pathlib import Path
-from types import FrameType, TracebackType
+from types import TracebackType
 
-from kvdiag.errors import EngineFailed, Terminated
+from kvdiag import interrupts
+from kvdiag.errors import EngineFailed
 from kvdiag.interpreter import module_argv
 from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm, vllm_dist_idents
 from kvdiag.ports import free_port as free_port  # re-exported: launchers and tests import it from here
@@ -158,7 +159,7 @@ class ProcessSet:
         self.grace_s = grace_s
         self.engines: list[EngineProcess] = []
         self.reaper: Reaper | None = None
-        self._old_handlers: dict[int, object] = {}
+        self._signals = ExitStack()
         self._teardown_hooks: list[Callable[[], None]] = []
         self._run_dir: Path | None = None
         self._short_rpc_dir: Path | None = None
@@ -173,15 +174,8 @@ class ProcessSet:
         self._started_epoch = time.time()
         self.reaper = Reaper(self.run_id)
         self.reaper.sweep_shm_since(self._started_epoch)
-        for sig in (signal.SIGTERM, signal.SIGHUP):
-            try:
-                self._old_handlers[sig] = signal.signal(sig, self._on_signal)
-            except ValueError:  # not the main thread: rely on the reaper
-                pass
+        self._signals.enter_context(interrupts.raising())
         return self
-
-    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
-        raise Terminated(f"received {signal.Signals(signum).name}")
 
     def run_dir(self) -> Path:
         """This run's private temp folder (created on first use, removed at teardown, by the reaper if
@@ -246,13 +240,8 @@ class ProcessSet:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        # Teardown must not be cut short by a second Ctrl-C or SIGTERM: ignore both until done.
-        saved: dict[int, object] = {}
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            try:
-                saved[sig] = signal.signal(sig, signal.SIG_IGN)
-            except ValueError:
-                pass
+        held = interrupts.held()   # teardown must not be cut short by a second Ctrl-C or SIGTERM
+        held.__enter__()
         clean = False
         try:
             self.stop_all()
@@ -275,5 +264,5 @@ class ProcessSet:
                     self.reaper.close()
                 else:
                     self.reaper.abandon()  # EOF: the reaper kills whatever is left
-            for signum, handler in {**saved, **self._old_handlers}.items():
-                signal.signal(signum, handler)  # type: ignore[arg-type]
+            held.__exit__(None, None, None)
+            self._signals.close()

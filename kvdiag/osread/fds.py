@@ -47,14 +47,14 @@ def epoll_targets(pid: int, epfd: int) -> list[int]:
     return [int(m.group(1)) for m in _TFD.finditer(text)] if text else []
 
 
-@dataclass
+@dataclass(frozen=True)
 class Holder:
     pid: int
     fd: int
     mode: str = ""        # "r", "w", "rw" ("" when fdinfo could not be read)
 
 
-@dataclass
+@dataclass(frozen=True)
 class HolderScan:
     by_link: dict[str, list[Holder]] = field(default_factory=dict)
     partial: str | None = None         # why some processes were not scanned (deadline)
@@ -80,17 +80,15 @@ def scan_holders(links: set[str], deadline: float | None = None, modes: bool = T
     costs one failed open). The scan stops early only at ``deadline`` (monotonic), and says so: any process
     may hold any end (fork, SCM_RIGHTS), so no subset of pids can be skipped without losing a holder.
     """
-    out = HolderScan()
+    found: dict[str, list[Holder]] = {}
     if not links:
-        return out
+        return HolderScan(found)
     pids = list_numeric(PROC)
     if pids is None:
-        out.partial = "/proc unreadable"
-        return out
+        return HolderScan(found, "/proc unreadable")
     for n, pid in enumerate(pids):
         if deadline is not None and n % 64 == 0 and time.monotonic() > deadline:
-            out.partial = f"fd scan cut by the deadline after {n} of {len(pids)} processes"
-            return out
+            return HolderScan(found, f"fd scan cut by the deadline after {n} of {len(pids)} processes")
         base = f"{PROC}/{pid}/fd/"
         try:
             fds = os.listdir(base)
@@ -102,9 +100,9 @@ def scan_holders(links: set[str], deadline: float | None = None, modes: bool = T
             except OSError:
                 continue
             if link in links:
-                out.by_link.setdefault(link, []).append(
+                found.setdefault(link, []).append(
                     Holder(pid=pid, fd=int(fd), mode=fd_mode(pid, int(fd)) if modes else ""))
-    return out
+    return HolderScan(found)
 
 
 def inode_holders(inodes: set[int], skip_pid: int, deadline: float | None = None

@@ -9,12 +9,13 @@ from dataclasses import dataclass
 
 import psutil
 
-from kvdiag.osread.fds import held_inodes
+from kvdiag.osread.fds import fd_links, held_inodes, link_inode
 from kvdiag.osread.files import PROC, read_text
 from kvdiag.osread.stat import all_pids
 
 _UNIX_ACCEPTCON = 0x00010000       # __SO_ACCEPTCON in /proc/net/unix "Flags": a listening socket
 TCP_LISTEN_HEX = "0A"              # the st column of a listening socket in /proc/net/tcp
+TCP_ESTABLISHED_HEX = "01"
 
 
 @dataclass(frozen=True)
@@ -78,6 +79,18 @@ def tcp_table(proc_root: str = PROC) -> list[TcpEntry]:
                 continue
             out.append(TcpEntry(proto, int(parts[9]), f"{lip}:{lport}", f"{rip}:{rport}", parts[3], lport))
     return out
+
+
+def tcp_connections(pid: int, limit: int = 256) -> list[str] | None:
+    """``local -> remote`` of each established TCP socket ``pid`` holds, read from the tables of its own
+    network namespace (/proc/PID/net); None when its fds cannot be read."""
+    links = fd_links(pid)
+    if links is None:
+        return None
+    held = {found[1] for link in links.values() if (found := link_inode(link)) is not None and found[0] == "socket"}
+    conns = [f"{e.local} -> {e.remote}" for e in tcp_table(f"{PROC}/{pid}")
+             if e.state == TCP_ESTABLISHED_HEX and e.inode in held]
+    return conns[:limit]
 
 
 def tcp_listeners() -> dict[tuple[str, int], int]:

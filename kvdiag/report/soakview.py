@@ -175,6 +175,44 @@ def _marks(timeline: Sequence[TimelineEvent]) -> list[tuple[float, str, str]]:
     return [(e.t, *names[e.event]) for e in timeline if e.event in names]
 
 
+def soak_lines(s: SoakStats, stall_to_verdict_s: float | None = None) -> list[str]:
+    """The soak's summary lines: load, time loaded and drain, scrapes, saturation, stall → verdict."""
+    active = s.duration_s + (s.drain_s or 0.0)
+    rate = s.tokens / active if active else 0.0
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:.1f} ms"
+
+    pending = ""
+    if s.stalled and s.in_flight_at_end:
+        pending = f", {s.in_flight_at_end} in flight at the stall"
+    elif s.in_flight_at_end and s.drain_s is None:
+        pending = f", {s.in_flight_at_end} in flight when the load ended"
+    out = [f"load: {s.requests_ok} requests ok, {s.requests_failed} failed, {s.requests_timed_out} timed out"
+           f"{pending}; "
+           # An average over the whole load (ramp-up and drain included); the live lines' rate is over their
+           # last 5 s, so a steady live rate above this average is not a contradiction: both are labelled.
+           f"{s.tokens} tokens, avg {rate:.0f} tok/s over {active:.1f} s; TTFT p50 {ms(s.ttft_p50_s)} "
+           f"p99 {ms(s.ttft_p99_s)}; "
+           f"ITL p50 {ms(s.itl_p50_s)} p99 {ms(s.itl_p99_s)}"]
+    asked = f" of {s.requested_duration_s:g} s requested" if s.requested_duration_s is not None else ""
+    line = f"time loaded: {s.duration_s:.1f} s{asked}"
+    if s.drain_s is not None:
+        done = (s.drain_in_flight or 0) - (s.drain_cut or 0)
+        line += (f"; drain {s.drain_s:.1f} s (grace {s.drain_grace_s or 0:g} s): {done} of {s.drain_in_flight or 0} "
+                 f"in-flight request(s) finished, {s.drain_cut or 0} cancelled")
+    out.append(line)
+    if s.metrics_scrapes is not None:
+        gap = "-" if s.metrics_longest_gap_s is None else f"{s.metrics_longest_gap_s:.1f} s"
+        out.append(f"metrics: {s.metrics_scrapes} scrapes every {s.metrics_period_s or 0:g} s, "
+                   f"{s.metrics_failures or 0} failed, longest gap {gap}")
+    if s.saturation_note:
+        out.append(f"saturation: {s.saturation_note}")
+    if stall_to_verdict_s is not None:
+        out.append(f"stall detected → verdict: {stall_to_verdict_s:.1f} s")
+    return out
+
+
 def soak_view(report: Report, bundle: Bundle | None) -> SoakView | None:
     """The soak section of a report, or None for a run that is not a soak."""
     s = report.soak
@@ -203,4 +241,4 @@ def soak_view(report: Report, bundle: Bundle | None) -> SoakView | None:
     return SoakView(figures=figures(s), plots=plots, details=details(s))
 
 
-__all__ = ["Figure", "Plot", "SoakView", "figures", "soak_view"]
+__all__ = ["Figure", "Plot", "SoakView", "figures", "soak_lines", "soak_view"]

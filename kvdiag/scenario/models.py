@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from typing import Literal, cast
+from typing import Literal, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -14,6 +14,16 @@ ToolName = Literal["pystack", "py-spy", "gdb", "proc"]
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+_Reserved = TypeVar("_Reserved", "SimParams", "PoolParams")
+
+
+def _reserved_in_order(pool: _Reserved) -> _Reserved:
+    """A pool's reserve bounds: the prealloc worker keeps between min and max reserved pages."""
+    if pool.min_reserved_pages > pool.max_reserved_pages:
+        raise ValueError("min_reserved_pages must not exceed max_reserved_pages")
+    return pool
 
 
 class SimParams(_Strict):
@@ -35,9 +45,7 @@ class SimParams(_Strict):
 
     @model_validator(mode="after")
     def _reserved_order(self) -> SimParams:
-        if self.min_reserved_pages > self.max_reserved_pages:
-            raise ValueError("min_reserved_pages must not exceed max_reserved_pages")
-        return self
+        return _reserved_in_order(self)
 
 
 class PoolParams(_Strict):
@@ -60,9 +68,7 @@ class PoolParams(_Strict):
 
     @model_validator(mode="after")
     def _reserved_order(self) -> PoolParams:
-        if self.min_reserved_pages > self.max_reserved_pages:
-            raise ValueError("min_reserved_pages must not exceed max_reserved_pages")
-        return self
+        return _reserved_in_order(self)
 
 
 class VllmParams(_Strict):

@@ -163,16 +163,7 @@ class EngineCoreClient:
 
     # -- pipe threads ---------------------------------------------------------------------------------
     def _sender(self) -> None:
-        conn = self.conn
-        q = self._sendq
-        while True:
-            msg = q.get()
-            if msg is None:
-                return
-            try:
-                conn.send(msg)
-            except (OSError, ValueError):
-                return
+        P.pump(self._sendq, self.conn)
 
     def _reader(self) -> None:
         conn = self.conn

@@ -347,16 +347,7 @@ class EngineCore:
             inq.put(msg)
 
     def _output_loop(self) -> None:
-        conn = self.conn
-        outq = self.outq
-        while True:
-            msg = outq.get()
-            if msg is None:
-                return
-            try:
-                conn.send(msg)
-            except (OSError, ValueError):
-                return
+        P.pump(self.outq, self.conn)
 
     def _handle(self, msg: P.Message, now: float) -> list[P.FinishedTuple]:
         sched = cast(Scheduler, self.sched)

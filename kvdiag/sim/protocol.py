@@ -17,6 +17,8 @@ FinishedTuple = (rid, reason, scheduled_t, first_token_t, num_preemptions, num_t
 
 from __future__ import annotations
 
+import queue
+from multiprocessing.connection import Connection
 from typing import Any
 
 ADD = "add"
@@ -29,3 +31,15 @@ ERROR = "error"
 Message = tuple[Any, ...]
 TokenTuple = tuple[int, int]
 FinishedTuple = tuple[int, str, float, float, int, int]
+
+
+def pump(source: queue.Queue[Message | None], conn: Connection) -> None:
+    """Send every message ``source`` gives over the pipe, until None or until the pipe is closed."""
+    while True:
+        msg = source.get()
+        if msg is None:
+            return
+        try:
+            conn.send(msg)
+        except (OSError, ValueError):
+            return

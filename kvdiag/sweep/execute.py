@@ -37,6 +37,7 @@ CELLS_DIR = "cells"
 STOP_WAIT_S = 30.0        # an interrupted run's own teardown (engines stopped, partial report)
 RUN_SLACK_S = 120.0       # beyond the scenario's own timeout, before a run is taken as stuck
 _PR_SET_PDEATHSIG = 1
+INCONCLUSIVE_RETRIES = 1  # a run that names no deadlock and is not healthy runs once more
 
 
 @dataclass
@@ -107,7 +108,8 @@ class SweepExecutor:
     """Hands out the plan's cells, runs them, records them; returns when done or interrupted."""
 
     def __init__(self, plan: SweepPlan, make_cell: Callable[[Params], CellSpec], store: SweepStore, *,
-                 repeat: int, jobs: int, progress: Progress, run_timeout_s: float) -> None:
+                 repeat: int, jobs: int, progress: Progress, run_timeout_s: float,
+                 confirm_stall_s: float | None = None) -> None:
         self.plan = plan
         self.make_cell = make_cell
         self.store = store
@@ -115,6 +117,7 @@ class SweepExecutor:
         self.jobs = max(1, jobs)
         self.progress = progress
         self.run_timeout_s = run_timeout_s
+        self.confirm_stall_s = confirm_stall_s
         self.cells: dict[str, SweepCell] = {}
         self.specs: dict[str, CellSpec] = {}
         self._queue: list[tuple[CellSpec, int]] = []
@@ -122,6 +125,7 @@ class SweepExecutor:
         self._t0 = time.monotonic()
         self.runs_done_here = 0
         self.resumed_cells = 0
+        self._tries: dict[tuple[str, int], int] = {}
 
     # -- bookkeeping -------------------------------------------------------------------------------
     def _admit(self) -> None:
@@ -170,9 +174,18 @@ class SweepExecutor:
         run_dir = self.store.cell_dir(spec.key) / f"run-{index}"
         shutil.rmtree(run_dir, ignore_errors=True)   # what an interrupted attempt left
         run_dir.mkdir(parents=True)
-        text = _scenario_text(spec.scenario)
+        scenario, scen_name = spec.scenario, "scenario.yaml"
+        if self._tries.get((spec.key, index)) and self.confirm_stall_s is not None:
+            # The run again with the scenario's own stall window: a verdict that the short window gave
+            # without naming a deadlock is confirmed, or turns out to be a slow start.
+            scenario = spec.scenario.model_copy(deep=True)
+            scenario.windows.stall_s = self.confirm_stall_s
+            scen_name = "scenario-confirm.yaml"
+        text = _scenario_text(scenario)
         # The redacted copy runs as it is unless redaction removed a value the engines need.
-        scen_file = self.store.cell_dir(spec.key) / "scenario.yaml"
+        scen_file = self.store.cell_dir(spec.key) / scen_name
+        if scen_name != "scenario.yaml":
+            atomic_write_text(scen_file, redact_text(text))
         by_stdin = redact_text(text) != text
         argv = [*module_argv("kvdiag"), "repro", "two-engine", "--scenario",
                 "/dev/stdin" if by_stdin else str(scen_file), "--out", str(run_dir)]
@@ -206,6 +219,18 @@ class SweepExecutor:
             error = f"the run exited {rc} without a report: {_tail(r.run_dir / 'console.txt')}"
         rel = str(r.run_dir.relative_to(self.store.out_dir))
         run = run_from_report(r.index, rc, report, rel, wall, error)
+        tries = self._tries.get((r.cell.key, r.index), 0)
+        if (run.outcome == "inconclusive" or run.verdict == "unknown") and tries < INCONCLUSIVE_RETRIES:
+            # Neither hung nor healthy, or "hung" with no rule naming it (an engine still starting when a
+            # short window ran out, on a busy host): run it again with the scenario's own window.
+            self._tries[(r.cell.key, r.index)] = tries + 1
+            kept = r.run_dir.with_name(f"{r.run_dir.name}-inconclusive-{tries + 1}")   # its evidence stays
+            shutil.rmtree(kept, ignore_errors=True)
+            r.run_dir.rename(kept)
+            self.progress(f"{r.cell.key} run {r.index + 1}: {run.verdict}, no deadlock named: running it again"
+                          + (f" with a {self.confirm_stall_s:g}s stall window" if self.confirm_stall_s else ""))
+            self._queue.insert(0, (r.cell, r.index))
+            return
         self.store.save_run(r.cell.key, run)
         cell = self.cells[r.cell.key]
         cell.runs.append(run)

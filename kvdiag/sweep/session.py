@@ -104,7 +104,9 @@ def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
     _check_folder(cfg)
     store = SweepStore(cfg.out_dir)
     executor = SweepExecutor(plan, make_cell, store, repeat=cfg.repeat, jobs=cfg.jobs, progress=progress,
-                             run_timeout_s=base.windows.timeout_s + RUN_SLACK_S)
+                             run_timeout_s=base.windows.timeout_s + RUN_SLACK_S,
+                             confirm_stall_s=(cfg.scenario.windows.stall_s
+                                              if cfg.scenario.windows.stall_s > base.windows.stall_s else None))
     started = time.monotonic()
     progress(f"{cfg.command}: {plan.planned()} cell(s) x {cfg.repeat} run(s), {cfg.jobs} at a time, "
              f"stall window {base.windows.stall_s:g}s; output {cfg.out_dir}")

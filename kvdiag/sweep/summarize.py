@@ -6,7 +6,18 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvdiag.errors import ExitCode
-from kvdiag.model import ABRates, RateLine, Report, SweepCell, SweepReport, SweepRun, TimelineEvent, VerdictKind
+from kvdiag.logs.banner import assess_risk_for
+from kvdiag.model import (
+    ABRates,
+    BannerInfo,
+    RateLine,
+    Report,
+    SweepCell,
+    SweepReport,
+    SweepRun,
+    TimelineEvent,
+    VerdictKind,
+)
 from kvdiag.sweep.rates import clopper_pearson, distribution, rate_text
 from kvdiag.sweep.rule import banner_check, infer_rule, rule_predicts
 
@@ -21,7 +32,8 @@ def run_from_report(index: int, exit_code: int, report: Report | None, path: str
     v = report.verdict
     if v.kind.is_hang:
         outcome = "hang"
-    elif v.kind in (VerdictKind.HEALTHY, VerdictKind.SLOW_START) and exit_code == ExitCode.OK:
+    elif v.kind is VerdictKind.HEALTHY and exit_code == ExitCode.OK:
+        # slow_start (the window ran out while an engine still started) proves neither a hang nor health
         outcome = "healthy"
     elif v.kind in (VerdictKind.CRASH, VerdictKind.OOM):
         outcome = "crash"
@@ -29,7 +41,12 @@ def run_from_report(index: int, exit_code: int, report: Report | None, path: str
         outcome = "error"
     else:
         outcome = "inconclusive"
-    risks = [e.banner_risk for e in report.engines if e.banner_risk is not None]
+    # The static rule on every banner the engines printed, judged here for each engine's allocator (the
+    # same function the run's own banner check uses), so the check holds whatever the run stored.
+    printed: list[tuple[BannerInfo, str | None]] = []
+    for e in report.engines:
+        printed += [(b, e.allocator) for b in e.banners] or ([(e.banner, e.allocator)] if e.banner else [])
+    risks = [assess_risk_for(b, allocator) for b, allocator in printed]
     reasons = [r for risk in risks for r in risk.reasons if risk.risky]
     return SweepRun(
         index=index, outcome=outcome, exit_code=exit_code, verdict=v.kind.value, signature=v.signature,
@@ -99,6 +116,7 @@ def conclude(report: SweepReport) -> SweepReport:
     check = banner_check(cells)
     hung = [c for c in cells if c.hangs]
     errors = [c for c in cells if c.outcome == "error"]
+    undecided = [c for c in cells if c.outcome in ("crash", "inconclusive")]
     if report.interrupted:
         code = ExitCode.INTERRUPTED
     elif hung:
@@ -112,6 +130,8 @@ def conclude(report: SweepReport) -> SweepReport:
     summary = (f"{len(done)} cell(s) of {max(report.cells_planned, len(done))}, {runs} run(s): "
                f"{len(hung)} cell(s) hung, {sum(1 for c in cells if c.outcome == 'healthy')} healthy"
                + (f", {len(errors)} failed to run" if errors else "")
+               + (f", {len(undecided)} neither (left out of the rule: {', '.join(c.key for c in undecided[:5])})"
+                  if undecided else "")
                + ("; interrupted" if report.interrupted else "") + f". {rule.text}")
     ab = _ab_rates(cells) if report.command.startswith("ab") else None
     boundaries = _boundaries(report, cells)

@@ -300,7 +300,7 @@ def _arm_worker_stall(rank: int, after_s: float) -> None:
     """Make this worker's first forward pass ``after_s`` seconds after its first one (the worker is warm and
     serving: the first pass compiles kernels) build a stock engine-2 pool on the worker's main thread: the
     GIL cycle, inside vLLM's ``Worker.execute_model``."""
-    from vllm.v1.worker import gpu_worker
+    from vllm.v1.worker import gpu_worker  # vLLM exists only inside its own processes: imported when armed
 
     cls = gpu_worker.Worker
     orig_execute = cls.execute_model

@@ -144,3 +144,22 @@ def test_an_interrupted_sweep_keeps_its_cells_and_continues(tmp_path: Path) -> N
         assert (out / "cells" / key / "cell.json").stat().st_mtime_ns == mtime
     assert report["rule"]["text"] == "hangs ⇔ pages per layer ≤ min_reserved_pages (engine vlm)"
     _assert_nothing_left(out, tmp_path, marker)
+
+
+def test_a_verdict_from_a_too_short_window_is_confirmed_with_the_scenarios_own(tmp_path: Path) -> None:
+    """An engine sleeping through a slow start outlasts a 0.5 s window and is captured naming no deadlock
+    (`unknown`); the sweep runs it again with the scenario's 5 s window, where it starts healthy."""
+    marker = uuid.uuid4().hex
+    out = tmp_path / "sweep"
+    proc = subprocess.run(_sweep(["--engines", "vlm", "--stall-window", "0.5", "--vary", "engines.vlm.sim.startup_s=3",
+                                  "--vary", "engines.vlm.sim.min_reserved_pages=1", "--out", str(out)]),
+                          capture_output=True, text=True, timeout=200, cwd=ROOT, env=_env(tmp_path, marker))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    report = json.loads((out / "report.json").read_text())
+    (cell,) = report["cells"]
+    assert cell["outcome"] == "healthy" and cell["runs"][0]["verdict"] == "healthy", cell
+    assert report["engines_left_out"] == ["coder"]
+    first = out / "cells" / cell["key"] / "run-0-inconclusive-1"
+    assert json.loads((first / "report.json").read_text())["verdict"]["kind"] != "healthy"   # its evidence kept
+    assert "running it again with a 5s stall window" in proc.stderr
+    _assert_nothing_left(out, tmp_path, marker)

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from kvdiag.analyze import analyze_process, diagnose
+from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.analyze.gpu import cuda_wait
-from kvdiag.analyze.rules import engine_verdict
 from kvdiag.bundle import load_bundle, save_bundle
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.merge import merge_threads

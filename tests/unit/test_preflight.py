@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze.rules import engine_verdict
+from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.cli.main import main
 from kvdiag.errors import ScenarioError
 from kvdiag.launch.preflight import check_launchable

@@ -74,8 +74,8 @@ def test_a_stalled_engine_is_not_reported_healthy_even_if_health_answered() -> N
 
 
 def test_summary_rate_is_labelled_an_average_over_the_load() -> None:
-    from kvdiag.cli.soak import soak_lines
     from kvdiag.model import SoakStats
+    from kvdiag.report.soakview import soak_lines
 
     stats = SoakStats(requests_ok=10, tokens=3191, duration_s=10.0, drain_s=0.5)
     first = soak_lines(stats)[0]

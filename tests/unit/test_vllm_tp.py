@@ -3,7 +3,11 @@ segments at teardown, the scenario's serving phase."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -64,3 +68,26 @@ def test_a_tensor_parallel_worker_is_named_by_its_rank() -> None:
     tp1 = ProcessEvidence(pid=2, comm="VLLM::Worker_TP", cmdline=["VLLM::Worker_TP1\0\0"])
     assert process_title(tp1) == "Worker_TP1" and worker_rank(tp1) == 1
     assert process_title(ProcessEvidence(pid=3, comm="python3", cmdline=["python3", "x.py"])) is None
+
+
+def test_the_reaper_of_a_killed_kvdiag_removes_its_engines_vllm_dist_segments() -> None:
+    """kvdiag SIGKILLed: its reaper (stdin at EOF, kvdiag gone) removes the run folder and, named from the
+    rendezvous file in it, the engines' all-reduce segments in /dev/shm."""
+    ident = f"vllm_dist_{uuid.uuid4().hex}"
+    run = Path("/tmp") / f"kvdiag-run-{uuid.uuid4().hex[:12]}"
+    (run / "tmp").mkdir(parents=True)
+    (run / "tmp" / ident).write_text("rendezvous")
+    seg = Path("/dev/shm") / f"{ident}-tp:0-[0-1]-cpushm_0"
+    seg.write_bytes(b"x")
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()   # a pid that no longer runs stands for the SIGKILLed kvdiag
+    try:
+        reaper = subprocess.run([sys.executable, "-m", "kvdiag.launch.reaper", uuid.uuid4().hex[:12], "0.5",
+                                 str(gone.pid)], input=f"dir {run}\nshm {time.time():.3f}\n", text=True,
+                                timeout=60, cwd=ROOT)
+        assert reaper.returncode == 0
+        assert not run.exists() and not seg.exists()
+    finally:
+        seg.unlink(missing_ok=True)
+        if run.exists():
+            shutil.rmtree(run)

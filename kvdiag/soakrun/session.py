@@ -1,9 +1,10 @@
-"""`kvdiag soak`: one engine, saturating streaming load, a no-progress watchdog, capture on a stall.
+"""`kvdiag soak`'s stages in the one run: one engine, saturating streaming load, a no-progress watchdog,
+capture on a stall.
 
 Two subjects:
-- launched (``--model sim`` or ``--scenario FILE``): the scenario's first engine is started
-  through :class:`ProcessSet` (own process group, reaper, torn down on every exit path),
-  watched until ready by :class:`ScenarioRun`, then loaded;
+- launched (``--model sim`` or ``--scenario FILE``): the scenario's first engine is started by
+  the run (:func:`kvdiag.runner.run_lifecycle`: own process group, reaper, torn down on every
+  exit path), watched until ready by :class:`ScenarioRun`, then loaded;
 - external (``--url URL``): an already running server is loaded; when it listens on this
   machine its pid is found from the listening socket so a stall can still be captured.
 
@@ -15,24 +16,20 @@ from __future__ import annotations
 
 import asyncio
 import math
-import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
-from typing import Any
 
 import httpx
 from rich.console import Console
 from rich.markup import escape
 
+from kvdiag import interrupts
 from kvdiag.analyze.soak import flat_generation_span
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
-from kvdiag.errors import EngineFailed, Interrupted, KvdiagError, UsageError
-from kvdiag.launch.process import ProcessSet
-from kvdiag.launch.vllm import expand
+from kvdiag.errors import EngineFailed, Interrupted, KvdiagError
 from kvdiag.load.loadgen import LoadConfig, LoadGenerator
 from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.load.progress import ProgressView
@@ -51,130 +48,19 @@ from kvdiag.model import (
     TimelineEvent,
 )
 from kvdiag.osread.net import listening_pids
-from kvdiag.osread.ptable import process_tree
-from kvdiag.runner import LaunchedRun, RunArtifacts, finish, new_bundle
-from kvdiag.scenario import load_scenario
-from kvdiag.scenario.loader import parse_scenario
-from kvdiag.scenario.models import EngineSpec, Scenario
+from kvdiag.runner import LaunchedRun, RunArtifacts, RunPlan, new_bundle, run_lifecycle
+from kvdiag.scenario.models import Scenario
 from kvdiag.scenariorun import EngineWatch, Outcome
+from kvdiag.soakrun.options import SoakOptions, load_soak_scenario, request_model, single_engine
+from kvdiag.soakrun.subject import Subject, healthy, served_model, server_answers, server_pids
 from kvdiag.watch.saturation import SaturationSampler
 from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Clock = Callable[[], float]
 COMMAND = "soak"
-DEFAULT_SCENARIO = "soak-hybrid.yaml"
-VLLM_SCENARIO = "soak-vllm.yaml"
 _TICK_S = 0.25
 _SAMPLE_S = 0.5          # the client's counters, for the report's plots
 _MAX_SAMPLES = 4000
-_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
-
-
-@dataclass
-class SoakOptions:
-    """Everything `kvdiag soak` was asked to do."""
-
-    model: str = "sim"
-    url: str | None = None
-    scenario: Path | None = None
-    duration_s: float = 60.0
-    concurrency: int = 32
-    max_tokens: int = 256
-    allocator: str | None = None
-    stall_window_s: float | None = None      # None: the scenario's windows.stall_s
-    chat: bool = False
-    read_timeout_s: float = 60.0
-    capture: bool = True
-    metrics_period_s: float = 1.0
-    tools: list[str] | None = None           # None: the scenario's capture.tools
-    drain_grace_s: float = 5.0               # after --duration: requests in flight get this long to finish
-
-    def validate(self) -> None:
-        if self.duration_s <= 0:
-            raise UsageError("--duration must be > 0")
-        if not 1 <= self.concurrency <= 4096:
-            raise UsageError("--concurrency must be within 1..4096")
-        if self.max_tokens < 1:
-            raise UsageError("--max-tokens must be >= 1")
-        if not 0 <= self.drain_grace_s <= 600:
-            raise UsageError("--drain-grace must be within 0..600 seconds")
-        if self.stall_window_s is not None and self.stall_window_s <= 0:
-            raise UsageError("--stall-window must be > 0")
-        if self.read_timeout_s <= 0:
-            raise UsageError("--read-timeout must be > 0")
-        if self.read_timeout_s <= (self.stall_window_s or STALL_WINDOW_S):
-            raise UsageError("--read-timeout must be longer than the stall window",
-                             hint="requests that time out first would hide the stall from the watchdog")
-        if self.url is not None:
-            try:
-                url_host_port(self.url)
-            except ValueError:
-                raise UsageError(f"--url {self.url!r} is not an http(s) URL",
-                                 hint="for example --url http://127.0.0.1:8000") from None
-            if self.scenario is not None:
-                raise UsageError("--url and --scenario exclude each other",
-                                 hint="--url loads a running server; --scenario launches one")
-            if self.allocator is not None:
-                raise UsageError("--allocator applies to engines kvdiag launches, not to --url",
-                                 hint="restart your server with the allocator you want to test")
-        elif self.model != "sim" and self.scenario is None and not _local_model_dir(self.model):
-            raise UsageError(f"--model {self.model!r} is not a model folder on this machine; it needs --url (a "
-                             "running server) or --scenario (how to launch it)",
-                             hint="--model sim launches the simulated engine; --model DIR launches `vllm serve DIR`")
-
-
-def _request_model(spec: EngineSpec) -> str | None:
-    """The model name requests carry: none for the sim, what `vllm serve` was given for a vLLM engine."""
-    if spec.kind == "sim":
-        return None
-    if spec.kind == "vllm":
-        return expand(spec.model)
-    return spec.model
-
-
-def _local_model_dir(model: str) -> bool:
-    """A Hugging Face style model folder here (config.json inside): `kvdiag soak --model DIR` serves it with vLLM."""
-    return (Path(expand(model)) / "config.json").is_file()
-
-
-def load_soak_scenario(path: Path | None, model: str = "sim") -> tuple[Scenario, str, str]:
-    """The scenario file, or an embedded default: soak-hybrid (simulated) for ``model`` "sim", else
-    soak-vllm serving the model folder ``model`` with real vLLM. Returns (scenario, name, text)."""
-    if path is None:
-        builtin = DEFAULT_SCENARIO if model == "sim" else VLLM_SCENARIO
-        text = resources.files("kvdiag.scenario").joinpath("builtin", builtin).read_text("utf-8")
-        name = f"<builtin>/{builtin}"
-        scen = parse_scenario(text, name)
-        if model != "sim":
-            scen.engines[0].model = str(Path(expand(model)).resolve())
-        return scen, name, text
-    return load_scenario(path)
-
-
-def single_engine(scenario: Scenario, allocator: str | None, stall_window_s: float | None) -> Scenario:
-    """A copy of ``scenario`` with only its first engine (soak drives one engine). A ``serve`` phase stays: it
-    is the engine's warm-up before the load (a first request answered, kernels compiled)."""
-    first = scenario.engines[0].model_copy(deep=True)
-    first.start_after = None
-    if allocator is not None and (first.kind == "sim" or (first.kind == "vllm" and first.allocator != "external")):
-        first.allocator = allocator  # type: ignore[assignment]
-    windows = scenario.windows.model_copy()
-    if stall_window_s is not None:
-        windows.stall_s = stall_window_s
-    return scenario.model_copy(update={"engines": [first], "windows": windows}, deep=True)
-
-
-@dataclass
-class _Subject:
-    """The engine under load, launched or external."""
-
-    name: str
-    url: str
-    allocator: str
-    watch: EngineWatch | None = None          # launched engines only
-    root_pid: int | None = None               # API server (process to capture from)
-    log_pids: dict[str, int] = field(default_factory=dict)
-    request_model: str | None = None
 
 
 @dataclass
@@ -218,6 +104,10 @@ class SoakRun:
         self.loadgen: LoadGenerator | None = None
         self.result = _DriveResult()
         self.load_started_t: float | None = None
+        self._launched: LaunchedRun | None = None
+        self._subject: Subject | None = None        # an external server
+        self._watch: EngineWatch | None = None        # a launched engine
+        self._run_timeline_taken = False
 
     # -- helpers -----------------------------------------------------------------------------------
     def _rel(self, t: float) -> float:
@@ -236,11 +126,66 @@ class SoakRun:
         """Run the soak; returns the written report's artifacts. Raises Interrupted (after writing a
         partial report) on Ctrl-C/SIGTERM."""
         if self.opts.url is not None:
-            return self._run_external(self.opts.url)
-        return self._run_launched()
+            plan = self._plan_external(self.opts.url)
+        else:
+            plan = self._plan_launched()
+        arts = run_lifecycle(plan, self._stages)
+        if self.result.all_failing:
+            lg = self.loadgen
+            raise KvdiagError(f"every request failed: {lg.first_error if lg else 'unknown error'}",
+                              hint=f"report written to {self.out_dir}; check --model, --url and the server log")
+        return arts
+
+    def _stages(self, launched: LaunchedRun | None) -> SoakRun:
+        self._launched = launched
+        if launched is not None:
+            self.t0 = launched.run.t0
+        return self
+
+    # -- the run's stages (kvdiag.runner.RunStages) ------------------------------------------------
+    def watch(self, launched: LaunchedRun | None) -> None:
+        """Launched: watch the engine until it is ready, then load it; external: load it. A stall under load
+        is captured while its requests are still in flight."""
+        if launched is None:
+            assert self._subject is not None
+            self._drive(self._subject)
+            return
+        run, spec = launched.run, launched.scenario.engines[0]
+        result = run.run()
+        launched.note_interpreters()
+        self.timeline.extend(run.timeline)
+        self._run_timeline_taken = True
+        self.metrics.extend(result.metrics)
+        watch = self._watch = result.watches[0] if result.watches else None
+        if watch is not None and watch.outcome is Outcome.READY:
+            self._drive(Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator, watch=watch,
+                                 root_pid=watch.proc.pid, request_model=request_model(spec)))
+        elif watch is not None and watch.outcome is Outcome.STALLED and self.opts.capture:
+            # The engine never came up: capture its startup hang like `repro` does.
+            self._capture(Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator, watch=watch,
+                                   root_pid=watch.proc.pid, log_pids=dict(watch.state.pids)))
+
+    def fill(self, bundle: Bundle, interrupted: bool) -> None:
+        """The engine's record, the load's figures and readings, metrics, captures and timeline."""
+        launched = self._launched
+        if launched is not None:
+            if not self._run_timeline_taken:
+                self.timeline.extend(e for e in launched.run.timeline if e not in self.timeline)
+                self._run_timeline_taken = True
+            if self._watch is None and launched.run.watches:
+                self._watch = launched.run.watches[0]
+            self._fill_launched(self._watch)
+        elif self._subject is not None:
+            self._fill_external(self._subject)
+        if interrupted and self.loadgen is not None and self.result.summary is None:
+            self.result.summary = self.loadgen.summary()
+        self._fill_common()
+
+    def verdict_t(self) -> float:
+        return self.clock() - self.t0
 
     # -- launched engine ---------------------------------------------------------------------------
-    def _run_launched(self) -> RunArtifacts:
+    def _plan_launched(self) -> RunPlan:
         opts = self.opts
         base, name, text = load_soak_scenario(opts.scenario, opts.model)
         scen = single_engine(base, opts.allocator, opts.stall_window_s)
@@ -254,41 +199,7 @@ class SoakRun:
         self.bundle.scenario = scen.model_dump(mode="json")
         self.bundle.scenario_path = name
         self.bundle_dir.mkdir(parents=True, exist_ok=True)
-        spec = scen.engines[0]
-        arts: RunArtifacts | None = None
-        watch: EngineWatch | None = None
-        try:
-            with LaunchedRun(scen, text, self.bundle, self.bundle_dir, self._echo) as launched:
-                run = launched.run
-                self.t0 = run.t0
-                try:
-                    result = run.run()
-                    launched.note_interpreters()
-                    self.timeline.extend(run.timeline)
-                    self.metrics.extend(result.metrics)
-                    watch = result.watches[0] if result.watches else None
-                    if watch is not None and watch.outcome is Outcome.READY:
-                        subject = _Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator,
-                                           watch=watch, root_pid=watch.proc.pid,
-                                           request_model=_request_model(spec))
-                        self._drive(subject)
-                    elif watch is not None and watch.outcome is Outcome.STALLED and opts.capture:
-                        # The engine never came up: capture its startup hang like `repro` does.
-                        self._capture(_Subject(name=spec.name, url=watch.plan.url, allocator=spec.allocator,
-                                               watch=watch, root_pid=watch.proc.pid,
-                                               log_pids=dict(watch.state.pids)))
-                except (Interrupted, KeyboardInterrupt) as exc:
-                    self.interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
-                    self.timeline.extend(e for e in run.timeline if e not in self.timeline)
-                self._fill_launched(watch)
-                launched.copy_logs()
-                if self.interrupted is None:
-                    arts = self._verdict_and_report()
-                    self._echo(f"verdict {arts.verdict.kind.value}; stopping the engine")
-        except (Interrupted, KeyboardInterrupt) as exc:
-            self.interrupted = self.interrupted or (
-                exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)"))
-        return self._final(arts)
+        return RunPlan(self.out_dir, self.bundle, self._echo, self.console, scen, text, stopping="stopping the engine")
 
     def _fill_launched(self, watch: EngineWatch | None) -> None:
         b = self.bundle
@@ -307,21 +218,20 @@ class SoakRun:
             b.stall_detected = watch.outcome is Outcome.STALLED
 
     # -- external server ---------------------------------------------------------------------------
-    def _run_external(self, url: str) -> RunArtifacts:
+    def _plan_external(self, url: str) -> RunPlan:
         url = url.rstrip("/")
         host, port = url_host_port(url)
         name = "server"
         self.bundle.stall_window_s = self.window_s
-        subject = _Subject(name=name, url=url, allocator="external")
-        arts: RunArtifacts | None = None
-        if not _answers(url):
+        subject = Subject(name=name, url=url, allocator="external")
+        if not server_answers(url):
             raise EngineFailed(f"no server answers at {url} (GET /health and /v1/models failed)",
                                hint="start the server first, or leave out --url to launch the simulated engine")
         self.event("server answers", url, engine=name)
         if self.opts.model != "sim":
             subject.request_model = self.opts.model
         else:
-            subject.request_model = _served_model(url)
+            subject.request_model = served_model(url)
         if is_local_host(host):
             pid = server_pid(listening_pids(port))
             if pid is not None:
@@ -336,22 +246,11 @@ class SoakRun:
             self.findings.append(Finding(kind="capture_unavailable", engine=name, message=(
                 f"{host} is not this machine; a stall can be reported from /metrics but stacks cannot be captured "
                 "(run kvdiag soak on the server's host)")))
-        try:
-            # ProcessSet only for its signal handling and reaper: nothing is launched.
-            with ProcessSet(grace_s=1.0):
-                try:
-                    self._drive(subject)
-                except (Interrupted, KeyboardInterrupt) as exc:
-                    self.interrupted = exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)")
-                self._fill_external(subject)
-                if self.interrupted is None:
-                    arts = self._verdict_and_report()
-        except (Interrupted, KeyboardInterrupt) as exc:
-            self.interrupted = self.interrupted or (
-                exc if isinstance(exc, Interrupted) else Interrupted("interrupted (Ctrl-C)"))
-        return self._final(arts)
+        self._subject = subject
+        # Nothing is launched: the run has no engines to stop.
+        return RunPlan(self.out_dir, self.bundle, self._echo, self.console, stopping=None)
 
-    def _fill_external(self, s: _Subject) -> None:
+    def _fill_external(self, s: Subject) -> None:
         r = self.result
         phase = EnginePhase.STALLED if r.stalled else (EnginePhase.EXITED if r.unreachable else EnginePhase.SERVING)
         pids = dict(s.log_pids)
@@ -365,34 +264,25 @@ class SoakRun:
         self.bundle.stall_detected = r.stalled
 
     # -- the load ----------------------------------------------------------------------------------
-    def _drive(self, s: _Subject) -> None:
+    def _drive(self, s: Subject) -> None:
         """Run the load phase on a fresh event loop; signals become a clean stop."""
-        saved = {sig: signal.getsignal(sig) for sig in _SIGNALS}
-        try:
-            asyncio.run(self._drive_async(s))
-        finally:
-            for sig, handler in saved.items():
-                if handler is not None:
-                    signal.signal(sig, handler)
+        asyncio.run(self._drive_async(s))
         if self.interrupted is not None:
             raise self.interrupted
 
-    async def _drive_async(self, s: _Subject) -> None:
-        opts = self.opts
-        loop = asyncio.get_running_loop()
+    async def _drive_async(self, s: Subject) -> None:
         wake = asyncio.Event()
 
-        def on_signal(sig: signal.Signals) -> None:
+        def stop(reason: str) -> None:   # the loop ends at its next tick; the load is stopped cleanly
             if self.interrupted is None:
-                self.interrupted = Interrupted("interrupted (Ctrl-C)" if sig is signal.SIGINT
-                                               else f"received {sig.name}")
+                self.interrupted = Interrupted(reason)
             wake.set()
 
-        for sig in _SIGNALS:
-            try:
-                loop.add_signal_handler(sig, on_signal, sig)
-            except (ValueError, RuntimeError, NotImplementedError):  # not the main thread
-                pass
+        with interrupts.on_stop(stop, loop=asyncio.get_running_loop()):
+            await self._load_and_watch(s, wake)
+
+    async def _load_and_watch(self, s: Subject, wake: asyncio.Event) -> None:
+        opts = self.opts
         cfg = LoadConfig(base_url=s.url, model=s.request_model, concurrency=opts.concurrency,
                          max_tokens=opts.max_tokens, chat=opts.chat, read_timeout_s=opts.read_timeout_s)
         lg = LoadGenerator(cfg, clock=self.clock)
@@ -401,7 +291,7 @@ class SoakRun:
         # A tick that comes late (this loop starved of CPU) is a gap in looking, not a stall.
         watchdog = NoProgressWatchdog(self.window_s, clock=self.clock, max_blind_s=4 * _TICK_S)
         view = ProgressView(self.console)
-        sampler = SaturationSampler(opts.concurrency, _server_pids(s), clock=self.clock)
+        sampler = SaturationSampler(opts.concurrency, server_pids(s), clock=self.clock)
         r = self.result
         lg.start(opts.duration_s)   # no new request after the duration, however late this loop looks
         self.load_started_t = lg.started_at
@@ -439,7 +329,7 @@ class SoakRun:
                     break
                 if s.watch is None and lg.failed > 0 and poller.failures > 0:
                     # External server: refused connections and no /metrics: is it still there?
-                    health_failures = 0 if await _healthy(health, s.url) else health_failures + 1
+                    health_failures = 0 if await healthy(health, s.url) else health_failures + 1
                     if health_failures >= 3:
                         r.unreachable = True
                         break
@@ -480,7 +370,7 @@ class SoakRun:
                 await self._confirm_metrics(poller)
                 if self.opts.capture and s.root_pid is not None:
                     await asyncio.to_thread(self._capture, s)
-                r.healthy_after = await _healthy(health, s.url)
+                r.healthy_after = await healthy(health, s.url)
             elif r.exited:
                 self.event("engine exited during the soak", engine=s.name)
             elif r.all_failing:
@@ -489,7 +379,7 @@ class SoakRun:
                 self.event("server stopped answering", poller.last_error, engine=s.name)
             else:
                 await lg.stop()   # cut what the drain left, before the probes below
-                r.healthy_after = await _healthy(health, s.url)
+                r.healthy_after = await healthy(health, s.url)
                 if self.interrupted is None:
                     await poller.poll_async()  # the gauges at the end
         finally:
@@ -498,11 +388,6 @@ class SoakRun:
             await poller.aclose()
             await health.aclose()
             self.metrics.extend(poller.snapshots)
-            for sig in _SIGNALS:
-                try:
-                    loop.remove_signal_handler(sig)
-                except (ValueError, RuntimeError, NotImplementedError):
-                    pass
         stall_after = (r.onset_t - lg.started_at) if r.stalled and r.onset_t is not None and lg.started_at else None
         r.summary = lg.summary(stalled=r.stalled, stall_after_s=stall_after)
         if not r.stalled:
@@ -555,7 +440,7 @@ class SoakRun:
                 return
             await asyncio.sleep(_TICK_S)
 
-    def _engine_exited(self, s: _Subject) -> bool:
+    def _engine_exited(self, s: Subject) -> bool:
         w = s.watch
         assert w is not None
         for line in w.follower.read_new():
@@ -569,7 +454,7 @@ class SoakRun:
         return False
 
     # -- capture -----------------------------------------------------------------------------------
-    def _capture(self, s: _Subject) -> None:
+    def _capture(self, s: Subject) -> None:
         """Read-only capture of the engine's EngineCore, API server and workers into the bundle."""
         if s.root_pid is None:
             return
@@ -623,77 +508,8 @@ class SoakRun:
             st.load_from_t, st.load_until_t = r.load_window or (None, None)
         return st
 
-    def _verdict_and_report(self) -> RunArtifacts:
-        """The run's tail: the soak's facts go into the bundle, analyze judges them (kvdiag.analyze)."""
-        self._fill_common()
-        return finish(self.out_dir, self.bundle, verdict_t=self.clock() - self.t0)
-
-    def _final(self, arts: RunArtifacts | None) -> RunArtifacts:
-        if self.interrupted is not None or arts is None:
-            stop = self.interrupted or Interrupted("interrupted")
-            if self.loadgen is not None and self.result.summary is None:
-                self.result.summary = self.loadgen.summary()
-            self._fill_common()
-            self.bundle.interrupted = True
-            self.bundle.interrupted_reason = stop.message
-            finish(self.out_dir, self.bundle)
-            self.console.print(f"interrupted; partial report written to {self.out_dir}")
-            raise stop
-        if self.result.all_failing:
-            lg = self.loadgen
-            raise KvdiagError(f"every request failed: {lg.first_error if lg else 'unknown error'}",
-                              hint=f"report written to {self.out_dir}; check --model, --url and the server log")
-        return arts
-
     def _echo(self, msg: str) -> None:
         self.console.print(f"[dim]{self.clock() - self.t0:6.1f}s[/dim] {escape(msg)}", highlight=False)
-
-
-# -- small async helpers ---------------------------------------------------------------------------
-async def _bounded(task: asyncio.Task[Any], timeout_s: float) -> None:
-    try:
-        await asyncio.wait_for(asyncio.shield(task), timeout=timeout_s)
-    except (asyncio.TimeoutError, asyncio.CancelledError):
-        task.cancel()
-    except Exception:  # noqa: BLE001 - a poller bug must not hide the soak's result
-        pass
-
-
-async def _healthy(client: httpx.AsyncClient, url: str) -> bool:
-    try:
-        return (await client.get(f"{url}/health")).status_code == 200
-    except (httpx.HTTPError, OSError):
-        return False
-
-
-def _answers(url: str) -> bool:
-    with httpx.Client(trust_env=False, timeout=httpx.Timeout(5.0)) as c:
-        for path in ("/health", "/v1/models"):
-            try:
-                if c.get(f"{url}{path}").status_code == 200:
-                    return True
-            except (httpx.HTTPError, OSError):
-                continue
-    return False
-
-
-def _served_model(url: str) -> str | None:
-    """The first model id the server lists (what requests must name); None if it lists none."""
-    try:
-        with httpx.Client(trust_env=False, timeout=httpx.Timeout(5.0)) as c:
-            data = c.get(f"{url}/v1/models").json()
-        first = data["data"][0]["id"]
-        return str(first) if first else None
-    except (httpx.HTTPError, OSError, ValueError, KeyError, IndexError, TypeError):
-        return None
-
-
-def _server_pids(s: _Subject) -> list[int]:
-    """The server's processes whose CPU time the saturation judgement reads (API server and children)."""
-    if s.root_pid is None:
-        return []
-
-    return process_tree(s.root_pid) or [s.root_pid]
 
 
 def run_soak(opts: SoakOptions, out_dir: Path, console: Console) -> RunArtifacts:
@@ -701,4 +517,4 @@ def run_soak(opts: SoakOptions, out_dir: Path, console: Console) -> RunArtifacts
     return SoakRun(opts, out_dir, console).run()
 
 
-__all__ = ["SoakOptions", "SoakRun", "load_soak_scenario", "run_soak", "single_engine"]
+__all__ = ["SoakRun", "run_soak"]
