@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import statistics
 import sys
@@ -182,6 +183,14 @@ def long_run(server: VllmServer, out: Path, long_s: float, window_s: float) -> d
 
 
 def main() -> int:
+    tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-watch-"))
+    try:
+        return run(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def run(tmp: Path) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--pairs", type=int, default=10, help="alternating without/with rounds")
     ap.add_argument("--round-s", type=float, default=5.0)
@@ -191,7 +200,6 @@ def main() -> int:
     ap.add_argument("--long", action="store_true", help="10 minutes healthy under load, 10 idle: stalls reported")
     ap.add_argument("--long-s", type=float, default=600.0)
     args = ap.parse_args()
-    tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-watch-"))
     load_avg = os.getloadavg()[0]
     if args.long:
         server = VllmServer(tmp / "vllm.log", max_num_seqs=1)
