@@ -21,17 +21,19 @@ from typing import TextIO
 import httpx
 
 from kvdiag import interrupts
+from kvdiag.analyze import analyze, diagnose
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
 from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
-from kvdiag.model import TimelineEvent
+from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole, TimelineEvent, Verdict
 from kvdiag.osread.net import listening_pids
 from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
-from kvdiag.runner import finish
+from kvdiag.outputs import finish
+from kvdiag.redact import redact_bundle
 from kvdiag.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.watch.exporter import WatchExporter
 from kvdiag.watch.local import LocalEngine, Located
@@ -39,9 +41,6 @@ from kvdiag.watch.looker import ServerLooker
 from kvdiag.watch.reading import Look
 from kvdiag.watch.retention import capture_dir, prune
 from kvdiag.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel, WatchOutcome
-
-RAY_NOT_YET = ("a Ray deployment's engines are captured through `kvdiag capture --ray`, which this build "
-               "does not have yet: run kvdiag watch on each engine's node (or pod) instead")
 
 
 @dataclass
@@ -59,6 +58,10 @@ class WatchOptions:
     duration_s: float | None = None
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     capture_timeout_s: float = 10.0
+    ray: str | None = None           # capture a stall through the Ray fleet path (every node) instead
+    # the fleet path's capture (address, bundle folder, timeout, tools) -> merged bundle; given by the CLI
+    ray_capture: Callable[[str, Path, float, list[str]], Bundle] | None = None
+    verbose: bool = False            # a stderr line per look (else one per engine a minute)
 
     def validate(self) -> None:
         """Usage errors before anything starts."""
@@ -136,17 +139,18 @@ def locate(url: str, pid_hint: int | None = None) -> Located:
     return Located(server, cores[0])
 
 
-def capture_stall(req: CaptureRequest, opts: WatchOptions, t0: float, clock: Callable[[], float]) -> CaptureResult:
-    """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
-    --engine-core-of``), with the watch's metrics and timeline in the bundle; prune to --keep."""
-    scope = capture_scope(req.core_pid)
-    if scope.problems:
-        raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
-    out_dir = capture_dir(opts.out, req.engine)
-    bundle_dir = out_dir / "bundle"
-    bundle_dir.mkdir(parents=True, exist_ok=True)
-    bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
-                          command=f"watch --url {req.url}", pids=scope.pids)
+def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
+    """The EngineCore's evidence already names its hang: its workers then need no pausing tool (the early
+    stop of ``kvdiag capture``)."""
+    v = analyze(Bundle(processes=evidence, findings=findings))
+    cores = {e.pid for e in evidence if e.role is ProcessRole.ENGINE_CORE}
+    if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
+        return f"the EngineCore's evidence decided ({v.kind.value})"
+    return None
+
+
+def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
+    """What the watch saw, in the bundle: the engine's metrics and when progress stopped."""
     bundle.stall_detected = True
     bundle.stall_window_s = req.window_s
     # The engine's metrics as the watch read them; one engine per bundle, so they name none.
@@ -157,11 +161,82 @@ def capture_stall(req: CaptureRequest, opts: WatchOptions, t0: float, clock: Cal
         TimelineEvent(t=round(req.detected_t, 3), event="stall detected", engine=req.engine,
                       detail=f"requests in flight, no progress for {req.window_s:g}s"),
     ]
-    arts = finish(out_dir, bundle, verdict_t=clock() - t0)
+
+
+def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None], opts: WatchOptions, t0: float,
+                  clock: Callable[[], float]) -> CaptureResult:
+    """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
+    --engine-core-of``; with --ray, every node of the cluster as ``kvdiag capture --ray``), with the watch's
+    metrics and timeline in the bundle; ``announce`` the verdict as soon as the evidence is in; prune to --keep."""
+    out_dir = capture_dir(opts.out, req.engine)
+    bundle_dir = out_dir / "bundle"
+    bundle_dir.mkdir(parents=True, exist_ok=True)
+    command = f"watch --url {req.url}"
+    known: list[Diagnosis] = []
+
+    def early(partial: Bundle) -> None:
+        _add_watch_record(partial, req)
+        known.append(diagnose(redact_bundle(partial)))
+        announce(_result(known[0].verdict, known[0].exit_code, out_dir, None))
+
+    if opts.ray is not None:
+        if opts.ray_capture is None:
+            raise UsageError("--ray: this kvdiag has no fleet capture")
+        bundle = opts.ray_capture(opts.ray, bundle_dir, opts.capture_timeout_s, opts.tools)
+        bundle.command = f"{command} --ray {opts.ray}"
+        _add_watch_record(bundle, req)
+    else:
+        if req.core_pid is None:
+            raise UsageError(f"{req.engine}: no local EngineCore to capture")
+        scope = capture_scope(req.core_pid)
+        if scope.problems:
+            raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
+        bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
+                              command=command, pids=scope.pids, save=False, decides=core_decides, on_evidence=early)
+        if not known:
+            _add_watch_record(bundle, req)
+    arts = finish(out_dir, bundle, verdict_t=clock() - t0, diagnosis=known[0] if known else None)
     prune(opts.out, opts.keep)
-    v = arts.verdict
-    return CaptureResult(kind=v.kind.value, summary=v.summary, confidence=v.confidence.value,
-                         exit_code=arts.exit_code, out=str(out_dir), stall_to_verdict_s=arts.bundle.stall_to_verdict_s)
+    return _result(arts.verdict, arts.exit_code, out_dir, arts.bundle.stall_to_verdict_s)
+
+
+def _result(v: Verdict, exit_code: int, out_dir: Path, stall_to_verdict_s: float | None) -> CaptureResult:
+    return CaptureResult(kind=v.kind.value, summary=v.summary, confidence=v.confidence.value, exit_code=exit_code,
+                         out=str(out_dir), stall_to_verdict_s=stall_to_verdict_s)
+
+
+def status_line(tr: EngineTracker, look: Look, took_s: float) -> str:
+    """One stderr line about the last look at an engine."""
+    m = look.metrics
+    if m is None:
+        return f"{tr.name}: no answer ({look.error}); look took {took_s:.2f}s"
+    parts = [f"{tr.name}: in flight {m.in_flight if m.in_flight is not None else '-'}",
+             f"progress {m.progress:.0f}" if m.progress is not None else "progress -",
+             f"/health {look.health}"]
+    if m.kv_cache_usage is not None:
+        parts.append(f"KV {m.kv_cache_usage:.0%}")
+    if m.in_flight:
+        parts.append(f"quiet {tr.quiet_s:.1f}s")
+    if look.core is not None:
+        parts.append(f"EngineCore {look.core.pid} {look.core.state} {look.core.wchan or '-'} "
+                     f"CPU {tr.cpu_pct if tr.cpu_pct is not None else '-'}%")
+    parts.append(f"look {took_s:.2f}s")
+    return ", ".join(parts)
+
+
+class _StatusLines:
+    """Every look with --verbose, else one line per engine every ``every_s``."""
+
+    def __init__(self, human: Callable[[str], None], verbose: bool, clock: Callable[[], float],
+                 every_s: float = 60.0) -> None:
+        self.human, self.verbose, self.clock, self.every_s = human, verbose, clock, every_s
+        self._last: dict[str, float] = {}
+
+    def __call__(self, tr: EngineTracker, look: Look, took_s: float) -> None:
+        now = self.clock()
+        if self.verbose or now - self._last.get(tr.name, -1e9) >= self.every_s:
+            self._last[tr.name] = now
+            self.human(status_line(tr, look, took_s))
 
 
 class _StopFlag:
@@ -193,10 +268,11 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             hint = opts.pids[i] if opts.pids else None
             local = LocalEngine(locate=partial(locate, url, hint), clock=clock)
             local.refresh(force=True)
-            tr = EngineTracker(name, url, opts.window_s, period_s=opts.period_s, cooldown_s=opts.cooldown_s, t0=t0)
+            tr = EngineTracker(name, url, opts.window_s, period_s=opts.period_s, cooldown_s=opts.cooldown_s, t0=t0,
+                               capture_remote=opts.ray is not None)
             trackers.append(tr)
             lookers[name] = ServerLooker(url, client, local, clock=clock)
-            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out)}
+            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out), "ray": opts.ray}
         if opts.metrics_port is not None:
             exporter = WatchExporter(trackers)
             port = exporter.serve(opts.metrics_port, opts.metrics_addr)
@@ -205,10 +281,11 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             for f in start_fields.values():
                 f["metrics_port"] = port
         sentinel = Sentinel(trackers=trackers, lookers=lookers,
-                            capture=lambda req: capture_stall(req, opts, t0, clock), sink=sink, clock=clock,
+                            capture=lambda req, announce: capture_stall(req, announce, opts, t0, clock),
+                            sink=sink, clock=clock,
                             wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
                             duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
-                            stop_reason=lambda: flag.reason)
+                            stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock))
         with interrupts.on_stop(flag.stop, signals=interrupts.STOP_SIGNALS):
             outcome = sentinel.run()
         return outcome
@@ -221,4 +298,4 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             exporter.close()
 
 
-__all__ = ["RAY_NOT_YET", "WatchOptions", "capture_stall", "engine_name", "locate", "run_watch"]
+__all__ = ["WatchOptions", "core_decides", "capture_stall", "engine_name", "locate", "run_watch"]

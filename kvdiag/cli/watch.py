@@ -8,8 +8,15 @@ from pathlib import Path
 import typer
 
 from kvdiag.defaults import DEFAULT_TOOLS, WATCH_WINDOW_S
-from kvdiag.errors import ExitCode, UsageError
-from kvdiag.watchrun import RAY_NOT_YET, WatchOptions, run_watch
+from kvdiag.errors import ExitCode
+from kvdiag.fleet.ray import capture_cluster
+from kvdiag.model import Bundle
+from kvdiag.watchrun import WatchOptions, run_watch
+
+
+def _ray_capture(address: str, bundle_dir: Path, timeout_s: float, tools: list[str]) -> Bundle:
+    return capture_cluster(address, bundle_dir, timeout_s=timeout_s, backends=tools,
+                           progress=lambda m: typer.echo(f"kvdiag watch: {m}", err=True))
 
 
 def _human(line: str) -> None:
@@ -40,8 +47,12 @@ def watch_cmd(
                                           "until SIGTERM/SIGHUP).", show_default=False),
     tools: str = typer.Option(",".join(DEFAULT_TOOLS), "--tools", help="Capture backends, comma-separated."),
     capture_timeout: float = typer.Option(10.0, "--capture-timeout", help="Bound on one capture, seconds."),
-    ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture through the Ray fleet path "
-                                   "(not in this build).", show_default=False),
+    verbose: bool = typer.Option(False, "--verbose", "-v", help="A stderr line for every look (default: one "
+                                 "per engine a minute)."),
+    ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture a stall on every node of this "
+                                   "Ray cluster (as `kvdiag capture --ray`; 'auto': the one `ray` connects to) "
+                                   "instead of the local EngineCore; needs `pip install 'kvdiag[ray]'`.",
+                                   show_default=False),
 ) -> int:
     """Follow running vLLM servers passively (no load of its own) and name a stall.
 
@@ -51,17 +62,16 @@ def watch_cmd(
     --window seconds, whatever /health says; no requests is idle; a restarted server is an
     event. A stall is captured once, read-only (as `kvdiag capture --engine-core-of`), into a
     report folder under --out; then the watch goes on (--cooldown), or ends with --once.
-    Events are JSON lines on stdout (start, stall, verdict, restart, recovered, error, stop),
+    Events are JSON lines on stdout (start, stall, verdict, report, restart, recovered, error, stop),
     progress on stderr. The watched processes are never signalled or stopped.
     SIGTERM/SIGHUP stop it cleanly. Exit codes: 0 stopped cleanly, 10 a stall named (--once),
     2 bad usage.
     """
-    if ray is not None:
-        raise UsageError(f"--ray: {RAY_NOT_YET}")
     opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
                         keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
                         duration_s=duration, tools=[t.strip() for t in tools.split(",") if t.strip()],
-                        capture_timeout_s=capture_timeout)
+                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose,
+                        ray_capture=_ray_capture)
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
     _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")

@@ -13,11 +13,12 @@ from typing import Any, TextIO
 START = "start"
 STALL = "stall"
 VERDICT = "verdict"
+REPORT = "report"     # the verdict's report folder is written (the verdict comes first, as soon as it is known)
 RESTART = "restart"
 RECOVERED = "recovered"
 ERROR = "error"
 STOP = "stop"
-EVENTS = (START, STALL, VERDICT, RESTART, RECOVERED, ERROR, STOP)
+EVENTS = (START, STALL, VERDICT, REPORT, RESTART, RECOVERED, ERROR, STOP)
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,8 @@ class WatchEvent:
                     f"{f.get('quiet_s')}s, /health {f.get('health')}{where}")
         if self.event == VERDICT:
             return f"{who}verdict {f.get('kind')} ({f.get('confidence')}): {f.get('summary')}; report {f.get('out')}"
+        if self.event == REPORT:
+            return f"{who}report written: {f.get('out')}"
         if self.event == RESTART:
             return f"{who}server restarted ({'; '.join(f.get('reasons', []))})"
         if self.event == RECOVERED:
@@ -84,5 +87,5 @@ class EventSink:
             listener(ev)
 
 
-__all__ = ["ERROR", "EVENTS", "RECOVERED", "RESTART", "START", "STALL", "STOP", "VERDICT", "EventSink",
+__all__ = ["ERROR", "EVENTS", "RECOVERED", "REPORT", "RESTART", "START", "STALL", "STOP", "VERDICT", "EventSink",
            "WatchEvent"]

@@ -18,7 +18,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.events import ERROR, RECOVERED, RESTART, STALL, START, STOP, VERDICT, EventSink, WatchEvent
+from kvdiag.watch.events import (
+    ERROR,
+    RECOVERED,
+    REPORT,
+    RESTART,
+    STALL,
+    START,
+    STOP,
+    VERDICT,
+    EventSink,
+    WatchEvent,
+)
 from kvdiag.watch.reading import CoreSample, Look
 from kvdiag.watch.stall import ServingStall
 
@@ -39,6 +50,7 @@ class EngineTracker:
     cooldown_s: float = 300.0
     t0: float = 0.0                     # run clock origin, for the snapshots' times
     history: int = 120                  # snapshots kept for the bundle
+    capture_remote: bool = False        # stalls are captured elsewhere (the Ray fleet path): no local EngineCore needed
     reachable: bool | None = None
     unreachable_since: float | None = None
     in_stall: bool = False
@@ -56,6 +68,7 @@ class EngineTracker:
     _start_time: float | None = None
     _progress: float | None = None
     _cpu_prev: tuple[float, int, int] | None = None   # (t, pid, ticks)
+    _gaps: deque[float] = field(default_factory=lambda: deque(maxlen=20))
 
     def __post_init__(self) -> None:
         if self.window_s <= 0:
@@ -63,9 +76,14 @@ class EngineTracker:
         self._stall = self._new_stall()
 
     def _new_stall(self) -> ServingStall:
-        # A look that comes long after the previous one (the loop was capturing another engine,
-        # or starved of CPU) is not evidence: its first look never fires.
-        return ServingStall(self.window_s, clock=self._now, max_blind_s=max(3.0 * self.period_s, 2.0))
+        return ServingStall(self.window_s, clock=self._now, max_blind_s=self._blind_after())
+
+    def _blind_after(self) -> float:
+        """A look that comes this long after the previous one (the loop was capturing another engine, or
+        starved of CPU) is not evidence: it never fires. Relative to how long looks usually take here, so a
+        server whose /metrics is always slow is still judged."""
+        usual = sorted(self._gaps)[(len(self._gaps) - 1) // 2] if self._gaps else 0.0
+        return max(3.0 * self.period_s, 2.0, 3.0 * usual)
 
     def _now(self) -> float:
         return self.last_look.t if self.last_look is not None else 0.0
@@ -79,6 +97,8 @@ class EngineTracker:
         """Feed one look; returns the events it makes (none most of the time)."""
         events: list[WatchEvent] = []
         prev = self.last_look
+        if prev is not None and look.t > prev.t:
+            self._gaps.append(look.t - prev.t)
         self.last_look = look
         self._note_cpu(look)
         if look.metrics is None:
@@ -111,6 +131,7 @@ class EngineTracker:
         while len(self.snapshots) > self.history:
             self.snapshots.popleft()
         assert self._stall is not None
+        self._stall.max_blind_s = self._blind_after()
         in_flight = m.in_flight or 0
         stalled = self._stall.observe(in_flight, m.progress, now=look.t)
         if stalled and not self.in_stall:
@@ -172,7 +193,7 @@ class EngineTracker:
         assert m is not None and self.stall_onset is not None
         quiet = round(look.t - self.stall_onset, 2)
         capture, why_not = True, None
-        if look.core is None:
+        if look.core is None and not self.capture_remote:
             capture, why_not = False, "no local EngineCore (run kvdiag watch on the engine's host or pod, or --pid)"
         elif self.last_capture_t is not None and look.t - self.last_capture_t < self.cooldown_s:
             capture = False
@@ -206,7 +227,7 @@ class CaptureRequest:
 
     engine: str
     url: str
-    core_pid: int
+    core_pid: int | None         # None: captured through the fleet path
     server_pid: int | None
     window_s: float
     onset_t: float          # run clock (seconds since the watch started)
@@ -241,7 +262,8 @@ class Sentinel:
 
     trackers: list[EngineTracker]
     lookers: dict[str, Callable[[], Look]]
-    capture: Callable[[CaptureRequest], CaptureResult]
+    # capture(request, announce): announce(result) as soon as the verdict is known (optional), return it
+    capture: Callable[[CaptureRequest, Callable[[CaptureResult], None]], CaptureResult]
     sink: EventSink
     clock: Clock
     wait: Callable[[float], bool]           # sleeps up to S seconds; True when asked to stop
@@ -251,6 +273,7 @@ class Sentinel:
     start_fields: dict[str, dict[str, Any]] = field(default_factory=dict)
     wall: Clock | None = None
     stop_reason: Callable[[], str] | None = None   # why ``wait`` said stop (a signal's name)
+    progress: Callable[[EngineTracker, Look, float], None] | None = None   # each look, and how long it took
 
     def run(self) -> WatchOutcome:
         out = WatchOutcome()
@@ -259,7 +282,10 @@ class Sentinel:
         while True:
             tick = self.clock()
             for tr in self.trackers:
+                before = self.clock()
                 look = self._look(tr)
+                if self.progress is not None:
+                    self.progress(tr, look, self.clock() - before)
                 if first:
                     self.sink.emit(WatchEvent(START, tr.name, look.wall, {
                         "url": tr.url, "window_s": tr.window_s, "period_s": self.period_s, "once": self.once,
@@ -294,21 +320,36 @@ class Sentinel:
             return Look(t=self.clock(), wall=wall, metrics=None, error=f"{type(exc).__name__}: {exc}"[:200])
 
     def _on_stall(self, tr: EngineTracker, ev: WatchEvent, look: Look, out: WatchOutcome) -> None:
-        if not ev.fields.get("capture") or look.core is None:
+        if not ev.fields.get("capture"):
             return
         tr.note_capture(look.t)
         onset = tr.stall_onset if tr.stall_onset is not None else look.t
-        req = CaptureRequest(engine=tr.name, url=tr.url, core_pid=look.core.pid, server_pid=look.server_pid,
-                             window_s=tr.window_s, onset_t=onset - tr.t0, detected_t=look.t - tr.t0,
+        req = CaptureRequest(engine=tr.name, url=tr.url, core_pid=look.core.pid if look.core else None,
+                             server_pid=look.server_pid, window_s=tr.window_s, onset_t=onset - tr.t0,
+                             detected_t=look.t - tr.t0,
                              onset_wall=look.wall - (look.t - onset), snapshots=tuple(tr.snapshots))
+        said: list[CaptureResult] = []
+
+        def announce(res: CaptureResult) -> None:
+            # The verdict as soon as the evidence names it; the report folder is being written.
+            if not said:
+                said.append(res)
+                self._verdict(tr, req, res)
+
         try:
-            res = self.capture(req)
+            res = self.capture(req, announce)
         except Exception as exc:  # noqa: BLE001 - a failed capture is an event; the watch goes on
             self.sink.emit(WatchEvent(ERROR, tr.name, self._wall_now(look), {
                 "kind": "capture", "error": f"{type(exc).__name__}: {getattr(exc, 'message', exc)}"[:300]}))
             return
         out.named += 1
-        wall = self._wall_now(look)
+        if not said:
+            self._verdict(tr, req, res)
+        self.sink.emit(WatchEvent(REPORT, tr.name, self._wall_now(look), {
+            "kind": res.kind, "out": res.out, "stall_to_verdict_s": res.stall_to_verdict_s}))
+
+    def _verdict(self, tr: EngineTracker, req: CaptureRequest, res: CaptureResult) -> None:
+        wall = self.wall() if self.wall is not None else req.onset_wall
         self.sink.emit(WatchEvent(VERDICT, tr.name, wall, {
             "kind": res.kind, "summary": res.summary, "confidence": res.confidence, "exit_code": res.exit_code,
             "out": res.out, "stall_to_verdict_s": res.stall_to_verdict_s,

@@ -12,7 +12,9 @@ import httpx
 
 
 class SteadyLoad:
-    """``streams`` back-to-back streaming completions of ``max_tokens`` each until :meth:`stop`."""
+    """``streams`` back-to-back streaming completions until :meth:`stop`; stream i asks for ``max_tokens + 9 i``
+    tokens, so the streams drift out of step and the server nearly always has a request running (streams of
+    one length finish in the same engine step, and the server's gauges then say 0 running between requests)."""
 
     def __init__(self, url: str, model: str | None, streams: int = 2, max_tokens: int = 32,
                  read_timeout_s: float = 120.0) -> None:
@@ -35,13 +37,14 @@ class SteadyLoad:
         for i in range(self.streams):
             client = httpx.Client(trust_env=False, timeout=httpx.Timeout(10.0, read=self.read_timeout_s))
             self._clients.append(client)
-            t = threading.Thread(target=self._run, args=(client,), name=f"steady-load-{i}", daemon=True)
+            t = threading.Thread(target=self._run, args=(client, self.max_tokens + 9 * i), name=f"steady-load-{i}",
+                                 daemon=True)
             t.start()
             self._threads.append(t)
         return self
 
-    def _run(self, client: httpx.Client) -> None:
-        body: dict[str, object] = {"prompt": "steady load", "max_tokens": self.max_tokens, "stream": True,
+    def _run(self, client: httpx.Client, max_tokens: int) -> None:
+        body: dict[str, object] = {"prompt": "steady load", "max_tokens": max_tokens, "stream": True,
                                    "ignore_eos": True, "temperature": 0}
         if self.model:
             body["model"] = self.model
@@ -85,6 +88,26 @@ class SteadyLoad:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def wait_engine_busy(url: str, timeout_s: float = 20.0) -> bool:
+    """Poll /metrics until the engine reports a request running or waiting (the gauges the EngineCore last
+    published; a tiny model's engine is idle between requests much of the time, waiting for the API server)."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(trust_env=False, timeout=2.0) as client:
+        while time.monotonic() < deadline:
+            try:
+                text = client.get(f"{url.rstrip('/')}/metrics").text
+            except (httpx.HTTPError, OSError):
+                text = ""
+            busy = 0.0
+            for line in text.splitlines():
+                if line.startswith(("vllm:num_requests_running{", "vllm:num_requests_waiting{")):
+                    busy += float(line.rsplit(" ", 1)[1])
+            if busy > 0:
+                return True
+            time.sleep(0.02)
+    return False
 
 
 def served_model(url: str) -> str | None:

@@ -70,6 +70,8 @@ def test_a_stopped_engine_core_is_named_and_the_watch_goes_on(tmp_path: Path) ->
                 assert verdict is not None, w.diag()
                 assert verdict["kind"] == "stopped", verdict
                 assert str(core) in verdict["summary"]
+                report = w.wait_event("report", 30)
+                assert report is not None and report["out"] == verdict["out"], w.diag()
                 assert (Path(verdict["out"]) / "report.json").is_file()
                 assert (Path(verdict["out"]) / "bundle" / "bundle.json").is_file()
                 # left as found: still stopped by us, traced by nobody

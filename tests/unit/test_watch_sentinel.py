@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -156,7 +157,7 @@ def _sentinel(ft: FakeTime, tokens_until: float, once: bool, captures: list[Capt
         t = ft.now
         return look(t, running=2, tokens=min(t, tokens_until) * 10)
 
-    def capture(req: CaptureRequest) -> CaptureResult:
+    def capture(req: CaptureRequest, announce: Callable[[CaptureResult], None]) -> CaptureResult:
         captures.append(req)
         ft.now += 1.5          # a capture takes time
         return CaptureResult("gil_cycle", "a cycle", "high", 10, "/tmp/x", 1.5)
@@ -169,7 +170,7 @@ def test_loop_once_captures_the_stall_and_stops() -> None:
     ft, caps, out = FakeTime(), [], io.StringIO()
     outcome = _sentinel(ft, 5.0, True, caps, out).run()
     lines = [json.loads(x) for x in out.getvalue().splitlines()]
-    assert [x["event"] for x in lines] == ["start", "stall", "verdict", "stop"]
+    assert [x["event"] for x in lines] == ["start", "stall", "verdict", "report", "stop"]
     assert outcome.once_hit and outcome.named == 1 and len(caps) == 1
     assert caps[0].onset_t == 5.0 and caps[0].detected_t == 8.0 and caps[0].core_pid == 11
     verdict = lines[2]
@@ -181,7 +182,7 @@ def test_loop_keeps_watching_after_a_stall_and_stops_on_request() -> None:
     ft.stop_at = 60.0
     outcome = _sentinel(ft, 5.0, False, caps, out).run()
     evs = [json.loads(x)["event"] for x in out.getvalue().splitlines()]
-    assert evs == ["start", "stall", "verdict", "stop"]     # one stall, captured once
+    assert evs == ["start", "stall", "verdict", "report", "stop"]     # one stall, captured once
     assert not outcome.once_hit and outcome.stalls == 1 and ft.now >= 60.0
 
 
@@ -195,7 +196,7 @@ def test_a_failing_look_or_capture_never_ends_the_watch() -> None:
             raise RuntimeError("parser bug")
         return look(ft.now, running=1, tokens=1)
 
-    def capture(req: CaptureRequest) -> CaptureResult:
+    def capture(req: CaptureRequest, announce: Callable[[CaptureResult], None]) -> CaptureResult:
         raise OSError("disk full")
 
     Sentinel([tr], {"e": looker}, capture, EventSink(out), ft.clock, ft.wait, wall=lambda: ft.now).run()
@@ -246,3 +247,10 @@ def test_retention_keeps_the_newest_and_only_touches_its_own_folders(tmp_path: P
     assert gone == made[:3]
     assert watch_captures(tmp_path) == made[3:]
     assert (tmp_path / "stall-mine").is_dir() and (tmp_path / "notes").is_dir()
+
+
+def test_a_server_whose_looks_are_always_slow_is_still_judged() -> None:
+    # /metrics of a busy API server can take seconds every time: every gap is long, none is a blind spell.
+    tr = EngineTracker("e", "http://x", window_s=6.0, period_s=0.5)
+    looks = [look(t * 2.5, running=2, tokens=min(t, 4)) for t in range(0, 12)]
+    assert [ev for _, ev, _ in events(tr, looks)] == ["stall"]
