@@ -5,7 +5,7 @@ Bundles (real captures, tests/fixtures/bundles):
   simulated engines idle and healthy (API server + EngineCore each, fd peers from /proc);
 - vllm_two_engine_stock: the real vLLM CPU two-engine stock run (tests/vllm), engine 2's EngineCore
   hung in a GIL cycle while its API server and Worker wait on it;
-- vllm_idle: a real idle vLLM tree (API server, EngineCore, Worker; /work/shared/vllm shapes), captured
+- vllm_idle: a real idle vLLM tree (API server, EngineCore, Worker; the shared vLLM captures), captured
   before the fd peers existed: the peers are added here as capture/fds.py reports them.
 """
 
