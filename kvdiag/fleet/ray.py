@@ -236,7 +236,9 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         t2 = time.monotonic()
         answers = run_node_captures(ray, by_node, timeout_s=timeout_s, backends=backends, command=command)
         timings["nodes"] = round(time.monotonic() - t2, 3)
-        alive = _alive_now(ray) if any(a.outcome != "captured" for a in answers.values()) else set()
+        # Asked after every capture: a node can die after its capture task answered (a small result travels
+        # to the driver without its raylet), and what such a node sent is the evidence of a dying host.
+        alive = _alive_now(ray)
     finally:
         ray.shutdown()
     parts: list[NodePart] = []
@@ -267,6 +269,12 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         record.bytes_moved = len(answer.pack)
         folder = out_bundle_dir / NODES_DIR / node_dir_name(name)
         unpack_dir(answer.pack, folder)
+        if alive and node.node_id not in alive:
+            # Kept in the output folder, not judged: its processes were being killed while they were read.
+            record.outcome = "died"
+            record.reason = f"the node died during capture (what it sent is kept in {NODES_DIR}/{folder.name})"
+            parts.append(NodePart(record))
+            continue
         bundle, _ = load_bundle(folder)
         _name_engines(bundle, {t.pid: t.label for t in sel.by_node().get(node.node_id, [])})
         refusal = _access_refusal(bundle)
