@@ -71,9 +71,10 @@ def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> Non
 
 
 SHM_DIR = "/dev/shm"
-# multiprocessing.shared_memory segments: vLLM's broadcast queues (psm_<hex>), left behind when their
-# owner is killed. They cannot be redirected to the run's folder, so they are swept instead.
-SHM_PREFIXES = ("psm_",)
+# multiprocessing.shared_memory segments (vLLM's broadcast queues, psm_<hex>) and multiprocessing's named
+# semaphores (sem.mp-<id>), left behind when their owner and its resource tracker are killed together.
+# They cannot be redirected to the run's folder, so they are swept instead.
+SHM_PREFIXES = ("psm_", "sem.mp-")
 # vLLM CPU's tensor-parallel all-reduce segments, ``<ident>-<group>-cpushm_<rank>``, named after the
 # rendezvous file ``$TMPDIR/vllm_dist_<hex>`` of the engine (its VLLM_DIST_IDENT). vLLM never unlinks them,
 # not even on a clean shutdown. The run's own are known exactly from the files in its TMPDIR.

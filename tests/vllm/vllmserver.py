@@ -20,6 +20,7 @@ from pathlib import Path
 import httpx
 
 from kvdiag.allocator import remove_device_files
+from kvdiag.launch.reaper import sweep_shm, vllm_dist_idents
 from kvdiag.launch.vllm import default_model, find_vllm, native_library, stage_plugin
 from kvdiag.osread.children import children
 from kvdiag.ports import free_port
@@ -69,6 +70,7 @@ class VllmServer:
                 "--enforce-eager", "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "4M"]
         if self.max_num_seqs is not None:
             argv += ["--max-num-seqs", str(self.max_num_seqs)]
+        self.started = time.time()
         with open(self.log_path, "ab", buffering=0) as log:
             self.popen = subprocess.Popen(argv, env=self.env(), stdin=subprocess.DEVNULL, stdout=log,
                                           stderr=subprocess.STDOUT, start_new_session=True, close_fds=True)
@@ -133,6 +135,8 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 pass
         remove_device_files(self.device)
+        # What the killed tree left in /dev/shm (its queues, semaphores, TP segments), as kvdiag's own teardown does.
+        sweep_shm(getattr(self, "started", time.time()), owned=vllm_dist_idents([self.private]))
         shutil.rmtree(self.private, ignore_errors=True)
 
     def __enter__(self) -> VllmServer:
