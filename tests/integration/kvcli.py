@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -53,3 +54,20 @@ def assert_one_raw_layout(bundle_dir: Path) -> int:
     if raw.is_dir():
         assert {d.name for d in raw.iterdir()} <= pids, sorted(d.name for d in raw.iterdir())
     return n
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Live (non-zombie) processes whose environment carries KVDIAG_TEST_MARKER=``marker``."""
+    needle = f"KVDIAG_TEST_MARKER={marker}".encode()
+    out = []
+    for e in os.listdir("/proc"):
+        if not e.isdigit():
+            continue
+        try:
+            env = Path(f"/proc/{e}/environ").read_bytes()
+            state = Path(f"/proc/{e}/stat").read_bytes().rsplit(b")", 1)[-1].split()[0]
+        except OSError:
+            continue
+        if state != b"Z" and needle in env.split(b"\0"):
+            out.append(int(e))
+    return out

@@ -17,6 +17,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kvcli import marked_pids as _marked
 
 HERE = Path(__file__).resolve().parent
 STUBBORN = HERE.parent / "fixtures" / "engines" / "stubborn.py"
@@ -44,22 +45,6 @@ engines:
     path = tmp / "s.yaml"
     path.write_text(text)
     return path
-
-
-def _marked(marker: str) -> list[int]:
-    needle = f"KVDIAG_TEST_MARKER={marker}".encode()
-    out = []
-    for e in os.listdir("/proc"):
-        if not e.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{e}/environ").read_bytes()
-            state = Path(f"/proc/{e}/stat").read_bytes().rsplit(b")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if state != b"Z" and needle in env.split(b"\0"):
-            out.append(int(e))
-    return out
 
 
 def _wait_gone(marker: str, bound_s: float) -> list[int]:

@@ -19,6 +19,7 @@ import uuid
 from pathlib import Path
 
 import pytest
+from kvcli import marked_pids as _marked
 
 from kvdiag.allocator import native_module
 
@@ -35,22 +36,6 @@ def _env(tmp: Path, marker: str) -> dict[str, str]:
 
 def _sweep(args: list[str]) -> list[str]:
     return [sys.executable, "-m", "kvdiag", "sweep", *args]
-
-
-def _marked(marker: str) -> list[int]:
-    needle = f"KVDIAG_TEST_MARKER={marker}".encode()
-    out = []
-    for e in os.listdir("/proc"):
-        if not e.isdigit():
-            continue
-        try:
-            env = Path(f"/proc/{e}/environ").read_bytes()
-            state = Path(f"/proc/{e}/stat").read_bytes().rsplit(b")", 1)[-1].split()[0]
-        except OSError:
-            continue
-        if state != b"Z" and needle in env.split(b"\0"):
-            out.append(int(e))
-    return out
 
 
 def _assert_nothing_left(out: Path, tmp: Path, marker: str) -> None:
