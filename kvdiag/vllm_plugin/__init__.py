@@ -19,6 +19,8 @@ With the stock allocator and the seed's engine-2 pool (5 pages == min_reserved_p
 for real in the GIL cycle of kvcached issue #371; with the fixed one the engine starts and serves.
 ``KVDIAG_VLLM_STALL_AFTER_S=T`` (optional) injects that same start-up path once, T seconds into
 serving, on the EngineCore main thread: a runtime stall whose cause is known.
+``KVDIAG_VLLM_STEP_DELAY_MS=D`` (optional) makes each EngineCore step with requests D ms longer, the step
+time of a real model (a tiny one steps faster than the API server can stream, so nothing queues in it).
 
 With ``KVDIAG_VLLM_HANG_RANK=R`` as well, the stall goes into one worker instead: the worker of rank R
 (tensor-parallel rank R of a TP-only engine) builds the stock engine-2 pool on its main thread in the
@@ -46,6 +48,7 @@ from kvdiag.allocator import kvcached_env_kwargs, make_allocator
 ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
 STALL_ENV = "KVDIAG_VLLM_STALL_AFTER_S"
 HANG_RANK_ENV = "KVDIAG_VLLM_HANG_RANK"
+STEP_DELAY_ENV = "KVDIAG_VLLM_STEP_DELAY_MS"
 MB = 1024 * 1024
 GB = 1024 * MB
 
@@ -106,6 +109,9 @@ def register() -> None:
     from vllm.v1.core import block_pool
 
     _patch(block_pool.BlockPool, kind)
+    delay_ms = float(_env(STEP_DELAY_ENV, "0") or 0)
+    if delay_ms > 0:
+        _arm_step_delay(delay_ms / 1000.0)
     _installed = True
     _log.info("kvdiag plugin: %s page allocator will back the KV block pool (engine %s, pid %d)",
               kind, _env("KVDIAG_VLLM_ENGINE", "?"), os.getpid())
@@ -296,6 +302,26 @@ def _patch(cls: Any, kind: str) -> None:
     cls.free_blocks = free_blocks
 
 
+def _arm_step_delay(delay_s: float) -> None:
+    """Each engine step that has requests to schedule takes ``delay_s`` longer, as a real model's forward pass
+    does: a tiny model on a CPU steps faster than the API server streams, so its engine idles between requests
+    and its running/waiting gauges read 0 most of the time; with a real step time the engine is the bottleneck
+    and requests queue in it. The sleep releases the GIL (the input and output threads keep running)."""
+    from vllm.v1.core.sched import scheduler  # vLLM exists only inside its own processes: imported when armed
+
+    cls = scheduler.Scheduler
+    orig_schedule = cls.schedule
+
+    def schedule(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if len(self.running) + len(self.waiting) > 0:
+            time.sleep(delay_s)
+        return orig_schedule(self, *args, **kwargs)
+
+    cls.schedule = schedule
+    _log.info("kvdiag plugin: each engine step with requests takes %.0f ms longer (%s)", delay_s * 1000,
+              STEP_DELAY_ENV)
+
+
 def _arm_worker_stall(rank: int, after_s: float) -> None:
     """Make this worker's first forward pass ``after_s`` seconds after its first one (the worker is warm and
     serving: the first pass compiles kernels) build a stock engine-2 pool on the worker's main thread: the
@@ -327,4 +353,4 @@ def _arm_worker_stall(rank: int, after_s: float) -> None:
               rank, after_s, os.getpid())
 
 
-__all__ = ["ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "PoolBacking", "build_allocator", "register", "take_null_block"]
+__all__ = ["ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "STEP_DELAY_ENV", "PoolBacking", "build_allocator", "register", "take_null_block"]

@@ -50,10 +50,11 @@ def _wait_tokens(load: SteadyLoad, more_than: int, timeout_s: float) -> bool:
 
 
 def test_watch_names_a_stopped_engine_core_then_an_injected_gil_cycle(vllm_setup: VllmSetup, tmp_path: Path) -> None:
-    # More streams than the engine runs at once (one): requests always wait, so the gauges vLLM's EngineCore last
-    # published show work in flight whenever the injected stall lands (a frozen EngineCore publishes nothing:
-    # one that froze right after an idle step leaves 0 running and 0 waiting, invisible to /metrics).
-    server = VllmServer(tmp_path / "vllm.log", stall_after_s=STALL_AFTER_S, max_num_seqs=1)
+    # More streams than the engine runs at once (one), and a real model's step time: the tiny model alone steps
+    # faster than the API server streams, so its engine idles between requests and the gauges it last published
+    # (a frozen EngineCore publishes nothing) read 0 in flight, invisible to /metrics. With 40 ms steps requests
+    # queue in the engine, as they do in production, whenever the stall lands.
+    server = VllmServer(tmp_path / "vllm.log", stall_after_s=STALL_AFTER_S, max_num_seqs=1, step_delay_ms=40)
     watches: list[WatchProc] = []
     try:
         server.start()

@@ -28,12 +28,13 @@ from kvdiag.ports import free_port
 
 class VllmServer:
     def __init__(self, log_path: Path, stall_after_s: float | None = None, port: int | None = None,
-                 model: str | None = None, max_num_seqs: int | None = None) -> None:
+                 model: str | None = None, max_num_seqs: int | None = None, step_delay_ms: float | None = None) -> None:
         self.port = port or free_port("127.0.0.1")
         self.log_path = log_path
         self.model = model or default_model()
         self.stall_after_s = stall_after_s
         self.max_num_seqs = max_num_seqs
+        self.step_delay_ms = step_delay_ms
         self.device = f"kvdiag-watch-{uuid.uuid4().hex[:8]}"
         self.private = Path(tempfile.mkdtemp(prefix="kvdiag-watch-vllm-"))
         self.popen: subprocess.Popen[bytes] | None = None
@@ -63,6 +64,8 @@ class VllmServer:
             env["KVDIAG_NATIVE_PATH"] = native
         if self.stall_after_s is not None:
             env["KVDIAG_VLLM_STALL_AFTER_S"] = f"{self.stall_after_s:g}"
+        if self.step_delay_ms is not None:
+            env["KVDIAG_VLLM_STEP_DELAY_MS"] = f"{self.step_delay_ms:g}"
         return env
 
     def start(self) -> VllmServer:
