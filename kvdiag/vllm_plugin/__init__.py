@@ -353,4 +353,5 @@ def _arm_worker_stall(rank: int, after_s: float) -> None:
               rank, after_s, os.getpid())
 
 
-__all__ = ["ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "STEP_DELAY_ENV", "PoolBacking", "build_allocator", "register", "take_null_block"]
+__all__ = ["ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "STEP_DELAY_ENV", "PoolBacking", "build_allocator", "register",
+           "take_null_block"]
