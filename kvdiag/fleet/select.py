@@ -23,25 +23,29 @@ class RayNode:
 
 
 @dataclass(frozen=True)
+class NodeProcess:
+    """A process of the cluster: a pid names a process only together with its node's id."""
+
+    node_id: str
+    pid: int
+
+
+@dataclass(frozen=True)
 class RayActor:
     actor_id: str
     class_name: str
     name: str
     node_id: str
-    pid: int | None
+    pid: int | None                  # None: the actor has no process (dead, or not yet placed)
 
 
 @dataclass(frozen=True)
-class RayWorker:
-    node_id: str
-    pid: int
+class RayWorker(NodeProcess):
     worker_type: str                 # WORKER, DRIVER, SPILL_WORKER, RESTORE_WORKER
 
 
 @dataclass(frozen=True)
-class Target:
-    node_id: str
-    pid: int
+class Target(NodeProcess):
     label: str                       # "actor B (b)", "driver", "worker"
 
 
