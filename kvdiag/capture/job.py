@@ -24,7 +24,7 @@ from kvdiag.capture.untouched import Before, resume_if_left_stopped
 from kvdiag.model import Finding, TargetAccess, ToolRun
 
 # Order of the ptrace chain, whatever order the tools were named in: verdict-critical evidence first.
-CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
+_CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # gdb is optional evidence: it gets at most this long per process (the chains run in parallel, so this
 # bounds the whole capture's gdb time whatever the number of processes).
 GDB_BUDGET_S = 4.0
@@ -158,7 +158,7 @@ class ProcessJob:
             if i == 1:
                 self._focus_done()
             if self.slots is not None:
-                if not self.slots.acquire((CHAIN_ORDER.get(b.name, 9), self.rank), self._remaining()):
+                if not self.slots.acquire((_CHAIN_ORDER.get(b.name, 9), self.rank), self._remaining()):
                     spent = f"{b.name} skipped: capture budget of {self.timeout_s:.1f}s spent"
                     with self._lock:
                         self.results[b.name] = BackendResult(tool=ToolRun(tool=b.name, ok=False, error=spent))
@@ -215,7 +215,7 @@ class ProcessJob:
     def usable_backends(self) -> tuple[list[CaptureBackend], list[CaptureBackend]]:
         ready = [b for b in self.backends if b.name not in self.unavailable]
         quiet = [b for b in ready if not b.stops_target]
-        chain = sorted((b for b in ready if b.stops_target), key=lambda b: CHAIN_ORDER.get(b.name, 9))
+        chain = sorted((b for b in ready if b.stops_target), key=lambda b: _CHAIN_ORDER.get(b.name, 9))
         if not any(b.name == "proc" for b in quiet):
             self._proc_done.set()
         return quiet, chain

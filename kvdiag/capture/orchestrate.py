@@ -8,7 +8,7 @@ Schedule (parallel capture):
 2. as each window closes, that process's ptrace tools one after the other (Linux allows one tracer
    at a time), verdict-critical first: pystack --native-all (the interpreter's own GIL flags, Python
    and native frames); gdb only where pystack read no native frame (missing, refused, failed, timed
-   out), capped at GDB_BUDGET_S per process and loading the symbols of tools.GDB_LIBRARIES only;
+   out), capped at job.GDB_BUDGET_S per process and loading the symbols of tools.GDB_LIBRARIES only;
    py-spy --native only where pystack cannot read native frames;
 3. across processes, at most one ptrace tool per CPU at a time (:class:`~kvdiag.capture.slots.ToolSlots`), most urgent
    first; the focus processes' pystack (the EngineCore's) runs with the machine to itself, the other
