@@ -36,16 +36,15 @@ from kvdiag.redact import Tally
 class _ToolBackend:
     """Shared plumbing: resolve the binary, run it bounded, save raw output, parse."""
 
-    name = ""
-    binary = ""
-    stops_target = False
-    raw_name = ""
+    tool = ""         # the backend's name, its default binary and the stem of its raw output file
+    stops_target = True   # each of these tools pauses its target while it reads (py-spy --nonblocking aside)
     nice = 0          # > 0: lower CPU priority (a process outside the capture's focus); < 0: higher (the focus)
 
     def __init__(self, binary: str | None = None) -> None:
+        self.name = self.tool
         # An explicit path (or a name to look up) overrides the default tool name.
-        if binary is not None:
-            self.binary = binary
+        self.binary = binary if binary is not None else self.tool
+        self.raw_name = f"{self.tool}.txt"
 
     def _exe(self) -> str | None:
         if os.sep in self.binary:
@@ -93,10 +92,7 @@ class PystackBackend(_ToolBackend):
     """``native=False`` reads Python frames and GIL flags only (no native unwinding through every
     library: several times cheaper on a torch-sized process)."""
 
-    name = "pystack"
-    binary = "pystack"
-    stops_target = True
-    raw_name = "pystack.txt"
+    tool = "pystack"
 
     def __init__(self, binary: str | None = None, native: bool = True, lock_locals: bool = False) -> None:
         super().__init__(binary)
@@ -121,10 +117,7 @@ def pystack_lock_locals(binary: str | None = None) -> PystackBackend:
 
 
 class PyspyBackend(_ToolBackend):
-    name = "py-spy"
-    binary = "py-spy"
-    stops_target = True
-    raw_name = "py-spy.txt"
+    tool = "py-spy"
 
     def __init__(self, binary: str | None = None, native: bool = True) -> None:
         super().__init__(binary)
@@ -155,10 +148,7 @@ class GdbBackend(_ToolBackend):
     """gdb in batch mode. ``all_symbols=False`` (the default, "gdb") loads symbols of GDB_LIBRARIES only;
     "gdb-full" reads every library's symbols (slow on torch-sized processes)."""
 
-    name = "gdb"
-    binary = "gdb"
-    stops_target = True
-    raw_name = "gdb.txt"
+    tool = "gdb"
 
     def __init__(self, binary: str | None = None, all_symbols: bool = False) -> None:
         super().__init__(binary)

@@ -25,7 +25,7 @@ from kvdiag.errors import KvdiagError, ToolMissing, UsageError
 from kvdiag.fleet.merge import NODES_DIR, NodePart, merge_parts, node_dir_name
 from kvdiag.fleet.node import capture_on_node
 from kvdiag.fleet.pack import unpack_dir
-from kvdiag.fleet.select import RayActor, RayNode, RayWorker, Selection, node_names, select_targets
+from kvdiag.fleet.select import RayNode, RayWorker, Selection, node_names, select_targets
 from kvdiag.model import Bundle, Finding, FleetRecord, NodeOutcome, NodeRecord, RayActorRecord, RayTaskRecord
 
 RAY_HINT = "pip install 'kvdiag[ray]'  (Ray with its dashboard: the state API needs it)"
@@ -52,7 +52,7 @@ class ClusterView:
     """What Ray's state API says about the cluster when capture begins."""
 
     nodes: list[RayNode] = field(default_factory=list)
-    actors: list[RayActor] = field(default_factory=list)
+    actors: list[RayActorRecord] = field(default_factory=list)   # ``node`` is the node id here
     workers: list[RayWorker] = field(default_factory=list)
     tasks: list[RayTaskRecord] = field(default_factory=list)   # not finished; ``node`` is the node id here
     driver: tuple[str, int] = ("", 0)                          # kvdiag's own (node id, pid)
@@ -102,8 +102,8 @@ def discover(ray: Any) -> ClusterView:
     view = ClusterView(driver=(ray.get_runtime_context().get_node_id(), os.getpid()))
     view.nodes = [RayNode(node_id=n.node_id, address=_str(n.node_ip), head=bool(n.is_head_node),
                           alive=n.state == "ALIVE") for n in nodes]
-    view.actors = [RayActor(actor_id=a.actor_id, class_name=_str(a.class_name), name=_str(a.name),
-                            node_id=_str(a.node_id), pid=a.pid or None) for a in actors]
+    view.actors = [RayActorRecord(actor_id=a.actor_id, class_name=_str(a.class_name), name=_str(a.name),
+                                  node=_str(a.node_id), pid=a.pid or None, state="ALIVE") for a in actors]
     view.workers = [RayWorker(node_id=_str(w.node_id), pid=int(w.pid), worker_type=_str(w.worker_type))
                     for w in workers if w.pid]
     view.tasks = [RayTaskRecord(task_id=t.task_id, name=_str(t.name), state=_str(t.state), node=t.node_id or None,
@@ -282,9 +282,7 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
             record.outcome, record.reason = "refused", refusal
         parts.append(NodePart(record, bundle, folder))
     fleet = FleetRecord(source="ray", address=address, selector=sel.described, notes=list(sel.notes), timings=timings,
-                        actors=[RayActorRecord(actor_id=a.actor_id, class_name=a.class_name, name=a.name,
-                                               node=names.get(a.node_id), pid=a.pid, state="ALIVE")
-                                for a in view.actors],
+                        actors=[a.model_copy(update={"node": names.get(a.node or "")}) for a in view.actors],
                         tasks=[t.model_copy(update={"node": names.get(t.node or "", t.node)}) for t in view.tasks])
     merged = merge_parts(parts, command=command, fleet=fleet, out_bundle_dir=out_bundle_dir)
     for part in parts:   # a node whose every process refused ptrace is named, with the fix

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvdiag.errors import UsageError
+from kvdiag.model import RayActorRecord
 
 SELECTORS = ("vllm", "actors", "workers")
 # vLLM's Ray actors: the tensor/pipeline-parallel workers (RayWorkerWrapper) and the data-parallel
@@ -23,25 +24,20 @@ class RayNode:
 
 
 @dataclass(frozen=True)
-class RayActor:
-    actor_id: str
-    class_name: str
-    name: str
+class NodeProcess:
+    """A process of the cluster: a pid names a process only together with its node's id."""
+
     node_id: str
-    pid: int | None
+    pid: int
 
 
 @dataclass(frozen=True)
-class RayWorker:
-    node_id: str
-    pid: int
+class RayWorker(NodeProcess):
     worker_type: str                 # WORKER, DRIVER, SPILL_WORKER, RESTORE_WORKER
 
 
 @dataclass(frozen=True)
-class Target:
-    node_id: str
-    pid: int
+class Target(NodeProcess):
     label: str                       # "actor B (b)", "driver", "worker"
 
 
@@ -58,11 +54,11 @@ class Selection:
         return out
 
 
-def _actor_label(a: RayActor) -> str:
+def _actor_label(a: RayActorRecord) -> str:
     return f"actor {a.class_name}" + (f" ({a.name})" if a.name else "")
 
 
-def select_targets(actors: list[RayActor], workers: list[RayWorker], *, select: str = "vllm",
+def select_targets(actors: list[RayActorRecord], workers: list[RayWorker], *, select: str = "vllm",
                    patterns: list[str] | None = None, exclude: set[tuple[str, int]] | None = None) -> Selection:
     """The processes to capture.
 
@@ -70,7 +66,7 @@ def select_targets(actors: list[RayActor], workers: list[RayWorker], *, select: 
     Ray is a Ray driver; every actor when the cluster has no vLLM actor), ``actors`` (every live actor),
     ``workers`` (every live worker and driver process). ``patterns``: shell patterns on an actor's
     class or name (``--actor``); they narrow any selector to the actors they match. ``exclude``:
-    (node id, pid) never captured (kvdiag's own driver).
+    (node id, pid) never captured (kvdiag's own driver). An actor's ``node`` is Ray's node id here.
     """
     if select not in SELECTORS:
         raise UsageError(f"--select {select}: one of {', '.join(SELECTORS)}")
@@ -82,26 +78,26 @@ def select_targets(actors: list[RayActor], workers: list[RayWorker], *, select: 
         chosen = [a for a in live if any(fnmatch.fnmatchcase(a.class_name, p) or fnmatch.fnmatchcase(a.name, p)
                                          for p in pats)]
         sel.described = f"actors matching {' '.join(pats)}"
-        sel.targets = [Target(a.node_id, a.pid or 0, _actor_label(a)) for a in chosen]
+        sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in chosen]
     elif select == "workers":
         sel.described = "every worker"
-        labels = {(a.node_id, a.pid): _actor_label(a) for a in live}
+        labels = {(a.node or "", a.pid): _actor_label(a) for a in live}
         sel.targets = [Target(w.node_id, w.pid, labels.get((w.node_id, w.pid), w.worker_type.lower()))
                        for w in workers if w.worker_type in ("WORKER", "DRIVER")]
     elif select == "actors":
         sel.described = "every actor"
-        sel.targets = [Target(a.node_id, a.pid or 0, _actor_label(a)) for a in live]
+        sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in live]
     else:
         vllm = [a for a in live if _VLLM_ACTOR.search(a.class_name)]
         if vllm:
             sel.described = "vLLM actors and drivers"
-            sel.targets = [Target(a.node_id, a.pid or 0, _actor_label(a)) for a in vllm]
+            sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in vllm]
             sel.targets += [Target(w.node_id, w.pid, "driver") for w in workers if w.worker_type == "DRIVER"]
         else:
             sel.described = "every actor (no vLLM actor in the cluster)"
             sel.notes.append("no vLLM actor (RayWorkerWrapper, EngineCoreActor) in the cluster: every actor "
                              "is captured")
-            sel.targets = [Target(a.node_id, a.pid or 0, _actor_label(a)) for a in live]
+            sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in live]
     seen: set[tuple[str, int]] = set()
     unique: list[Target] = []
     for t in sel.targets:

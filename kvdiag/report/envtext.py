@@ -96,16 +96,13 @@ def node_lines(env: EnvironmentRecord) -> list[str]:
         return []
     lines = [f"nodes ({len(env.nodes)}; the lines above describe the first captured one):"]
     for n in env.nodes:
-        facts = [n.outcome + (f": {n.reason}" if n.reason and n.outcome != "captured" else "")]
-        if n.head:
-            facts.append("head")
-        if n.pids:
-            facts.append(f"pids {', '.join(map(str, n.pids))}")
-        if n.capture_s is not None:
-            facts.append(f"capture {n.capture_s:.1f}s")
-        if n.bytes_moved is not None:
-            facts.append(f"{n.bytes_moved / 1024:.0f} KiB sent")
-        if n.kernel:
-            facts.append(f"kernel {n.kernel} ({n.machine or '?'}), {n.cpus if n.cpus is not None else '?'} CPUs")
-        lines.append(f"  {n.node}: " + "; ".join(facts))
+        facts = [
+            n.outcome + (f": {n.reason}" if n.reason and n.outcome != "captured" else ""),
+            "head" if n.head else "",
+            f"pids {', '.join(map(str, n.pids))}" if n.pids else "",
+            f"capture {n.capture_s:.1f}s" if n.capture_s is not None else "",
+            f"{n.bytes_moved / 1024:.0f} KiB sent" if n.bytes_moved is not None else "",
+            f"kernel {n.kernel} ({n.machine or '?'}), {n.cpus if n.cpus is not None else '?'} CPUs" if n.kernel else "",
+        ]
+        lines.append(f"  {n.node}: " + "; ".join(fact for fact in facts if fact))
     return lines

@@ -190,8 +190,8 @@ class EngineCoreClient:
         if kind == P.OUTPUT:
             t = msg[1]
             reqs = self.requests
-            itl = m.itl
-            ttft = m.ttft
+            itl = m.request_histograms["itl"]
+            ttft = m.request_histograms["ttft"]
             for rid, tok in msg[2]:
                 st = reqs.get(rid)
                 if st is None:
@@ -224,18 +224,19 @@ class EngineCoreClient:
         if st is None:
             return
         st.finish_reason = reason
-        m.e2e.observe(t - st.arrival)
-        m.queue.observe(max(0.0, scheduled_t - st.arrival))
-        m.inference.observe(max(0.0, t - scheduled_t))
-        m.prefill.observe(max(0.0, first_t - scheduled_t))
-        m.decode.observe(max(0.0, t - first_t))
-        m.prompt_tokens.observe(st.prompt_tokens)
-        m.generation_tokens.observe(n)
-        m.max_tokens.observe(st.max_tokens)
-        m.max_generation.observe(st.max_tokens)
-        m.preemptions.observe(preemptions)
+        h = m.request_histograms
+        h["e2e"].observe(t - st.arrival)
+        h["queue"].observe(max(0.0, scheduled_t - st.arrival))
+        h["inference"].observe(max(0.0, t - scheduled_t))
+        h["prefill"].observe(max(0.0, first_t - scheduled_t))
+        h["decode"].observe(max(0.0, t - first_t))
+        h["prompt_tokens"].observe(st.prompt_tokens)
+        h["generation_tokens"].observe(n)
+        h["max_tokens"].observe(st.max_tokens)
+        h["max_generation"].observe(st.max_tokens)
+        h["preemptions"].observe(preemptions)
         if n > 1:
-            m.tpot.observe((t - first_t) / (n - 1))
+            h["tpot"].observe((t - first_t) / (n - 1))
         st.wake()
 
     def _engine_gone(self) -> None:

@@ -24,6 +24,32 @@ _PREEMPT_BUCKETS = (1.0, 2.0, 3.0, 4.0, 5.0, 10.0, 20.0)
 
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
 
+# vLLM's per-request histograms, in the order its /metrics lists them: (key, name, help text, buckets).
+_REQUEST_HISTOGRAMS: tuple[tuple[str, str, str, Sequence[float]], ...] = (
+    ("prompt_tokens", "vllm:request_prompt_tokens", "Number of prefill tokens processed.", _TOKEN_BUCKETS),
+    ("generation_tokens", "vllm:request_generation_tokens", "Number of generation tokens processed.",
+     _TOKEN_BUCKETS),
+    ("max_generation", "vllm:request_max_num_generation_tokens",
+     "Histogram of maximum number of requested generation tokens.", _TOKEN_BUCKETS),
+    ("max_tokens", "vllm:request_params_max_tokens", "Histogram of the max_tokens request parameter.",
+     _TOKEN_BUCKETS),
+    ("ttft", "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", _TTFT_BUCKETS),
+    ("itl", "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", _ITL_BUCKETS),
+    ("tpot", "vllm:request_time_per_output_token_seconds",
+     "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS),
+    ("e2e", "vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", _LATENCY_BUCKETS),
+    ("queue", "vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.",
+     _LATENCY_BUCKETS),
+    ("inference", "vllm:request_inference_time_seconds", "Histogram of time spent in RUNNING phase for request.",
+     _LATENCY_BUCKETS),
+    ("prefill", "vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.",
+     _LATENCY_BUCKETS),
+    ("decode", "vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.",
+     _LATENCY_BUCKETS),
+    ("preemptions", "vllm:request_num_preemptions", "Histogram of the number of times a request was preempted.",
+     _PREEMPT_BUCKETS),
+)
+
 
 @dataclass
 class Histogram:
@@ -68,42 +94,12 @@ class MetricsRegistry:
         self.labels = f'engine="0",model_name="{_escape(model_name)}"'
         self.cache_info = dict(cache_info or {})
         self.started = time.time()
-        self.ttft = Histogram("vllm:time_to_first_token_seconds",
-                              "Histogram of time to first token in seconds.", _TTFT_BUCKETS)
-        self.itl = Histogram("vllm:inter_token_latency_seconds",
-                             "Histogram of inter-token latency in seconds.", _ITL_BUCKETS)
-        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
-                              "Histogram of time_per_output_token_seconds per request.", _ITL_BUCKETS)
-        self.e2e = Histogram("vllm:e2e_request_latency_seconds",
-                             "Histogram of e2e request latency in seconds.", _LATENCY_BUCKETS)
-        self.queue = Histogram("vllm:request_queue_time_seconds",
-                               "Histogram of time spent in WAITING phase for request.", _LATENCY_BUCKETS)
-        self.inference = Histogram("vllm:request_inference_time_seconds",
-                                   "Histogram of time spent in RUNNING phase for request.", _LATENCY_BUCKETS)
-        self.prefill = Histogram("vllm:request_prefill_time_seconds",
-                                 "Histogram of time spent in PREFILL phase for request.", _LATENCY_BUCKETS)
-        self.decode = Histogram("vllm:request_decode_time_seconds",
-                                "Histogram of time spent in DECODE phase for request.", _LATENCY_BUCKETS)
-        self.prompt_tokens = Histogram("vllm:request_prompt_tokens", "Number of prefill tokens processed.",
-                                       _TOKEN_BUCKETS)
-        self.generation_tokens = Histogram("vllm:request_generation_tokens",
-                                           "Number of generation tokens processed.", _TOKEN_BUCKETS)
-        self.max_tokens = Histogram("vllm:request_params_max_tokens",
-                                    "Histogram of the max_tokens request parameter.", _TOKEN_BUCKETS)
-        self.max_generation = Histogram("vllm:request_max_num_generation_tokens",
-                                        "Histogram of maximum number of requested generation tokens.",
-                                        _TOKEN_BUCKETS)
-        self.preemptions = Histogram("vllm:request_num_preemptions",
-                                     "Histogram of the number of times a request was preempted.",
-                                     _PREEMPT_BUCKETS)
+        # Keyed by what the API server observes; rendered in the table's order.
+        self.request_histograms = {key: Histogram(name, help_text, bounds)
+                                   for key, name, help_text, bounds in _REQUEST_HISTOGRAMS}
         self.success = dict.fromkeys(FINISH_REASONS, 0)
         self.stats: dict[str, float] = {}
         self.stats_time: float | None = None   # monotonic time the stats were produced by EngineCore
-
-    def histograms(self) -> list[Histogram]:
-        return [self.prompt_tokens, self.generation_tokens, self.max_generation, self.max_tokens, self.ttft,
-                self.itl, self.tpot, self.e2e, self.queue, self.inference, self.prefill, self.decode,
-                self.preemptions]
 
     def update_stats(self, stats: dict[str, float], produced_at: float) -> None:
         self.stats = stats
@@ -151,7 +147,7 @@ class MetricsRegistry:
                [(lb, s.get("generation_tokens", 0.0))])
         family("vllm:request_success_total", "counter", "Count of successfully processed requests.",
                [(f'{lb},finished_reason="{r}"', float(n)) for r, n in self.success.items()])
-        for hist in self.histograms():
+        for hist in self.request_histograms.values():
             hist.render(lb, out)
         if self.cache_info:
             info = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted({**self.cache_info, "engine": "0"}.items()))

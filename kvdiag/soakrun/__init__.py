@@ -1,7 +1,8 @@
 """`kvdiag soak` as a configuration of the one run (:func:`kvdiag.runner.run_lifecycle`): its options and
-scenario (:mod:`.options`), the server it loads (:mod:`.subject`), and its stages (:mod:`.session`): the
-load stage driven under the serving watchdog, the /metrics poller and the saturation sampler, a stall
-captured while its requests are in flight, the load's figures and readings into the bundle."""
+scenario (:mod:`.options`), the server it loads (:mod:`.subject`), its stages (:mod:`.session`) and its
+load phase (:mod:`.drive`): the load stage driven under the serving watchdog, the /metrics poller and the
+saturation sampler, a stall captured while its requests are in flight, the load's figures and readings
+into the bundle."""
 
 from kvdiag.soakrun.options import SoakOptions, load_soak_scenario, single_engine
 from kvdiag.soakrun.session import SoakRun, run_soak

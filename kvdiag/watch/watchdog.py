@@ -15,6 +15,7 @@ import asyncio
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import httpx
 
@@ -29,6 +30,7 @@ Clock = Callable[[], float]
 NoProgressWatchdog = ServingStall
 
 
+@dataclass(eq=False)
 class MetricsPoller:
     """Scrapes ``{base_url}/metrics`` into snapshots on its own thread and timer.
 
@@ -43,17 +45,17 @@ class MetricsPoller:
     :meth:`start`): a gap is missing data, never evidence of a stall by itself.
     """
 
-    def __init__(self, base_url: str, engine: str | None, t0: float, clock: Clock = time.monotonic,
-                 timeout_s: float = 2.0, period_s: float = 1.0, max_snapshots: int = 100_000) -> None:
-        if period_s <= 0:
+    base_url: str
+    engine: str | None
+    t0: float
+    clock: Clock = time.monotonic
+    timeout_s: float = 2.0
+    period_s: float = 1.0
+    max_snapshots: int = 100_000
+
+    def __post_init__(self) -> None:
+        if self.period_s <= 0:
             raise ValueError("period_s must be > 0")
-        self.base_url = base_url
-        self.engine = engine
-        self.t0 = t0
-        self.clock = clock
-        self.timeout_s = timeout_s
-        self.period_s = period_s
-        self.max_snapshots = max_snapshots
         self.failures = 0
         self.scrapes = 0
         self.last_error: str | None = None

@@ -8,7 +8,8 @@ import time
 from pathlib import Path
 
 from kvdiag.capture.base import BackendResult
-from kvdiag.capture.orchestrate import _minor, _ProcessJob, _raised, _window_pyspy, make_backends
+from kvdiag.capture.job import ProcessJob
+from kvdiag.capture.orchestrate import _minor, _raised, _window_pyspy, make_backends
 from kvdiag.capture.slots import ToolSlots
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
 from kvdiag.model import Frame, ThreadEvidence, ToolRun
@@ -50,8 +51,8 @@ def test_a_slot_wait_is_bounded() -> None:
     assert slots.acquire((1, 1), timeout=1.0)   # a timed-out waiter leaves no ticket behind
 
 
-def _job(tmp_path: Path, pystack: PystackBackend, result: BackendResult | None) -> _ProcessJob:
-    job = _ProcessJob(1, [pystack, GdbBackend()], {}, tmp_path, 10.0, time.monotonic() + 10)
+def _job(tmp_path: Path, pystack: PystackBackend, result: BackendResult | None) -> ProcessJob:
+    job = ProcessJob(1, [pystack, GdbBackend()], {}, tmp_path, 10.0, time.monotonic() + 10)
     if result is not None:
         job.results["pystack"] = result
     return job

@@ -22,8 +22,8 @@ from kvdiag.bundle import load_bundle
 from kvdiag.cli.main import main
 from kvdiag.errors import BundleError
 from kvdiag.fleet.pack import pack_dir, unpack_dir
-from kvdiag.fleet.select import RayActor, RayNode, RayWorker, node_names, select_targets
-from kvdiag.model import Frame
+from kvdiag.fleet.select import RayNode, RayWorker, node_names, select_targets
+from kvdiag.model import Frame, RayActorRecord
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 
@@ -117,9 +117,14 @@ def test_capture_ray_refuses_a_pid_too() -> None:
     assert code == 2 and "--ray captures a cluster" in err
 
 
+def _actor(actor_id: str, class_name: str, name: str, node_id: str, pid: int | None) -> RayActorRecord:
+    """A live actor as discovery lists it: ``node`` is Ray's node id until the merge names the nodes."""
+    return RayActorRecord(actor_id=actor_id, class_name=class_name, name=name, node=node_id, pid=pid, state="ALIVE")
+
+
 def test_selectors() -> None:
-    actors = [RayActor("a1", "RayWorkerWrapper", "", "n1", 11), RayActor("a2", "Caller", "front", "n1", 12),
-              RayActor("a3", "DPEngineCoreActor", "", "n2", 21), RayActor("a4", "Dead", "", "n2", None)]
+    actors = [_actor("a1", "RayWorkerWrapper", "", "n1", 11), _actor("a2", "Caller", "front", "n1", 12),
+              _actor("a3", "DPEngineCoreActor", "", "n2", 21), _actor("a4", "Dead", "", "n2", None)]
     workers = [RayWorker("n1", 11, "WORKER"), RayWorker("n1", 12, "WORKER"), RayWorker("n2", 21, "WORKER"),
                RayWorker("n1", 30, "DRIVER"), RayWorker("n1", 99, "DRIVER"), RayWorker("n2", 40, "SPILL_WORKER")]
     me = {("n1", 99)}
