@@ -118,6 +118,7 @@ def test_nodes_without_kvdiag_or_ptrace_are_named_with_why_and_the_rest_judged(c
     judged = {p["pid"]: p for p in bundle["processes"]}
     assert set(healthy) <= set(judged) and all(judged[pid]["threads"] for pid in healthy)
     assert cluster.actor("no-kvdiag-c")["pid"] not in judged
+    assert v["summary"].startswith(tuple(n["node"] for n in healthy.values())), v["summary"]   # not a refused node
     # Each special node is named with why: in the verdict, its findings and both reports' text.
     for node in (no_kvdiag, no_ptrace):
         assert any(f["kind"] == "node_not_captured" and f["node"] == node["node"] for f in v["findings"])
