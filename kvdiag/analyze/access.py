@@ -19,6 +19,9 @@ from kvdiag.model import Confidence, Finding, ProcessEvidence, ThreadState, Verd
 _PERMISSION_WORDS = ("permission denied", "operation not permitted", "eperm", "eacces",
                      "ptrace: operation not permitted", "not permitted")
 _STACK_TOOLS = ("py-spy", "pystack", "gdb")
+# The tools that attach with ptrace(2); py-spy --nonblocking only reads memory (process_vm_readv, else
+# /proc/PID/mem), so it may still read Python stacks where every attach is refused.
+_PTRACE_TOOLS = ("pystack", "gdb")
 # When every process has an outcome, the group's verdict is the first of these that occurs.
 _ORDER = (VerdictKind.NO_ACCESS, VerdictKind.NO_EVIDENCE, VerdictKind.EXITED, VerdictKind.ZOMBIE,
           VerdictKind.KERNEL_THREAD, VerdictKind.NOT_PYTHON)
@@ -40,6 +43,20 @@ def _tools_refused(proc: ProcessEvidence) -> list[str]:
         return []
     refused = [t for t in ran if any(w in (t.error or "").lower() for w in _PERMISSION_WORDS)]
     return [f"{t.tool}: {t.error}" for t in refused] if len(refused) == len(ran) else []
+
+
+def attach_refused(proc: ProcessEvidence) -> list[str]:
+    """Errors of the ptrace tools (pystack, gdb) that ran on ``proc``, when the kernel refused every one of
+    them and none read it; [] otherwise, and for a process another debugger holds (EPERM means that)."""
+    if proc.tracer_pid or (proc.access is not None and proc.access.tracer_pid):
+        return []
+    ran = [t for t in proc.tools if t.tool in _PTRACE_TOOLS and t.error and "not installed" not in t.error
+           and "skipped" not in t.error]
+    if not ran or any(t.ok for t in proc.tools if t.tool in _PTRACE_TOOLS):
+        return []
+    if all(any(w in (t.error or "").lower() for w in _PERMISSION_WORDS) for t in ran):
+        return [f"{t.tool}: {t.error}" for t in ran]
+    return []
 
 
 @dataclass(frozen=True)
@@ -213,4 +230,5 @@ def evidence_outcome(name: str, procs: list[ProcessEvidence], findings: list[Fin
     return None
 
 
-__all__ = ["FoundState", "evidence_outcome", "found_state", "judgeable", "partial_evidence", "process_outcome"]
+__all__ = ["FoundState", "attach_refused", "evidence_outcome", "found_state", "judgeable", "partial_evidence",
+           "process_outcome"]

@@ -67,7 +67,10 @@ def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdic
     if not by:
         return Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.LOW,
                        summary="the bundle holds no engines and no captured processes: nothing to diagnose")
-    ranked = sorted(by.items(), key=lambda kv: severity(kv[1].kind))
+    # Of equal severity, a group on a node named as not (fully) captured never heads the verdict: a
+    # node whose stack tools were refused may show only Python stacks, too little to lead with.
+    partial = tuple(f"{f.node}/" for f in bundle.findings if f.kind == "node_not_captured" and f.node)
+    ranked = sorted(by.items(), key=lambda kv: (severity(kv[1].kind), bool(partial) and kv[0].startswith(partial)))
     name, worst = ranked[0]
     overall = worst.model_copy(deep=True)
     if len(ranked) > 1:

@@ -25,6 +25,7 @@ from kvdiag.errors import KvdiagError, ToolMissing, UsageError
 from kvdiag.fleet.merge import NODES_DIR, NodePart, merge_parts, node_dir_name
 from kvdiag.fleet.node import capture_on_node
 from kvdiag.fleet.pack import unpack_dir
+from kvdiag.fleet.refusal import access_refusal, task_failure
 from kvdiag.fleet.select import RayNode, RayWorker, Selection, node_names, select_targets
 from kvdiag.model import Bundle, Finding, FleetRecord, NodeOutcome, NodeRecord, RayActorRecord, RayTaskRecord
 
@@ -33,9 +34,6 @@ RAY_HINT = "pip install 'kvdiag[ray]'  (Ray with its dashboard: the state API ne
 NODE_SLACK_S = 20.0
 _STATE_LIMIT = 10_000
 _DONE_TASK_STATES = ("FINISHED", "FAILED")
-# Errors that mean the node (or the worker on it) went away while its capture ran.
-_DIED = ("NodeDiedError", "WorkerCrashedError", "ObjectLostError", "OwnerDiedError", "ObjectFetchTimedOutError",
-         "ObjectReconstructionFailedError", "RayActorError", "ActorDiedError", "LocalRayletDiedError")
 
 
 def import_ray() -> Any:
@@ -115,15 +113,7 @@ def discover(ray: Any) -> ClusterView:
 
 def _why(exc: BaseException) -> tuple[NodeOutcome, str]:
     """(outcome, reason) for a node whose capture task raised ``exc``."""
-    name = type(exc).__name__
-    text = str(exc)
-    if any(d in name for d in _DIED):
-        return "died", f"the node (or its worker) went away during capture ({name})"
-    if ("ModuleNotFoundError" in text or "ImportError" in text) and "kvdiag" in text:
-        return "refused", ("kvdiag is not importable by the Python Ray runs on that node: install kvdiag there "
-                           "(or run `kvdiag capture --pid` on it and `kvdiag merge` the folders)")
-    last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), name)
-    return "refused", f"the capture task failed there: {last[:300]}"
+    return task_failure(type(exc).__name__, str(exc))
 
 
 def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: float, backends: Sequence[str],
@@ -187,18 +177,6 @@ def _name_engines(bundle: Bundle, labels: dict[int, str]) -> None:
         p.engine = renamed.get(p.engine or "", p.engine)
     for f in bundle.findings:
         f.engine = renamed.get(f.engine or "", f.engine)
-
-
-def _access_refusal(bundle: Bundle) -> str | None:
-    """Why no process of a node's bundle could be read (every one refused ptrace), None otherwise."""
-    procs = [p for p in bundle.processes if p.access is not None]
-    if not procs or any(p.access is not None and p.access.ptrace_ok and p.access.tracers_ok for p in procs):
-        return None
-    first = procs[0].access
-    assert first is not None
-    refused = first.refused[-1] if first.refused else "ptrace refused"
-    fix = f" (fix: {first.fixes[0]})" if first.fixes else ""
-    return f"no access: {refused}{fix}"
 
 
 def capture_cluster(address: str, out_bundle_dir: Path, *, select: str = "vllm", patterns: Sequence[str] = (),
@@ -277,7 +255,7 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
             continue
         bundle, _ = load_bundle(folder)
         _name_engines(bundle, {t.pid: t.label for t in sel.by_node().get(node.node_id, [])})
-        refusal = _access_refusal(bundle)
+        refusal = access_refusal(bundle)
         if refusal is not None:
             record.outcome, record.reason = "refused", refusal
         parts.append(NodePart(record, bundle, folder))
@@ -285,7 +263,7 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
                         actors=[a.model_copy(update={"node": names.get(a.node or "")}) for a in view.actors],
                         tasks=[t.model_copy(update={"node": names.get(t.node or "", t.node)}) for t in view.tasks])
     merged = merge_parts(parts, command=command, fleet=fleet, out_bundle_dir=out_bundle_dir)
-    for part in parts:   # a node whose every process refused ptrace is named, with the fix
+    for part in parts:   # a node whose every process refused the stack tools is named, with the fix
         if part.bundle is not None and part.record.outcome == "refused":
             merged.findings.append(Finding(kind="node_not_captured", node=part.record.node,
                                            message=f"node {part.record.node}: {part.record.reason}"))

@@ -1,10 +1,11 @@
-"""Fleet capture through a real local Ray cluster: 3 nodes (raylets with their own temp dirs) in a network
+"""Fleet capture through a real local Ray cluster: 5 nodes (raylets with their own temp dirs) in a network
 namespace of its own, actors that really hang, kvdiag run inside that namespace.
 
 Actor ``<s>-a`` on node 0 calls actor ``<s>-b`` on node 1 and waits in ``ray.get``; B is stuck in a native
 lock-order inversion (``native``), a Python ABBA between its method's thread and a second thread
 (``pyabba``), or answers at once (``healthy``). ``lone-c`` idles on node 2, the node one test kills.
-One cluster for the module; the destructive test runs last.
+Node 3 runs Ray on a Python without kvdiag, node 4 under a seccomp filter refusing ptrace; an idle actor
+on each (``no-kvdiag-c``, ``no-ptrace-c``). One cluster for the module; the destructive test runs last.
 """
 
 from __future__ import annotations
@@ -29,7 +30,8 @@ _WHY = unavailable()
 def cluster() -> Iterator[ClusterHost]:
     if _WHY is not None:
         pytest.skip(_WHY)
-    host = ClusterHost(nodes=3, scenarios="native,pyabba,healthy,lone")
+    host = ClusterHost(nodes=5, scenarios="native,pyabba,healthy,lone",
+                       extra=("--special", "3=no-kvdiag", "--special", "4=no-ptrace"))
     try:
         info = host.start()
         assert info["ready"], "the hanging actors did not signal readiness"
@@ -90,6 +92,40 @@ def test_healthy_pair_is_healthy(cluster: ClusterHost, tmp_path: Path) -> None:
     code, out, bundle = _capture(cluster, tmp_path / "o", "--actor", "healthy-*")
     assert code == 0 and out["verdict"]["kind"] == "healthy", out["verdict"]["summary"]
     assert len(bundle["processes"]) == 2
+
+
+def test_nodes_without_kvdiag_or_ptrace_are_named_with_why_and_the_rest_judged(cluster: ClusterHost,
+                                                                               tmp_path: Path) -> None:
+    out = tmp_path / "o"
+    # From outside kvdiag's tree: Ray puts the driver's working directory on every worker's path.
+    res = cluster.kvdiag("capture", "--ray", cluster.info["address"], "--select", "actors", "--actor", "healthy-*",
+                         "--actor", "no-*", "--timeout", "3", "--out", str(out), "--json", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr[-3000:]     # healthy where it could be judged: no hang evidence
+    v = json.loads(res.stdout)["verdict"]
+    bundle = json.loads((out / "bundle" / "bundle.json").read_text())
+    assert v["kind"] == "healthy" and v["confidence"] != "high", v["summary"]
+    no_kvdiag = _node(bundle, cluster.actor("no-kvdiag-c")["node_id"])
+    assert no_kvdiag["outcome"] == "refused", no_kvdiag
+    assert "kvdiag is not importable by the Python Ray runs on that node" in no_kvdiag["reason"]
+    assert "No module named 'kvdiag'" in no_kvdiag["reason"] and "site-packages" in no_kvdiag["reason"]
+    no_ptrace = _node(bundle, cluster.actor("no-ptrace-c")["node_id"])
+    assert no_ptrace["outcome"] == "refused", no_ptrace
+    assert no_ptrace["reason"].startswith("ptrace refused: the kernel refused gdb and pystack"), no_ptrace["reason"]
+    assert "seccomp filter" in no_ptrace["reason"] and "SYS_PTRACE" in no_ptrace["reason"]
+    # The normal nodes: captured and judged, both actors' stacks read.
+    healthy = {cluster.actor(n)["pid"]: _node(bundle, cluster.actor(n)["node_id"]) for n in ("healthy-a", "healthy-b")}
+    assert all(n["outcome"] == "captured" for n in healthy.values())
+    judged = {p["pid"]: p for p in bundle["processes"]}
+    assert set(healthy) <= set(judged) and all(judged[pid]["threads"] for pid in healthy)
+    assert cluster.actor("no-kvdiag-c")["pid"] not in judged
+    assert v["summary"].startswith(tuple(n["node"] for n in healthy.values())), v["summary"]   # not a refused node
+    # Each special node is named with why: in the verdict, its findings and both reports' text.
+    for node in (no_kvdiag, no_ptrace):
+        assert any(f["kind"] == "node_not_captured" and f["node"] == node["node"] for f in v["findings"])
+        assert node["node"] in v["summary"].rsplit("not captured: ", 1)[1]
+    md, html = (out / "report.md").read_text(), (out / "report.html").read_text()
+    for text in ("No module named", "ptrace refused: the kernel refused gdb and pystack"):
+        assert text in md and text in html, text
 
 
 def test_node_killed_during_capture_is_named_and_the_rest_reported(cluster: ClusterHost, tmp_path: Path) -> None:

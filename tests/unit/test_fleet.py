@@ -22,6 +22,7 @@ from kvdiag.bundle import load_bundle
 from kvdiag.cli.main import main
 from kvdiag.errors import BundleError
 from kvdiag.fleet.pack import pack_dir, unpack_dir
+from kvdiag.fleet.refusal import access_refusal, task_failure
 from kvdiag.fleet.select import RayNode, RayWorker, node_names, select_targets
 from kvdiag.model import Frame, RayActorRecord
 
@@ -160,3 +161,42 @@ def test_pack_round_trip_and_refuses_escapes(tmp_path: Path) -> None:
     with pytest.raises(BundleError):
         unpack_dir(evil.getvalue(), tmp_path / "d2")
     assert not (tmp_path / "escape.txt").exists()
+
+
+# One node's bundle as it came back from ``kvdiag capture --ray`` on a node whose Ray runs under a seccomp
+# filter refusing ptrace and process_vm_readv (tests/fixtures/no_ptrace.py): pystack and gdb refused, py-spy
+# read the Python stacks through /proc/PID/mem.
+NO_PTRACE = BUNDLES / "ray_node_no_ptrace"
+
+
+def test_a_node_whose_ptrace_tools_were_refused_is_named_with_the_cause_and_fix() -> None:
+    bundle, _ = load_bundle(NO_PTRACE)
+    why = access_refusal(bundle)
+    assert why is not None and why.startswith("ptrace refused: the kernel refused gdb and pystack attaching to pid")
+    assert "seccomp filter" in why and "only Python stacks were read" in why and "--cap-add=SYS_PTRACE" in why
+    unfiltered = bundle.model_copy(deep=True)
+    for p in unfiltered.processes:
+        assert p.access is not None
+        p.access.seccomp = 0
+        p.tools = [t for t in p.tools if t.tool != "py-spy"]
+    why = access_refusal(unfiltered)
+    assert why is not None and "AppArmor" in why and "no stack was read" in why
+    traced = bundle.model_copy(deep=True)
+    traced.processes[0].tracer_pid = 4242      # EPERM from a process another debugger holds is not a refusal
+    assert access_refusal(traced) is None
+
+
+def test_a_capture_task_that_cannot_import_kvdiag_names_the_module_and_the_nodes_packages() -> None:
+    ray_text = ("ray::kvdiag-capture() (pid=7, ip=127.0.0.1)\nRuntimeError: The remote function failed to import on "
+                "the worker. This may be because needed library dependencies are not installed in the worker "
+                "environment or cannot be found from sys.path ['/opt/ray/_private/workers', "
+                "'/opt/venv/lib/python3.11/site-packages']:\n\nTraceback (most recent call last):\n"
+                "  File \"pickle.py\", line 1, in loads\nModuleNotFoundError: No module named '{}'\n")
+    outcome, why = task_failure("RayTaskError(RuntimeError)", ray_text.format("kvdiag"))
+    assert outcome == "refused" and "kvdiag is not importable by the Python Ray runs on that node" in why
+    assert "/opt/venv/lib/python3.11/site-packages" in why and "No module named 'kvdiag'" in why
+    assert "another version" in task_failure("RayTaskError", ray_text.format("kvdiag.fleet"))[1]
+    assert "No module named 'pydantic'" in task_failure("RayTaskError", ray_text.format("pydantic"))[1]
+    assert task_failure("NodeDiedError", "")[0] == "died"
+    assert task_failure("RayTaskError(OSError)", "boom\nOSError: disk full\n") == (
+        "refused", "the capture task failed there: OSError: disk full")
