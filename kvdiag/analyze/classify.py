@@ -9,6 +9,9 @@ could read the thread.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from enum import Enum
 
@@ -339,5 +342,32 @@ def _futex_cmd(raw: str | None) -> int | None:
         return None
 
 
+# The rules of one analysis ask for the same process's views many times (each process rule, the engine and
+# peer judges, the cross-process and per-node judges). Inside :func:`views_memo` (one diagnosis, over evidence
+# nobody changes meanwhile) they are built once per process object: keyed by identity, the process kept beside
+# its views so an id is never reused while cached. Views are read-only once built.
+_MEMO: ContextVar[dict[tuple[int, str | None], tuple[ProcessEvidence, list[ThreadView]]] | None] = ContextVar(
+    "kvdiag_thread_views", default=None)
+
+
+@contextmanager
+def views_memo() -> Iterator[None]:
+    """Build each process's thread views once for the duration of the block."""
+    token = _MEMO.set({})
+    try:
+        yield
+    finally:
+        _MEMO.reset(token)
+
+
 def classify_process(proc: ProcessEvidence, machine: str | None = None) -> list[ThreadView]:
-    return [classify_thread(t, proc, machine) for t in proc.threads]
+    memo = _MEMO.get()
+    if memo is None:
+        return [classify_thread(t, proc, machine) for t in proc.threads]
+    key = (id(proc), machine)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is proc:
+        return list(hit[1])
+    views = [classify_thread(t, proc, machine) for t in proc.threads]
+    memo[key] = (proc, views)
+    return list(views)

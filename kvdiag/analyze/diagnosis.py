@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
+from kvdiag.analyze.classify import views_memo
 from kvdiag.analyze.engines import judge_engines
 from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.analyze.soak import judged_soak, saturation_verdict, served_verdict
@@ -45,8 +46,9 @@ def exit_code_for(verdict: Verdict) -> int:
 
 def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:
     """What the run that wrote ``bundle`` concluded. ``runs``: the nested runs' bundles (ab)."""
-    diag = _conclude(bundle, runs)
-    diag.engines = judge_engines(bundle, diag.verdicts_by_engine)
+    with views_memo():
+        diag = _conclude(bundle, runs)
+        diag.engines = judge_engines(bundle, diag.verdicts_by_engine)
     return diag
 
 

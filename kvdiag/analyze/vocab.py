@@ -8,6 +8,7 @@ substring (``pybind11::gil_scoped_acquire::gil_scoped_acquire()``).
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import sys
@@ -18,8 +19,9 @@ from kvdiag.osread.syscall import FUTEX_WCHANS
 _SUFFIX = re.compile(r"(@@?GLIBC[\w.]*|\.constprop\.\d+|\.isra\.\d+|\.part\.\d+|\.cold)+$")
 
 
+@functools.lru_cache(maxsize=8192)
 def norm(name: str) -> str:
-    """Canonical native function name for matching."""
+    """Canonical native function name for matching (the same few hundred names recur in every stack)."""
     n = _SUFFIX.sub("", name.strip())
     if n.startswith("__GI_"):
         n = n[len("__GI_"):]
