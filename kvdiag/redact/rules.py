@@ -35,6 +35,7 @@ Kind names are never secret-looking names themselves, so a summary
 
 from __future__ import annotations
 
+import functools
 import re
 import threading
 from collections import Counter
@@ -167,8 +168,10 @@ def normalize_name(name: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "_", last).strip("_").upper()
 
 
+@functools.lru_cache(maxsize=16384)
 def is_secret_name(name: str) -> bool:
-    """True when a variable, key or header called ``name`` holds a secret."""
+    """True when a variable, key or header called ``name`` holds a secret (asked for every key of every
+    mapping in a bundle: the same few hundred names, cached)."""
     norm = normalize_name(name)
     if not norm:
         return False
