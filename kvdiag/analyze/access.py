@@ -11,6 +11,7 @@ partial evidence, never judged.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvdiag.model import Confidence, Finding, ProcessEvidence, ThreadState, Verdict, VerdictKind
@@ -32,31 +33,29 @@ def _gone(proc: ProcessEvidence, findings: list[Finding]) -> bool:
                                  for f in findings)
 
 
-def _tools_refused(proc: ProcessEvidence) -> list[str]:
-    """Errors of the stack tools that ran, when every one of them was refused by the kernel."""
-    if proc.tracer_pid or (proc.access is not None and proc.access.tracer_pid):
-        # held by another debugger: EPERM is that, not a permission problem
-        return []
-    ran = [t for t in proc.tools if t.tool in _STACK_TOOLS and t.error and "not installed" not in t.error
-           and "skipped" not in t.error]
-    if not ran or any(t.ok for t in proc.tools if t.tool in _STACK_TOOLS):
-        return []
-    refused = [t for t in ran if any(w in (t.error or "").lower() for w in _PERMISSION_WORDS)]
-    return [f"{t.tool}: {t.error}" for t in refused] if len(refused) == len(ran) else []
-
-
-def attach_refused(proc: ProcessEvidence) -> list[str]:
-    """Errors of the ptrace tools (pystack, gdb) that ran on ``proc``, when the kernel refused every one of
-    them and none read it; [] otherwise, and for a process another debugger holds (EPERM means that)."""
+def _refused_by_kernel(proc: ProcessEvidence, tools: Collection[str]) -> list[str]:
+    """Errors of the ``tools`` that ran on ``proc``, when the kernel refused every one of them and none read
+    it; [] otherwise, and for a process another debugger holds (EPERM means that, not a permission problem)."""
     if proc.tracer_pid or (proc.access is not None and proc.access.tracer_pid):
         return []
-    ran = [t for t in proc.tools if t.tool in _PTRACE_TOOLS and t.error and "not installed" not in t.error
+    ran = [t for t in proc.tools if t.tool in tools and t.error and "not installed" not in t.error
            and "skipped" not in t.error]
-    if not ran or any(t.ok for t in proc.tools if t.tool in _PTRACE_TOOLS):
+    if not ran or any(t.ok for t in proc.tools if t.tool in tools):
         return []
     if all(any(w in (t.error or "").lower() for w in _PERMISSION_WORDS) for t in ran):
         return [f"{t.tool}: {t.error}" for t in ran]
     return []
+
+
+def _tools_refused(proc: ProcessEvidence) -> list[str]:
+    """Errors of the stack tools that ran, when every one of them was refused by the kernel."""
+    return _refused_by_kernel(proc, _STACK_TOOLS)
+
+
+def attach_refused(proc: ProcessEvidence) -> list[str]:
+    """Errors of the ptrace tools (pystack, gdb) that ran on ``proc``, when the kernel refused every one of
+    them and none read it (py-spy may still have read its Python stacks through /proc/PID/mem)."""
+    return _refused_by_kernel(proc, _PTRACE_TOOLS)
 
 
 @dataclass(frozen=True)
