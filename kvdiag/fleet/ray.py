@@ -64,6 +64,7 @@ class NodeCapture:
     reason: str | None = None
     pack: bytes | None = None
     seconds: float | None = None
+    node_died: bool = False         # the node's raylet went away while its capture ran (the node said so)
 
 
 def connect(address: str) -> Any:
@@ -145,7 +146,7 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
                 outcome, reason = _why(exc)
                 out[node_id] = NodeCapture(outcome=outcome, reason=reason, seconds=spent)
                 continue
-            out[node_id] = NodeCapture(pack=answer["pack"], seconds=spent)
+            out[node_id] = NodeCapture(pack=answer["pack"], seconds=spent, node_died=bool(answer.get("node_died")))
     for ref, node_id in pending.items():
         # Not force: the task gets KeyboardInterrupt, and the capture kills its tools and resumes any
         # target they left stopped before the worker ends (a killed worker would leave that undone).
@@ -247,10 +248,12 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         record.bytes_moved = len(answer.pack)
         folder = out_bundle_dir / NODES_DIR / node_dir_name(name)
         unpack_dir(answer.pack, folder)
-        if alive and node.node_id not in alive:
+        if answer.node_died or (alive and node.node_id not in alive):
             # Kept in the output folder, not judged: its processes were being killed while they were read.
             record.outcome = "died"
-            record.reason = f"the node died during capture (what it sent is kept in {NODES_DIR}/{folder.name})"
+            how = "its raylet went away" if answer.node_died else "Ray lists it as dead"
+            record.reason = (f"the node died during capture ({how}; what it sent is kept in "
+                             f"{NODES_DIR}/{folder.name})")
             parts.append(NodePart(record))
             continue
         bundle, _ = load_bundle(folder)
