@@ -43,6 +43,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import httpx
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "integration"))
@@ -82,8 +84,6 @@ def _tree_cpu_s(pids: list[int]) -> float:
 
 def scrape_cost_ms(server: VllmServer, looks: int = 100) -> tuple[float, float]:
     """The API server's CPU (ms) per GET /metrics and per GET /health, on the idle server."""
-    import httpx  # the benchmark's own client, as the watch's
-
     out = []
     with httpx.Client(trust_env=False, timeout=10) as client:
         for path in ("/metrics", "/health"):
