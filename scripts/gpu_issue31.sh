@@ -19,6 +19,9 @@
 #        allocator).
 #   `all` (the default) runs 1, 2, 3 in one call, step 3 cut at BUDGET_S (default 560 s since the start) so the
 #   call ends inside the 10-minute limit; `3` alone gives the A/B repeats the whole budget.
+# Knobs: STEP1_K (a pytest -k for step 1), E2_PRELOAD=1 (start the engine-2 runs with the compiler's libstdc++
+# preloaded: without it kvcached's banner faults on these images, see benchmarks/results/gpu/README.md),
+# E2_REPEAT (engine-2 runs per build, with E2_PRELOAD).
 # Results: $OUT/summary.txt (one line per result), $OUT/step1.jsonl (tests/gpu's captures), $OUT/logs.tgz
 # (every log and report). Commit what comes back under benchmarks/results/gpu/ with this command line.
 set -u
@@ -86,13 +89,18 @@ if [ ! -x $VENV/bin/kvdiag ]; then
   $VENV/bin/python -m pip install --no-index --find-links .whl --no-build-isolation ".[gpu]" pytest pytest-timeout \
     >> "$OUT/logs/install.log" 2>&1 || { say "kvdiag install failed"; tail -30 "$OUT/logs/install.log"; exit 1; }
 fi
+# The image's python3 is itself a venv (torch lives in its site-packages, not the base interpreter's),
+# which --system-site-packages does not reach: a .pth puts its packages after the new venv's own.
+$SYSPY -c 'import site; print("\n".join(site.getsitepackages()))' \
+    > "$($VENV/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/_image_packages.pth"
 export PATH=$VENV/bin:$PATH
+say "venv sees: $(python -c 'import torch; print("torch", torch.__version__, "cuda", torch.cuda.is_available())' 2>&1 | tail -1)"
 say "kvdiag: $(kvdiag --version 2>&1 | head -1); py-spy $(py-spy --version 2>&1 | cut -d' ' -f2); pystack $(pystack --version 2>&1 | tail -1)"
 
 step1() {
   say "step 1: gpu_spin under each CUDA wait, the long kernel, the sampler (tests/gpu)"
   rm -f "$OUT/step1.jsonl"
-  KVDIAG_GPU_RESULTS="$OUT/step1.jsonl" timeout 420 python -m pytest -q -p no:cacheprovider tests/gpu \
+  KVDIAG_GPU_RESULTS="$OUT/step1.jsonl" timeout 420 python -m pytest -q -p no:cacheprovider tests/gpu ${STEP1_K:+-k "$STEP1_K"} \
     > "$OUT/logs/step1-pytest.log" 2>&1
   say "step 1: pytest rc=$? $(tail -1 "$OUT/logs/step1-pytest.log")"
   [ -f "$OUT/step1.jsonl" ] && python - "$OUT/step1.jsonl" <<'PY' | tee -a "$OUT/summary.txt"
@@ -133,19 +141,43 @@ step2() {
     [ $rc = 0 ] || { tail -20 "$OUT/logs/kvcached-$label-build.log"; continue; }
     PYTHONPATH=/tmp/kvc-$label kvdiag doctor --json > "$OUT/logs/doctor-$label.json" 2> "$OUT/logs/doctor-$label.err"
     say "step 2: doctor $label rc=$? kvcached verdict: $(python -c "import json;d=json.load(open('$OUT/logs/doctor-$label.json'));k=d['environment']['kvcached'];print(k['verdict'], '-', k['summary'][:160])" 2>&1)"
+    if [ "${E2_PRELOAD:-0}" = 1 ]; then
+      for r in $(seq 1 "${E2_REPEAT:-1}"); do R=$r engine2 $label "$(g++ -print-file-name=libstdc++.so.6)"; done
+      continue
+    fi
+    engine2 $label ""
+    if grep -q "Segmentation fault" "$OUT/logs/engine2-$label.log"; then
+      # Seen on the lent machines: the allocator's banner dies printing its first integer. Where it dies
+      # (cuda-gdb runs programs with no GPU code too) and which libstdc++ each side loads, then once more with
+      # the compiler's libstdc++ loaded first.
+      so=$(ls /tmp/kvc-$label/kvcached/_C*.so 2>/dev/null | head -1)
+      { echo "== ldd $so"; ldd "$so"; echo "== g++"; g++ --version | head -1; g++ -print-file-name=libstdc++.so.6
+        echo "== torch's libstdc++"; python -c "import torch, re; print(sorted({l.split()[-1] for l in open('/proc/self/maps') if 'libstdc++' in l}))"
+        echo "== cuda-gdb"; PYTHONPATH=/tmp/kvc-$label KVDIAG_E2_IPC_CALLBACK=1 timeout 120 cuda-gdb -q -batch -ex run -ex bt \
+          --args python scripts/kvcached_engine2.py; } > "$OUT/logs/engine2-$label-diag.txt" 2>&1
+      say "step 2: engine2 $label segfault; cuda-gdb: $(grep -m3 -E '^#[0-9]' "$OUT/logs/engine2-$label-diag.txt" | cut -c1-160 | tr '\n' ' ')"
+      engine2 $label "$(g++ -print-file-name=libstdc++.so.6)"
+    fi
+  done
+}
+
+engine2() {   # $1 label, $2 a library to preload ("": none)
+    local label=$1 pre=$2 tag=$1
+    [ -n "$pre" ] && tag=$1-preload
+    [ "${E2_REPEAT:-1}" -gt 1 ] && tag=$tag-${R:-1}
     # The engine-2 start-up: the pre-fix build hangs in alloc_page (its alarm ends it after 50 s).
-    PYTHONPATH=/tmp/kvc-$label KVDIAG_E2_IPC_CALLBACK=1 setsid python scripts/kvcached_engine2.py \
-      > "$OUT/logs/engine2-$label.log" 2>&1 &
+    LD_PRELOAD=$pre PYTHONPATH=/tmp/kvc-$label KVDIAG_E2_IPC_CALLBACK=1 setsid python scripts/kvcached_engine2.py \
+      > "$OUT/logs/engine2-$tag.log" 2>&1 &
     pid=$!
-    for _ in $(seq 1 20); do grep -q "STARTED" "$OUT/logs/engine2-$label.log" 2>/dev/null && break; sleep 0.5; done
+    for _ in $(seq 1 20); do grep -q "STARTED" "$OUT/logs/engine2-$tag.log" 2>/dev/null && break; sleep 0.5; done
     sleep 6      # past the stall window: a start that returns prints STARTED long before
-    if grep -q STARTED "$OUT/logs/engine2-$label.log"; then
-      say "step 2: engine2 $label started: $(grep STARTED "$OUT/logs/engine2-$label.log")"
+    if grep -q STARTED "$OUT/logs/engine2-$tag.log"; then
+      say "step 2: engine2 $tag started: $(grep STARTED "$OUT/logs/engine2-$tag.log")"
     elif kill -0 $pid 2>/dev/null; then
-      kvdiag capture --pid $pid --out "$OUT/logs/capture-$label" > "$OUT/logs/capture-$label.txt" 2>&1
+      kvdiag capture --pid $pid --out "$OUT/logs/capture-$tag" > "$OUT/logs/capture-$tag.txt" 2>&1
       rc=$?
-      say "step 2: engine2 $label still in start-up: capture exit $rc: $(python -c "import json;v=json.load(open('$OUT/logs/capture-$label/report.json'))['verdict'];print(v['kind'], v['confidence'], '|', v['summary'][:300])" 2>&1)"
-      python - "$OUT/logs/capture-$label/report.json" <<'PY' | tee -a "$OUT/summary.txt"
+      say "step 2: engine2 $tag still in start-up: capture exit $rc: $(python -c "import json;v=json.load(open('$OUT/logs/capture-$tag/report.json'))['verdict'];print(v['kind'], v['confidence'], '|', v['summary'][:300])" 2>&1)"
+      python - "$OUT/logs/capture-$tag/report.json" <<'PY' | tee -a "$OUT/summary.txt"
 import json, sys
 v = json.load(open(sys.argv[1]))["verdict"]
 for e in v.get("evidence", [])[:3]:
@@ -154,10 +186,9 @@ for e in v.get("evidence", [])[:3]:
 print(f"    known: {(v.get('known') or {}).get('id')}")
 PY
     else
-      say "step 2: engine2 $label exited: $(tail -2 "$OUT/logs/engine2-$label.log" | tr '\n' ' ')"
+      say "step 2: engine2 $tag exited: $(tail -2 "$OUT/logs/engine2-$tag.log" | tr '\n' ' ')"
     fi
     kill -9 -- -$pid 2>/dev/null; wait $pid 2>/dev/null
-  done
 }
 
 step3() {

@@ -32,15 +32,37 @@ ASYNC = (sys.argv[2] if len(sys.argv) > 2 else "0") == "1"
 t0 = time.monotonic()
 torch.cuda.init()
 ops.init_kvcached("cuda:0", PAGE, True)
-ops.create_kv_tensors(PER_LAYER, 2, "cuda:0", LAYERS, 2, 0, False)
+# create_kv_tensors takes the bytes of one layer's K and V together (the PageAllocator's
+# mem_size_per_layer is one of them): a compound page spans every layer's K and V.
+ops.create_kv_tensors(PER_LAYER * 2, 2, "cuda:0", LAYERS, 2, 0, False)
 alloc = ops.PageAllocator(num_layers=LAYERS, mem_size_per_layer=PER_LAYER, page_size=PAGE, world_size=1,
                           pp_rank=0, async_sched=ASYNC, contiguous_layout=True, enable_page_prealloc=True,
                           num_kv_buffers=2, group_id=0, ipc_name="KVDIAG_ENG2")
+# The Python work of the callback and the engine's own work between starting the prealloc thread and its
+# first alloc_page (vLLM builds its block pool there). With the pre-fix build the first alloc_page comes while
+# the worker, holding every free page, runs the callback: alloc_page then waits for it holding the GIL, and
+# the callback cannot get the GIL back to return.
+CALLBACK_WORK_S = float(os.environ.get("KVDIAG_E2_CALLBACK_WORK_MS", "20")) / 1000
+GAP_S = float(os.environ.get("KVDIAG_E2_GAP_MS", "10")) / 1000
+
+
+def should_use_worker_ipc() -> bool:
+    end = time.monotonic() + CALLBACK_WORK_S
+    while time.monotonic() < end:   # Python work: holds the GIL, gives it up only at switch intervals
+        pass
+    return False
+
+
 if os.environ.get("KVDIAG_E2_IPC_CALLBACK") == "1":
     # What kvcached's KVCacheManager registers: a Python callable the prealloc worker calls from map_pages,
     # which takes the GIL there (the pre-fix alloc_page keeps it while it waits: kvcached #371).
-    alloc.set_should_use_worker_ipc_callback(lambda: False)
+    # The fixed build (0.1.6) takes a plain bool instead, so its prealloc worker never calls into Python.
+    if hasattr(alloc, "set_should_use_worker_ipc_callback"):
+        alloc.set_should_use_worker_ipc_callback(should_use_worker_ipc)
+    else:
+        alloc.set_use_worker_ipc(False)
 alloc.start_prealloc_thread()
+time.sleep(GAP_S)
 page = alloc.alloc_page()  # the null block; with the pre-fix allocator this is where it hung
 print(f"STARTED {time.monotonic() - t0:.3f} page={page.page_id} free={alloc.get_num_free_pages()}", flush=True)
 alloc.stop_prealloc_thread()

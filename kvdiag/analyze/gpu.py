@@ -1,7 +1,8 @@
 """A host thread waiting on the GPU: a kernel that never finishes, or a stream that waits on nothing. Pure.
 
 A thread parked in a CUDA synchronization (stream, event or device synchronize, a blocking device-to-host
-copy such as ``tensor.item()`` / ``.cpu()``, a NCCL wait) for the whole capture window waits for the GPU,
+copy such as ``tensor.item()`` / ``.cpu()``, a NCCL wait, a kernel launch the driver does not accept) for the
+whole capture window waits for the GPU,
 not for another host thread: whatever the host rules would say about it (a spin that looks like work, a
 GIL it holds while others queue for it) is a consequence. What the GPU itself reported over the same
 window decides which hang it is:
@@ -63,6 +64,11 @@ CUDA_API_WAITS: tuple[tuple[str, str], ...] = (
     ("cudaMemcpyAsync", "device-to-host copy"),
     ("cudaMemcpy", "device-to-host copy"),
     ("cuMemcpy", "device copy"),
+    # A launch that does not return: the driver takes no more work from this thread while the kernel ahead
+    # of it runs on (torch's `x.sum()` queued behind a kernel that never ends spins inside cuLaunchKernel).
+    # Instantaneous in a healthy process, so only a persistent one counts (below).
+    ("cuLaunchKernel", "kernel launch"),
+    ("cudaLaunchKernel", "kernel launch"),
 )
 # torch / c10d frames that say what the wait is for (what the Python code asked).
 TORCH_WAITS: tuple[tuple[str, str], ...] = (
@@ -384,7 +390,9 @@ def rule_gpu_kernel_hang(proc: ProcessEvidence, views: list[ThreadView], engine:
     evidence = [_cite(w, f"waits on the GPU: {w.wait.what}" + (" (holds the GIL)" if w.view.holds_gil else ""),
                       engine)]
     evidence += [_gil_waiter(t, engine) for t in behind[:3]]
-    stream = " (the kernel and the stream are not visible in host stacks: the launch returned long before)"
+    stream = (" (the kernel that runs is not visible in host stacks: its launch returned long before)"
+              if w.wait.what != "kernel launch" else
+              " (the launch waits behind a kernel already running on the device, which host stacks do not show)")
     summary = (f"GPU kernel hang in {_where_proc(proc)}: {w.view.label} waits in a CUDA {_wait_phrase(w)} "
                f"and never returns ({_how_long(w)}); {device}{gil}{stream}")
     return Verdict(kind=VerdictKind.GPU_KERNEL_HANG, confidence=conf, engine=engine, evidence=evidence,

@@ -32,9 +32,10 @@ from kvdiag.defaults import STALL_WINDOW_S  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
 ROOT = Path(__file__).resolve().parents[2]
 # What the summary may name for each wait (the CUDA call the thread is parked in): .item() copies into
-# pageable memory, so it waits in cudaMemcpyAsync itself or in the stream synchronize after it.
+# pageable memory, so it waits in cudaMemcpyAsync itself or in the stream synchronize after it, unless the
+# launch of the reduction it reads (`x.sum()`) is already held by the driver behind the kernel that never ends.
 WAITS = {"sync": ("device synchronize",), "stream": ("stream synchronize",), "event": ("event synchronize",),
-         "item": ("device-to-host copy", "stream synchronize"), "gil": ("stream synchronize",)}
+         "item": ("device-to-host copy", "stream synchronize", "kernel launch"), "gil": ("stream synchronize",)}
 
 
 def kvdiag(*args: str) -> subprocess.CompletedProcess[str]:
@@ -65,7 +66,24 @@ def record(kind: str, code: int, report: dict[str, object], bundle: dict[str, ob
     with open(path, "a") as fh:
         fh.write(json.dumps({"kind": kind, "exit": code, "verdict": verdict.get("kind"),
                              "confidence": verdict.get("confidence"), "summary": verdict.get("summary"),
-                             "capture_wall_s": round(wall, 2), "tools_ok": tools, "gpu": gpu}) + "\n")
+                             "capture_wall_s": round(wall, 2), "tools_ok": tools, "gpu": gpu,
+                             "threads": _stacks(procs)}) + "\n")
+
+
+def _stacks(procs: list[object]) -> list[dict[str, object]]:
+    """Each thread's state and its stack as each tool read it (name and library only): what a verdict that
+    came out wrong on the device was judged from."""
+    out: list[dict[str, object]] = []
+    for p in procs:
+        if not isinstance(p, dict):
+            continue
+        for t in p.get("threads", []):
+            by_tool = {tool: [f"{f['name']} ({f.get('library') or f.get('file') or ''})" for f in frames[:40]]
+                       for tool, frames in (t.get("frames_by_tool") or {}).items()}
+            out.append({"pid": p["pid"], "tid": t["tid"], "name": t.get("name"), "state": t.get("state"),
+                        "wchan": t.get("wchan"), "syscall": t.get("syscall"), "gil": t.get("gil"),
+                        "cpu_ticks_delta": t.get("cpu_ticks_delta"), "frames_by_tool": by_tool})
+    return out
 
 
 def _util(bundle: dict[str, object], pid: int) -> list[int]:
