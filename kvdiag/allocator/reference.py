@@ -35,6 +35,7 @@ class ReferenceAllocator:
         mem_size_per_layer: int,
         page_size: int,
         *,
+        # The native allocators' keywords and defaults (AllocatorConfig, csrc/common.hpp); the last is the twin's.
         world_size: int = 1,
         pp_rank: int = 0,
         async_sched: bool = False,
@@ -52,13 +53,13 @@ class ReferenceAllocator:
         map_latency_us: int = 0,
         host_full_commit: bool = False,
         cuda_device: int = 0,
-        allow_partial_page: bool = False,
+        allow_partial_page: bool = False,  # True: floor mem_size_per_layer / page_size as kvcached does
         print_banner: bool = True,
         wait_timeout_ms: int = 100,
         map_timeout_ms: int = 10000,
         stop_timeout_ms: int = 5000,
         backoff_ms: int = 5,
-        device_used_bytes: int = 0,
+        device_used_bytes: int = 0,  # bytes others hold on the modelled device (natively: its shared account)
     ) -> None:
         _require(num_layers > 0, "num_layers", f"must be positive, got {num_layers}")
         _require(mem_size_per_layer > 0, "mem_size_per_layer", f"must be positive, got {mem_size_per_layer}")

@@ -18,18 +18,11 @@ from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
 from kvdiag.defaults import KV_FULL, STALL_WINDOW_S
 from kvdiag.logs.banner import assess_risk_for
 from kvdiag.logs.lines import CRASH_AT_EXIT, OOM_AT_EXIT
-from kvdiag.model import (
-    Bundle,
-    Confidence,
-    EnginePhase,
-    EngineRecord,
-    Finding,
-    MetricsSnapshot,
-    ProcessEvidence,
-    ProcessRole,
-    Verdict,
-    VerdictKind,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import Confidence, EnginePhase, ProcessRole, VerdictKind
+from kvdiag.model.run import EngineRecord, Finding, MetricsSnapshot
+from kvdiag.model.verdict import Verdict
 
 
 def _engine_text(e: EngineRecord) -> str:

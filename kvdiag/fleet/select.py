@@ -17,6 +17,9 @@ _VLLM_ACTOR = re.compile(r"RayWorkerWrapper|EngineCoreActor")
 
 @dataclass(frozen=True)
 class RayNode:
+    """A node of Ray's node table: ``address`` its IP ("" when Ray gave none), ``alive`` whether Ray listed it
+    ALIVE when the cluster was read."""
+
     node_id: str
     address: str = ""
     head: bool = False

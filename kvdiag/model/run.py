@@ -43,14 +43,22 @@ class TimelineEvent(_Model):
 
 
 class MetricsSnapshot(_Model):
-    t: float
-    engine: str | None = None
-    kv_cache_usage: float | None = None
-    running: float | None = None
-    waiting: float | None = None
-    preemptions: float | None = None
-    generation_tokens: float | None = None
-    prompt_tokens: float | None = None
+    """One scrape of an engine's vLLM /metrics, each metric summed over its label sets; None: the server
+    exports no such metric."""
+
+    t: float = Field(description="When it was read: seconds on the run's clock (the timeline's).")
+    engine: str | None = Field(
+        None, description="The engine it was read from; None: not named (it counts for every engine).")
+    kv_cache_usage: float | None = Field(
+        None, description="vllm:kv_cache_usage_perc (older vLLM: gpu_cache_usage_perc), 0..1: the KV pool in use.")
+    running: float | None = Field(None, description="vllm:num_requests_running: requests the scheduler runs.")
+    waiting: float | None = Field(None, description="vllm:num_requests_waiting: requests queued, not yet scheduled.")
+    preemptions: float | None = Field(
+        None, description="vllm:num_preemptions_total: requests preempted since the server started.")
+    generation_tokens: float | None = Field(
+        None, description="vllm:generation_tokens_total: tokens generated since the server started.")
+    prompt_tokens: float | None = Field(
+        None, description="vllm:prompt_tokens_total: prompt tokens prefilled since the server started.")
 
 
 class EngineRecord(_Model):
@@ -74,54 +82,67 @@ class EngineRecord(_Model):
 
 
 class SoakStats(_Model):
-    requests_sent: int = 0
+    """What `kvdiag soak` measured: the client's requests and latencies, how the load phase ended, the /metrics
+    scrapes, and whether the load filled the KV pool."""
+
+    requests_sent: int = Field(
+        0, description="Streaming requests the client started; those not ok, failed or timed out were cancelled.")
     requests_ok: int = 0
-    requests_failed: int = 0
+    requests_failed: int = Field(
+        0, description="Requests ended by an HTTP error status, a refused or cut connection, malformed SSE or an "
+                       "error event.")
     requests_timed_out: int = 0
-    tokens: int = 0
-    duration_s: float = 0.0
-    ttft_p50_s: float | None = None
+    tokens: int = Field(0, description="Tokens the client received (a stream's usage count where it reported more).")
+    duration_s: float = Field(
+        0.0, description="Seconds the load actually ran (to --duration, a stall or an exit), the drain not included.")
+    ttft_p50_s: float | None = Field(
+        None, description="Time to first token, seconds from the request's write, median; None: no token came.")
     ttft_p99_s: float | None = None
     itl_p50_s: float | None = None
     itl_p99_s: float | None = None
     stalled: bool = False
-    stall_after_s: float | None = None
+    stall_after_s: float | None = Field(
+        None, description="Seconds from the start of the load to the stall's onset (the last progress).")
     # How the load phase ended, as the soak judgement (analyze) reads it.
-    server_unreachable: bool = False  # an external server stopped answering during the load
-    all_requests_failed: bool = False  # not one request succeeded: the soak tested nothing
-    # The load phase: duration_s is the time actually loaded; then requests in flight got up to
-    # drain_grace_s to finish (drain_s it took; drain_cut still in flight at its end, cancelled).
-    requested_duration_s: float | None = None
-    drain_s: float | None = None
-    drain_grace_s: float | None = None
-    drain_in_flight: int | None = None
-    drain_cut: int | None = None
-    # /metrics scrapes (own thread and timer): count, failures, longest time between two snapshots.
+    server_unreachable: bool = Field(False, description="An external server stopped answering during the load.")
+    all_requests_failed: bool = Field(False, description="Not one request succeeded: the soak tested nothing.")
+    # The load phase: loaded for duration_s, then the drain.
+    requested_duration_s: float | None = Field(None, description="The load's duration as asked (--duration).")
+    drain_s: float | None = Field(None, description="Seconds the drain took.")
+    drain_grace_s: float | None = Field(
+        None, description="Seconds the requests in flight when the load ended got to finish (--drain-grace).")
+    drain_in_flight: int | None = Field(None, description="Requests in flight when the drain began.")
+    drain_cut: int | None = Field(None, description="Requests still in flight when the drain ended, cancelled.")
+    # /metrics scrapes (own thread and timer).
     metrics_period_s: float | None = None
     metrics_scrapes: int | None = None
     metrics_failures: int | None = None
-    metrics_longest_gap_s: float | None = None
+    metrics_longest_gap_s: float | None = Field(None, description="Longest time between two snapshots, seconds.")
     # Saturation: did the KV pool get near full, and if not, which side held the load back.
-    saturated: bool | None = None            # None: no KV usage gauge to judge from
+    saturated: bool | None = Field(
+        None, description="KV cache usage reached the KV-full threshold; None: no usable KV usage gauge to judge from.")
     kv_usage_peak: float | None = None
     streams_requested: int | None = None
-    streams_in_flight_mean: float | None = None   # client side
+    streams_in_flight_mean: float | None = Field(None, description="Requests the client kept in flight, mean.")
     server_running_peak: float | None = None
     server_running_mean: float | None = None
     server_waiting_peak: float | None = None
-    client_cpu: float | None = None          # kvdiag's load loop, share of one core
-    server_cpu: float | None = None          # the server's processes, cores
-    machine_cpu_busy: float | None = None    # all CPUs, 0..1
-    bottleneck: str | None = None            # "client", "server", "load" (only when not saturated)
+    client_cpu: float | None = Field(None, description="kvdiag's load loop, share of one core.")
+    server_cpu: float | None = Field(None, description="The server's processes, cores.")
+    machine_cpu_busy: float | None = Field(None, description="All CPUs, 0..1.")
+    bottleneck: str | None = Field(
+        None, description='Which side held the load back: "client", "server" or "load"; only when not saturated.')
     saturation_note: str | None = None
     # The loaded time on the run's clock: the /metrics snapshots analyze judges saturation from (with the
     # readings above); None in bundles whose run judged it itself (their judgement is kept as stored).
     load_from_t: float | None = None
     load_until_t: float | None = None
-    # Requests still in flight when the load ended (at the stall, an exit, the end of the drain).
-    in_flight_at_end: int | None = None
-    # The client's counters over time (about two a second), for the report's plots; [] in older bundles.
-    series: list[SoakSample] = Field(default_factory=list)
+    in_flight_at_end: int | None = Field(
+        None, description="Requests still in flight when the load ended (at the stall, an exit, the end of the drain).")
+    series: list[SoakSample] = Field(
+        default_factory=list,
+        description="The client's counters over time (about two a second), for the report's plots; [] in older "
+                    "bundles.")
 
 
 class Finding(_Model):

@@ -54,6 +54,9 @@ class FrameLine:
 
 @dataclass(frozen=True)
 class ThreadLines:
+    """One thread of a captured process as shown: its /proc and GIL readings as text, its frames (innermost
+    first, marked), the other tools' stacks of it, and the roles the evidence cites it in."""
+
     tid: int
     name: str
     state: str

@@ -60,13 +60,15 @@ def _env_number(name: str, kind: Callable[[str], _N], what: str) -> _N | None:
 
 @dataclass
 class SimConfig:
-    """Everything one simulated engine needs; picklable (it crosses into the EngineCore process)."""
+    """Everything one simulated engine needs; picklable (it crosses into the EngineCore process). Grouped as
+    ``kvdiag sim serve --help`` groups the flags."""
 
     host: str = "127.0.0.1"
     port: int = 8000
     model: str = "sim-model"
     served_model_name: str | None = None
-    # KV pool (kvcached PageAllocator parameters)
+    max_model_len: int = 4096
+    # KV pool: kvcached's PageAllocator parameters, the page mapping, how many tokens a page holds
     layers: int = 28
     kv_per_layer_mb: float = 256.0
     page_size_mb: int = 2
@@ -82,6 +84,8 @@ class SimConfig:
     ipc_name: str = ""
     worker_ipc: bool = False
     map_latency_us: int = 0
+    tokens_per_page: int = 2048
+    block_size: int = 16
     # the modelled device
     device_name: str = "kvdiag0"
     device_size_gb: float = 96.0
@@ -90,9 +94,6 @@ class SimConfig:
     # scheduler and decode
     max_running: int = 16
     step_ms: float = 5.0
-    tokens_per_page: int = 2048
-    block_size: int = 16
-    max_model_len: int = 4096
     seed: int = 0
     # startup phase durations (seconds); --startup-s spreads one total over them
     load_s: float = 0.15

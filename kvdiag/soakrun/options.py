@@ -22,20 +22,23 @@ VLLM_SCENARIO = "soak-vllm.yaml"
 class SoakOptions:
     """Everything `kvdiag soak` was asked to do."""
 
-    model: str = "sim"
+    # What is loaded: a running server (--url), or an engine kvdiag launches.
+    model: str = "sim"                       # "sim", a model folder to `vllm serve`; with --url: the model requested
     url: str | None = None
     scenario: Path | None = None
+    allocator: str | None = None             # None: the scenario's
+    # The streaming load kvdiag drives.
     duration_s: float = 60.0
     concurrency: int = 32
     max_tokens: int = 256
-    allocator: str | None = None
-    stall_window_s: float | None = None      # None: the scenario's windows.stall_s
     chat: bool = False
     read_timeout_s: float = 60.0
-    capture: bool = True
-    metrics_period_s: float = 1.0
-    tools: list[str] | None = None           # None: the scenario's capture.tools
     drain_grace_s: float = 5.0               # after --duration: requests in flight get this long to finish
+    # Watching it: the stall window, the /metrics period, the capture on a stall.
+    stall_window_s: float | None = None      # None: the scenario's windows.stall_s
+    metrics_period_s: float = 1.0
+    capture: bool = True
+    tools: list[str] | None = None           # None: the scenario's capture.tools
 
     def validate(self) -> None:
         if self.duration_s <= 0:

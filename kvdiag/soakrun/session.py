@@ -27,17 +27,10 @@ from kvdiag.errors import EngineFailed, KvdiagError
 from kvdiag.load.loadgen import LoadGenerator
 from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.load.stats import SoakSummary
-from kvdiag.model import (
-    Bundle,
-    EnginePhase,
-    EngineRecord,
-    Finding,
-    MetricsSnapshot,
-    ProcessEvidence,
-    ProcessRole,
-    SoakStats,
-    TimelineEvent,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import EnginePhase, ProcessRole
+from kvdiag.model.run import EngineRecord, Finding, MetricsSnapshot, SoakStats, TimelineEvent
 from kvdiag.osread.net import listening_pids
 from kvdiag.runner import LaunchedRun, RunArtifacts, RunPlan, new_bundle, run_lifecycle
 from kvdiag.scenario.models import Scenario
