@@ -123,16 +123,30 @@ def query() -> dict[str, Any]:
             return got
         if got is not None:
             errors.append(got["note"])
+    return _no_gpu(errors)
+
+
+def _no_gpu(errors: list[str]) -> dict[str, Any]:
     dev = "present" if os.path.exists("/dev/nvidia0") else "absent"
     note = "no GPU: cuda-python is not installed and nvidia-smi is not on PATH" if not errors else \
         "no GPU: " + "; ".join(e.removeprefix("no GPU: ") for e in errors)
     return {"driver": None, "runtime": None, "gpus": [], "note": f"{note} (/dev/nvidia0 {dev})"}
 
 
+def _nothing_to_ask() -> bool:
+    """Neither probe of the child could run: no cuda-python on this interpreter's path (the child's, in
+    isolated mode, is a part of it) and no nvidia-smi. A CPU host then needs no child Python at all."""
+    import importlib.util
+
+    return importlib.util.find_spec("cuda") is None and shutil.which("nvidia-smi") is None
+
+
 def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | None, list[GpuInfo], str]:
     """(driver, runtime, gpus, note), queried in a child process bounded by ``timeout_s``."""
     from kvdiag.environment.child import ChildTimeout, run_bounded  # here: this file also runs as a script
 
+    if _nothing_to_ask():
+        return None, None, [], str(_no_gpu([])["note"])
     try:
         # Its own process group, so that a timeout also ends an nvidia-smi it started.
         code, out, err = run_bounded([sys.executable, "-I", _SCRIPT], timeout_s)

@@ -81,6 +81,26 @@ def test_gpus_read_through_nvidia_smi_in_a_child(tmp_path: Path, monkeypatch: py
         (0, "NVIDIA H200", 143771, 4000), (1, "NVIDIA H200", 143771, 140000)]
 
 
+def test_a_host_with_nothing_to_ask_starts_no_child(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """No cuda-python and no nvidia-smi: the answer the child would give, without starting it."""
+    import importlib.util
+
+    import kvdiag.environment.child as child
+    from kvdiag.environment.gpu import query, read_gpus
+
+    if importlib.util.find_spec("cuda") is not None:
+        pytest.skip("cuda-python is installed: the child asks it")
+    monkeypatch.setenv("PATH", str(tmp_path))        # an empty folder: no nvidia-smi
+
+    def no_child(*_a: object, **_k: object) -> None:
+        raise AssertionError("a child was started")
+
+    monkeypatch.setattr(child, "run_bounded", no_child)
+    driver, runtime, gpus, note = read_gpus(timeout_s=60)
+    assert (driver, runtime, gpus) == (None, None, []) and note == query()["note"]
+    assert note.startswith("no GPU: cuda-python is not installed and nvidia-smi is not on PATH"), note
+
+
 def test_gpu_query_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A wedged driver (here: an nvidia-smi that never answers) costs the timeout, not the run."""
     import importlib.util
