@@ -23,7 +23,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,7 +32,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "fixtures"))
 
 from ray_host import ClusterHost, unavailable  # noqa: E402
-from ray_host import _env as ray_env  # noqa: E402
 
 TARGET_RATIO = 1.3
 
@@ -61,8 +59,7 @@ print(json.dumps({"tasks_s": wall, "cpu_before": sum(g["cpu_before"] for g in go
 
 
 def ray_floor(host: ClusterHost) -> dict[str, float]:
-    argv = host.kvdiag_argv()[:-2] + ["-c", _FLOOR, host.info["address"]]   # the namespace's python
-    res = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=ray_env(), start_new_session=True)
+    res = host.python("-c", _FLOOR, host.info["address"])
     if res.returncode != 0:
         raise SystemExit(f"ray floor: exit {res.returncode}: {res.stderr[-1500:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])

@@ -13,6 +13,7 @@ Run as a module it prints one JSON object:
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import os
 import shutil
@@ -136,8 +137,6 @@ def _no_gpu(errors: list[str]) -> dict[str, Any]:
 def _nothing_to_ask() -> bool:
     """Neither probe of the child could run: no cuda-python on this interpreter's path (the child's, in
     isolated mode, is a part of it) and no nvidia-smi. A CPU host then needs no child Python at all."""
-    import importlib.util
-
     return importlib.util.find_spec("cuda") is None and shutil.which("nvidia-smi") is None
 
 

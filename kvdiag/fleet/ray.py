@@ -112,11 +112,6 @@ def discover(ray: Any) -> ClusterView:
     return view
 
 
-def _why(exc: BaseException) -> tuple[NodeOutcome, str]:
-    """(outcome, reason) for a node whose capture task raised ``exc``."""
-    return task_failure(type(exc).__name__, str(exc))
-
-
 def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: float, backends: Sequence[str],
                       command: str) -> dict[str, NodeCapture]:
     """One capture task per node, pinned to it (hard affinity), all at once; bounded."""
@@ -143,7 +138,7 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
             try:
                 answer = ray.get(ref)
             except Exception as exc:  # noqa: BLE001 - every failure is a node outcome, never the run's end
-                outcome, reason = _why(exc)
+                outcome, reason = task_failure(type(exc).__name__, str(exc))
                 out[node_id] = NodeCapture(outcome=outcome, reason=reason, seconds=spent)
                 continue
             out[node_id] = NodeCapture(pack=answer["pack"], seconds=spent, node_died=bool(answer.get("node_died")))
@@ -208,7 +203,8 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
             raise UsageError(f"--ray: no process to capture ({sel.described}: none alive)",
                              hint="--select actors|workers, or --actor PATTERN (class or name, shell pattern)")
         names = node_names(view.nodes)
-        by_node = {nid: [t.pid for t in ts] for nid, ts in sel.by_node().items()}
+        targets = sel.by_node()
+        by_node = {nid: [t.pid for t in ts] for nid, ts in targets.items()}
         say(f"capturing {len(sel.targets)} process(es) ({sel.described}) on {len(by_node)} node(s) of the Ray "
             f"cluster at {address}")
         command = f"capture --ray {address}"
@@ -257,7 +253,7 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
             parts.append(NodePart(record))
             continue
         bundle, _ = load_bundle(folder)
-        _name_engines(bundle, {t.pid: t.label for t in sel.by_node().get(node.node_id, [])})
+        _name_engines(bundle, {t.pid: t.label for t in targets.get(node.node_id, [])})
         refusal = access_refusal(bundle)
         if refusal is not None:
             record.outcome, record.reason = "refused", refusal

@@ -61,6 +61,10 @@ def _actor_label(a: RayActorRecord) -> str:
     return f"actor {a.class_name}" + (f" ({a.name})" if a.name else "")
 
 
+def _actor_targets(actors: list[RayActorRecord]) -> list[Target]:
+    return [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in actors]
+
+
 def select_targets(actors: list[RayActorRecord], workers: list[RayWorker], *, select: str = "vllm",
                    patterns: list[str] | None = None, exclude: set[tuple[str, int]] | None = None) -> Selection:
     """The processes to capture.
@@ -81,7 +85,7 @@ def select_targets(actors: list[RayActorRecord], workers: list[RayWorker], *, se
         chosen = [a for a in live if any(fnmatch.fnmatchcase(a.class_name, p) or fnmatch.fnmatchcase(a.name, p)
                                          for p in pats)]
         sel.described = f"actors matching {' '.join(pats)}"
-        sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in chosen]
+        sel.targets = _actor_targets(chosen)
     elif select == "workers":
         sel.described = "every worker"
         labels = {(a.node or "", a.pid): _actor_label(a) for a in live}
@@ -89,18 +93,18 @@ def select_targets(actors: list[RayActorRecord], workers: list[RayWorker], *, se
                        for w in workers if w.worker_type in ("WORKER", "DRIVER")]
     elif select == "actors":
         sel.described = "every actor"
-        sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in live]
+        sel.targets = _actor_targets(live)
     else:
         vllm = [a for a in live if _VLLM_ACTOR.search(a.class_name)]
         if vllm:
             sel.described = "vLLM actors and drivers"
-            sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in vllm]
+            sel.targets = _actor_targets(vllm)
             sel.targets += [Target(w.node_id, w.pid, "driver") for w in workers if w.worker_type == "DRIVER"]
         else:
             sel.described = "every actor (no vLLM actor in the cluster)"
             sel.notes.append("no vLLM actor (RayWorkerWrapper, EngineCoreActor) in the cluster: every actor "
                              "is captured")
-            sel.targets = [Target(a.node or "", a.pid or 0, _actor_label(a)) for a in live]
+            sel.targets = _actor_targets(live)
     seen: set[tuple[str, int]] = set()
     unique: list[Target] = []
     for t in sel.targets:
