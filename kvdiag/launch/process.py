@@ -7,9 +7,10 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import ExitStack
 from pathlib import Path
 from types import TracebackType
@@ -17,7 +18,16 @@ from types import TracebackType
 from kvdiag import interrupts
 from kvdiag.errors import EngineFailed
 from kvdiag.interpreter import module_argv
-from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm, vllm_dist_idents
+from kvdiag.launch.owned import OwnedFiles, run_processes
+from kvdiag.launch.reaper import (
+    RUN_ID_ENV,
+    group_is_ours,
+    kill_groups,
+    leader_start,
+    sweep_shm,
+    vllm_dist_idents,
+)
+from kvdiag.osread.holders import FileId
 from kvdiag.ports import free_port as free_port  # re-exported: launchers and tests import it from here
 from kvdiag.ports import port_in_use as port_in_use
 
@@ -25,6 +35,10 @@ from kvdiag.ports import port_in_use as port_in_use
 # ZMQ socket files in VLLM_RPC_BASE_PATH, vllm_dist_* and torch caches in TMPDIR, and its cache root.
 ENGINE_TEMP_DIRS = {"TMPDIR": "tmp", "VLLM_RPC_BASE_PATH": "rpc", "VLLM_CACHE_ROOT": "cache"}
 _UNIX_PATH_MAX = 107   # sizeof(sockaddr_un.sun_path) - 1
+# How often the run's processes are looked at for the /dev/shm files they hold (what kvdiag may remove
+# at teardown): often enough to see a segment of an engine that crashes soon after making it, rarely
+# enough to cost nothing (a few /proc reads of kvdiag's own processes).
+OWNED_SAMPLE_S = 0.5
 
 
 def private_temp_path(prefix: str) -> Path:
@@ -42,18 +56,20 @@ class Reaper:
             stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
             start_new_session=True, close_fds=True,
         )
+        self._lock = threading.Lock()   # the run's sampler thread writes here too: whole lines only
 
     def _send(self, line: str) -> None:
         if self._proc.stdin is None:
             return
-        try:
-            self._proc.stdin.write(f"{line}\n".encode())
-            self._proc.stdin.flush()
-        except (BrokenPipeError, ValueError):
-            pass
+        with self._lock:
+            try:
+                self._proc.stdin.write(f"{line}\n".encode())
+                self._proc.stdin.flush()
+            except (BrokenPipeError, ValueError):
+                pass
 
-    def register(self, pgid: int) -> None:
-        self._send(f"+{pgid}")
+    def register(self, pgid: int, start: int | None = None) -> None:
+        self._send(f"+{pgid}" if start is None else f"+{pgid} {start}")
 
     def unregister(self, pgid: int) -> None:
         self._send(f"-{pgid}")
@@ -65,6 +81,15 @@ class Reaper:
     def remove_on_abandon(self, path: Path) -> None:
         """A private temp folder the reaper deletes if kvdiag dies without cleaning up."""
         self._send(f"dir {path}")
+
+    def keep_on_abandon(self, path: Path) -> None:
+        """Take back :meth:`remove_on_abandon` (the folder turned out not to be ours to create)."""
+        self._send(f"undir {path}")
+
+    def owns(self, ids: Iterable[FileId]) -> None:
+        """/dev/shm files the run's processes were seen holding: the reaper may remove them once unused."""
+        for dev, ino in ids:
+            self._send(f"own {dev} {ino}")
 
     def abandon(self) -> None:
         """Close the pipe without "exit": the reaper then tears down every registered group."""
@@ -101,6 +126,7 @@ class EngineProcess:
         self.cwd = cwd
         self.popen: subprocess.Popen[bytes] | None = None
         self.started_at: float | None = None
+        self.leader_start: int | None = None   # the leader's start time: its group is ours while it matches
 
     @property
     def pid(self) -> int | None:
@@ -122,8 +148,9 @@ class EngineProcess:
         finally:
             log.close()
         self.started_at = time.monotonic()
+        self.leader_start = leader_start(self.popen.pid)
         if reaper is not None:
-            reaper.register(self.popen.pid)
+            reaper.register(self.popen.pid, self.leader_start)
 
     def returncode(self) -> int | None:
         return self.popen.poll() if self.popen else None
@@ -136,7 +163,7 @@ class EngineProcess:
         if self.popen is None:
             return
         pgid = self.popen.pid
-        kill_groups([pgid], None, grace_s)
+        kill_groups({pgid: self.leader_start}, self.env.get(RUN_ID_ENV), grace_s)
         try:
             self.popen.wait(timeout=2)
         except subprocess.TimeoutExpired:
@@ -164,6 +191,11 @@ class ProcessSet:
         self._run_dir: Path | None = None
         self._short_rpc_dir: Path | None = None
         self._started_epoch = time.time()
+        # The /dev/shm files the run's processes were seen holding: the only ones teardown may remove.
+        self.owned = OwnedFiles()
+        self.shm_left: list[str] = []    # what looked like the run's leftovers but was not provably its own
+        self._sampler: threading.Thread | None = None
+        self._sampler_stop = threading.Event()
 
     def on_teardown(self, hook: Callable[[], None]) -> None:
         """Run ``hook`` once the engines are stopped, while the reaper still guards the run (a kill
@@ -216,18 +248,50 @@ class ProcessSet:
 
     def make_private_dir(self, path: Path) -> None:
         """Create ``path`` (mode 0700) after telling the reaper to delete it if kvdiag dies first:
-        no kill can land between the two and leave it behind."""
+        no kill can land between the two and leave it behind. A folder already there is not ours: the
+        reaper is told to leave it."""
         if self.reaper is not None:
             self.reaper.remove_on_abandon(path)
-        path.mkdir(mode=0o700)
+        try:
+            path.mkdir(mode=0o700)
+        except OSError:
+            if self.reaper is not None:
+                self.reaper.keep_on_abandon(path)
+            raise
 
     def start(self, engine: EngineProcess) -> None:
         self.engines.append(engine)
         engine.start(self.reaper)
+        if self._sampler is None:
+            self._sampler = threading.Thread(target=self._sample, name="kvdiag-owned-files", daemon=True)
+            self._sampler.start()
+
+    def _groups(self) -> dict[int, int | None]:
+        return {e.pid: e.leader_start for e in list(self.engines) if e.pid is not None}
+
+    def observe(self, marked: bool = False) -> None:
+        """Record the /dev/shm files the run's processes hold now (``marked``: also those that left their
+        process group but carry the run's marker, a slower look for teardown) and tell the reaper."""
+        groups = [g for g, start in self._groups().items() if group_is_ours(g, start, self.run_id)]
+        new = self.owned.observe(run_processes(groups, self.run_id if marked else None))
+        if new and self.reaper is not None:
+            self.reaper.owns(sorted(new))
+
+    def _sample(self) -> None:
+        while not self._sampler_stop.wait(OWNED_SAMPLE_S):
+            try:
+                self.observe()
+            except Exception:  # noqa: BLE001 - a failed look costs only what it would have seen
+                continue
+
+    def _stop_sampling(self) -> None:
+        self._sampler_stop.set()
+        if self._sampler is not None:
+            self._sampler.join(timeout=5)
 
     def stop_all(self) -> None:
         """Stop every engine group at once (one grace period in all, not one per engine)."""
-        groups = [e.pid for e in self.engines if e.pid is not None]
+        groups = self._groups()
         kill_groups(groups, self.run_id, self.grace_s)
         for engine in self.engines:
             if engine.popen is not None:
@@ -244,14 +308,22 @@ class ProcessSet:
         held.__enter__()
         clean = False
         try:
+            self._stop_sampling()
+            if self.engines:
+                self.observe(marked=True)   # what they hold as they are stopped is theirs too
             self.stop_all()
             idents = vllm_dist_idents([self._run_dir] if self._run_dir is not None else [])
             for folder in (self._run_dir, self._short_rpc_dir):
                 if folder is not None:
                     shutil.rmtree(folder, ignore_errors=True)
             if self.engines:
-                # vLLM's psm_* queues of engines that were killed, its TP all-reduce segments always.
-                sweep_shm(self._started_epoch, owned=idents)
+                # vLLM's psm_* queues of engines that were killed, its TP all-reduce segments always:
+                # only those the run's processes were seen holding, and only once nobody holds them.
+                swept = sweep_shm(self._started_epoch, self.owned.seen, idents=idents)
+                self.shm_left = swept.left
+                if swept.left:
+                    print(f"kvdiag: left in /dev/shm: {', '.join(swept.left)} (made during the run and unused, "
+                          "but no process kvdiag started was seen holding them: not removed)", file=sys.stderr)
             clean = True
             for hook in self._teardown_hooks:
                 try:

@@ -1,14 +1,19 @@
 """Out-of-process reaper: kills everything kvdiag started once kvdiag is gone.
 
 kvdiag starts it in its own session and keeps a pipe to its stdin. kvdiag writes
-``+PGID`` / ``-PGID`` lines as it starts and reaps engines. When the pipe
-reaches EOF — kvdiag exited, crashed or was SIGKILLed — the reaper SIGTERMs
-every registered process group, SIGKILLs what is left after a grace period, and
+``+PGID START`` / ``-PGID`` lines as it starts and reaps engines (START: the
+leader's start time, so a group number reused by another program is never
+signalled), and ``own DEV INO`` for every /dev/shm file its engines were seen
+holding. When the pipe reaches EOF — kvdiag exited, crashed or was SIGKILLed —
+the reaper looks once more at what the run's processes hold, SIGTERMs every
+registered process group, SIGKILLs what is left after a grace period, and
 sweeps any process whose environment carries ``KVDIAG_RUN_ID=<run id>`` (a
 child that left its process group), then removes the private temp folders
 registered with ``dir PATH`` (raw, unredacted engine logs must not outlive a
-killed kvdiag) and the run's own modelled-device files in /dev/shm. It ignores SIGINT/SIGTERM/SIGHUP so a
-Ctrl-C or a terminal hang-up cannot stop it before it has cleaned up.
+killed kvdiag), the /dev/shm files the run's processes held that nobody holds
+any more (:mod:`kvdiag.launch.owned`) and the run's own modelled-device files.
+It ignores SIGINT/SIGTERM/SIGHUP so a Ctrl-C or a terminal hang-up cannot stop
+it before it has cleaned up.
 """
 
 from __future__ import annotations
@@ -20,15 +25,25 @@ import signal
 import sys
 import tempfile
 import time
-from collections.abc import Iterable
+from collections.abc import Mapping
 
-from kvdiag.osread.fds import fd_links
-from kvdiag.osread.maps import read_maps
+from kvdiag.launch.owned import (
+    RUN_ID_ENV,
+    SHM_DIR,
+    SHM_PREFIXES,
+    VLLM_DIST_PREFIX,
+    OwnedFiles,
+    ShmSweep,
+    run_processes,
+    sweep_shm,
+    vllm_dist_idents,
+)
 from kvdiag.osread.process import read_environ
 from kvdiag.osread.ptable import alive, group_alive
-from kvdiag.osread.stat import all_pids
+from kvdiag.osread.stat import all_pids, all_stats, read_stat
 
-RUN_ID_ENV = "KVDIAG_RUN_ID"
+__all__ = ["RUN_ID_ENV", "SHM_DIR", "SHM_PREFIXES", "VLLM_DIST_PREFIX", "ShmSweep", "group_is_ours",
+           "kill_groups", "leader_start", "pids_with_marker", "sweep_shm", "vllm_dist_idents"]
 
 
 def pids_with_marker(run_id: str) -> list[int]:
@@ -38,14 +53,40 @@ def pids_with_marker(run_id: str) -> list[int]:
             if pid != me and (read_environ(pid) or {}).get(RUN_ID_ENV) == run_id and alive(pid)]
 
 
-def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> None:
-    """SIGTERM the groups (and marked stragglers), wait up to grace_s, then SIGKILL."""
-    groups = [g for g in set(pgids) if g > 1 and g != os.getpgrp()]
-    for pgid in groups:
-        try:
-            os.killpg(pgid, signal.SIGTERM)
-        except (ProcessLookupError, PermissionError):
-            pass
+def leader_start(pid: int) -> int | None:
+    """The start time (clock ticks after boot) of process ``pid``: with the pid, which process it is."""
+    st = read_stat(pid)
+    return st.starttime if st is not None else None
+
+
+def group_is_ours(pgid: int, start: int | None, run_id: str | None) -> bool:
+    """Whether process group ``pgid`` is still the one kvdiag started: its leader is the process that
+    started at ``start`` (a zombie leader still is), or, the leader gone, a live member carries the run's
+    marker. A group whose number came back to another program (the pid reused after ours ended) is not."""
+    st = read_stat(pgid)
+    if st is not None and start is not None:
+        return st.starttime == start
+    if st is not None and st.state not in ("Z", "X") and (read_environ(pgid) or {}).get(RUN_ID_ENV) == run_id:
+        return run_id is not None
+    return run_id is not None and any(
+        m.pgid == pgid and m.state not in ("Z", "X") and (read_environ(m.pid) or {}).get(RUN_ID_ENV) == run_id
+        for m in all_stats())
+
+
+def _signal_groups(groups: Mapping[int, int | None], run_id: str | None, sig: signal.Signals) -> None:
+    for pgid, start in groups.items():
+        if group_is_ours(pgid, start, run_id):
+            try:
+                os.killpg(pgid, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def kill_groups(groups: Mapping[int, int | None], run_id: str | None, grace_s: float) -> None:
+    """SIGTERM the groups kvdiag started (pgid -> its leader's start time, :func:`group_is_ours`) and the
+    run's marked stragglers, wait up to grace_s, then SIGKILL what is left."""
+    groups = {g: s for g, s in groups.items() if g > 1 and g != os.getpgrp()}
+    _signal_groups(groups, run_id, signal.SIGTERM)
     strays = pids_with_marker(run_id) if run_id else []
     for pid in strays:
         try:
@@ -57,91 +98,13 @@ def kill_groups(pgids: Iterable[int], run_id: str | None, grace_s: float) -> Non
         if not any(group_alive(g) for g in groups) and not (run_id and pids_with_marker(run_id)):
             return
         time.sleep(0.05)
-    for pgid in groups:
-        try:
-            os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
-            pass
+    _signal_groups(groups, run_id, signal.SIGKILL)
     if run_id:
         for pid in pids_with_marker(run_id):
             try:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
-
-
-SHM_DIR = "/dev/shm"
-# multiprocessing.shared_memory segments (vLLM's broadcast queues, psm_<hex>) and multiprocessing's named
-# semaphores (sem.mp-<id>), left behind when their owner and its resource tracker are killed together.
-# They cannot be redirected to the run's folder, so they are swept instead.
-SHM_PREFIXES = ("psm_", "sem.mp-")
-# vLLM CPU's tensor-parallel all-reduce segments, ``<ident>-<group>-cpushm_<rank>``, named after the
-# rendezvous file ``$TMPDIR/vllm_dist_<hex>`` of the engine (its VLLM_DIST_IDENT). vLLM never unlinks them,
-# not even on a clean shutdown. The run's own are known exactly from the files in its TMPDIR.
-VLLM_DIST_PREFIX = "vllm_dist_"
-
-
-def vllm_dist_idents(folders: Iterable[str | os.PathLike[str]]) -> list[str]:
-    """The ``vllm_dist_<hex>`` rendezvous names in the given run folders (and their ``tmp`` subfolder):
-    the prefixes of the /dev/shm segments those engines created."""
-    found: list[str] = []
-    for folder in folders:
-        for where in (os.fspath(folder), os.path.join(os.fspath(folder), "tmp")):
-            try:
-                names = os.listdir(where)
-            except OSError:
-                continue
-            found += [n for n in names if n.startswith(VLLM_DIST_PREFIX) and n not in found]
-    return found
-
-
-def _shm_in_use() -> set[str]:
-    """Names under /dev/shm some live process maps or holds open."""
-    used: set[str] = set()
-    marker = SHM_DIR + "/"
-    for pid in all_pids():
-        for m in read_maps(pid) or []:
-            at = m.path.find(marker)
-            if at >= 0:
-                used.add(m.path[at + len(marker):].split(" ")[0])
-        used.update(link[len(marker):] for link in (fd_links(pid) or {}).values() if link.startswith(marker))
-    return used
-
-
-def sweep_shm(since: float, shm_dir: str = SHM_DIR, owned: Iterable[str] = ()) -> list[str]:
-    """Remove our uid's shared-memory segments (SHM_PREFIXES) created since ``since`` (epoch s) that no
-    live process uses any more: what the run's engines left; and, whenever created, those named
-    ``<ident>-...`` for an ``owned`` ident (the run's vLLM rendezvous names, :func:`vllm_dist_idents`).
-    Returns the names removed."""
-    try:
-        names = os.listdir(shm_dir)
-    except OSError:
-        return []
-    owned_prefixes = tuple(f"{ident}-" for ident in owned)
-    candidates = []
-    for name in names:
-        mine = bool(owned_prefixes) and name.startswith(owned_prefixes)
-        if not mine and not name.startswith(SHM_PREFIXES):
-            continue
-        try:
-            st = os.stat(os.path.join(shm_dir, name))
-        except OSError:
-            continue
-        if st.st_uid == os.getuid() and (mine or st.st_ctime >= since - 1.0):
-            candidates.append(name)
-    if not candidates:
-        return []
-    used = _shm_in_use() if shm_dir == SHM_DIR else set()
-    removed = []
-    for name in candidates:
-        if name in used:
-            continue
-        try:
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
-        except OSError:
-            pass
-    return removed
 
 
 def run_device_name(run_id: str) -> str:
@@ -191,9 +154,10 @@ def main(argv: list[str]) -> int:
     # kvdiag's pid comes on the command line: by the time a slow reaper starts, a killed kvdiag may
     # already be gone and getppid() would name our new parent (init) instead.
     parent = int(argv[2]) if len(argv) > 2 else os.getppid()
-    groups: set[int] = set()
+    groups: dict[int, int | None] = {}
     dirs: set[str] = set()
     shm_since: float | None = None
+    owned = OwnedFiles()
     stdin = sys.stdin.buffer
     while True:
         line = stdin.readline()
@@ -205,17 +169,28 @@ def main(argv: list[str]) -> int:
         if text.startswith("dir "):
             dirs.add(text[4:])
             continue
+        if text.startswith("undir "):
+            dirs.discard(text[6:])
+            continue
         if text.startswith("shm "):
             try:
                 shm_since = float(text[4:])
             except ValueError:
                 pass
             continue
-        if len(text) > 1 and text[1:].isdigit():
-            if text[0] == "+":
-                groups.add(int(text[1:]))
-            elif text[0] == "-":
-                groups.discard(int(text[1:]))
+        if text.startswith("own "):
+            parts = text.split()
+            if len(parts) == 3 and parts[1].isdigit() and parts[2].isdigit():
+                owned.add([(int(parts[1]), int(parts[2]))])
+            continue
+        word, _, start = text.partition(" ")
+        if len(word) > 1 and word[1:].isdigit():
+            if word[0] == "+":
+                groups[int(word[1:])] = int(start) if start.isdigit() else None
+            elif word[0] == "-":
+                groups.pop(int(word[1:]), None)
+    # What the run's processes hold as they are killed is theirs too (files made since kvdiag's last look).
+    owned.observe(run_processes(groups, run_id))
     kill_groups(groups, run_id, grace_s)
     # A live kvdiag that abandoned us still copies its logs and removes the folders itself. A dying
     # one closes its files (our EOF) before it turns zombie or we are reparented: give it a moment.
@@ -228,12 +203,12 @@ def main(argv: list[str]) -> int:
             if removable_temp_dir(d):
                 shutil.rmtree(d, ignore_errors=True)
         if shm_since is not None:
-            sweep_shm(shm_since, owned=idents)
+            sweep_shm(shm_since, owned.seen, idents=idents)
     # An engine forked just before kvdiag died carries the run marker only once it has exec'd, and
     # its group was never registered: one more sweep, after that exec, catches it.
     time.sleep(0.3)
     if run_id:
-        kill_groups([], run_id, grace_s)
+        kill_groups({}, run_id, grace_s)
         remove_run_device(run_id, bound_s=10.0)
     return 0
 

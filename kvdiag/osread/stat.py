@@ -21,6 +21,7 @@ class Stat:
     utime: int                   # 14: clock ticks in user mode
     stime: int                   # 15: clock ticks in kernel mode
     exit_code: int | None = None  # 52: wait status of an exited task (0 unless the reader may trace it)
+    starttime: int = 0           # 22: clock ticks after boot when it started (with the pid: which process)
 
     @property
     def ticks(self) -> int:
@@ -39,8 +40,9 @@ def parse_stat(raw: bytes | str, pid: int) -> Stat | None:
         return None
     try:
         exit_code = int(rest[49]) if len(rest) >= 50 else None
+        starttime = int(rest[19]) if len(rest) >= 20 else 0
         return Stat(pid, rest[0].decode(), int(rest[1]), int(rest[2]), int(rest[6]), int(rest[11]),
-                    int(rest[12]), exit_code)
+                    int(rest[12]), exit_code, starttime)
     except ValueError:
         return None
 

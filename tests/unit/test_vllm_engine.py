@@ -15,9 +15,10 @@ import pytest
 
 from kvdiag.errors import ScenarioError, ToolMissing
 from kvdiag.launch.engines import PORT_ENV, plan_engine
+from kvdiag.launch.owned import sweep_shm
 from kvdiag.launch.process import ENGINE_TEMP_DIRS, ProcessSet
-from kvdiag.launch.reaper import sweep_shm
 from kvdiag.launch.vllm import ENTRY_POINT_GROUP, expand, stage_plugin
+from kvdiag.osread.holders import file_id
 from kvdiag.osread.net import listening_ports
 from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
@@ -131,17 +132,22 @@ def test_engines_temp_files_go_to_the_run_folder_removed_at_teardown() -> None:
     assert not run_dir.exists()
 
 
-def test_sweep_shm_removes_only_new_unused_segments(tmp_path: Path) -> None:
+def test_sweep_shm_removes_only_new_unused_segments_the_run_was_seen_holding(tmp_path: Path) -> None:
     old = tmp_path / "psm_old"
     old.write_bytes(b"x")
     time.sleep(1.3)  # older than the run start by more than sweep_shm's 1 s slack
     since = time.time()
-    new = tmp_path / "psm_new"
-    new.write_bytes(b"x")
+    new, held, stranger = tmp_path / "psm_new", tmp_path / "psm_held", tmp_path / "sem.mp-stranger"
+    for p in (new, held, stranger):
+        p.write_bytes(b"x")
     other = tmp_path / "kvdiag-dev-x.acct"
     other.write_bytes(b"x")
-    assert sweep_shm(since, shm_dir=str(tmp_path)) == ["psm_new"]
-    assert old.exists() and other.exists() and not new.exists()
+    seen = {file_id(str(p)) for p in (old, new, held, other)}
+    with open(held, "rb"):   # a live holder (this process), whatever the name
+        swept = sweep_shm(since, {f for f in seen if f}, shm_dir=str(tmp_path))
+    assert swept.removed == ["psm_new"]
+    assert swept.left == ["sem.mp-stranger"]   # looks like a leftover, never seen held by the run: named only
+    assert old.exists() and other.exists() and held.exists() and stranger.exists() and not new.exists()
 
 
 def test_listening_ports_of_a_process() -> None:

@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from kvdiag.launch.reaper import sweep_shm, vllm_dist_idents
+from kvdiag.launch.owned import sweep_shm, vllm_dist_idents
+from kvdiag.osread.holders import file_id
 from kvdiag.scenario import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -32,8 +33,9 @@ def test_the_runs_vllm_dist_segments_go_whatever_their_age_and_no_one_elses(tmp_
     time.sleep(1.2)   # older than the run's start: only the rendezvous name makes them ours
     idents = vllm_dist_idents([run])
     assert idents == ["vllm_dist_aa11"]
-    removed = sweep_shm(time.time(), shm_dir=str(shm), owned=idents)
-    assert sorted(removed) == sorted(p.name for p in ours)
+    seen = {f for p in (*ours, theirs) if (f := file_id(str(p)))}   # even a file seen held: not named by the run
+    swept = sweep_shm(time.time(), seen, shm_dir=str(shm), idents=idents)
+    assert sorted(swept.removed) == sorted(p.name for p in ours)
     assert theirs.exists() and not any(p.exists() for p in ours)
 
 
@@ -79,12 +81,14 @@ def test_the_reaper_of_a_killed_kvdiag_removes_its_engines_vllm_dist_segments() 
     (run / "tmp" / ident).write_text("rendezvous")
     seg = Path("/dev/shm") / f"{ident}-tp:0-[0-1]-cpushm_0"
     seg.write_bytes(b"x")
+    seg_id = file_id(str(seg))
+    assert seg_id is not None
     gone = subprocess.Popen([sys.executable, "-c", "pass"])
     gone.wait()   # a pid that no longer runs stands for the SIGKILLed kvdiag
     try:
         reaper = subprocess.run([sys.executable, "-m", "kvdiag.launch.reaper", uuid.uuid4().hex[:12], "0.5",
-                                 str(gone.pid)], input=f"dir {run}\nshm {time.time():.3f}\n", text=True,
-                                timeout=60, cwd=ROOT)
+                                 str(gone.pid)], text=True, timeout=60, cwd=ROOT,
+                                input=f"dir {run}\nshm {time.time():.3f}\nown {seg_id[0]} {seg_id[1]}\n")
         assert reaper.returncode == 0
         assert not run.exists() and not seg.exists()
     finally:

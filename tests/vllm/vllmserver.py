@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 
 from kvdiag.allocator import remove_device_files
-from kvdiag.launch.reaper import sweep_shm, vllm_dist_idents
+from kvdiag.launch.owned import OwnedFiles, sweep_shm, vllm_dist_idents
 from kvdiag.launch.vllm import default_model, find_vllm, native_library, stage_plugin
 from kvdiag.osread.children import children
 from kvdiag.ports import free_port
@@ -118,7 +118,9 @@ class VllmServer:
             return ""
 
     def stop(self) -> None:
+        owned = OwnedFiles()
         if self.popen is not None:
+            owned.observe(self.tree())   # what the server's processes hold is what this fixture may remove
             pgid = self.popen.pid
             for sig, wait_s in ((signal.SIGCONT, 0.0), (signal.SIGTERM, 10.0), (signal.SIGKILL, 10.0)):
                 try:
@@ -138,8 +140,9 @@ class VllmServer:
             except subprocess.TimeoutExpired:
                 pass
         remove_device_files(self.device)
-        # What the killed tree left in /dev/shm (its queues, semaphores, TP segments), as kvdiag's own teardown does.
-        sweep_shm(getattr(self, "started", time.time()), owned=vllm_dist_idents([self.private]))
+        # What the killed tree left in /dev/shm (its queues, semaphores, TP segments), by kvdiag's own rule:
+        # only files the tree was seen holding, once nobody holds them.
+        sweep_shm(getattr(self, "started", time.time()), owned.seen, idents=vllm_dist_idents([self.private]))
         shutil.rmtree(self.private, ignore_errors=True)
 
     def __enter__(self) -> VllmServer:
