@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import secrets
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,9 +32,9 @@ def prepare_out_dir(out: Path | None, command: str) -> Path:
     try:
         path.mkdir(parents=True, exist_ok=True)
         (path / "bundle").mkdir(exist_ok=True)
-        probe = path / ".kvdiag-write-test"
-        probe.write_text("")
-        probe.unlink()
+        # A fresh file of our own (never a same-named file someone keeps there), gone on close.
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".kvdiag-write-test-"):
+            pass
     except OSError as exc:
         raise UsageError(f"cannot write output folder {path}: {exc.strerror or exc}",
                          hint="pass --out DIR pointing at a writable folder") from None

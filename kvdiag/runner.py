@@ -24,13 +24,14 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvdiag import __version__, interrupts
-from kvdiag.allocator import remove_device_files
+from kvdiag.allocator import device_file_paths
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.environment import add_engine_packages, collect_environment
 from kvdiag.environment.interpreter import interpreter_of_pid
 from kvdiag.environment.runtime import collect_runtime
 from kvdiag.errors import Interrupted, UsageError
 from kvdiag.launch.interpreters import engine_interpreters
+from kvdiag.launch.owned import remove_unheld
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
 from kvdiag.model import (
@@ -171,8 +172,9 @@ class LaunchedRun:
             if self.raw_log_dir.exists():  # teardown did not get to its hook: copy what is there
                 self._final_logs()
             if self.device is not None and self.scenario.device.name is None:
-                # The modelled device was this run's own: drop its shared lock/accounting files.
-                remove_device_files(self.device)
+                # The modelled device was this run's own (its name carries the run id): drop its shared
+                # lock/accounting files, unless some process still holds them (an engine that would not die).
+                remove_unheld(device_file_paths(self.device))
 
 
 def switchable(scenario: Scenario, what: str) -> None:

@@ -10,6 +10,7 @@ SIGTERM/SIGHUP. Nothing here signals or stops a watched process.
 
 from __future__ import annotations
 
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -104,9 +105,9 @@ class WatchOptions:
             raise UsageError(f"--tools: {exc}") from None
         try:
             self.out.mkdir(parents=True, exist_ok=True)
-            probe = self.out / ".kvdiag-write-test"
-            probe.write_text("")
-            probe.unlink()
+            # A fresh file of our own (never a same-named file someone keeps there), gone on close.
+            with tempfile.NamedTemporaryFile(dir=self.out, prefix=".kvdiag-write-test-"):
+                pass
         except OSError as exc:
             raise UsageError(f"cannot write output folder {self.out}: {exc.strerror or exc}",
                              hint="pass --out DIR pointing at a writable folder") from None

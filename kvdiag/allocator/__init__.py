@@ -30,6 +30,7 @@ __all__ = [
     "MapCallback",
     "PageAllocator",
     "ReferenceAllocator",
+    "device_file_paths",
     "kvcached_env_kwargs",
     "make_allocator",
     "native_module",
@@ -106,14 +107,19 @@ def kvcached_env_kwargs(env: Mapping[str, str]) -> dict[str, Any]:
     return out
 
 
-def remove_device_files(device_name: str) -> None:
-    """Delete a modelled device's shared files (lock and accounting) once no engine uses it."""
+def device_file_paths(device_name: str) -> list[str]:
+    """A modelled device's shared files (lock and accounting); [] without the native module (none made)."""
     try:
         native = native_module()
-        paths = [native.device_lock_path(device_name), native.device_account_path(device_name)]
+        return [native.device_lock_path(device_name), native.device_account_path(device_name)]
     except Exception:  # noqa: BLE001 - no native module: nothing was created
-        return
-    for p in paths:
+        return []
+
+
+def remove_device_files(device_name: str) -> None:
+    """Delete a modelled device's shared files (lock and accounting), the caller's own device, whose
+    engines it has stopped."""
+    for p in device_file_paths(device_name):
         try:
             os.unlink(p)
         except OSError:

@@ -90,21 +90,44 @@ class ToolOutcome:
     error: str | None = None      # could not start it at all
 
 
+def _leader_exited(pid: int, timeout_s: float) -> bool | None:
+    """Wait up to ``timeout_s`` for our child ``pid`` to exit, without reaping it: while its zombie is
+    unreaped the number stays ours, so a signal to its group cannot reach a process that reused it.
+    None: already reaped (by another thread), the number no longer ours."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None:
+                return True
+        except ChildProcessError:
+            return None
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.02)
+
+
 def _kill_group(proc: subprocess.Popen[bytes]) -> None:
     """SIGTERM the tool's process group, then SIGKILL whatever is left after a short grace."""
+    if proc.returncode is not None:
+        return   # reaped: its number may belong to someone else now
     for sig, grace in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 1.0)):
         try:
             os.killpg(proc.pid, sig)
         except (ProcessLookupError, PermissionError):
             return
-        try:
-            proc.wait(timeout=grace)
-            # The leader exited; members of its group may linger (a shell script's children).
-            os.killpg(proc.pid, signal.SIGKILL)
+        exited = _leader_exited(proc.pid, grace)
+        if exited is None:
             return
-        except subprocess.TimeoutExpired:
-            continue
-        except (ProcessLookupError, PermissionError):
+        if exited:
+            # The leader exited (not reaped yet); members of its group may linger (a shell script's children).
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            try:
+                proc.wait(timeout=1.0)
+            except subprocess.TimeoutExpired:
+                pass
             return
 
 

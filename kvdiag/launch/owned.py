@@ -176,3 +176,29 @@ def _same_file(path: str, fid: FileId) -> bool:
     except OSError:
         return False
     return (st.st_dev, st.st_ino) == fid
+
+
+def remove_unheld(paths: Iterable[str], skip: Collection[int] = ()) -> tuple[list[str], list[str]]:
+    """Remove each of ``paths`` (files the caller knows are the run's own: a name only the run could give)
+    that no live process maps or holds; returns (removed, kept because held)."""
+    ids: dict[FileId, str] = {}
+    for path in paths:
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        ids[(st.st_dev, st.st_ino)] = path
+    if not ids:
+        return [], []
+    held = held_now({dev for dev, _ in ids}, skip)
+    removed, kept = [], []
+    for fid, path in ids.items():
+        if fid in held or not _same_file(path, fid):
+            kept.append(path)
+            continue
+        try:
+            os.unlink(path)
+            removed.append(path)
+        except OSError:
+            kept.append(path)
+    return removed, kept
