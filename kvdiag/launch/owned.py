@@ -19,6 +19,7 @@ import threading
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from kvdiag.osread.children import children
 from kvdiag.osread.holders import FileId, device_of, held_ids
 from kvdiag.osread.process import read_environ
 from kvdiag.osread.stat import all_pids, all_stats
@@ -56,6 +57,23 @@ def run_processes(groups: Collection[int], run_id: str | None = None) -> list[in
         for st in stats:
             if st.pid not in found and st.pid != me and (read_environ(st.pid) or {}).get(RUN_ID_ENV) == run_id:
                 found[st.pid] = None
+    return list(found)
+
+
+def process_trees(roots: Iterable[int]) -> list[int]:
+    """``roots`` and their descendants, read from the roots down (/proc/PID/task/*/children): the cheap
+    look for periodic samples, whose cost grows with the run's processes, not with the host's."""
+    found: dict[int, None] = {}
+    queue = list(roots)
+    while queue:
+        pid = queue.pop()
+        if pid in found:
+            continue
+        kids = children(pid)
+        if kids is None:
+            continue   # gone
+        found[pid] = None
+        queue.extend(kids)
     return list(found)
 
 

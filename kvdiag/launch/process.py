@@ -18,7 +18,7 @@ from types import TracebackType
 from kvdiag import interrupts
 from kvdiag.errors import EngineFailed
 from kvdiag.interpreter import module_argv
-from kvdiag.launch.owned import OwnedFiles, run_processes
+from kvdiag.launch.owned import OwnedFiles, process_trees, run_processes
 from kvdiag.launch.reaper import (
     RUN_ID_ENV,
     group_is_ours,
@@ -38,7 +38,7 @@ _UNIX_PATH_MAX = 107   # sizeof(sockaddr_un.sun_path) - 1
 # How often the run's processes are looked at for the /dev/shm files they hold (what kvdiag may remove
 # at teardown): often enough to see a segment of an engine that crashes soon after making it, rarely
 # enough to cost nothing (a few /proc reads of kvdiag's own processes).
-OWNED_SAMPLE_S = 0.5
+OWNED_SAMPLE_S = 1.0
 
 
 def private_temp_path(prefix: str) -> Path:
@@ -270,10 +270,11 @@ class ProcessSet:
         return {e.pid: e.leader_start for e in list(self.engines) if e.pid is not None}
 
     def observe(self, marked: bool = False) -> None:
-        """Record the /dev/shm files the run's processes hold now (``marked``: also those that left their
-        process group but carry the run's marker, a slower look for teardown) and tell the reaper."""
+        """Record the /dev/shm files the run's processes hold now (the engines' trees; ``marked``: every
+        member of their groups and every process with the run's marker, a look over the whole host for
+        teardown) and tell the reaper."""
         groups = [g for g, start in self._groups().items() if group_is_ours(g, start, self.run_id)]
-        new = self.owned.observe(run_processes(groups, self.run_id if marked else None))
+        new = self.owned.observe(run_processes(groups, self.run_id) if marked else process_trees(groups))
         if new and self.reaper is not None:
             self.reaper.owns(sorted(new))
 

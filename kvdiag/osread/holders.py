@@ -49,6 +49,8 @@ def mapped_ids(pid: int, devs: Collection[int]) -> set[FileId] | None:
     wanted = {_maps_dev(d): d for d in devs}
     out: set[FileId] = set()
     for line in text.splitlines():
+        if not any(f" {key} " in line for key in wanted):
+            continue   # most lines (libraries, anonymous memory) are on other devices: skip the split
         parts = line.split(None, 5)
         if len(parts) >= 5 and parts[3] in wanted and parts[4].isdigit() and parts[4] != "0":
             out.add((wanted[parts[3]], int(parts[4])))
