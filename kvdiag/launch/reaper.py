@@ -85,7 +85,7 @@ def _signal_groups(groups: Mapping[int, int | None], run_id: str | None, sig: si
 def kill_groups(groups: Mapping[int, int | None], run_id: str | None, grace_s: float) -> None:
     """SIGTERM the groups kvdiag started (pgid -> its leader's start time, :func:`group_is_ours`) and the
     run's marked stragglers, wait up to grace_s, then SIGKILL what is left."""
-    groups = {g: s for g, s in groups.items() if g > 1 and g != os.getpgrp()}
+    groups = {g: s for g, s in groups.items() if g > 1 and g != os.getpgrp() and group_is_ours(g, s, run_id)}
     _signal_groups(groups, run_id, signal.SIGTERM)
     strays = pids_with_marker(run_id) if run_id else []
     for pid in strays:
@@ -190,7 +190,7 @@ def main(argv: list[str]) -> int:
             elif word[0] == "-":
                 groups.pop(int(word[1:]), None)
     # What the run's processes hold as they are killed is theirs too (files made since kvdiag's last look).
-    owned.observe(run_processes(groups, run_id))
+    owned.observe(run_processes([g for g, start in groups.items() if group_is_ours(g, start, run_id)], run_id))
     kill_groups(groups, run_id, grace_s)
     # A live kvdiag that abandoned us still copies its logs and removes the folders itself. A dying
     # one closes its files (our EOF) before it turns zombie or we are reparented: give it a moment.

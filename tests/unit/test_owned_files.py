@@ -78,3 +78,20 @@ def test_an_engines_files_are_seen_while_it_runs_and_removed_once_it_is_killed()
             engine.wait(timeout=10)
         for p in files:   # this test's own engine's files, should the sweep have failed
             p.unlink(missing_ok=True)
+
+
+def test_a_group_is_signalled_only_while_its_leader_is_the_process_kvdiag_started() -> None:
+    from kvdiag.launch.reaper import kill_groups
+
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    try:
+        start = leader_start(proc.pid)
+        assert start is not None
+        kill_groups({proc.pid: start + 1}, None, grace_s=0.2)   # the number, another process's start time
+        assert proc.poll() is None
+        kill_groups({proc.pid: start}, None, grace_s=5)
+        assert proc.wait(timeout=10) == -signal.SIGTERM
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
