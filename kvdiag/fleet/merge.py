@@ -75,6 +75,8 @@ def _fill_record(record: NodeRecord, env: EnvironmentRecord | None, b: Bundle) -
     if record.cpus is None:
         cpus = env.cpus if env else None
         record.cpus = cpus if cpus is not None else (int(host["cpus"]) if host.get("cpus", "").isdigit() else None)
+    record.boot_id = record.boot_id or host.get("boot_id")
+    record.captured_at = record.captured_at or b.created_at or None
     if not record.pids:
         record.pids = [p.pid for p in b.processes]
 

@@ -1,0 +1,86 @@
+"""`kvdiag merge` of two hosts: two network namespaces made here, joined by a veth pair with addresses that
+exist only inside them. A client on host b waits for the reply of a server on host a whose request handler
+is stuck (a native lock-order inversion, or a GIL cycle). Each is captured inside its own namespace, as
+`kubectl exec` in each pod would; merged, the verdict is the server's hang with its frames, reached by the
+chain from the client's read over the connection b -> a. A healthy pair merged stays healthy.
+"""
+
+from __future__ import annotations
+
+import json
+import select
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.integration.kvcli import run_kvdiag
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures"))
+import netns_pair  # noqa: E402
+
+HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
+PORT = 7000
+
+pytestmark = [pytest.mark.timeout(300),
+              pytest.mark.skipif(netns_pair.unavailable() is not None, reason=str(netns_pair.unavailable()))]
+
+
+def _line(p: subprocess.Popen[str], timeout_s: float = 30) -> str:
+    assert p.stdout is not None
+    ready, _, _ = select.select([p.stdout], [], [], timeout_s)
+    assert ready, "the program did not signal readiness"
+    return p.stdout.readline().strip()
+
+
+def _captured_pair(tmp_path: Path, hang: str) -> tuple[int, int]:
+    """Server on host a, client on host b, each captured in its namespace into tmp_path/host-a, host-b."""
+    with netns_pair.NetnsPair() as net:
+        server = net.a.popen(sys.executable, str(HANGERS / "tcp_server.py"), "--bind", net.a.address,
+                             "--port", str(PORT), "--hang", hang, "--bound", "150")
+        assert _line(server) == f"PORT {PORT}"
+        loop = ("--loop",) if hang == "none" else ()
+        client = net.b.popen(sys.executable, str(HANGERS / "tcp_client.py"), "--connect", f"{net.a.address}:{PORT}",
+                             "--bound", "150", *loop)
+        assert _line(client) == "READY" and _line(server) == "READY"
+        for host, pid in ((net.a, server.pid), (net.b, client.pid)):
+            res = host.kvdiag("capture", "--pid", str(pid), "--out", str(tmp_path / f"host-{host.name}"))
+            assert res.returncode in (0, 10), res.stdout[-1500:] + res.stderr[-1500:]
+        return server.pid, client.pid
+
+
+def _merge(tmp_path: Path) -> tuple[int, dict[str, object]]:
+    res = run_kvdiag("merge", str(tmp_path / "host-b"), str(tmp_path / "host-a"), "--out", str(tmp_path / "m"),
+                     "--json", timeout=120)
+    assert res.returncode in (0, 10), res.stderr[-2000:]
+    return res.returncode, json.loads(res.stdout)["verdict"]
+
+
+@pytest.mark.parametrize(("hang", "kind", "frame"), [
+    ("native", "lock_order_inversion", "pthread_mutex_lock"),
+    ("gil", "gil_cycle", "alloc_page"),
+])
+def test_merge_follows_a_tcp_wait_to_the_servers_hang_on_the_other_host(
+        tmp_path: Path, hang: str, kind: str, frame: str) -> None:
+    server, client = _captured_pair(tmp_path, hang)
+    code, v = _merge(tmp_path)
+    assert code == 10 and v["kind"] == kind, v["summary"]
+    chain = v["waits"]
+    edge = chain["edges"][0]
+    assert edge["kind"] == "socket_read"
+    assert (edge["src"]["node"], edge["src"]["pid"], edge["dst"]["node"], edge["dst"]["pid"]) == (
+        "host-b", client, "host-a", server)
+    assert f"{netns_pair.SUBNET}.1:{PORT}" in edge["evidence"]["address"]
+    assert chain["root"]["node"] == "host-a" and chain["root"]["pid"] == server
+    assert any(frame in f for f in chain["root_frames"]), chain["root_frames"]
+    # the root's own evidence, with its frames, on the server's host
+    root_items = [e for e in v["evidence"] if e["node"] == "host-a" and e["pid"] == server]
+    assert root_items and any(frame in f for e in root_items for f in e["frames"])
+    assert f"{netns_pair.SUBNET}.1:{PORT}" in v["summary"], v["summary"]
+
+
+def test_a_healthy_pair_merged_stays_healthy(tmp_path: Path) -> None:
+    _captured_pair(tmp_path, "none")
+    code, v = _merge(tmp_path)
+    assert code == 0 and v["kind"] == "healthy", v["summary"]
