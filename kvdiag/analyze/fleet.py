@@ -286,6 +286,11 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
         out.summary += "; waited on across nodes: " + "; ".join(chains)
     seen = {(f.kind, f.message) for f in out.findings}
     out.findings += [f for f in missing if (f.kind, f.message) not in seen]
+    apart = [f for f in bundle.findings if f.kind == "captures_apart" and (f.kind, f.message) not in seen]
+    out.findings += apart
+    if apart and out.waits is not None and _crosses(out.waits) and out.confidence is Confidence.HIGH:
+        out.confidence = Confidence.MEDIUM
+        out.confidence_reasons.append("- the chain crosses hosts whose captures were not taken together")
     if missing:
         out.summary += f"; not captured: {', '.join(f.node or '?' for f in missing)}"
         if out.kind is VerdictKind.HEALTHY:
