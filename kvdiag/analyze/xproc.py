@@ -204,7 +204,8 @@ class CrossProcess:
                                  mapping=m.line(), address=f"{th.futex_addr:#x}", inode=m.inode))
         return [d for d in out if d is not None]
 
-    def _peers(self, p: ProcessEvidence, view: ThreadView, f: FdInfo, here: list[int]) -> tuple[list[PKey], str | None]:
+    def _peers(self, p: ProcessEvidence, view: ThreadView, f: FdInfo, here: list[int],
+               record: bool = True) -> tuple[list[PKey], str | None]:
         """The processes at the other end of ``f``: those capture named on ``p``'s own host; else, for a TCP
         connection in a bundle merged from several hosts, the process of another host holding the exact other
         end (kvdiag.analyze.tcp_match), with the line that says how it was matched (or why not)."""
@@ -216,7 +217,8 @@ class CrossProcess:
         if self._tcp is None:
             self._tcp = TcpIndex(self.bundle)
         match = self._tcp.other_end(pkey(p), *ends)
-        self.tcp_matches.append((pkey(p), view.tid, match))
+        if record:   # a ZMQ I/O thread's every connection is asked; only a blocked read's is worth a line
+            self.tcp_matches.append((pkey(p), view.tid, match))
         return ([e.key for e in match.peers] if match.resolved else []), match.note
 
     def _mappers(self, p: ProcessEvidence, maps: list[SharedMapping]) -> list[PKey]:
@@ -285,9 +287,16 @@ class CrossProcess:
             (t.name or "").startswith(_ZMQ_IO_THREAD) for t in p.threads)
 
     def _zmq(self, p: ProcessEvidence, view: ThreadView, names: set[str]) -> Dep | None:
-        conns = [f for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
-                 if f.kind == "socket" and not f.listening and (f.peer_pids or f.listener_pids)]
-        peers = [q for f in conns for q in (f.peer_pids or f.listener_pids or [])]
+        conns: list[FdInfo] = []
+        dsts: list[PKey] = []
+        for f in (f for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
+                  if f.kind == "socket" and not f.listening):
+            # the I/O thread's connections: peers on this host, or over TCP, the other end on another host
+            found, _ = self._peers(p, view, f, f.peer_pids or f.listener_pids or [], record=False)
+            if found:
+                conns.append(f)
+                dsts += found
+        peers = [q for n, q in dsts if n == p.node]
         if self._own_engine(p, [q for q in peers if q != p.pid]):
             purpose = "depends"
         elif names & set(_ZMQ_SEND):
@@ -297,7 +306,7 @@ class CrossProcess:
         else:
             purpose = "work"         # it bound: a server waiting for its next request, or a poll loop
         sig = next((f for f in view.blocked_fds if f.kind == "anon"), None)
-        return self.edge(p, view, self._here(p, peers), EdgeKind.ZMQ, purpose, fd=conns[0] if conns else None,
+        return self.edge(p, view, dsts, EdgeKind.ZMQ, purpose, fd=conns[0] if conns else None,
                          syscall=f"signaler fd {sig.fd} ({sig.target})" if sig else None)
 
     def _ring(self, p: ProcessEvidence, view: ThreadView) -> Dep | None:

@@ -38,7 +38,8 @@ _WORDS = {
 
 # A TCP hop to another host: (any wait, a reply awaited).
 _TCP_WORDS = {EdgeKind.SOCKET_READ: ("waits on a connection to", "waits for a reply from"),
-              EdgeKind.SOCKET_WRITE_FULL: ("is blocked sending to", "is blocked sending to")}
+              EdgeKind.SOCKET_WRITE_FULL: ("is blocked sending to", "is blocked sending to"),
+              EdgeKind.ZMQ: ("waits on ZMQ over a connection to", "waits on ZMQ for a reply from")}
 
 
 def _hang_of(chain: Chain) -> tuple[VerdictKind, str] | None:
@@ -93,6 +94,8 @@ def _step(g: CrossProcess, d: Dep) -> str:
     if d.edge.src.node != d.edge.dst.node and ends is not None and d.edge.kind in _TCP_WORDS:
         # A connection to another host: its address first, then who holds the other end there.
         verb = _TCP_WORDS[d.edge.kind][d.purpose == "reply"]
+        if d.edge.kind is EdgeKind.ZMQ and d.purpose == "blocked":
+            verb = "is blocked sending on ZMQ (queue full) to"
         return (f"{src}{where(view) if view is not None else ''} {verb} {fmt(ends[1])} "
                 f"({fmt(ends[0])} -> {fmt(ends[1])}); on {d.edge.dst.node} that connection is held by {dst}")
     text = f"{src}{where(view) if view is not None else ''} {_WORDS.get(d.edge.kind, 'waits for')} {dst}"

@@ -7,6 +7,7 @@ chain from the client's read over the connection b -> a. A healthy pair merged s
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import select
 import subprocess
@@ -34,13 +35,13 @@ def _line(p: subprocess.Popen[str], timeout_s: float = 30) -> str:
     return p.stdout.readline().strip()
 
 
-def _captured_pair(tmp_path: Path, hang: str) -> tuple[int, int]:
+def _captured_pair(tmp_path: Path, hang: str, bind: str | None = None, zmq: bool = False) -> tuple[int, int]:
     """Server on host a, client on host b, each captured in its namespace into tmp_path/host-a, host-b."""
     with netns_pair.NetnsPair() as net:
-        server = net.a.popen(sys.executable, str(HANGERS / "tcp_server.py"), "--bind", net.a.address,
-                             "--port", str(PORT), "--hang", hang, "--bound", "150")
+        server = net.a.popen(sys.executable, str(HANGERS / "tcp_server.py"), "--bind", bind or net.a.address,
+                             "--port", str(PORT), "--hang", hang, "--bound", "150", *(("--zmq",) if zmq else ()))
         assert _line(server) == f"PORT {PORT}"
-        loop = ("--loop",) if hang == "none" else ()
+        loop = (("--loop",) if hang == "none" else ()) + (("--zmq",) if zmq else ())
         client = net.b.popen(sys.executable, str(HANGERS / "tcp_client.py"), "--connect", f"{net.a.address}:{PORT}",
                              "--bound", "150", *loop)
         assert _line(client) == "READY" and _line(server) == "READY"
@@ -57,13 +58,14 @@ def _merge(tmp_path: Path) -> tuple[int, dict[str, object]]:
     return res.returncode, json.loads(res.stdout)["verdict"]
 
 
-@pytest.mark.parametrize(("hang", "kind", "frame"), [
-    ("native", "lock_order_inversion", "pthread_mutex_lock"),
-    ("gil", "gil_cycle", "alloc_page"),
+@pytest.mark.parametrize(("hang", "kind", "frame", "bind"), [
+    ("native", "lock_order_inversion", "pthread_mutex_lock", None),
+    # a dual-stack listener: the server's side of the connection is ::ffff:10.231.39.1:7000 <- ::ffff:...
+    ("gil", "gil_cycle", "alloc_page", "::"),
 ])
 def test_merge_follows_a_tcp_wait_to_the_servers_hang_on_the_other_host(
-        tmp_path: Path, hang: str, kind: str, frame: str) -> None:
-    server, client = _captured_pair(tmp_path, hang)
+        tmp_path: Path, hang: str, kind: str, frame: str, bind: str | None) -> None:
+    server, client = _captured_pair(tmp_path, hang, bind)
     code, v = _merge(tmp_path)
     assert code == 10 and v["kind"] == kind, v["summary"]
     chain = v["waits"]
@@ -78,6 +80,18 @@ def test_merge_follows_a_tcp_wait_to_the_servers_hang_on_the_other_host(
     root_items = [e for e in v["evidence"] if e["node"] == "host-a" and e["pid"] == server]
     assert root_items and any(frame in f for e in root_items for f in e["frames"])
     assert f"{netns_pair.SUBNET}.1:{PORT}" in v["summary"], v["summary"]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="pyzmq is not installed")
+def test_merge_follows_a_zmq_request_over_tcp_to_the_servers_hang(tmp_path: Path) -> None:
+    # libzmq's I/O thread holds the connection; the waiting thread parks on the socket's signaler
+    server, client = _captured_pair(tmp_path, "native", zmq=True)
+    code, v = _merge(tmp_path)
+    assert code == 10 and v["kind"] == "lock_order_inversion", v["summary"]
+    edge = v["waits"]["edges"][0]
+    assert edge["kind"] == "zmq" and (edge["src"]["node"], edge["dst"]["node"], edge["dst"]["pid"]) == (
+        "host-b", "host-a", server)
+    assert any(e["node"] == "host-a" and e["pid"] == server for e in v["evidence"])
 
 
 def test_a_healthy_pair_merged_stays_healthy(tmp_path: Path) -> None:
