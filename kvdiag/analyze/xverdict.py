@@ -97,7 +97,7 @@ def _step(g: CrossProcess, d: Dep) -> str:
         if d.edge.kind is EdgeKind.ZMQ and d.purpose == "blocked":
             verb = "is blocked sending on ZMQ (queue full) to"
         return (f"{src}{where(view) if view is not None else ''} {verb} {fmt(ends[1])} "
-                f"({fmt(ends[0])} -> {fmt(ends[1])}); on {d.edge.dst.node} that connection is held by {dst}")
+                f"({fmt(ends[0])} -> {fmt(ends[1])}), whose other end {dst} holds")
     text = f"{src}{where(view) if view is not None else ''} {_WORDS.get(d.edge.kind, 'waits for')} {dst}"
     if d.edge.kind is EdgeKind.ZMQ and d.purpose in ("reply", "blocked"):
         text += " (a reply)" if d.purpose == "reply" else " (send blocked, queue full)"

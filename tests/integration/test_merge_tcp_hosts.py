@@ -35,11 +35,13 @@ def _line(p: subprocess.Popen[str], timeout_s: float = 30) -> str:
     return p.stdout.readline().strip()
 
 
-def _captured_pair(tmp_path: Path, hang: str, bind: str | None = None, zmq: bool = False) -> tuple[int, int]:
+def _captured_pair(tmp_path: Path, hang: str, bind: str | None = None, zmq: bool = False,
+                   server_args: tuple[str, ...] = ()) -> tuple[int, int]:
     """Server on host a, client on host b, each captured in its namespace into tmp_path/host-a, host-b."""
     with netns_pair.NetnsPair() as net:
         server = net.a.popen(sys.executable, str(HANGERS / "tcp_server.py"), "--bind", bind or net.a.address,
-                             "--port", str(PORT), "--hang", hang, "--bound", "150", *(("--zmq",) if zmq else ()))
+                             "--port", str(PORT), "--hang", hang, "--bound", "150", *(("--zmq",) if zmq else ()),
+                             *server_args)
         assert _line(server) == f"PORT {PORT}"
         loop = (("--loop",) if hang == "none" else ()) + (("--zmq",) if zmq else ())
         client = net.b.popen(sys.executable, str(HANGERS / "tcp_client.py"), "--connect", f"{net.a.address}:{PORT}",
@@ -80,6 +82,17 @@ def test_merge_follows_a_tcp_wait_to_the_servers_hang_on_the_other_host(
     root_items = [e for e in v["evidence"] if e["node"] == "host-a" and e["pid"] == server]
     assert root_items and any(frame in f for e in root_items for f in e["frames"])
     assert f"{netns_pair.SUBNET}.1:{PORT}" in v["summary"], v["summary"]
+
+
+def test_merge_follows_a_connection_queued_unaccepted_to_the_listener_that_hangs(tmp_path: Path) -> None:
+    # the server's main thread hangs before accepting: the connection has no fd there, only a queue entry
+    server, client = _captured_pair(tmp_path, "native", server_args=("--no-accept",))
+    code, v = _merge(tmp_path)
+    assert code == 10 and v["kind"] == "lock_order_inversion", v["summary"]
+    edge = v["waits"]["edges"][0]
+    assert (edge["src"]["node"], edge["src"]["pid"], edge["dst"]["node"], edge["dst"]["pid"]) == (
+        "host-b", client, "host-a", server)
+    assert "listen queue" in edge["evidence"]["text"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("zmq") is None, reason="pyzmq is not installed")
