@@ -8,11 +8,23 @@ matches, a pair held on several hosts is ambiguous, loopback stays on its host.
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
+from contextlib import redirect_stderr, redirect_stdout
 from pathlib import Path
 
 from kvdiag.analyze.tcp_match import TcpIndex, parse_addr, split_connection
+from kvdiag.cli.main import main
 from kvdiag.fleet.merge import NodePart, captures_apart, same_host_twice
 from kvdiag.model import Bundle, EnvironmentRecord, NodeRecord, ProcessEvidence, TcpSocket
+
+
+def _run(*argv: str) -> tuple[int, str, str]:
+    out, err = io.StringIO(), io.StringIO()
+    with redirect_stdout(out), redirect_stderr(err):
+        code = main(list(argv))
+    return code, out.getvalue(), err.getvalue()
 
 
 def _proc(node: str, pid: int, *socks: tuple[int | None, str, str, str], netns: str = "net:[1]",
@@ -100,3 +112,58 @@ def test_one_capture_per_host_and_captures_taken_together() -> None:
     assert captures_apart([a.record, b.record]) == []
     found = captures_apart([a.record, b.record, c.record])
     assert len(found) == 1 and "c +30 s after a" in found[0].message
+
+
+# Two real captures (tests/integration/test_merge_tcp_hosts.py, native case): host-b's client waits for the
+# reply of host-a's server over 10.231.39.2:49500 -> 10.231.39.1:7000; the server's handler is in a native
+# lock-order inversion with its "reindexer" thread.
+TWO_HOSTS = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "tcp_two_hosts"
+
+
+def _hosts(tmp_path: Path, **renamed: str) -> Path:
+    """The two captures, plus copies of host-a under other names in another network namespace of their own
+    (``name=netns``: a pod of another cluster with the same addresses)."""
+    for name in ("host-a", "host-b"):
+        shutil.copytree(TWO_HOSTS / name, tmp_path / name)
+    for name, netns in renamed.items():
+        data = json.loads((TWO_HOSTS / "host-a" / "bundle.json").read_text())
+        for p in data["processes"]:
+            p["netns"] = netns
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "bundle.json").write_text(json.dumps(data))
+    return tmp_path
+
+
+def test_merged_captures_name_the_servers_hang_at_the_end_of_the_clients_chain(tmp_path: Path) -> None:
+    d = _hosts(tmp_path)
+    code, out, _ = _run("merge", str(d / "host-b"), str(d / "host-a"), "--out", str(d / "m"), "--json")
+    v = json.loads(out)["verdict"]
+    assert code == 10 and v["kind"] == "lock_order_inversion", v["summary"]
+    edge = v["waits"]["edges"][0]
+    assert edge["kind"] == "socket_read" and edge["purpose"] == "reply"
+    assert (edge["src"]["node"], edge["dst"]["node"]) == ("host-b", "host-a")
+    assert v["waits"]["root"]["node"] == "host-a"
+    assert any("pthread_mutex_lock" in f for f in v["waits"]["root_frames"])
+    assert v["summary"].startswith("request stuck across processes") and "10.231.39.1:7000" in v["summary"]
+    assert {e["node"] for e in v["evidence"]} == {"host-a", "host-b"}
+    # captured one after the other: more than the stall window apart, said, and the chain at most medium
+    assert any(f["kind"] == "captures_apart" for f in v["findings"]) and v["confidence"] == "medium"
+
+
+def test_a_pair_held_on_two_hosts_is_said_and_no_chain_is_guessed(tmp_path: Path) -> None:
+    d = _hosts(tmp_path, **{"host-c": "net:[1]"})
+    code, out, _ = _run("merge", str(d / "host-b"), str(d / "host-a"), str(d / "host-c"), "--out", str(d / "m"),
+                        "--json")
+    v = json.loads(out)["verdict"]
+    assert code == 10
+    ambiguous = [f for f in v["findings"] if f["kind"] == "tcp_peer_ambiguous"]
+    assert ambiguous and "host-a" in ambiguous[0]["message"] and "host-c" in ambiguous[0]["message"]
+    assert not any(e["kind"] == "socket_read" for e in (v["waits"] or {}).get("edges", [])), v["waits"]
+
+
+def test_merge_refuses_the_same_host_twice(tmp_path: Path) -> None:
+    d = _hosts(tmp_path)
+    shutil.copytree(d / "host-a", d / "host-a-again")
+    code, _, err = _run("merge", str(d / "host-a"), str(d / "host-a-again"), str(d / "host-b"), "--out",
+                        str(d / "m"))
+    assert code == 2 and "same host" in err and len([ln for ln in err.splitlines() if ln.strip()]) <= 2, err
