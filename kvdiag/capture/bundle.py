@@ -19,7 +19,7 @@ from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole, TcpSocket
-from kvdiag.osread.net import boot_id, process_tcp, tcp_connections
+from kvdiag.osread.net import boot_id, process_tcp
 from kvdiag.osread.ptable import process_tree
 
 
@@ -101,7 +101,6 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     with_roles(evidence)
     for ev in evidence:
         if ev.alive:   # what another host's capture is matched with (kvdiag merge, capture --ray)
-            ev.tcp_connections = tcp_connections(ev.pid) or []
             tcp = process_tcp(ev.pid)
             if tcp is not None:
                 ev.netns, ev.net_addresses = tcp.netns, tcp.addresses

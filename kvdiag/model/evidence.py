@@ -185,10 +185,10 @@ class ProcessEvidence(_Model):
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
     signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
-    # Established TCP connections ("local -> remote"): in a bundle merged from several hosts, a read on one
-    # node is matched to the process holding the other end on another node.
+    # Established TCP connections ("local -> remote"), as bundles recorded them before ``tcp_sockets``.
     tcp_connections: list[str] = Field(default_factory=list)
-    # Every TCP socket it holds (listening, connected, queued on its listeners); None: not read.
+    # Every TCP socket it holds (listening, connected, queued on its listeners); None: not read. In a bundle
+    # merged from several hosts, a connection on one is matched to its other end on another.
     tcp_sockets: list[TcpSocket] | None = None
     netns: str | None = None         # its network namespace ("net:[4026531840]"): where the sockets were read
     net_addresses: list[str] | None = None   # that namespace's local addresses (None: not read)
