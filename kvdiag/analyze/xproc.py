@@ -187,8 +187,10 @@ class CrossProcess:
                 else:
                     peers = f.peer_pids or (f.listener_pids or [])
                     kind = EdgeKind.SOCKET_READ
-                dsts, note = self._peers(p, view, f, peers)
-                out.append(self.edge(p, view, dsts, kind, self._read_purpose(p, view, f), fd=f, text=note))
+                purpose = self._read_purpose(p, view, f)
+                # a server's connection waiting for its next request needs no line when its client is elsewhere
+                dsts, note = self._peers(p, view, f, peers, record=purpose != "work")
+                out.append(self.edge(p, view, dsts, kind, purpose, fd=f, text=note))
         for f in th.write_fds:
             peers = (f.reader_pids if f.reader_pids is not None else f.peer_pids) if f.kind == "pipe" else (
                 f.peer_pids or (f.listener_pids or []))
@@ -217,7 +219,7 @@ class CrossProcess:
         if self._tcp is None:
             self._tcp = TcpIndex(self.bundle)
         match = self._tcp.other_end(pkey(p), *ends)
-        if record:   # a ZMQ I/O thread's every connection is asked; only a blocked read's is worth a line
+        if record:   # said only for a wait that could be stuck (not an idle server's, not every ZMQ connection)
             self.tcp_matches.append((pkey(p), view.tid, match))
         return ([e.key for e in match.peers] if match.resolved else []), match.note
 
