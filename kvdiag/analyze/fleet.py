@@ -17,6 +17,10 @@ from dataclasses import dataclass
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import CONTEXT_KEYS, cite_item
 from kvdiag.analyze.process import analyze_process
+from kvdiag.analyze.rulekit import severity
+from kvdiag.analyze.tcp_match import TcpIndex, split_connection
+from kvdiag.analyze.xproc import CrossProcess
+from kvdiag.analyze.xverdict import judge_graph
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -156,42 +160,25 @@ def _runs_at(task: RayTaskRecord, actors: dict[str, RayActorRecord]) -> tuple[st
     return (actor.node, actor.pid) if actor is not None and actor.pid else None
 
 
-def _endpoints(address: str | None) -> tuple[str, str] | None:
-    if not address or " -> " not in address:
-        return None
-    local, _, remote = address.partition(" -> ")
-    return local.strip(), remote.strip()
-
-
 def tcp_waits(bundle: Bundle) -> list[CrossNodeWait]:
-    """Threads blocked reading a TCP connection whose other end a process on another node holds."""
+    """Threads blocked reading a TCP connection whose other end a process on another node holds (the exact
+    4-tuple, kvdiag.analyze.tcp_match)."""
     machine = bundle.host.get("machine")
-    holders: dict[tuple[str, str], tuple[str | None, int]] = {}
-    views = {(p.node, p.pid): classify_process(p, machine) for p in bundle.processes if p.node}
-    for p in bundle.processes:
-        for conn in p.tcp_connections if p.node else []:
-            ends = _endpoints(conn)
-            if ends is not None:
-                holders.setdefault(ends, (p.node, p.pid))
-    for (node, pid), ts in views.items():
-        for t in ts:
-            for f in t.blocked_fds:
-                ends = _endpoints(f.address) if (f.proto or "").startswith("tcp") else None
-                if ends is not None:
-                    holders.setdefault(ends, (node, pid))
+    index = TcpIndex(bundle)
     procs: dict[tuple[str | None, int], ProcessEvidence] = {(p.node, p.pid): p for p in bundle.processes if p.node}
     out: list[CrossNodeWait] = []
-    for (node, pid), ts in views.items():
-        for t in ts:
+    for (node, pid), p in procs.items():
+        for t in classify_process(p, machine):
             if t.kind is not WaitKind.IO_READ or t.timed or t.running:
                 continue
             for f in t.blocked_fds:
-                ends = _endpoints(f.address) if (f.proto or "").startswith("tcp") else None
-                peer = holders.get((ends[1], ends[0])) if ends else None
-                if peer is None or peer[0] == node:
+                ends = split_connection(f.address) if (f.proto or "").startswith("tcp") and not f.peer_pids else None
+                match = index.other_end((node, pid), *ends) if ends is not None else None
+                if match is None or not match.resolved:
                     continue
-                out.append(CrossNodeWait(waiter=procs[(node, pid)], thread=t, target_node=peer[0] or "?",
-                                         target_pid=peer[1], how=f"TCP read of {f.address}", target=procs.get(peer)))
+                peer = match.peers[0]
+                out.append(CrossNodeWait(waiter=p, thread=t, target_node=peer.node or "?", target_pid=peer.pid,
+                                         how=f"TCP read of {f.address}", target=procs.get(peer.key)))
     return out
 
 
@@ -259,9 +246,13 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
         return Verdict(kind=VerdictKind.NO_EVIDENCE, confidence=Confidence.LOW, findings=missing,
                        summary=f"no process of any node could be judged: {names}")
     chains: list[str] = []
+    out = _chain_across_hosts(out, bundle)
+    on_chain = {(e.src.node, e.src.pid, e.src.tid) for e in out.waits.edges} if out.waits is not None else set()
     waits = [(w, analyze_process(w.target, machine, w.target.engine) if w.target is not None else None)
              for w in ray_get_waits(bundle) + tcp_waits(bundle)]
     for w, target_v in waits:
+        if (w.waiter.node, w.waiter.pid, w.thread.tid) in on_chain:
+            continue   # already a step of the chain the verdict follows
         # The worst verdict is a waiter whose wait ends at a hung process on another node: that one is the cause.
         if target_v is None or not target_v.kind.is_hang or not _cites(out, w.waiter.node, w.waiter.pid) or \
                 _cites(out, w.target_node, w.target_pid):
@@ -275,6 +266,8 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
                 f"({target_v.kind.value}): a consequence, not the cause. {consequence.summary}")))
             out.findings += [f for f in consequence.findings if f not in out.findings]
     for w, target_v in waits:
+        if (w.waiter.node, w.waiter.pid, w.thread.tid) in on_chain and w.how.startswith("TCP"):
+            continue
         state = (f"{target_v.kind.value} there" if target_v is not None else
                  "no hang seen there" if w.target is not None else "not captured")
         text = f"{_label(w.waiter, bundle)} (thread {w.thread.tid}) waits across nodes in {w.how} on " \
@@ -293,11 +286,45 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
         out.summary += "; waited on across nodes: " + "; ".join(chains)
     seen = {(f.kind, f.message) for f in out.findings}
     out.findings += [f for f in missing if (f.kind, f.message) not in seen]
+    apart = [f for f in bundle.findings if f.kind == "captures_apart" and (f.kind, f.message) not in seen]
+    out.findings += apart
+    if apart and out.waits is not None and _crosses(out.waits) and out.confidence is Confidence.HIGH:
+        out.confidence = Confidence.MEDIUM
+        out.confidence_reasons.append("- the chain crosses hosts whose captures were not taken together")
     if missing:
         out.summary += f"; not captured: {', '.join(f.node or '?' for f in missing)}"
         if out.kind is VerdictKind.HEALTHY:
             out.confidence = Confidence.LOW if out.confidence is Confidence.LOW else Confidence.MEDIUM
             out.confidence_reasons.append(f"- {len(missing)} node(s) gave no evidence")
+    return out
+
+
+def _crosses(chain: WaitChain) -> bool:
+    return any(e.src.node != e.dst.node for e in chain.edges)
+
+
+def _chain_across_hosts(overall: Verdict, bundle: Bundle) -> Verdict:
+    """The processes of every host judged as one graph (kvdiag.analyze.xproc, TCP connections matched across
+    hosts): a chain that crosses hosts and ends in a hang is the verdict, named at its root as on one host,
+    unless a worse hang elsewhere, off the chain, leads. Connections that could not be matched are named."""
+    g = CrossProcess(bundle)
+    cross = judge_graph(g)
+    out = overall
+    if cross is not None and cross.waits is not None and _crosses(cross.waits):
+        on_chain = {(n.node, n.pid) for n in cross.waits.nodes()} | (
+            {(cross.waits.root.node, cross.waits.root.pid)} if cross.waits.root is not None else set())
+        cited = {(e.node, e.pid) for e in overall.evidence}
+        if severity(cross.kind) <= severity(overall.kind) or cited <= on_chain or not overall.kind.is_hang:
+            out = cross.model_copy(deep=True)
+            out.engine = overall.engine if cited & on_chain else out.engine
+            seen = {(f.kind, f.message) for f in out.findings}
+            out.findings += [f for f in overall.findings if (f.kind, f.message) not in seen]
+        else:
+            out = overall.model_copy(deep=True)
+            out.findings.append(Finding(kind="chain_across_hosts", message=f"also: {cross.summary}"))
+    for (node, pid), _tid, match in g.tcp_matches:
+        if not match.resolved:
+            out.findings.append(Finding(kind=f"tcp_peer_{match.how}", node=node, pid=pid, message=match.note))
     return out
 
 

@@ -26,6 +26,7 @@ from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
 from kvdiag.analyze.process import analyze_process
 from kvdiag.analyze.rulekit import peer_phrase
+from kvdiag.analyze.tcp_match import TcpIndex, TcpMatch, split_connection
 from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.vllm_waits import shared_progress, vllm_wait
 from kvdiag.model import (
@@ -117,6 +118,9 @@ class CrossProcess:
         self._own: dict[PKey, Verdict | None] = {}
         self.deps: dict[tuple[PKey, int], list[Dep]] = {}
         self._stalled = {e.name for e in bundle.engines if e.phase is EnginePhase.STALLED}
+        self._tcp: TcpIndex | None = None
+        # Connections of a merged bundle matched (or not) to another host: (waiter, tid, match).
+        self.tcp_matches: list[tuple[PKey, int, TcpMatch]] = []
         for k, p in self.procs.items():
             for view in self.views[k]:
                 found = self._edges(p, view) + [d for source in EDGE_SOURCES for d in source(self, p, view)]
@@ -183,12 +187,16 @@ class CrossProcess:
                 else:
                     peers = f.peer_pids or (f.listener_pids or [])
                     kind = EdgeKind.SOCKET_READ
-                out.append(self.edge(p, view, self._here(p, peers), kind, self._read_purpose(p, view, f), fd=f))
+                purpose = self._read_purpose(p, view, f)
+                # a server's connection waiting for its next request needs no line when its client is elsewhere
+                dsts, note = self._peers(p, view, f, peers, record=purpose != "work")
+                out.append(self.edge(p, view, dsts, kind, purpose, fd=f, text=note))
         for f in th.write_fds:
             peers = (f.reader_pids if f.reader_pids is not None else f.peer_pids) if f.kind == "pipe" else (
                 f.peer_pids or (f.listener_pids or []))
             kind = EdgeKind.PIPE_WRITE_FULL if f.kind == "pipe" else EdgeKind.SOCKET_WRITE_FULL
-            out.append(self.edge(p, view, self._here(p, peers), kind, "blocked", fd=f, syscall=th.syscall))
+            dsts, note = self._peers(p, view, f, peers)
+            out.append(self.edge(p, view, dsts, kind, "blocked", fd=f, syscall=th.syscall, text=note))
         if th.waited_pid is not None and not view.running:
             kids = [th.waited_pid] if th.waited_pid > 0 else list(p.children or [])
             out.append(self.edge(p, view, self._here(p, kids), EdgeKind.CHILD_WAIT, "depends", syscall=th.syscall))
@@ -197,6 +205,23 @@ class CrossProcess:
             out.append(self.edge(p, view, self._mappers(p, [m]), EdgeKind.SHARED_FUTEX, "depends", inferred=True,
                                  mapping=m.line(), address=f"{th.futex_addr:#x}", inode=m.inode))
         return [d for d in out if d is not None]
+
+    def _peers(self, p: ProcessEvidence, view: ThreadView, f: FdInfo, here: list[int],
+               record: bool = True) -> tuple[list[PKey], str | None]:
+        """The processes at the other end of ``f``: those capture named on ``p``'s own host; else, for a TCP
+        connection in a bundle merged from several hosts, the process of another host holding the exact other
+        end (kvdiag.analyze.tcp_match), with the line that says how it was matched (or why not)."""
+        if here or f.kind != "socket" or not (f.proto or "").startswith("tcp") or p.node is None:
+            return self._here(p, here), None
+        ends = split_connection(f.address)
+        if ends is None:
+            return [], None
+        if self._tcp is None:
+            self._tcp = TcpIndex(self.bundle)
+        match = self._tcp.other_end(pkey(p), *ends)
+        if record:   # said only for a wait that could be stuck (not an idle server's, not every ZMQ connection)
+            self.tcp_matches.append((pkey(p), view.tid, match))
+        return ([e.key for e in match.peers] if match.resolved else []), match.note
 
     def _mappers(self, p: ProcessEvidence, maps: list[SharedMapping]) -> list[PKey]:
         """Every other captured process of the same host mapping one of the same files."""
@@ -264,9 +289,16 @@ class CrossProcess:
             (t.name or "").startswith(_ZMQ_IO_THREAD) for t in p.threads)
 
     def _zmq(self, p: ProcessEvidence, view: ThreadView, names: set[str]) -> Dep | None:
-        conns = [f for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
-                 if f.kind == "socket" and not f.listening and (f.peer_pids or f.listener_pids)]
-        peers = [q for f in conns for q in (f.peer_pids or f.listener_pids or [])]
+        conns: list[FdInfo] = []
+        dsts: list[PKey] = []
+        for f in (f for t in p.threads if (t.name or "").startswith(_ZMQ_IO_THREAD) for f in t.blocked_fds
+                  if f.kind == "socket" and not f.listening):
+            # the I/O thread's connections: peers on this host, or over TCP, the other end on another host
+            found, _ = self._peers(p, view, f, f.peer_pids or f.listener_pids or [], record=False)
+            if found:
+                conns.append(f)
+                dsts += found
+        peers = [q for n, q in dsts if n == p.node]
         if self._own_engine(p, [q for q in peers if q != p.pid]):
             purpose = "depends"
         elif names & set(_ZMQ_SEND):
@@ -276,7 +308,7 @@ class CrossProcess:
         else:
             purpose = "work"         # it bound: a server waiting for its next request, or a poll loop
         sig = next((f for f in view.blocked_fds if f.kind == "anon"), None)
-        return self.edge(p, view, self._here(p, peers), EdgeKind.ZMQ, purpose, fd=conns[0] if conns else None,
+        return self.edge(p, view, dsts, EdgeKind.ZMQ, purpose, fd=conns[0] if conns else None,
                          syscall=f"signaler fd {sig.fd} ({sig.target})" if sig else None)
 
     def _ring(self, p: ProcessEvidence, view: ThreadView) -> Dep | None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import WaitKind
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
+from kvdiag.analyze.tcp_match import fmt, split_connection
 from kvdiag.analyze.xproc import Chain, CrossProcess, Dep, pkey
 from kvdiag.model import (
     Bundle,
@@ -33,6 +34,12 @@ _WORDS = {
     EdgeKind.SHM_RING: "spins on a shared-memory ring that only another mapper advances:",
     EdgeKind.ZMQ: "waits on ZMQ for", EdgeKind.RAY_GET: "waits (ray.get) for",
 }
+
+
+# A TCP hop to another host: (any wait, a reply awaited).
+_TCP_WORDS = {EdgeKind.SOCKET_READ: ("waits on a connection to", "waits for a reply from"),
+              EdgeKind.SOCKET_WRITE_FULL: ("is blocked sending to", "is blocked sending to"),
+              EdgeKind.ZMQ: ("waits on ZMQ over a connection to", "waits on ZMQ for a reply from")}
 
 
 def _hang_of(chain: Chain) -> tuple[VerdictKind, str] | None:
@@ -65,19 +72,32 @@ _RANK = {"hung": 0, "stopped": 1, "blocked": 2, "cross-process wait cycle": 3, "
 def judge_across(bundle: Bundle) -> tuple[Verdict | None, WaitGraphRecord]:
     """The cross-process verdict of ``bundle`` (None: no chain ends in a hang) and the whole graph."""
     g = CrossProcess(bundle)
+    return judge_graph(g), g.record()
+
+
+def judge_graph(g: CrossProcess) -> Verdict | None:
+    """The verdict of the worst chain of ``g`` that ends in a hang; None when none does."""
     if not g.deps:
-        return None, g.record()
+        return None
     judged = [(c, h) for c in g.chains() if (h := _hang_of(c)) is not None]
     if not judged:
-        return None, g.record()
+        return None
     chain, (kind, how) = sorted(judged, key=lambda ch: (_RANK.get(ch[1][1], 5), -len(ch[0].deps)))[0]
-    return _verdict(g, chain, kind, how), g.record()
+    return _verdict(g, chain, kind, how)
 
 
 def _step(g: CrossProcess, d: Dep) -> str:
     src = g.label(pkey(d.edge.src), d.edge.src.tid)
     dst = g.label(pkey(d.edge.dst))
     view = next((t for t in g.views.get(pkey(d.edge.src), []) if t.tid == d.edge.src.tid), None)
+    ends = split_connection(d.edge.evidence.address)
+    if d.edge.src.node != d.edge.dst.node and ends is not None and d.edge.kind in _TCP_WORDS:
+        # A connection to another host: its address first, then who holds the other end there.
+        verb = _TCP_WORDS[d.edge.kind][d.purpose == "reply"]
+        if d.edge.kind is EdgeKind.ZMQ and d.purpose == "blocked":
+            verb = "is blocked sending on ZMQ (queue full) to"
+        return (f"{src}{where(view) if view is not None else ''} {verb} {fmt(ends[1])} "
+                f"({fmt(ends[0])} -> {fmt(ends[1])}), whose other end {dst} holds")
     text = f"{src}{where(view) if view is not None else ''} {_WORDS.get(d.edge.kind, 'waits for')} {dst}"
     if d.edge.kind is EdgeKind.ZMQ and d.purpose in ("reply", "blocked"):
         text += " (a reply)" if d.purpose == "reply" else " (send blocked, queue full)"
@@ -115,23 +135,34 @@ def _root_text(g: CrossProcess, chain: Chain, how: str, item: EvidenceItem | Non
             f"thread of its process that could wake it runs")
 
 
+def _at(item: EvidenceItem, node: str | None) -> EvidenceItem:
+    """``item`` naming the host its process ran on (a merged bundle's pids repeat across hosts)."""
+    if node is not None:
+        item.node = item.node or node
+        for ref in item.refs:
+            ref.node = ref.node or node
+    return item
+
+
 def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verdict:
     evidence: list[EvidenceItem] = []
     root = chain.root
     if root is not None and root.verdict is not None and how in ("hung", "stopped"):
-        evidence += [e.model_copy(update={"role": f"root: {e.role}"}) for e in root.verdict.evidence]
+        evidence += [_at(e.model_copy(deep=True, update={"role": f"root: {e.role}"}), root.key[0])
+                     for e in root.verdict.evidence]
     elif root is not None and root.view is not None:
-        evidence.append(cite_item(root.view, f"root ({how}): {root.view.kind.value}", g.procs[root.key].engine,
-                                  BLOCKED_KEYS))
+        evidence.append(_at(cite_item(root.view, f"root ({how}): {root.view.kind.value}", g.procs[root.key].engine,
+                                      BLOCKED_KEYS), root.key[0]))
     steps = "; ".join(_step(g, d) for d in chain.deps)
     summary = f"{'request stuck across processes' if how != 'cross-process wait cycle' else how}: {steps}; "
     summary += _root_text(g, chain, how, evidence[0] if evidence and root is not None else None)
     for d in chain.deps:
         view = next((t for t in g.views.get(pkey(d.edge.src), []) if t.tid == d.edge.src.tid), None)
-        if view is not None and not any(e.pid == view.pid and e.tid == view.tid for e in evidence):
+        if view is not None and not any(e.pid == view.pid and e.tid == view.tid and e.node == d.edge.src.node
+                                        for e in evidence):
             keys = BLOCKED_KEYS if chain.cycle else CONTEXT_KEYS
-            evidence.append(cite_item(view, f"{d.edge.kind.value} ({d.purpose}): {_step(g, d)}",
-                                      g.procs[pkey(d.edge.src)].engine, keys))
+            evidence.append(_at(cite_item(view, f"{d.edge.kind.value} ({d.purpose}): {_step(g, d)}",
+                                          g.procs[pkey(d.edge.src)].engine, keys), d.edge.src.node))
     labels = {d.edge.src.key(): g.label(pkey(d.edge.src), d.edge.src.tid) for d in chain.deps}
     labels |= {d.edge.dst.key(): g.label(pkey(d.edge.dst)) for d in chain.deps}
     rootref = None
@@ -140,7 +171,7 @@ def _verdict(g: CrossProcess, chain: Chain, kind: VerdictKind, how: str) -> Verd
         labels[rootref.key()] = g.label(root.key, rootref.tid)
     waits = WaitChain(edges=[d.edge for d in chain.deps], root=rootref, root_state=root.state if root else "cycle",
                       cycle=chain.cycle, lost_message=how == "lost message", labels=labels)
-    if root is not None and evidence and evidence[0].pid == root.key[1]:
+    if root is not None and evidence and (evidence[0].node, evidence[0].pid) == root.key:
         waits.root_role, waits.root_frames = evidence[0].role, list(evidence[0].frames)
         waits.root_key_frames = list(evidence[0].key_frames or [])
         waits.root_refs = [r.model_copy() for r in evidence[0].refs]

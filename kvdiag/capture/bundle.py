@@ -18,15 +18,19 @@ from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
-from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole
-from kvdiag.osread.net import tcp_connections
+from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole, TcpSocket
+from kvdiag.osread.net import boot_id, process_tcp
 from kvdiag.osread.ptable import process_tree
 
 
 def host_info() -> dict[str, str]:
     """What an offline reader needs to interpret syscall numbers and stacks (no hostname)."""
-    return {"machine": platform.machine(), "kernel": platform.release(), "system": platform.system(),
+    info = {"machine": platform.machine(), "kernel": platform.release(), "system": platform.system(),
             "python": platform.python_version(), "cpus": str(os.cpu_count() or 0)}
+    boot = boot_id()
+    if boot:   # with each process's network namespace, what tells two hosts' captures apart in a merge
+        info["boot_id"] = boot
+    return info
 
 
 def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
@@ -97,7 +101,11 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     with_roles(evidence)
     for ev in evidence:
         if ev.alive:   # what another host's capture is matched with (kvdiag merge, capture --ray)
-            ev.tcp_connections = tcp_connections(ev.pid) or []
+            tcp = process_tcp(ev.pid)
+            if tcp is not None:
+                ev.netns, ev.net_addresses = tcp.netns, tcp.addresses
+                ev.tcp_sockets = [TcpSocket(fd=s.fd, inode=s.entry.inode, proto=s.entry.proto, local=s.entry.local,
+                                            remote=s.entry.remote, state=s.state) for s in tcp.sockets]
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids
                                  else len(pids)))

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 from kvdiag.model import FdInfo
 from kvdiag.osread.fds import held_inodes, inode_holders, link_inode, readlink
+from kvdiag.osread.files import PROC
 from kvdiag.osread.net import TCP_LISTEN_HEX, TcpEntry, UnixNetEntry, tcp_table, unix_table
 from kvdiag.osread.process import read_comm
 from kvdiag.osread.sockdiag import unix_sockets
@@ -27,9 +28,10 @@ class _SocketTable:
     unix_peer_partial: str | None = None                                    # why unix_peer may lack entries
     loaded: bool = False
 
-    def load(self, deadline: float | None) -> None:
+    def load(self, deadline: float | None, pid: int) -> None:
         self.unix = unix_table()
-        self.tcp = {e.inode: e for e in tcp_table()}
+        # The target's own network namespace: kvdiag may run outside it (a pod's process seen from its node).
+        self.tcp = {e.inode: e for e in tcp_table(f"{PROC}/{pid}")}
         dump = unix_sockets(deadline)
         self.unix_peer, self.unix_peer_partial = dump.peers(), dump.partial
         self.loaded = True
@@ -46,7 +48,7 @@ class FdResolver:
     def describe(self, fds: list[int]) -> list[FdInfo]:
         infos = [i for fd in fds if (i := self._basic(fd)) is not None]
         if any(i.kind == "socket" for i in infos) and not self._table.loaded:
-            self._table.load(self.deadline)
+            self._table.load(self.deadline, self.pid)
         wanted: set[int] = set()
         for info in infos:
             if info.kind == "socket" and info.inode is not None:

@@ -8,7 +8,7 @@ import typer
 
 from kvdiag.cli.capture import print_outcome
 from kvdiag.errors import BundleError, UsageError
-from kvdiag.fleet.merge import NodePart, load_node_folder, merge_parts, missing_node
+from kvdiag.fleet.merge import NodePart, load_node_folder, merge_parts, missing_node, same_host_twice
 from kvdiag.model import FleetRecord
 from kvdiag.outputs import finish, prepare_out_dir
 
@@ -24,7 +24,9 @@ def merge_cmd(
     Each DIR is one host's `kvdiag capture --out DIR`; its folder name becomes the node's name.
     Processes are keyed by (node, pid); the report names each node's verdict, the worst first, and
     a folder without a readable bundle is named with why (the rest is still reported).
-    Exit codes: as capture; 2 when no folder holds a bundle.
+    Two captures of the same host (the same boot and network namespace) are refused; captures written more
+    than the stall window apart (by their hosts' clocks) are named in the report.
+    Exit codes: as capture; 2 when no folder holds a bundle, or two are of the same host.
     """
     if len(folders) < 1:
         raise UsageError("give at least one capture folder")
@@ -36,6 +38,9 @@ def merge_cmd(
             parts.append(missing_node(folder, None, exc.message))
     if not any(p.bundle is not None for p in parts):
         raise UsageError("no folder holds a readable bundle: " + "; ".join(p.record.reason or "" for p in parts))
+    twice = same_host_twice(parts)
+    if twice is not None:
+        raise UsageError(twice)
     out_dir = prepare_out_dir(out, "merge")
     bundle_dir = out_dir / "bundle"
     merged = merge_parts(parts, command="merge " + " ".join(str(f) for f in folders),

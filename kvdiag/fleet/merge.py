@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvdiag import __version__
 from kvdiag.bundle import load_bundle
+from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.errors import BundleError, UsageError
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, FleetRecord, NodeRecord
 
@@ -75,6 +76,8 @@ def _fill_record(record: NodeRecord, env: EnvironmentRecord | None, b: Bundle) -
     if record.cpus is None:
         cpus = env.cpus if env else None
         record.cpus = cpus if cpus is not None else (int(host["cpus"]) if host.get("cpus", "").isdigit() else None)
+    record.boot_id = record.boot_id or host.get("boot_id")
+    record.captured_at = record.captured_at or b.created_at or None
     if not record.pids:
         record.pids = [p.pid for p in b.processes]
 
@@ -118,10 +121,63 @@ def merge_parts(parts: list[NodePart], *, command: str, fleet: FleetRecord,
         if environment is None and nb.environment is not None:
             environment = nb.environment.model_copy(deep=True)
             merged.host = dict(nb.host)
+    merged.findings += captures_apart(records)
     merged.environment = environment or EnvironmentRecord()
     merged.environment.nodes = records
     merged.host["nodes"] = str(len(records))
     return merged
+
+
+def _when(record: NodeRecord) -> datetime | None:
+    try:
+        return datetime.fromisoformat(record.captured_at) if record.captured_at else None
+    except ValueError:
+        return None
+
+
+def captures_apart(records: list[NodeRecord], window_s: float = STALL_WINDOW_S) -> list[Finding]:
+    """One finding naming the nodes whose captures were written more than the stall window after the
+    earliest one, by their own clocks: they were not taken together, or the clocks disagree; either way a
+    wait across them is judged from moments that may differ."""
+    times = [(r.node, t) for r in records if (t := _when(r)) is not None and t.tzinfo is not None]
+    if len(times) < 2:
+        return []
+    first_node, first = min(times, key=lambda nt: nt[1])
+    late = [(n, (t - first).total_seconds()) for n, t in times if (t - first).total_seconds() > window_s]
+    if not late:
+        return []
+    names = ", ".join(f"{n} {d:+.0f} s" for n, d in late)
+    return [Finding(kind="captures_apart", message=(
+        f"captures written apart by their clocks: {names} after {first_node}, more than the {window_s:g} s stall "
+        "window: they were not taken together, or the hosts' clocks disagree; a wait across them is judged "
+        "from moments that may differ"))]
+
+
+def host_identity(part: NodePart) -> tuple[str, frozenset[str]] | None:
+    """(boot id, network namespaces of its processes) of a node's capture; None when the bundle does not
+    record them (written before they were)."""
+    if part.bundle is None:
+        return None
+    boot = part.bundle.host.get("boot_id")
+    spaces = frozenset(p.netns for p in part.bundle.processes if p.netns)
+    return (boot, spaces) if boot and spaces else None
+
+
+def same_host_twice(parts: list[NodePart]) -> str | None:
+    """Why two of ``parts`` are captures of one host (the same boot and a shared network namespace): a
+    merge joins one capture per host, and two of the same host would pair its connections with themselves.
+    None: every capture is of a host of its own."""
+    seen: list[tuple[NodePart, tuple[str, frozenset[str]]]] = []
+    for part in parts:
+        ident = host_identity(part)
+        if ident is None:
+            continue
+        for other, (boot, spaces) in seen:
+            if boot == ident[0] and spaces & ident[1]:
+                return (f"{other.folder} and {part.folder} are captures of the same host (boot id {boot[:8]}, "
+                        f"network namespace {sorted(spaces & ident[1])[0]}): merge one capture per host")
+        seen.append((part, ident))
+    return None
 
 
 def load_node_folder(path: Path, name: str | None = None) -> NodePart:
@@ -147,5 +203,5 @@ def missing_node(path: Path, name: str | None, why: str) -> NodePart:
                                       reason=f"no readable bundle in {path}: {why}"))
 
 
-__all__ = ["NODES_DIR", "NodePart", "load_node_folder", "merge_parts", "missing_node",
-           "node_dir_name"]
+__all__ = ["NODES_DIR", "NodePart", "captures_apart", "host_identity", "load_node_folder", "merge_parts",
+           "missing_node", "node_dir_name", "same_host_twice"]

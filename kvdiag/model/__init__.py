@@ -45,6 +45,7 @@ from kvdiag.model.evidence import (
     ProgressSample,
     RedactionSummary,
     TargetAccess,
+    TcpSocket,
     ThreadEvidence,
     ToolRun,
 )
@@ -215,6 +216,7 @@ __all__ = [
     "SweepRun",
     "TARGET_STATE_KINDS",
     "TargetAccess",
+    "TcpSocket",
     "ThreadEvidence",
     "ThreadState",
     "TimelineEvent",

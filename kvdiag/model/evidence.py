@@ -78,6 +78,18 @@ class FdInfo(_Model):
     listener_pids: list[int] | None = None
 
 
+class TcpSocket(_Model):
+    """One TCP socket a process holds, read in its own network namespace: in a bundle merged from several
+    hosts, a connection on one is matched to its other end on another by the exact 4-tuple."""
+
+    fd: int | None = None            # None: a connection queued on one of its listeners, not accepted yet
+    inode: int = 0
+    proto: str = "tcp"               # "tcp" or "tcp6"
+    local: str = ""                  # "ip:port"
+    remote: str = ""                 # "0.0.0.0:0" for a listener
+    state: str = ""                  # "listen", "established", "close_wait", ... (the kernel's names)
+
+
 class ProgressSample(_Model):
     """What changed in the target over a short window before any tool paused it."""
 
@@ -173,9 +185,13 @@ class ProcessEvidence(_Model):
     progress: ProgressSample | None = None
     log_files: list[str] = Field(default_factory=list)   # regular files on fd 1/2 (where it logs)
     signals_caught: list[int] | None = None   # SigCgt: signals with a handler installed (None: not read)
-    # Established TCP connections ("local -> remote"): in a bundle merged from several hosts, a read on one
-    # node is matched to the process holding the other end on another node.
+    # Established TCP connections ("local -> remote"), as bundles recorded them before ``tcp_sockets``.
     tcp_connections: list[str] = Field(default_factory=list)
+    # Every TCP socket it holds (listening, connected, queued on its listeners); None: not read. In a bundle
+    # merged from several hosts, a connection on one is matched to its other end on another.
+    tcp_sockets: list[TcpSocket] | None = None
+    netns: str | None = None         # its network namespace ("net:[4026531840]"): where the sockets were read
+    net_addresses: list[str] | None = None   # that namespace's local addresses (None: not read)
     shared_maps: list[SharedMapping] | None = None   # MAP_SHARED file mappings (None: not read)
     # vLLM's shared-memory rings among them, their flags at both ends of the window (None: it maps none).
     shm_rings: list[RingReading] | None = None

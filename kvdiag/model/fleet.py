@@ -32,6 +32,10 @@ class NodeRecord(_Model):
     machine: str | None = None
     python: str | None = None
     cpus: int | None = None
+    # The capture's host as the kernel names its boot (with each process's network namespace, what tells two
+    # hosts or pods apart where names and addresses repeat), and when the capture was written, by its clock.
+    boot_id: str | None = None
+    captured_at: str | None = None
 
 
 class RayActorRecord(_Model):

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import psutil
 
 from kvdiag.osread.fds import fd_links, held_inodes, link_inode
-from kvdiag.osread.files import PROC, read_text
+from kvdiag.osread.files import PROC, read_link, read_text
 from kvdiag.osread.stat import all_pids
 
 _UNIX_ACCEPTCON = 0x00010000       # __SO_ACCEPTCON in /proc/net/unix "Flags": a listening socket
@@ -131,3 +131,79 @@ def local_addresses() -> set[str]:
     except (psutil.Error, OSError):
         pass
     return out
+
+
+# The st column of /proc/net/tcp, as the kernel's enum names it.
+TCP_STATES = {"01": "established", "02": "syn_sent", "03": "syn_recv", "04": "fin_wait1", "05": "fin_wait2",
+              "06": "time_wait", "07": "close", "08": "close_wait", "09": "last_ack", "0A": "listen",
+              "0B": "closing", "0C": "new_syn_recv"}
+
+
+@dataclass(frozen=True)
+class HeldTcpSocket:
+    """One TCP socket of a process: its fd (None: a connection queued on one of its listeners, accepted by
+    nobody yet, so held by no fd) and its entry in the tables of the process's own network namespace."""
+
+    fd: int | None
+    entry: TcpEntry
+
+    @property
+    def state(self) -> str:
+        return TCP_STATES.get(self.entry.state, self.entry.state)
+
+
+@dataclass(frozen=True)
+class ProcessTcp:
+    """What a process holds of TCP, read in its own network namespace, with that namespace's identity and
+    addresses (another host's capture is matched against these)."""
+
+    netns: str | None                 # "net:[4026532...]": the namespace the tables were read in
+    sockets: list[HeldTcpSocket]
+    addresses: list[str]              # every local address of that namespace (IPv4 and IPv6)
+
+
+def namespace_addresses(proc_root: str = PROC) -> list[str]:
+    """Every local address of the network namespace seen at ``proc_root`` (``/proc/PID``: the process's own):
+    IPv4 from ``net/fib_trie`` (its ``/32 host LOCAL`` entries), IPv6 from ``net/if_inet6``."""
+    out: dict[str, None] = {}
+    last = ""
+    for line in (read_text(f"{proc_root}/net/fib_trie") or "").splitlines():
+        text = line.strip()
+        if text.startswith(("|--", "+--")):
+            last = text[3:].strip().split()[0]
+        elif text.startswith("/32 host LOCAL") and last:
+            out.setdefault(last, None)
+    for line in (read_text(f"{proc_root}/net/if_inet6") or "").splitlines():
+        parts = line.split()
+        if parts and len(parts[0]) == 32:
+            try:
+                out.setdefault(socket.inet_ntop(socket.AF_INET6, bytes.fromhex(parts[0])), None)
+            except (ValueError, OSError):
+                continue
+    return list(out)
+
+
+def process_tcp(pid: int, limit: int = 512) -> ProcessTcp | None:
+    """Every TCP socket ``pid`` holds (listening, connected, closing), each with its fd, and the connections
+    queued unaccepted on its listeners, from the tables of its own network namespace (``/proc/PID/net``);
+    None when its fds cannot be read."""
+    links = fd_links(pid)
+    if links is None:
+        return None
+    fds = {found[1]: fd for fd, link in links.items() if (found := link_inode(link)) is not None
+           and found[0] == "socket"}
+    table = tcp_table(f"{PROC}/{pid}")
+    held = [HeldTcpSocket(fds[e.inode], e) for e in table if e.inode in fds]
+    listening = {(e.proto, e.local_port) for e in table if e.listening and e.inode in fds}
+    # A connection the kernel completed but no process accepted has no inode: it waits on the listener.
+    queued = [HeldTcpSocket(None, e) for e in table if e.inode == 0 and not e.listening
+              and e.state in ("01", "08") and (e.proto, e.local_port) in listening]
+    return ProcessTcp(netns=read_link(f"{PROC}/{pid}/ns/net"), sockets=(held + queued)[:limit],
+                      addresses=namespace_addresses(f"{PROC}/{pid}"))
+
+
+def boot_id() -> str | None:
+    """This host's boot id (the kernel's random id of the current boot): with a network namespace, it tells
+    one host (or pod) from another even where hostnames and addresses repeat."""
+    text = read_text("/proc/sys/kernel/random/boot_id")
+    return text.strip() or None if text else None

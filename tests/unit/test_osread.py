@@ -8,7 +8,14 @@ import threading
 
 from kvdiag.osread.fds import fd_links, held_inodes, inode_holders, link_inode
 from kvdiag.osread.maps import parse_line, parse_maps_line, read_maps
-from kvdiag.osread.net import listening_pids, listening_ports, tcp_connections, tcp_table, unix_table
+from kvdiag.osread.net import (
+    listening_pids,
+    listening_ports,
+    process_tcp,
+    tcp_connections,
+    tcp_table,
+    unix_table,
+)
 from kvdiag.osread.process import read_cmdline, read_comm, read_environ
 from kvdiag.osread.ptable import alive, ancestors, process_tree
 from kvdiag.osread.sockdiag import unix_sockets
@@ -103,6 +110,29 @@ def test_who_listens_on_a_port() -> None:
             here = client.getsockname()[1]
             assert f"127.0.0.1:{here} -> 127.0.0.1:{port}" in (tcp_connections(os.getpid()) or [])
         assert tcp_connections(GONE) is None
+    finally:
+        srv.close()
+
+
+def test_every_tcp_socket_of_a_process_with_its_fd_and_the_connections_queued_on_its_listener() -> None:
+    srv = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        srv.bind(("127.0.0.1", 0))
+        srv.listen(4)
+        port = srv.getsockname()[1]
+        with socket.create_connection(("127.0.0.1", port), timeout=5) as client:
+            here = client.getsockname()[1]
+            tcp = process_tcp(os.getpid())
+            assert tcp is not None and tcp.netns == os.readlink("/proc/self/ns/net")
+            assert "127.0.0.1" in tcp.addresses
+            by = {(s.entry.local, s.entry.remote): s for s in tcp.sockets}
+            assert by[(f"127.0.0.1:{port}", "0.0.0.0:0")].state == "listen"
+            assert by[(f"127.0.0.1:{port}", "0.0.0.0:0")].fd == srv.fileno()
+            assert by[(f"127.0.0.1:{here}", f"127.0.0.1:{port}")].fd == client.fileno()
+            # not accepted yet: held by no fd, queued on our listener
+            queued = by[(f"127.0.0.1:{port}", f"127.0.0.1:{here}")]
+            assert queued.fd is None and queued.state == "established"
+        assert process_tcp(GONE) is None
     finally:
         srv.close()
 
