@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -223,10 +222,8 @@ FAILED_EXIT = frozenset({4, 10})   # capture's exit codes that claim a hang or a
 
 def capture_cli(root_pid: int, out: Path, timeout_s: float = 10.0) -> tuple[int, dict[str, object]]:
     """`kvdiag capture --pid ROOT --out OUT` as a user runs it; (exit code, report.json's verdict)."""
-    env = dict(os.environ)
-    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"   # the venv's py-spy, pystack
     proc = subprocess.run([sys.executable, "-m", "kvdiag", "capture", "--pid", str(root_pid), "--out", str(out),
-                           "--timeout", str(timeout_s)], capture_output=True, text=True, env=env,
+                           "--timeout", str(timeout_s)], capture_output=True, text=True, cwd=ROOT,
                           timeout=timeout_s + 120)
     report = out / "report.json"
     if not report.exists():
