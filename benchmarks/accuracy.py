@@ -27,6 +27,16 @@ with/without on the same program instance.
 
     python benchmarks/accuracy.py [--runs 3] [--xproc-runs 2] [--no-overlap] [--only NAME ...]
                                   [--keep-bundles tests/fixtures/bundles/corpus]
+
+``--corpus blind`` scores the blind corpus instead (tests/fixtures/blind: hanging programs and healthy
+look-alikes written from public bug reports by someone who had not read the analyzer). Each program is
+started, waited for until it reports readiness, and captured by the real CLI, as a user would:
+``kvdiag capture --pid ROOT --out DIR`` (its whole process tree); the verdict is read from report.json.
+A case is right when the verdict is one of the kinds the case accepts; false deadlocks = healthy
+programs given a hang or failure verdict; missed deadlocks = hanging programs called healthy or
+slow_start.
+
+    python benchmarks/accuracy.py --corpus blind [--runs 1] [--only NAME ...] [--keep-wrong DIR]
 """
 
 from __future__ import annotations
@@ -34,6 +44,7 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,7 +56,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
+sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind"))
 
+import blind_cases as blind  # noqa: E402
 import hanger_kit as hk  # noqa: E402
 
 from kvdiag.analyze import analyze  # noqa: E402
@@ -204,9 +217,137 @@ def print_cross(x: CrossResult, skipped: dict[str, str]) -> None:
     print(f"capture with/without following edges: median ratio {x.ratio():.2f}")
 
 
+FAILED_EXIT = frozenset({4, 10})   # capture's exit codes that claim a hang or a failed engine
+
+
+def capture_cli(root_pid: int, out: Path, timeout_s: float = 10.0) -> tuple[int, dict[str, object]]:
+    """`kvdiag capture --pid ROOT --out OUT` as a user runs it; (exit code, report.json's verdict)."""
+    proc = subprocess.run([sys.executable, "-m", "kvdiag", "capture", "--pid", str(root_pid), "--out", str(out),
+                           "--timeout", str(timeout_s)], capture_output=True, text=True, cwd=ROOT,
+                          timeout=timeout_s + 120)
+    report = out / "report.json"
+    if not report.exists():
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return proc.returncode, {"kind": "error", "summary": f"exit {proc.returncode}: {tail[0]}"}
+    verdict = json.loads(report.read_text())["verdict"]
+    return proc.returncode, verdict
+
+
+def _blind_start(name: str) -> tuple[ExitStack, blind.Target]:
+    stack = ExitStack()
+    try:
+        return stack, stack.enter_context(blind.running(name, bound_s=90))
+    except BaseException:
+        stack.close()
+        raise
+
+
+def blind_corpus(args: argparse.Namespace) -> int:
+    """Score the blind corpus through the real CLI; prints the table and the RESULT line."""
+    names = [n for n in (args.only or blind.CASES) if n in blind.CASES]
+    unknown = [n for n in (args.only or []) if n not in blind.CASES]
+    if unknown:
+        print(f"unknown blind case(s): {', '.join(unknown)}", file=sys.stderr)
+        return 2
+    tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-blind-"))
+    order = [(run, n) for run in range(args.runs) for n in names]
+    rows: list[tuple[str, int, str, int, str, float]] = []   # name, run, kind, exit, summary, capture s
+    start = time.monotonic()
+    starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="bench-start") if args.overlap else None
+    pending: Future[tuple[ExitStack, blind.Target]] | None = None
+    try:
+        for i, (run, name) in enumerate(order):
+            if pending is None:
+                pending = starter.submit(_blind_start, name) if starter else _done(_blind_start(name))
+            try:
+                stack, target = pending.result()
+            except (TimeoutError, OSError) as e:
+                pending = None
+                rows.append((name, run, "error", -1, f"did not start: {e}", 0.0))
+                continue
+            pending = None
+            with stack:
+                if i + 1 < len(order) and starter is not None:
+                    pending = starter.submit(_blind_start, order[i + 1][1])
+                t0 = time.monotonic()
+                rc, verdict = capture_cli(target.root_pid, tmp / f"{name}-{run}")
+                took = time.monotonic() - t0
+            kind = str(verdict.get("kind"))
+            rows.append((name, run, kind, rc, str(verdict.get("summary", "")), took))
+            if args.keep_wrong is not None and not blind.is_right(blind.CASES[name], kind):
+                shutil.copytree(tmp / f"{name}-{run}", args.keep_wrong / f"{name}-{run}", dirs_exist_ok=True)
+            shutil.rmtree(tmp / f"{name}-{run}", ignore_errors=True)
+    finally:
+        if pending is not None:
+            try:
+                pending.result()[0].close()
+            except Exception:   # noqa: BLE001 (a program that failed to start: nothing to stop)
+                pass
+        if starter is not None:
+            starter.shutdown(wait=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+
+    width = max(len(n) for n in names) + 1
+    print(f"blind corpus: {len(names)} programs x {args.runs} run(s), captured by `kvdiag capture --pid`")
+    print(f"\n{'case':{width}} {'hangs':5} {'expected (accepted)':44} {'got':22} {'exit':4} {'right':5} {'rule':6} "
+          "mentions")
+    right = hanging = progressing = missed = false_dl = 0
+    wrong: list[str] = []
+    for name, _run, kind, rc, summary, _ in rows:
+        case = blind.CASES[name]
+        ok = blind.is_right(case, kind)
+        if case.hangs:
+            hanging += 1
+            broke = kind in blind.PROGRESSING
+            missed += broke
+        else:
+            progressing += 1
+            broke = kind != "error" and (rc in FAILED_EXIT or _claims_hang(kind))
+            false_dl += broke
+        right += ok
+        accepted = "/".join(case.accept)
+        mentions = case.mention.lower() in summary.lower()
+        print(f"{name:{width}} {'yes' if case.hangs else 'no':5} {accepted[:44]:44} {kind:22} {rc:4} "
+              f"{'yes' if ok else 'NO':5} {'BROKEN' if broke else 'ok':6} "
+              f"{'yes' if mentions else 'no'} ({case.mention!r})")
+        if not ok:
+            wrong.append(f"{name}: expected {accepted}, got {kind} (exit {rc}): {summary}")
+    total = len(rows)
+    captures = sorted(r[5] for r in rows if r[5])
+    print(f"\nright {right}/{total}; missed deadlocks {missed}/{hanging} (hang called healthy/slow_start); "
+          f"false deadlocks {false_dl}/{progressing} (healthy given a hang or failure)")
+    if captures:
+        print(f"capture: median {captures[len(captures) // 2]:.1f}s, max {captures[-1]:.1f}s; "
+              f"total {time.monotonic() - start:.0f}s")
+    if wrong:
+        print("\nwrong answers (what kvdiag said):")
+        for line in wrong:
+            print(f"  {line}")
+    print(f"RESULT accuracy={right / max(total, 1):.3f} false_deadlock={false_dl / max(progressing, 1):.3f} "
+          f"missed_deadlock={missed / max(hanging, 1):.3f} right={right} total={total} "
+          f"missed={missed} hanging={hanging} false={false_dl} progressing={progressing}")
+    return 0
+
+
+def _claims_hang(kind: str) -> bool:
+    try:
+        return VerdictKind(kind).is_hang
+    except ValueError:
+        return False
+
+
+def _done(value: tuple[ExitStack, blind.Target]) -> Future[tuple[ExitStack, blind.Target]]:
+    fut: Future[tuple[ExitStack, blind.Target]] = Future()
+    fut.set_result(value)
+    return fut
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--corpus", choices=("hangers", "blind"), default="hangers",
+                    help="hangers: tests/fixtures/hangers with every tool missing in turn (default); blind: the "
+                         "blind corpus (tests/fixtures/blind) through `kvdiag capture --pid`")
+    ap.add_argument("--runs", type=int, default=None, help="runs of each program (default 3; blind: 1)")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",
                     help="start each program only after the previous one was captured (default: the next one "
                          "boots during the current capture)")
@@ -216,6 +357,10 @@ def main() -> int:
     ap.add_argument("--keep-wrong", type=Path, default=None,
                     help="save here the bundle of every capture whose all-tools verdict is wrong")
     args = ap.parse_args()
+    if args.corpus == "blind":
+        args.runs = args.runs or 1
+        return blind_corpus(args)
+    args.runs = args.runs or 3
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-accuracy-"))
     chosen = [k for k in (args.only or hk.KINDS) if k not in hk.BENCH_EXCLUDE]
     xcases = [k for k in chosen if hk.KINDS[k].xproc and hk.available(k) is None]
