@@ -11,7 +11,7 @@ import typer
 from kvdiag.cli.common import read_log_lines
 from kvdiag.defects import FIX_BUILD, GIL_HOLDING_ALLOC_PAGE
 from kvdiag.errors import ExitCode
-from kvdiag.logs.banner import assess_risk, load_risk, parse_banners
+from kvdiag.logs.banner import assess_risk_for, parse_banners
 
 
 def banner_cmd(
@@ -35,9 +35,9 @@ def banner_cmd(
         lines = read_log_lines(Path(logfile))
         source = logfile
     banners = parse_banners(lines, source)
-    risks = [assess_risk(b) for b in banners]
-    under_load = [load_risk(b) for b in banners]
-    risky = any(r.risky for r in risks) or any(under_load)
+    risks = [assess_risk_for(b, None) for b in banners]
+    under_load = [r.load_risk for r in risks]
+    risky = any(r.at_risk for r in risks)
     if as_json:
         typer.echo(json.dumps({"banners": [b.model_dump(mode="json") for b in banners],
                                "risks": [r.model_dump(mode="json") for r in risks],

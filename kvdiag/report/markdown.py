@@ -123,9 +123,9 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
                 f"{b.page_size_mb} MB", b.risk.pages_per_layer,
                 "on" if b.enable_prealloc else "off",
                 f"{b.min_reserved_pages}/{b.max_reserved_pages}",
-                "**risky**" if b.risk.risky else "ok")) + " |")
+                f"**{b.risk.label}**" if b.risk.at_risk else "ok")) + " |")
         for e, b in banners:
-            for reason in b.risk.reasons:
+            for reason in [*b.risk.reasons, *([b.risk.load_risk] if b.risk.load_risk else [])]:
                 out.append(f"- {_cell(e.name)}: {_inline(clean_text(reason))}")
 
     if report.engines:

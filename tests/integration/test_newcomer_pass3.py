@@ -1,0 +1,99 @@
+"""What a new user tripped on (third pass): each test failed before its fix."""
+
+from __future__ import annotations
+
+import json
+import os
+import stat
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvcli import read_report, run_kvdiag
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
+import hanger_kit as hk  # noqa: E402
+
+# A soak engine's banner: prealloc on, a pool far above min_reserved_pages. Nothing hangs at start-up,
+# but a stock kvcached hangs once load fills the pool (the soak that then stalled printed this).
+SOAK_BANNER = ("INFO 12-05 10:00:01 Init C++ PageAllocator: num_layers=28, mem_size_per_layer=512MB, "
+               "total_mem_size=28672MB, page_size=2MB, world_size=1, pp_rank=0, async_sched=0, "
+               "contiguous_layout=1, enable_prealloc=1, num_kv_buffers=2, group_id=0, "
+               "min_reserved_pages=5, max_reserved_pages=10")
+
+
+def test_doctor_log_judges_a_banner_as_banner_does(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(SOAK_BANNER + "\n")
+    banner = run_kvdiag("banner", str(log))
+    assert banner.returncode == 10, banner.stdout + banner.stderr
+    assert "RISK under load" in banner.stdout
+    doctor = run_kvdiag("doctor", "--log", str(log), "--json")
+    assert doctor.returncode == 10, doctor.stdout[-2000:] + doctor.stderr
+    rows = [c for c in json.loads(doctor.stdout)["checks"] if c["check"] == "prealloc_pool"]
+    assert rows and rows[0]["status"] == "risk", rows
+    assert "load fills the KV pool" in rows[0]["detail"]
+
+
+def test_banner_off_is_no_risk(tmp_path: Path) -> None:
+    log = tmp_path / "engine.log"
+    log.write_text(SOAK_BANNER.replace("enable_prealloc=1", "enable_prealloc=0") + "\n")
+    banner = run_kvdiag("banner", str(log))
+    assert banner.returncode == 0, banner.stdout + banner.stderr
+    doctor = run_kvdiag("doctor", "--log", str(log), "--json")
+    rows = [c for c in json.loads(doctor.stdout)["checks"] if c["check"] == "prealloc_pool"]
+    assert rows and rows[0]["status"] == "ok", rows
+
+
+def _umask_run(args: list[str], umask: int) -> subprocess.CompletedProcess[str]:
+    code = f"import os, runpy, sys; os.umask({umask:#o}); sys.argv = ['kvdiag', *{args!r}]; runpy.run_module('kvdiag', run_name='__main__')"
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("umask,mode", [(0o022, 0o644), (0o077, 0o600)])
+def test_reports_follow_the_umask(tmp_path: Path, umask: int, mode: int) -> None:
+    bundle = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "lock_inversion"
+    out = tmp_path / "out.html"
+    done = _umask_run(["report", str(bundle), "--html", str(out)], umask)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert stat.S_IMODE(out.stat().st_mode) == mode
+    folder = tmp_path / "cap"
+    done = _umask_run(["analyze", str(bundle), "--json"], umask)
+    assert done.returncode in (0, 10), done.stderr
+    # a whole output folder: every file the user may hand a colleague
+    done = _umask_run(["repro", "two-engine", "--allocator", "fixed", "--out", str(folder)], umask)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    files = [p for p in folder.rglob("*") if p.is_file()]
+    assert files
+    bad = {str(p.relative_to(folder)): oct(stat.S_IMODE(p.stat().st_mode)) for p in files
+           if stat.S_IMODE(p.stat().st_mode) != mode}
+    assert not bad, bad
+
+
+@pytest.mark.parametrize("kind", ["lock_inversion_py2", "healthy_idle"])
+def test_every_stack_tool_missing_is_no_evidence_said_first(tmp_path: Path, kind: str) -> None:
+    """No py-spy, pystack or gdb on PATH: /proc alone reads thread states, which tell a deadlock from an
+    idle server no better than a guess. Exit 3, never a deadlock or healthy, and the missing tools first."""
+    with hk.running(kind) as h:
+        out = tmp_path / kind
+        # The system interpreter with this checkout and the venv's packages: no tool beside it or on PATH.
+        site = Path(sys.prefix) / "lib" / f"python{sys.version_info.major}.{sys.version_info.minor}" / "site-packages"
+        system = Path(f"/usr/bin/python{sys.version_info.major}.{sys.version_info.minor}")
+        if not system.exists():
+            pytest.skip(f"{system} is not installed")
+        # kvdiag also looks beside its interpreter and under its prefix (gdb sits in /usr/bin): a bare venv.
+        subprocess.run([str(system), "-m", "venv", "--without-pip", str(tmp_path / "bare")], check=True, timeout=60)
+        python = tmp_path / "bare" / "bin" / "python"
+        env = {"PATH": str(tmp_path / "empty-path"), "HOME": str(tmp_path), "LANG": "C.UTF-8",
+               "PYTHONPATH": f"{ROOT}:{site}", "PYTHONDONTWRITEBYTECODE": "1"}
+        proc = subprocess.run([str(python), "-m", "kvdiag", "capture", "--pid", str(h.pid), "--out", str(out)],
+                              capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    report = read_report(out)
+    verdict = report["verdict"]
+    assert isinstance(verdict, dict) and verdict["kind"] == "no_evidence", verdict
+    headline = proc.stdout.strip().splitlines()[1]     # the line after "verdict: no_evidence"
+    assert "py-spy, pystack, gdb not installed" in headline, proc.stdout
