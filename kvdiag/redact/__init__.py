@@ -26,5 +26,6 @@ from kvdiag.redact.rules import (
 __all__ = [
     "BUNDLE_JSON", "KINDS", "OLD_MARKERS", "REDACTED", "URL_REDACTED", "Hit", "Tally", "copy_redacted",
     "is_secret_flag", "is_secret_name", "normalize_name", "note_file", "redact_argv", "redact_bundle", "redact_file",
-    "redact_obj", "redact_shapes", "redact_text", "redact_tree", "replace_file", "scan_text", "scan_tree", "write_redacted",
+    "redact_obj", "redact_shapes", "redact_text", "redact_tree", "replace_file", "scan_text", "scan_tree",
+    "write_redacted",
 ]

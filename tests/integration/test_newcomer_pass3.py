@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import json
-import os
 import stat
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from kvcli import read_report, run_kvdiag
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,7 +47,8 @@ def test_banner_off_is_no_risk(tmp_path: Path) -> None:
 
 
 def _umask_run(args: list[str], umask: int) -> subprocess.CompletedProcess[str]:
-    code = f"import os, runpy, sys; os.umask({umask:#o}); sys.argv = ['kvdiag', *{args!r}]; runpy.run_module('kvdiag', run_name='__main__')"
+    code = (f"import os, runpy, sys; os.umask({umask:#o}); sys.argv = ['kvdiag', *{args!r}]; "
+            "runpy.run_module('kvdiag', run_name='__main__')")
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
 
 
