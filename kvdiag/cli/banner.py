@@ -26,7 +26,7 @@ def banner_cmd(
     on still hangs once load fills the pool, unless kvcached has the #422 fix
     (`kvdiag doctor` judges the installed build).
     Exit codes: 0 no banner leaves the deadlock open (prealloc off), 10 one does,
-    2 unreadable log.
+    5 the input holds no banner (nothing judged), 2 unreadable log.
     """
     if logfile == "-":
         lines = sys.stdin.read().splitlines()
@@ -44,7 +44,7 @@ def banner_cmd(
                                "load_risks": under_load, "risky": risky}, indent=2))
     else:
         if not banners:
-            typer.echo(f"{source}: no 'Init C++ PageAllocator' banner found")
+            typer.echo(f"{source}: no 'Init C++ PageAllocator' banner found: nothing judged (exit 5)")
         for b, r, later in zip(banners, risks, under_load, strict=True):
             typer.echo(f"line {b.line_no}: group_id={b.group_id} num_layers={b.num_layers} "
                        f"mem_size_per_layer={b.mem_size_per_layer_mb}MB page_size={b.page_size_mb}MB "
@@ -58,6 +58,8 @@ def banner_cmd(
                 typer.echo(f"  workaround: {GIL_HOLDING_ALLOC_PAGE.workaround}, or {FIX_BUILD}")
             else:
                 typer.echo("  no deadlock risk from this banner (prealloc off: no prealloc worker)")
+    if not banners:
+        return ExitCode.NOT_DIAGNOSABLE     # nothing to judge: "no risk" would be a false all-clear
     return ExitCode.DEADLOCK if risky else ExitCode.OK
 
 

@@ -96,3 +96,24 @@ def test_every_stack_tool_missing_is_no_evidence_said_first(tmp_path: Path, kind
     assert isinstance(verdict, dict) and verdict["kind"] == "no_evidence", verdict
     headline = proc.stdout.strip().splitlines()[1]     # the line after "verdict: no_evidence"
     assert "py-spy, pystack, gdb not installed" in headline, proc.stdout
+
+
+def test_banner_without_a_banner_judges_nothing(tmp_path: Path) -> None:
+    log = tmp_path / "plain.log"
+    log.write_text("INFO nothing to see here\n")
+    done = run_kvdiag("banner", str(log))
+    assert done.returncode == 5, done.stdout + done.stderr
+    assert "nothing judged" in done.stdout
+
+
+def test_watch_once_of_a_server_never_reached_judges_nothing(tmp_path: Path) -> None:
+    import socket
+    with socket.socket() as s:          # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    done = run_kvdiag("watch", "--url", f"http://127.0.0.1:{port}", "--once", "--duration", "3",
+                      "--out", str(tmp_path / "w"), timeout=60)
+    assert done.returncode == 5, done.stdout + done.stderr
+    stop = [json.loads(line) for line in done.stdout.splitlines() if '"stop"' in line]
+    assert stop and stop[-1].get("never_reached"), done.stdout
+    assert "never answered" in done.stderr
