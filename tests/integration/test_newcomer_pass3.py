@@ -117,3 +117,12 @@ def test_watch_once_of_a_server_never_reached_judges_nothing(tmp_path: Path) -> 
     stop = [json.loads(line) for line in done.stdout.splitlines() if '"stop"' in line]
     assert stop and stop[-1].get("never_reached"), done.stdout
     assert "never answered" in done.stderr
+
+
+@pytest.mark.parametrize("args", [["sweep", "--vary", "prealloc=0,1"], ["ab", "--repeat", "2"]])
+def test_unwritable_out_is_a_usage_error(tmp_path: Path, args: list[str]) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    done = run_kvdiag(*args, "--out", str(blocker / "out"), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "cannot write output folder" in done.stderr and "internal error" not in done.stderr
