@@ -10,7 +10,7 @@ import click
 import typer
 
 from kvdiag import __version__, interrupts
-from kvdiag.errors import ExitCode, KvdiagError
+from kvdiag.errors import ExitCode, Interrupted, KvdiagError
 
 # Each module defines ``register(app)`` adding its command(s).
 _COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact",
@@ -140,6 +140,10 @@ def main(argv: list[str] | None = None) -> int:
     except KvdiagError as exc:
         if debug:
             raise
+        if isinstance(exc, Interrupted) and exc.partial is not None:
+            # Imported here: only a run that wrote a report gets here, and `banner` or `doctor` stay light.
+            from kvdiag.cli.common import print_summary
+            print_summary(exc.partial)   # type: ignore[arg-type]
         typer.echo(f"kvdiag: error: {exc.message}", err=True)
         if exc.hint:
             typer.echo(f"  hint: {exc.hint}", err=True)

@@ -3,9 +3,13 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
+import socket
 import stat
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -107,7 +111,6 @@ def test_banner_without_a_banner_judges_nothing(tmp_path: Path) -> None:
 
 
 def test_watch_once_of_a_server_never_reached_judges_nothing(tmp_path: Path) -> None:
-    import socket
     with socket.socket() as s:          # a port nobody listens on
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -126,3 +129,24 @@ def test_unwritable_out_is_a_usage_error(tmp_path: Path, args: list[str]) -> Non
     done = run_kvdiag(*args, "--out", str(blocker / "out"), timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "cannot write output folder" in done.stderr and "internal error" not in done.stderr
+
+
+@pytest.mark.parametrize("args", [["repro", "two-engine"], ["soak", "--model", "sim", "--duration", "60"]])
+def test_an_interrupted_run_prints_its_outcome_on_stdout(tmp_path: Path, args: list[str]) -> None:
+    out = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "kvdiag", *args, "--out", str(out)], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not (out / "bundle").is_dir() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        time.sleep(3.0)       # engines are starting
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=90)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    assert proc.returncode == 130, stdout + stderr
+    assert "exit code 130" in stdout and f"report.json: {out / 'report.json'}" in stdout, stdout + stderr
+    assert "interrupted" in stdout
