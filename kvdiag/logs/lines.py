@@ -111,4 +111,5 @@ def root_error(errors: list[str]) -> str | None:
     never a traceback's header nor a later line that only points back at it ("See root cause above")."""
     real = [ln for ln in errors if not TRACEBACK.search(ln) and "root cause" not in ln.lower()]
     core = [ln for ln in real if "EngineCore" in ln]
-    return (core or real or errors or [None])[0]
+    pick = core or real or errors
+    return pick[0] if pick else None
