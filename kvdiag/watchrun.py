@@ -177,7 +177,9 @@ def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None]
     def early(partial: Bundle) -> None:
         _add_watch_record(partial, req)
         known.append(diagnose(redact_bundle(partial)))
-        announce(_result(known[0].verdict, known[0].exit_code, out_dir, None))
+        # the same measure the report records: from the stall's detection to its verdict
+        announce(_result(known[0].verdict, known[0].exit_code, out_dir,
+                         round(max(0.0, clock() - t0 - req.detected_t), 3)))
 
     if opts.ray is not None:
         if opts.ray_capture is None:
@@ -277,7 +279,7 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             exporter = WatchExporter(trackers)
             port = exporter.serve(opts.metrics_port, opts.metrics_addr)
             sink.listeners.append(exporter.on_event)
-            human(f"kvdiag watch: Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics")
+            human(f"Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics")
             for f in start_fields.values():
                 f["metrics_port"] = port
         sentinel = Sentinel(trackers=trackers, lookers=lookers,
@@ -290,8 +292,8 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             outcome = sentinel.run()
         return outcome
     except OSError as exc:
-        sink.emit(WatchEvent(ERROR, None, time.time(), {"kind": "watch", "error": str(exc)}))
-        raise UsageError(f"kvdiag watch: {exc}") from None
+        sink.emit(WatchEvent(ERROR, None, time.time(), {"kind": "startup", "error": str(exc)}))
+        raise UsageError(str(exc)) from None
     finally:
         client.close()
         if exporter is not None:

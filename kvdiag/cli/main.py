@@ -88,6 +88,9 @@ def _show_usage_error(exc: BaseException, argv: list[str]) -> None:
         usage = _usage_of(argv)
         if usage:
             typer.echo(usage, err=True)
+    if "Did you mean" in str(getattr(exc, "message", "")) and getattr(exc, "possibilities", None):
+        # typer writes its suggestion into the message and click appends its own: say it once
+        exc.possibilities = None   # type: ignore[attr-defined]
     show = getattr(exc, "show", None)
     if callable(show):
         show()

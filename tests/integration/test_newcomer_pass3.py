@@ -150,3 +150,19 @@ def test_an_interrupted_run_prints_its_outcome_on_stdout(tmp_path: Path, args: l
     assert proc.returncode == 130, stdout + stderr
     assert "exit code 130" in stdout and f"report.json: {out / 'report.json'}" in stdout, stdout + stderr
     assert "interrupted" in stdout
+
+
+def test_a_mistyped_command_is_suggested_once() -> None:
+    done = run_kvdiag("captur", timeout=60)
+    assert done.returncode == 2
+    assert done.stderr.count("Did you mean") == 1, done.stderr
+
+
+def test_watch_errors_carry_one_prefix(tmp_path: Path) -> None:
+    with socket.socket() as taken:       # the metrics port is already in use: an OSError, one line
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        done = run_kvdiag("watch", "--url", "http://127.0.0.1:9", "--metrics-port", str(taken.getsockname()[1]),
+                          "--metrics-addr", "127.0.0.1", "--duration", "1", "--out", str(tmp_path / "w"), timeout=60)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "kvdiag watch: kvdiag watch:" not in done.stderr and "watch: watch:" not in done.stderr, done.stderr
