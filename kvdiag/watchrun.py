@@ -28,7 +28,17 @@ from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
 from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
-from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole, TimelineEvent, Verdict
+from kvdiag.model import (
+    Bundle,
+    Diagnosis,
+    EnginePhase,
+    EngineRecord,
+    Finding,
+    ProcessEvidence,
+    ProcessRole,
+    TimelineEvent,
+    Verdict,
+)
 from kvdiag.osread.net import listening_pids
 from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
@@ -149,12 +159,29 @@ def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> st
     return None
 
 
+def _served_engine(bundle: Bundle, req: CaptureRequest) -> None:
+    """The watched server as the engine it is: it served (/metrics answered) and then stalled, as a soak
+    of the same server records it, so the analyzer judges a stall under load the same way (decode_stall
+    when requests run with the KV pool full and no token comes, with the mechanism the stacks show)."""
+    if len(bundle.engines) == 1:            # its log was found: that record, as the watch saw it end
+        bundle.engines[0].phase = EnginePhase.STALLED
+        return
+    if bundle.engines:
+        return
+    pids = {k: v for k, v in (("api_server", req.server_pid), ("engine_core", req.core_pid)) if v is not None}
+    bundle.engines.append(EngineRecord(name=req.engine, allocator="external", phase=EnginePhase.STALLED,
+                                       healthy=False, pids=pids))
+    for p in bundle.processes:
+        p.engine = p.engine or req.engine
+
+
 def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
     """What the watch saw, in the bundle: the engine's metrics and when progress stopped."""
     bundle.stall_detected = True
     bundle.stall_window_s = req.window_s
     # The engine's metrics as the watch read them; one engine per bundle, so they name none.
     bundle.metrics = [s.model_copy(update={"engine": None}) for s in req.snapshots]
+    _served_engine(bundle, req)
     bundle.timeline += [
         TimelineEvent(t=round(req.onset_t, 3), event="last progress", engine=req.engine,
                       detail="the last look at which tokens, prefill or finished requests grew"),

@@ -166,3 +166,31 @@ def test_watch_errors_carry_one_prefix(tmp_path: Path) -> None:
                           "--metrics-addr", "127.0.0.1", "--duration", "1", "--out", str(tmp_path / "w"), timeout=60)
     assert done.returncode == 2, done.stdout + done.stderr
     assert "kvdiag watch: kvdiag watch:" not in done.stderr and "watch: watch:" not in done.stderr, done.stderr
+
+
+def test_watch_and_soak_give_one_stalled_server_one_verdict_and_signature(tmp_path: Path) -> None:
+    """`soak --url` then `watch --once` on the same wedged server: the same kind and signature (a new user saw
+    watch say gil_cycle and soak decode_stall). The watch's bundle now records the server it watched as an
+    engine that served and stalled even where no log file is found, as soak records it."""
+    import uuid
+
+    from kvdiag.sim.harness import SimProcess, remove_device_files
+    dev = f"kvnew{uuid.uuid4().hex[:10]}"
+    sp = SimProcess(tmp_path / "server.log", preset="decode-stall", allocator="stock", device_name=dev)
+    try:
+        with sp:
+            assert sp.wait_healthy(30), sp.log_text()[-2000:]
+            soak = run_kvdiag("soak", "--url", sp.url, "--duration", "60", "--out", str(tmp_path / "soak"),
+                              timeout=180)
+            assert soak.returncode == 10, soak.stdout[-2000:] + soak.stderr[-2000:]
+            watch = run_kvdiag("watch", "--url", sp.url, "--once", "--window", "3", "--duration", "60",
+                               "--out", str(tmp_path / "watch"), timeout=180)
+            assert watch.returncode == 10, watch.stdout[-2000:] + watch.stderr[-2000:]
+    finally:
+        remove_device_files(dev)
+    soaked = read_report(tmp_path / "soak")["verdict"]
+    verdict = next(json.loads(ln) for ln in watch.stdout.splitlines() if '"event": "verdict"' in ln)
+    watched = read_report(Path(verdict["out"]))["verdict"]
+    assert isinstance(soaked, dict) and isinstance(watched, dict)
+    assert watched["kind"] == soaked["kind"], (watched["summary"], soaked["summary"])
+    assert watched["signature"] == soaked["signature"], (watched, soaked)
