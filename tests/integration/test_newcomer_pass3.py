@@ -194,3 +194,15 @@ def test_watch_and_soak_give_one_stalled_server_one_verdict_and_signature(tmp_pa
     assert isinstance(soaked, dict) and isinstance(watched, dict)
     assert watched["kind"] == soaked["kind"], (watched["summary"], soaked["summary"])
     assert watched["signature"] == soaked["signature"], (watched, soaked)
+
+
+def test_a_plain_capture_report_shows_no_engine_noise(tmp_path: Path) -> None:
+    bundles = ROOT / "tests" / "fixtures" / "bundles"
+    plain, engine = tmp_path / "plain.html", tmp_path / "engine.html"
+    assert run_kvdiag("report", str(bundles / "lock_inversion"), "--html", str(plain), timeout=60).returncode == 0
+    assert run_kvdiag("report", str(bundles / "vllm_two_engine_stock"), "--html", str(engine),
+                      timeout=60).returncode == 0
+    shown = plain.read_text().split('id="kvdiag-report"')[0]     # the page, not its embedded JSON
+    assert 'id="banners"' not in shown and "not_started" not in shown and ">external<" not in shown
+    assert "no wait-for cycle" not in shown
+    assert 'id="banners"' in engine.read_text()
