@@ -206,3 +206,12 @@ def test_a_plain_capture_report_shows_no_engine_noise(tmp_path: Path) -> None:
     assert 'id="banners"' not in shown and "not_started" not in shown and ">external<" not in shown
     assert "no wait-for cycle" not in shown
     assert 'id="banners"' in engine.read_text()
+
+
+def test_a_healthy_two_engine_repro_names_both_engines(tmp_path: Path) -> None:
+    done = run_kvdiag("repro", "two-engine", "--allocator", "fixed", "--out", str(tmp_path / "r"), timeout=240)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    verdict = read_report(tmp_path / "r")["verdict"]
+    assert isinstance(verdict, dict) and verdict["engine"] is None
+    summary = verdict["summary"]
+    assert summary.startswith("all 2 engines healthy") and "coder" in summary and "vlm" in summary, summary
