@@ -66,6 +66,9 @@ class AllocatorError(KvdiagError):
 
 class Interrupted(KvdiagError):
     exit_code = ExitCode.INTERRUPTED
+    # The partial report written before the run stopped (a lifecycle's RunArtifacts), for the CLI to
+    # print like any outcome; None when nothing was written.
+    partial: object | None = None
 
 
 class Terminated(KeyboardInterrupt):

@@ -7,6 +7,7 @@ its package's public functions and the Bundle passed between them.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import datetime as _dt
 import os
 import platform
@@ -29,7 +30,7 @@ from kvdiag.capture.bundle import capture_engine
 from kvdiag.environment import add_engine_packages, collect_environment
 from kvdiag.environment.interpreter import interpreter_of_pid
 from kvdiag.environment.runtime import collect_runtime
-from kvdiag.errors import Interrupted, UsageError
+from kvdiag.errors import ExitCode, Interrupted, UsageError
 from kvdiag.launch.interpreters import engine_interpreters
 from kvdiag.launch.owned import remove_unheld
 from kvdiag.launch.process import ProcessSet, private_temp_path
@@ -259,6 +260,7 @@ def run_lifecycle(plan: RunPlan, stages: Callable[[LaunchedRun | None], RunStage
         bundle.interrupted_reason = stop.message
         arts = finish(plan.out_dir, bundle)
         plan.console.print(f"interrupted; partial report written to {plan.out_dir}")
+        stop.partial = dataclasses.replace(arts, exit_code=ExitCode.INTERRUPTED)
         raise stop
     return arts
 

@@ -15,7 +15,7 @@ from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
 from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
 from kvdiag.launch.vllm import expand
-from kvdiag.logs.lines import MAX_LINE, LogState, feed_line
+from kvdiag.logs.lines import MAX_LINE, LogState, feed_line, root_error
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.osread.net import listening_ports
 from kvdiag.osread.ptable import process_tree
@@ -75,7 +75,7 @@ class EngineWatch:
             log_tail=list(self.state.tail)[-40:], last_log_line=self.state.last_line,
             banners=list(self.state.banners), pids=pids,
             startup_s=(self.ready_t - self.started_t) if self.ready_t and self.started_t else None,
-            error=self.state.errors[0] if self.state.errors else None, kind=self.spec.kind,
+            error=root_error(self.state.errors), kind=self.spec.kind,
         )
 
 

@@ -29,7 +29,17 @@ from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
 from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
-from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole, TimelineEvent, Verdict
+from kvdiag.model import (
+    Bundle,
+    Diagnosis,
+    EnginePhase,
+    EngineRecord,
+    Finding,
+    ProcessEvidence,
+    ProcessRole,
+    TimelineEvent,
+    Verdict,
+)
 from kvdiag.osread.net import listening_pids
 from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
@@ -150,12 +160,29 @@ def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> st
     return None
 
 
+def _served_engine(bundle: Bundle, req: CaptureRequest) -> None:
+    """The watched server as the engine it is: it served (/metrics answered) and then stalled, as a soak
+    of the same server records it, so the analyzer judges a stall under load the same way (decode_stall
+    when requests run with the KV pool full and no token comes, with the mechanism the stacks show)."""
+    if len(bundle.engines) == 1:            # its log was found: that record, as the watch saw it end
+        bundle.engines[0].phase = EnginePhase.STALLED
+        return
+    if bundle.engines:
+        return
+    pids = {k: v for k, v in (("api_server", req.server_pid), ("engine_core", req.core_pid)) if v is not None}
+    bundle.engines.append(EngineRecord(name=req.engine, allocator="external", phase=EnginePhase.STALLED,
+                                       healthy=False, pids=pids))
+    for p in bundle.processes:
+        p.engine = p.engine or req.engine
+
+
 def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
     """What the watch saw, in the bundle: the engine's metrics and when progress stopped."""
     bundle.stall_detected = True
     bundle.stall_window_s = req.window_s
     # The engine's metrics as the watch read them; one engine per bundle, so they name none.
     bundle.metrics = [s.model_copy(update={"engine": None}) for s in req.snapshots]
+    _served_engine(bundle, req)
     bundle.timeline += [
         TimelineEvent(t=round(req.onset_t, 3), event="last progress", engine=req.engine,
                       detail="the last look at which tokens, prefill or finished requests grew"),
@@ -178,7 +205,9 @@ def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None]
     def early(partial: Bundle) -> None:
         _add_watch_record(partial, req)
         known.append(diagnose(redact_bundle(partial)))
-        announce(_result(known[0].verdict, known[0].exit_code, out_dir, None))
+        # the same measure the report records: from the stall's detection to its verdict
+        announce(_result(known[0].verdict, known[0].exit_code, out_dir,
+                         round(max(0.0, clock() - t0 - req.detected_t), 3)))
 
     if opts.ray is not None:
         if opts.ray_capture is None:
@@ -278,7 +307,7 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             exporter = WatchExporter(trackers)
             port = exporter.serve(opts.metrics_port, opts.metrics_addr)
             sink.listeners.append(exporter.on_event)
-            human(f"kvdiag watch: Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics")
+            human(f"Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics")
             for f in start_fields.values():
                 f["metrics_port"] = port
         sentinel = Sentinel(trackers=trackers, lookers=lookers,
@@ -291,8 +320,8 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             outcome = sentinel.run()
         return outcome
     except OSError as exc:
-        sink.emit(WatchEvent(ERROR, None, time.time(), {"kind": "watch", "error": str(exc)}))
-        raise UsageError(f"kvdiag watch: {exc}") from None
+        sink.emit(WatchEvent(ERROR, None, time.time(), {"kind": "startup", "error": str(exc)}))
+        raise UsageError(str(exc)) from None
     finally:
         client.close()
         if exporter is not None:

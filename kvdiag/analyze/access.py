@@ -120,11 +120,24 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
         return VerdictKind.NO_ACCESS
     if a is not None and a.python is False:
         return VerdictKind.NOT_PYTHON
-    if not proc.threads:
-        # Alive, readable, and yet not one thread was read (every tool missing, failing or timing out):
-        # nothing to judge, and certainly not health.
+    if not proc.threads or _stacks_unread(proc):
+        # Alive, readable, and yet not one thread (or not one stack) was read (every tool missing,
+        # failing or timing out): nothing to judge, and certainly not health.
         return VerdictKind.NO_EVIDENCE
     return None
+
+
+def _stacks_unread(proc: ProcessEvidence) -> bool:
+    """Every stack tool that was asked for is missing or failed, so /proc is all there is (thread states,
+    wait channels, native frames unwound from memory, no Python frame), and /proc read no owner from
+    memory (a GIL holder or a mutex owner) that proves a hang on its own. Without them, a deadlock
+    and an idle server look alike: judging would be a guess."""
+    asked = [t for t in proc.tools if t.tool.split("-", 1)[0] in ("py", "pystack", "gdb") and not t.skipped]
+    if not asked or any(t.ok for t in asked):
+        return False
+    holders = proc.progress.gil_holders if proc.progress is not None else []
+    read_owner = any(h is not None for h in holders) or any(t.futex_owner_tid is not None for t in proc.threads)
+    return not read_owner
 
 
 def judgeable(procs: list[ProcessEvidence], findings: list[Finding]) -> list[ProcessEvidence]:
@@ -170,14 +183,18 @@ def _no_access(name: str, procs: list[ProcessEvidence], engine: str | None) -> V
 
 def _no_evidence(name: str, procs: list[ProcessEvidence], engine: str | None) -> Verdict:
     first = procs[0]
-    why = "; ".join(f"{t.tool}: {t.error}" for t in first.tools if not t.ok and t.error) or "no capture tool ran"
+    failed = [t for t in first.tools if not t.ok and t.error]
+    why = "; ".join(f"{t.tool}: {t.error}" for t in failed) or "no capture tool ran"
+    missing = [t.tool for t in failed if "not installed" in (t.error or "")]
     findings = [Finding(kind="no_evidence", pid=p.pid, engine=engine,
                         message=f"pid {p.pid}: no thread could be read: "
                                 + ("; ".join(f"{t.tool}: {t.error}" for t in p.tools if not t.ok and t.error)
                                    or "no capture tool ran")) for p in procs]
     others = f" (and {len(procs) - 1} more process{'es' if len(procs) > 2 else ''})" if len(procs) > 1 else ""
+    what = "could be read" if not first.threads else "had a stack read (/proc alone cannot tell a deadlock from idle)"
+    lead = f"{', '.join(missing)} not installed: " if missing else ""
     return Verdict(kind=VerdictKind.NO_EVIDENCE, confidence=Confidence.HIGH, engine=engine, findings=findings,
-                   summary=(f"{name}: no evidence: not one thread of {_label(first)}{others} could be read ({why}). "
+                   summary=(f"{name}: no evidence: {lead}not one thread of {_label(first)}{others} {what} ({why}). "
                             "Nothing was judged: install the missing tools or use --tools with the ones that "
                             "work (kvdiag doctor lists them), then capture again"))
 

@@ -27,7 +27,7 @@ from kvdiag.defects import (
     GIL_HOLDING_ALLOC_PAGE,
     HEADROOM_UNDERFLOW,
 )
-from kvdiag.logs.banner import assess_risk, pages_per_layer
+from kvdiag.logs.banner import assess_risk_for, pages_per_layer
 from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, KvcachedBuild, RiskStatus
 
 DEFAULT_KVCACHED_UTIL = 0.95
@@ -70,7 +70,10 @@ def _row(check: str, subject: str, status: RiskStatus, detail: str, fix: str | N
     return DoctorCheck(check=check, subject=subject, status=status, detail=detail, fix=fix, upstream=upstream)
 
 
-def pool_checks(engines: Sequence[EnginePlan], banners: Sequence[BannerInfo]) -> list[DoctorCheck]:
+def pool_checks(engines: Sequence[EnginePlan], banners: Sequence[BannerInfo],
+                env: EnvironmentRecord) -> list[DoctorCheck]:
+    """The pool each banner (or planned engine) gets, judged as `kvdiag banner` judges it: at start-up, and
+    under load unless the engine's allocator (or, for a log's banner, this host's kvcached) has the fix."""
     rows: list[DoctorCheck] = []
     subjects: list[tuple[str, BannerInfo | None, EnginePlan | None]] = [
         (f"engine {e.name}", e.banner, e) for e in engines if e.kvcached]
@@ -81,7 +84,7 @@ def pool_checks(engines: Sequence[EnginePlan], banners: Sequence[BannerInfo]) ->
                              "pool size unknown until the engine prints its PageAllocator banner",
                              "run `kvdiag banner LOG` on its log, or pass `--log LOG` here"))
             continue
-        risk = assess_risk(banner)
+        risk = assess_risk_for(banner, None)
         pages = pages_per_layer(banner)
         pool = (f"{pages} page(s) per layer ({banner.mem_size_per_layer_mb} MB / {banner.page_size_mb} MB), "
                 f"min_reserved_pages={banner.min_reserved_pages}, prealloc={'on' if banner.enable_prealloc else 'off'}")
@@ -95,6 +98,11 @@ def pool_checks(engines: Sequence[EnginePlan], banners: Sequence[BannerInfo]) ->
                              f"{FIX_PREALLOC}, or a bigger KV pool (more than {banner.min_reserved_pages} pages "
                              f"per layer: raise --gpu-memory-utilization or lower KVCACHED_MIN_RESERVED_PAGES), "
                              f"or {FIX_BUILD}", _GIL))
+        elif risk.load_risk is not None and plan is None and env.kvcached.verdict not in _SAFE_BUILDS:
+            # A planned engine's build is judged once, in its allocator_build row; a log's banner has no
+            # other row, and `kvdiag banner` calls the same banner a risk.
+            rows.append(_row("prealloc_pool", subject, RiskStatus.RISK, risk.load_risk,
+                             f"{FIX_PREALLOC}, or {FIX_BUILD}", _GIL))
         else:
             rows.append(_row("prealloc_pool", subject, RiskStatus.OK, pool))
     return rows
@@ -146,6 +154,9 @@ def kvcached_builds(env: EnvironmentRecord) -> list[tuple[str, KvcachedBuild, li
     return [*out, ("installed kvcached", env.kvcached, [])]
 
 
+_SAFE_BUILDS = ("fixed", "not_affected")
+
+
 def _engine_build(e: EnginePlan, env: EnvironmentRecord) -> KvcachedBuild:
     """The kvcached build engine ``e`` imports: its interpreter's when recorded, else kvdiag's own."""
     return next((b for _, b, names in kvcached_builds(env) if e.name in names), env.kvcached)
@@ -154,7 +165,7 @@ def _engine_build(e: EnginePlan, env: EnvironmentRecord) -> KvcachedBuild:
 def _build_fixed(e: EnginePlan, env: EnvironmentRecord) -> bool:
     if e.kvdiag_allocator:
         return e.allocator == "fixed"
-    return _engine_build(e, env).verdict in ("fixed", "not_affected")
+    return _engine_build(e, env).verdict in _SAFE_BUILDS
 
 
 def _build_row(subject: str, k: KvcachedBuild, env: EnvironmentRecord) -> DoctorCheck:
@@ -305,5 +316,5 @@ def access_checks(env: EnvironmentRecord) -> list[DoctorCheck]:
 def doctor_checks(env: EnvironmentRecord, engines: Sequence[EnginePlan] = (),
                   banners: Sequence[BannerInfo] = ()) -> list[DoctorCheck]:
     """Every rule, in the order a reader goes through them."""
-    return (build_checks(engines, env) + pool_checks(engines, banners) + colocation_checks(engines, env)
+    return (build_checks(engines, env) + pool_checks(engines, banners, env) + colocation_checks(engines, env)
             + headroom_checks(engines, env) + page_block_checks(engines) + access_checks(env))

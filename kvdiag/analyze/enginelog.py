@@ -31,9 +31,10 @@ def telling_line(text: str, pattern: re.Pattern[str]) -> str:
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     hits = [ln for ln in lines if pattern.search(ln)]
     best = [ln for ln in hits if TELLING.search(ln) and not _TRACEBACK.search(ln)]
-    if best:
-        return best[-1]
-    plain = [ln for ln in hits if not _TRACEBACK.search(ln)]
+    real = [ln for ln in best if "root cause" not in ln.lower()]   # not vLLM's pointer back at the cause
+    if real or best:
+        return (real or best)[-1]
+    plain = [ln for ln in hits if not _TRACEBACK.search(ln) and "root cause" not in ln.lower()]
     if plain:
         return plain[-1]
     header = next((i for i, ln in enumerate(lines) if _TRACEBACK.search(ln)), None)

@@ -12,8 +12,9 @@ the server vs requested, and the bottleneck:
 - ``server``: the client kept its streams in flight but the engine ran far fewer of them and
   queued none while CPU was short (the server's processes near a core, or the machine busy): its
   front end fell behind;
-- ``load``: client and server both kept up and the load was still too small for the pool
-  (raise --concurrency or --max-tokens).
+- ``load``: the load was too small for the pool (raise --concurrency or --max-tokens): client and
+  server both kept up, or even every requested stream running at once would not have filled it (what
+  each running stream held times the streams), whichever side was slower.
 
 Pure: no I/O, no clock.
 """
@@ -89,6 +90,17 @@ def _cpu_pressed(server_cpu: float | None, machine_busy: float | None) -> bool:
             or (machine_busy is not None and machine_busy >= MACHINE_BUSY))
 
 
+def _load_ceiling(snaps: Sequence[MetricsSnapshot], requested: int) -> float | None:
+    """The KV share all ``requested`` streams would hold if they all ran at once: the most any running
+    stream held (KV usage over streams running, per snapshot) times the streams. Below the threshold, no
+    server could have saturated with this load, whatever it ran. None: never a stream seen running."""
+    per_stream = [s.kv_cache_usage / s.running for s in snaps
+                  if s.kv_cache_usage is not None and s.running is not None and s.running > 0]
+    if not per_stream or requested <= 0:
+        return None
+    return max(per_stream) * requested
+
+
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{v:.0%}"
 
@@ -135,6 +147,10 @@ def judge(snaps: Sequence[MetricsSnapshot], sampler: LoadReadings,
         side, why = "client", f"it kept only {inflight:.1f} of {n} streams in flight"
     elif ccpu is not None and ccpu >= CLIENT_CPU_BOUND:
         side, why = "client", f"kvdiag's load loop used {_pct(ccpu)} of a core"
+    elif (ceiling := _load_ceiling(snaps, n)) is not None and ceiling < kv_threshold:
+        side, why = "load", (f"even with all {n} streams running at once they would hold about {_pct(ceiling)} "
+                             "of the pool (what each running stream held, times the streams): the load is too "
+                             "small for the pool (raise --concurrency or --max-tokens)")
     elif (inflight is not None and run_mean is not None
           and run_mean + wait_mean < SERVER_BEHIND * inflight and _cpu_pressed(scpu, busy)):
         side, why = "server", (f"it ran {run_mean:.1f} of the {inflight:.1f} requests in flight and queued none: "

@@ -8,7 +8,8 @@ standard library are not project frames. Per cited thread the native
 project frames are used when there are any (they are what every capture
 tool sees), else its Python project frames; at most :data:`FRAMES_PER_THREAD`,
 innermost first. Threads are sorted, so the order of the evidence does not
-matter. Pure: no I/O.
+matter; of a chain across processes only the root's threads count, so the
+signature does not depend on how many waiters the capture reached. Pure: no I/O.
 
 Format: ``<kind>-<12 hex digits>``, e.g. ``gil_cycle-5d0c2b8e41a7``.
 """
@@ -121,9 +122,26 @@ def _thread_group(item: EvidenceItem, bundle: Bundle | None) -> tuple[str, ...]:
     return ()
 
 
+def _root_evidence(verdict: Verdict) -> list[EvidenceItem]:
+    """The cited threads the hang itself is made of: for a chain across processes, those of the root's
+    process (the waiters in front of it depend on what was captured: one actor or the whole cluster),
+    else every cited thread."""
+    chain = verdict.waits
+    root = chain.root if chain is not None and not chain.cycle else None
+    if root is None:
+        return list(verdict.evidence)
+    mine = [e for e in verdict.evidence if e.pid == root.pid and (root.node is None or e.node in (None, root.node))]
+    if mine or chain is None or not chain.root_frames:
+        return mine or list(verdict.evidence)
+    # the root is not among the cited threads: the chain carries its frames
+    return [EvidenceItem(pid=root.pid, tid=root.tid or root.pid, role=chain.root_role, frames=chain.root_frames,
+                         node=root.node)]
+
+
 def signature_groups(verdict: Verdict, bundle: Bundle | None = None) -> list[tuple[str, ...]]:
-    """Per cited thread, its project frames; empty threads dropped, duplicates merged, sorted."""
-    groups = {_thread_group(item, bundle) for item in verdict.evidence}
+    """Per cited thread of the hang's root, its project frames; empty threads dropped, duplicates merged,
+    sorted."""
+    groups = {_thread_group(item, bundle) for item in _root_evidence(verdict)}
     return sorted(g for g in groups if g)
 
 

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -12,7 +10,7 @@ from pydantic import ValidationError
 
 from kvdiag.errors import BundleError
 from kvdiag.model import SCHEMA_VERSION, Bundle
-from kvdiag.redact import redact_bundle, redact_text
+from kvdiag.redact import redact_bundle, redact_text, replace_file
 
 BUNDLE_DIR = "bundle"            # inside a run's output folder
 BUNDLE_FILE = "bundle.json"
@@ -41,15 +39,7 @@ def raw_dir(root: Path, pid: int) -> Path:
 
 def atomic_write_text(path: Path, text: str) -> None:
     """Write ``text`` to ``path`` so readers never see a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=str(path.parent))
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    replace_file(path, text)
 
 
 def write_text_redacted(path: Path, text: str) -> None:

@@ -11,7 +11,7 @@ import typer
 from kvdiag.cli.common import read_log_lines
 from kvdiag.defects import FIX_BUILD, GIL_HOLDING_ALLOC_PAGE
 from kvdiag.errors import ExitCode
-from kvdiag.logs.banner import assess_risk, load_risk, parse_banners
+from kvdiag.logs.banner import assess_risk_for, parse_banners
 
 
 def banner_cmd(
@@ -26,7 +26,7 @@ def banner_cmd(
     on still hangs once load fills the pool, unless kvcached has the #422 fix
     (`kvdiag doctor` judges the installed build).
     Exit codes: 0 no banner leaves the deadlock open (prealloc off), 10 one does,
-    2 unreadable log.
+    5 the input holds no banner (nothing judged), 2 unreadable log.
     """
     if logfile == "-":
         lines = sys.stdin.read().splitlines()
@@ -35,16 +35,16 @@ def banner_cmd(
         lines = read_log_lines(Path(logfile))
         source = logfile
     banners = parse_banners(lines, source)
-    risks = [assess_risk(b) for b in banners]
-    under_load = [load_risk(b) for b in banners]
-    risky = any(r.risky for r in risks) or any(under_load)
+    risks = [assess_risk_for(b, None) for b in banners]
+    under_load = [r.load_risk for r in risks]
+    risky = any(r.at_risk for r in risks)
     if as_json:
         typer.echo(json.dumps({"banners": [b.model_dump(mode="json") for b in banners],
                                "risks": [r.model_dump(mode="json") for r in risks],
                                "load_risks": under_load, "risky": risky}, indent=2))
     else:
         if not banners:
-            typer.echo(f"{source}: no 'Init C++ PageAllocator' banner found")
+            typer.echo(f"{source}: no 'Init C++ PageAllocator' banner found: nothing judged (exit 5)")
         for b, r, later in zip(banners, risks, under_load, strict=True):
             typer.echo(f"line {b.line_no}: group_id={b.group_id} num_layers={b.num_layers} "
                        f"mem_size_per_layer={b.mem_size_per_layer_mb}MB page_size={b.page_size_mb}MB "
@@ -58,6 +58,8 @@ def banner_cmd(
                 typer.echo(f"  workaround: {GIL_HOLDING_ALLOC_PAGE.workaround}, or {FIX_BUILD}")
             else:
                 typer.echo("  no deadlock risk from this banner (prealloc off: no prealloc worker)")
+    if not banners:
+        return ExitCode.NOT_DIAGNOSABLE     # nothing to judge: "no risk" would be a false all-clear
     return ExitCode.DEADLOCK if risky else ExitCode.OK
 
 

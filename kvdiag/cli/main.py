@@ -10,7 +10,7 @@ import click
 import typer
 
 from kvdiag import __version__, interrupts
-from kvdiag.errors import ExitCode, KvdiagError
+from kvdiag.errors import ExitCode, Interrupted, KvdiagError
 
 # Each module defines ``register(app)`` adding its command(s).
 _COMMAND_MODULES = ("repro", "soak", "ab", "capture", "analyze", "report", "banner", "doctor", "sim", "redact",
@@ -88,6 +88,9 @@ def _show_usage_error(exc: BaseException, argv: list[str]) -> None:
         usage = _usage_of(argv)
         if usage:
             typer.echo(usage, err=True)
+    if "Did you mean" in str(getattr(exc, "message", "")) and getattr(exc, "possibilities", None):
+        # typer writes its suggestion into the message and click appends its own: say it once
+        exc.possibilities = None   # type: ignore[attr-defined]
     show = getattr(exc, "show", None)
     if callable(show):
         show()
@@ -140,6 +143,10 @@ def main(argv: list[str] | None = None) -> int:
     except KvdiagError as exc:
         if debug:
             raise
+        if isinstance(exc, Interrupted) and exc.partial is not None:
+            # Imported here: only a run that wrote a report gets here, and `banner` or `doctor` stay light.
+            from kvdiag.cli.common import print_summary
+            print_summary(exc.partial)   # type: ignore[arg-type]
         typer.echo(f"kvdiag: error: {exc.message}", err=True)
         if exc.hint:
             typer.echo(f"  hint: {exc.hint}", err=True)

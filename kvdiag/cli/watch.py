@@ -65,7 +65,7 @@ def watch_cmd(
     Events are JSON lines on stdout (start, stall, verdict, report, restart, recovered, error, stop),
     progress on stderr. The watched processes are never signalled or stopped.
     SIGTERM/SIGHUP stop it cleanly. Exit codes: 0 stopped cleanly, 10 a stall named (--once),
-    2 bad usage.
+    5 a watched server never answered (nothing judged), 2 bad usage.
     """
     opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
                         keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
@@ -75,7 +75,12 @@ def watch_cmd(
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
     _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")
-    return ExitCode.DEADLOCK if outcome.once_hit else ExitCode.OK
+    if outcome.once_hit:
+        return ExitCode.DEADLOCK
+    if outcome.never_reached:
+        _human(f"nothing judged: {', '.join(outcome.never_reached)} never answered /metrics during the watch (exit 5)")
+        return ExitCode.NOT_DIAGNOSABLE
+    return ExitCode.OK
 
 
 def register(app: typer.Typer) -> None:

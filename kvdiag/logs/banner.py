@@ -141,12 +141,14 @@ def load_risk(banner: BannerInfo) -> str | None:
 
 
 def assess_risk_for(banner: BannerInfo, allocator: str | None) -> BannerRisk:
-    """:func:`assess_risk` for an engine running ``allocator``: the deadlock the banner predicts is the
-    stock allocator's (alloc_page waits holding the GIL); the fixed one waits without it, so for a
-    fixed-allocator engine the risk does not apply and its reasons become notes."""
+    """The one judgement of a banner (``kvdiag banner``, ``doctor`` and every report read it): the
+    start-up risk of :func:`assess_risk` and the risk under load of :func:`load_risk`, for an engine
+    running ``allocator`` (None: unknown, judged as kvcached's own). The deadlock a banner predicts is
+    the stock allocator's (alloc_page waits holding the GIL); the fixed one waits without it, so for a
+    fixed-allocator engine neither risk applies and the start-up reasons become notes."""
     risk = assess_risk(banner)
-    if allocator == "fixed" and risk.risky:
+    if allocator == "fixed":
         return BannerRisk(risky=False, pages_per_layer=risk.pages_per_layer,
                           reasons=[f"no deadlock with the fixed allocator (it waits without holding the GIL); "
                                    f"the stock allocator would hang: {reason}" for reason in risk.reasons])
-    return risk
+    return risk.model_copy(update={"load_risk": load_risk(banner)})

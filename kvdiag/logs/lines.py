@@ -37,6 +37,9 @@ _CRASH_WORDS = (r"Traceback \(most recent call last\)|EngineDeadError|Fatal Pyth
                 r"core dumped|terminate called")
 # A log line that reports an allocation failure, or an error worth keeping as the engine's error line.
 OOM_LINE = re.compile(_OOM_WORDS, re.IGNORECASE)
+TRACEBACK = re.compile(r"Traceback \(most recent call last\)")
+# The last line of a traceback: the exception's type and message ("ValueError: ...", "KeyboardInterrupt").
+EXCEPTION_END = re.compile(r"(?:^|\s)(?:[A-Za-z_]\w*\.)*[A-Z]\w*(?:Error|Exception|Exit|Interrupt)(?:: |$)")
 ERROR_LINE = re.compile(_CRASH_WORDS + r"|Engine core initialization failed|std::abort|RuntimeError: |AssertionError")
 # What names the cause once the process died: a live engine may print "OOM" in advice ("to avoid OOM"), so
 # these broader words count only at exit.
@@ -54,6 +57,7 @@ class LogState:
     pids: dict[str, int] = field(default_factory=dict)
     tail: deque[str] = field(default_factory=lambda: deque(maxlen=200))
     errors: list[str] = field(default_factory=list)
+    in_traceback: bool = False       # a traceback began and its exception line has not come yet
     oom: bool = False
     events: list[tuple[EnginePhase, int]] = field(default_factory=list)  # phase reached at line no
 
@@ -95,4 +99,17 @@ def feed_line(state: LogState, line: str, source: str | None = None) -> list[str
         state.errors.append(line.strip()[:500])
     elif ERROR_LINE.search(line):
         state.errors.append(line.strip()[:500])
+        state.in_traceback = state.in_traceback or bool(TRACEBACK.search(line))
+    elif state.in_traceback and EXCEPTION_END.search(line):
+        state.errors.append(line.strip()[:500])    # the exception a traceback ends with: its cause
+        state.in_traceback = False
     return events
+
+
+def root_error(errors: list[str]) -> str | None:
+    """The error line that names the cause: the first exception (for a vLLM engine, the EngineCore's),
+    never a traceback's header nor a later line that only points back at it ("See root cause above")."""
+    real = [ln for ln in errors if not TRACEBACK.search(ln) and "root cause" not in ln.lower()]
+    core = [ln for ln in real if "EngineCore" in ln]
+    pick = core or real or errors
+    return pick[0] if pick else None

@@ -30,9 +30,25 @@ class BannerInfo(_Model):
 
 
 class BannerRisk(_Model):
-    risky: bool
+    """One judgement of a PageAllocator banner, read by `kvdiag banner`, `doctor` and every report."""
+
+    risky: bool                      # the banner predicts the hang at start-up
     pages_per_layer: int
     reasons: list[str] = Field(default_factory=list)
+    load_risk: str | None = None     # the hang it leaves open once load fills the pool; None: none (prealloc off,
+                                     # or the engine runs an allocator that waits without the GIL)
+
+    @property
+    def at_risk(self) -> bool:
+        """A hang is predicted, at start-up or under load."""
+        return self.risky or self.load_risk is not None
+
+    @property
+    def label(self) -> str:
+        """The words a report shows for this judgement."""
+        if self.risky:
+            return "RISK at start-up"
+        return "RISK under load" if self.load_risk is not None else "ok"
 
 
 class TimelineEvent(_Model):

@@ -6,7 +6,7 @@ what is left); :mod:`~kvdiag.redact.files` writes, copies and scans files with t
 """
 
 from kvdiag.redact.bundle import BUNDLE_JSON, note_file, redact_bundle
-from kvdiag.redact.files import Hit, copy_redacted, redact_file, redact_tree, scan_tree, write_redacted
+from kvdiag.redact.files import Hit, copy_redacted, redact_file, redact_tree, replace_file, scan_tree, write_redacted
 from kvdiag.redact.rules import (
     KINDS,
     OLD_MARKERS,
@@ -26,5 +26,6 @@ from kvdiag.redact.rules import (
 __all__ = [
     "BUNDLE_JSON", "KINDS", "OLD_MARKERS", "REDACTED", "URL_REDACTED", "Hit", "Tally", "copy_redacted",
     "is_secret_flag", "is_secret_name", "normalize_name", "note_file", "redact_argv", "redact_bundle", "redact_file",
-    "redact_obj", "redact_shapes", "redact_text", "redact_tree", "scan_text", "scan_tree", "write_redacted",
+    "redact_obj", "redact_shapes", "redact_text", "redact_tree", "replace_file", "scan_text", "scan_tree",
+    "write_redacted",
 ]

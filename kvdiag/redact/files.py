@@ -12,25 +12,42 @@ from pathlib import Path
 from kvdiag.redact.rules import Tally, redact_text, scan_text
 
 
-def write_redacted(path: Path, text: str, tally: Tally | None = None) -> Path:
-    """Write ``text`` to ``path`` redacted (the way every raw output enters an output folder).
+def _read_umask() -> int:
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
 
-    The file is created owner-only and replaced atomically, so no reader sees
-    an unredacted or half-written file. Raises OSError like ``write_text``.
+
+# Read once, at import (single-threaded): os.umask can only be read by setting it.
+_UMASK = _read_umask()
+
+
+def replace_file(path: Path, text: str) -> Path:
+    """Write ``text`` to ``path`` atomically, so no reader sees a half-written file.
+
+    The temporary file is created owner-only (an unredacted or partial file is never readable
+    by others) and given the mode the user's umask gives any new file before it replaces
+    ``path``: output folders are handed to colleagues, and secrets are redacted before this.
+    Raises OSError like ``write_text``.
     """
-    safe = redact_text(text, tally)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     try:
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(safe)
-        os.chmod(tmp, 0o644)
+            fh.write(text)
+            os.fchmod(fh.fileno(), 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
     return path
+
+
+def write_redacted(path: Path, text: str, tally: Tally | None = None) -> Path:
+    """Write ``text`` to ``path`` redacted (the way every raw output enters an output folder),
+    atomically (:func:`replace_file`)."""
+    return replace_file(path, redact_text(text, tally))
 
 
 def copy_redacted(src: Path, dst: Path, tally: Tally | None = None) -> Path:

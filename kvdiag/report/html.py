@@ -426,6 +426,7 @@ def render_html(report: Report | ReportView, bundle: Bundle | None = None, bundl
         processes=view.processes,
         evidence=view.evidence,
         has_key_frames=view.has_key_frames,
+        engine_run=view.engine_run,
         # An A/B bundle holds no raw files of its own (each run's bundle does): list only what is here.
         raw=[item for item in raw_outputs(safe_bundle, bundle_dir) if ab is None or item["text"] is not None],
         have_bundle=safe_bundle is not None,

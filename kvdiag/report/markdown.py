@@ -123,12 +123,17 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
                 f"{b.page_size_mb} MB", b.risk.pages_per_layer,
                 "on" if b.enable_prealloc else "off",
                 f"{b.min_reserved_pages}/{b.max_reserved_pages}",
-                "**risky**" if b.risk.risky else "ok")) + " |")
+                f"**{b.risk.label}**" if b.risk.at_risk else "ok")) + " |")
         for e, b in banners:
-            for reason in b.risk.reasons:
+            for reason in [*b.risk.reasons, *([b.risk.load_risk] if b.risk.load_risk else [])]:
                 out.append(f"- {_cell(e.name)}: {_inline(clean_text(reason))}")
 
-    if report.engines:
+    if report.engines and not view.engine_run:    # a plain process: no allocator, phase or banner
+        out += ["", "#### Processes", "", "| process | healthy | verdict | last log line |", "|---|---|---|---|"]
+        out += ["| " + " | ".join(_cell(x) for x in (
+            e.name, _healthy(e), e.verdict.value if e.verdict is not None else None,
+            _short(e.last_log_line, MAX_LINE))) + " |" for e in report.engines]
+    elif report.engines:
         out += ["", "#### Engines", "",
                 "| engine | allocator | phase | healthy | verdict | api_server | engine_core | startup "
                 "| last log line |",

@@ -107,7 +107,9 @@ def render_terminal(report: Report | ReportView, console: Console, paths: Mappin
                              min_width=8 if col == "healthy" else None)
         for e in report.engines:
             if e.banner_risk is not None:
-                risk_text = Text("RISK", style="bold red") if e.banner_risk.risky else Text("ok", style="green")
+                # short words: the table must fit 80 columns (the report's banner section has the long ones)
+                risk_text = Text("RISK" if e.banner_risk.risky else "RISK@load" if e.banner_risk.at_risk else "ok",
+                                 style="bold red" if e.banner_risk.at_risk else "green")
             else:
                 risk_text = Text("none", style="dim")
             verdict = e.verdict.value if e.verdict is not None else None

@@ -16,7 +16,16 @@ from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence
+from kvdiag.model import (
+    Bundle,
+    EnginePhase,
+    EvidenceItem,
+    Frame,
+    ProcessEvidence,
+    ProcessRole,
+    Report,
+    ThreadEvidence,
+)
 from kvdiag.report.chain import ChainView, chain_view
 from kvdiag.report.soakview import SoakView, soak_view
 
@@ -237,6 +246,9 @@ def ab_view(report: Report) -> dict[str, Any] | None:
 
 # ---------------------------------------------------------------- the view
 
+_ENGINE_COMMANDS = frozenset({"repro", "ab", "soak", "sweep", "watch"})
+
+
 @dataclass
 class ReportView:
     """What every renderer reads: the report and the bundle's stacks, cited frames marked by reference."""
@@ -253,6 +265,18 @@ class ReportView:
     @property
     def has_key_frames(self) -> bool:
         return any(item.key_frames for item in self.report.verdict.evidence)
+
+    @property
+    def engine_run(self) -> bool:
+        """The report is of an LLM engine (launched, soaked, watched, or a captured vLLM tree), so its
+        allocator, start-up phase and PageAllocator banners mean something; a plain process captured
+        with `kvdiag capture --pid` has none of them, and showing "external", "not_started" and an empty
+        banner section for it is noise."""
+        r = self.report
+        if r.command.split(" ", 1)[0] in _ENGINE_COMMANDS:
+            return True
+        return any(e.banners or e.phase is not EnginePhase.NOT_STARTED or e.pids.engine_core is not None
+                   or e.pids.api_server is not None or e.allocator not in (None, "external") for e in r.engines)
 
 
 def build_view(report: Report, bundle: Bundle | None = None) -> ReportView:

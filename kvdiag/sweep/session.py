@@ -128,7 +128,11 @@ def run_sweep(cfg: SweepConfig, progress: Progress) -> SweepReport:
 
 def _check_folder(cfg: SweepConfig) -> None:
     """A folder holding another sweep is refused; the same sweep continues; a new one is recorded."""
-    cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cfg.out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise UsageError(f"cannot write output folder {cfg.out_dir}: {exc.strerror or exc}",
+                         hint="pass --out DIR pointing at a writable folder") from None
     stored = stored_identity(cfg.out_dir)
     mine = cfg.identity()
     if stored is not None and stored != mine:

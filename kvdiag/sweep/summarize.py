@@ -14,6 +14,7 @@ from kvdiag.model import (
     Report,
     SweepCell,
     SweepReport,
+    SweepRule,
     SweepRun,
     TimelineEvent,
     VerdictKind,
@@ -112,7 +113,17 @@ def conclude(report: SweepReport) -> SweepReport:
     """Rule, banner check, A/B rates, exit code and summary from the report's cells."""
     cells = [summarize_cell(c) for c in report.cells]
     rule = infer_rule(cells)
-    predicted = rule_predicts(cells, rule)
+    planned = max(report.cells_planned, len(cells))
+    not_run = [c.key for c in cells if c.outcome == "pending"]
+    unrun = planned - (len(cells) - len(not_run))
+    partial = report.interrupted and unrun > 0
+    if partial:
+        # A rule fitted on the cells that ran says nothing of those that did not (the hanging one may be
+        # among them): no rule, and the cells left are named.
+        left = f" ({', '.join(not_run[:5])}{', ...' if len(not_run) > 5 else ''})" if not_run else ""
+        rule = SweepRule(text=f"no rule from a partial grid: {unrun} of {planned} cell(s) did not run{left}; "
+                              "continue with --resume", fits=False, mixed=rule.mixed)
+    predicted = {} if partial else rule_predicts(cells, rule)
     cells = [c.model_copy(update={"rule_predicts_hang": predicted.get(c.key)}) for c in cells]
     check = banner_check(cells)
     hung = [c for c in cells if c.hangs]

@@ -52,6 +52,7 @@ class EngineTracker:
     history: int = 120                  # snapshots kept for the bundle
     capture_remote: bool = False        # stalls are captured elsewhere (the Ray fleet path): no local EngineCore needed
     reachable: bool | None = None
+    ever_reached: bool = False       # one look answered (/metrics read) during the watch
     unreachable_since: float | None = None
     in_stall: bool = False
     stall_onset: float | None = None
@@ -125,6 +126,7 @@ class EngineTracker:
             events.append(self._event(RECOVERED, look, what="unreachable",
                                       after_s=round(look.t - (self.unreachable_since or look.t), 1)))
         self.reachable = True
+        self.ever_reached = True
         self.unreachable_since = None
         self._remember(look)
         self.snapshots.append(m.snapshot(look.t - self.t0, self.name))
@@ -254,6 +256,7 @@ class WatchOutcome:
     named: int = 0
     stopped_by: str = ""
     once_hit: bool = False
+    never_reached: list[str] = field(default_factory=list)   # servers that never answered: nothing judged
 
 
 @dataclass
@@ -360,8 +363,9 @@ class Sentinel:
 
     def _stop(self, out: WatchOutcome) -> None:
         wall = self.wall() if self.wall is not None else 0.0
+        out.never_reached = [tr.name for tr in self.trackers if not tr.ever_reached]
         self.sink.emit(WatchEvent(STOP, None, wall, {"reason": out.stopped_by, "stalls": out.stalls,
-                                                     "named": out.named}))
+                                                     "named": out.named, "never_reached": out.never_reached}))
 
 
 __all__ = ["CaptureRequest", "CaptureResult", "EngineTracker", "Sentinel", "WatchOutcome"]

@@ -71,7 +71,7 @@ def test_no_raw_dump_no_empty_capture_no_fixed_risk(ab_run: Path) -> None:
     assert '"separated"' not in _section(page, "environment") and "{&#34;" not in page
     banners = _section(page, "banners")
     fixed_vlm = banners.split("fixed/vlm", 1)[1]
-    assert fixed_vlm.split("·", 2)[2].strip().startswith("no static risk"), fixed_vlm[:200]
+    assert fixed_vlm.split("·", 2)[2].strip().startswith("no risk"), fixed_vlm[:200]
     assert "no deadlock with the fixed allocator" in fixed_vlm
     assert "deadlock risk" in banners.split("fixed/", 1)[0]  # the stock vlm keeps its risk
     report = read_report(ab_run)

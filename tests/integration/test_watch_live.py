@@ -70,6 +70,7 @@ def test_a_stopped_engine_core_is_named_and_the_watch_goes_on(tmp_path: Path) ->
                 assert verdict is not None, w.diag()
                 assert verdict["kind"] == "stopped", verdict
                 assert str(core) in verdict["summary"]
+                assert isinstance(verdict["stall_to_verdict_s"], float), verdict   # was null
                 report = w.wait_event("report", 30)
                 assert report is not None and report["out"] == verdict["out"], w.diag()
                 assert (Path(verdict["out"]) / "report.json").is_file()

@@ -373,7 +373,7 @@ def test_markdown_is_issue_ready(tmp_path: Path) -> None:
     assert md.startswith("### kvdiag: `gil_cycle` (high confidence)")
     assert "```text\nstd::condition_variable::wait\nkvcached::PageAllocator::alloc_page" in md
     assert "````text\ntake_gil\nPageAllocator::map_pages\nweird ``` frame\n````" in md  # fence outgrows content
-    assert "| eng2 | 0 | 28 | 11 MB | 2 MB | 5 | on | 5/5 | **risky** |" in md
+    assert "| eng2 | 0 | 28 | 11 MB | 2 MB | 5 | on | 5/5 | **RISK at start-up** |" in md
     assert "a \\| b &lt;pad&gt;" in md  # table cell stays one cell; no raw HTML
     assert "Stacks of the cited threads" in md and "futex_wait [libc.so.6]" in md
     assert "hostname: box" in md

@@ -68,8 +68,14 @@ def test_few_running_on_an_idle_machine_is_the_load_not_the_server() -> None:
     0.06 cores: the gap is each request's turnaround outside the engine, not a starved front end."""
     sat = judge(_snaps([0.05, 0.11], running=1.3), _sampler(2, 2.0, client_cpu=0.02, server_cpu=0.06, busy=0.03))
     assert sat.bottleneck == "load", sat.note
-    # the same gap with the server's processes at a core is the server's
+    # the same gap with the server's processes at a core: still the load, since both streams running at
+    # once would hold about 17 % of the pool (a new user's --concurrency 2 --max-tokens 16 was blamed on
+    # the server's front end)
     sat = judge(_snaps([0.05, 0.11], running=1.3), _sampler(2, 2.0, client_cpu=0.02, server_cpu=0.95, busy=0.3))
+    assert sat.bottleneck == "load", sat.note
+    assert "even with all 2 streams running at once they would hold about 17%" in sat.note
+    # a load that could fill the pool, with the server at a core and running few of it: the server's
+    sat = judge(_snaps([0.05, 0.3], running=4), _sampler(16, 16.0, client_cpu=0.02, server_cpu=0.95, busy=0.3))
     assert sat.bottleneck == "server", sat.note
 
 

@@ -89,3 +89,16 @@ def test_a_bisected_axis_reports_where_the_outcome_changes() -> None:
     assert report.boundaries == ["min_reserved_pages=2: hang at kv_per_layer_mb=4, healthy at 6",
                                  "min_reserved_pages=9: hang from kv_per_layer_mb=2 to 16 (no change)"]
     assert "healthy at 6" in render_sweep_html(report)
+
+
+def test_an_interrupted_sweep_states_no_rule_and_names_what_did_not_run() -> None:
+    """Only a healthy cell finished before Ctrl-C (one more was under way): "no cell hangs" would be a
+    false all-clear, since the hanging cells never ran."""
+    full = _report()
+    ran = next(c for c in full.cells if c.key == "c12")            # 2 pages > 1 reserved: healthy
+    pending = next(c for c in full.cells if c.key == "c22").model_copy(update={"outcome": "pending", "runs": []})
+    report = conclude(full.model_copy(update={"cells": [ran, pending], "interrupted": True, "finished": False}))
+    assert report.rule is not None and not report.rule.fits
+    assert report.rule.text.startswith("no rule from a partial grid: 3 of 4 cell(s) did not run"), report.rule.text
+    assert "c22" in report.rule.text
+    assert "no cell hangs" not in report.summary
