@@ -16,7 +16,7 @@ from kvdiag.analyze.peers import PeerJudge, servers_were_paused_too
 from kvdiag.analyze.process import analyze_process, process_findings
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
 from kvdiag.defaults import KV_FULL, STALL_WINDOW_S
-from kvdiag.logs.banner import assess_risk_for
+from kvdiag.kvcached.banner import assess_risk_for
 from kvdiag.logs.lines import CRASH_AT_EXIT, OOM_AT_EXIT
 from kvdiag.model.bundle import Bundle
 from kvdiag.model.evidence import ProcessEvidence

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvdiag.logs.banner import assess_risk_for
+from kvdiag.kvcached.banner import assess_risk_for
 from kvdiag.model import BannerRisk, Bundle, EngineJudgement, EngineRecord, Verdict, engine_health
 
 

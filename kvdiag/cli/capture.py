@@ -10,17 +10,17 @@ from pathlib import Path
 import typer
 
 from kvdiag.analyze import analyze, diagnose
-from kvdiag.analyze.text import format_verdict
 from kvdiag.capture.access import is_kernel_thread
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
-from kvdiag.fleet.ray import capture_cluster
 from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
 from kvdiag.osread.stat import read_stat
-from kvdiag.outputs import RunArtifacts, finish, prepare_out_dir
 from kvdiag.redact import redact_bundle
+from kvdiag.report.text import format_verdict
+from kvdiag.runs.fleet.ray import capture_cluster
+from kvdiag.runs.output import RunArtifacts, finish, prepare_out_dir
 
 
 def _target(pid: int | None, engine_core_of: int | None) -> int:

@@ -12,7 +12,7 @@ from kvdiag.errors import UsageError
 from kvdiag.report import build_report, render_terminal
 
 if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
-    from kvdiag.runner import RunArtifacts
+    from kvdiag.runs.lifecycle import RunArtifacts
 
 
 def console() -> Console:

@@ -25,9 +25,9 @@ from kvdiag.analyze.doctor import DEFAULT_KVCACHED_UTIL, EnginePlan, doctor_chec
 from kvdiag.cli.common import read_log_lines
 from kvdiag.environment import add_engine_packages, collect_environment
 from kvdiag.errors import ExitCode
+from kvdiag.kvcached.banner import parse_banners
 from kvdiag.launch.engines import engine_env
 from kvdiag.launch.interpreters import engine_interpreters
-from kvdiag.logs.banner import parse_banners
 from kvdiag.model import BannerInfo, DoctorReport, EnvironmentRecord, RiskStatus
 from kvdiag.redact import redact_obj
 from kvdiag.report.envtext import environment_lines

@@ -8,9 +8,9 @@ import typer
 
 from kvdiag.cli.capture import print_outcome
 from kvdiag.errors import BundleError, UsageError
-from kvdiag.fleet.merge import NodePart, load_node_folder, merge_parts, missing_node
 from kvdiag.model import FleetRecord
-from kvdiag.outputs import finish, prepare_out_dir
+from kvdiag.runs.fleet.merge import NodePart, load_node_folder, merge_parts, missing_node
+from kvdiag.runs.output import finish, prepare_out_dir
 
 
 def merge_cmd(

@@ -9,7 +9,7 @@ import typer
 
 from kvdiag.cli.common import console, print_summary
 from kvdiag.launch.preflight import check_launchable
-from kvdiag.runner import prepare_out_dir, run_scenario, switchable
+from kvdiag.runs.lifecycle import prepare_out_dir, run_scenario, switchable
 from kvdiag.scenario import load_scenario
 
 

@@ -9,9 +9,9 @@ import typer
 
 from kvdiag.defaults import DEFAULT_TOOLS, WATCH_WINDOW_S
 from kvdiag.errors import ExitCode
-from kvdiag.fleet.ray import capture_cluster
 from kvdiag.model import Bundle
-from kvdiag.watchrun import WatchOptions, run_watch
+from kvdiag.runs.fleet.ray import capture_cluster
+from kvdiag.runs.watch.session import WatchOptions, run_watch
 
 
 def _ray_capture(address: str, bundle_dir: Path, timeout_s: float, tools: list[str]) -> Bundle:

@@ -6,8 +6,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdiag.interpreter import module_argv
 from kvdiag.launch.vllm import expand, find_vllm, native_library, stage_plugin
+from kvdiag.pymodule import module_argv
 from kvdiag.scenario.models import EngineSpec
 
 PORT_ENV = "KVDIAG_ENGINE_PORT"

@@ -6,7 +6,7 @@ import re
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvdiag.logs.banner import BANNER_MARKER, parse_banner
+from kvdiag.kvcached.banner import BANNER_MARKER, parse_banner
 from kvdiag.model import BannerInfo, EnginePhase
 
 # Characters of one log line kept where a line is quoted (events, reports); a banner is about 300.

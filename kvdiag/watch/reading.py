@@ -1,6 +1,6 @@
 """What one look at a running server reads: its /metrics progress, /health, and its local EngineCore.
 
-Pure data and parsing; the sentinel (:mod:`kvdiag.watch.sentinel`) judges a sequence of looks.
+Pure data and parsing; the sentinel (:mod:`kvdiag.runs.watch.sentinel`) judges a sequence of looks.
 """
 
 from __future__ import annotations

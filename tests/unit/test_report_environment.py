@@ -10,7 +10,7 @@ from rich.console import Console
 from kvdiag.analyze import analyze
 from kvdiag.bundle import load_bundle
 from kvdiag.environment import collect_environment
-from kvdiag.environment.kvcached import fingerprint_tree
+from kvdiag.kvcached.build import fingerprint_tree
 from kvdiag.model import InterpreterPackages, IpcSocket, KvcachedBuild, KvcachedRuntime, ShmSegment
 from kvdiag.report import write_outputs
 from kvdiag.report.json import build_report

@@ -15,7 +15,7 @@ import uvicorn
 from kvdiag.launch.process import free_port
 from kvdiag.load.loadgen import LoadConfig, LoadGenerator
 from kvdiag.load.stream import RequestStatus
-from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
+from kvdiag.watch.poller import MetricsPoller, NoProgressWatchdog
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvdiag.analyze.soak import flat_generation_span
 from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.watchdog import NoProgressWatchdog
+from kvdiag.watch.poller import NoProgressWatchdog
 
 
 class FakeClock:

@@ -26,13 +26,13 @@ from pydantic import ValidationError
 
 from kvdiag.bundle.io import atomic_write_text
 from kvdiag.errors import ExitCode
-from kvdiag.interpreter import module_argv
 from kvdiag.model import Report, Scalar, SweepCell, SweepRun
 from kvdiag.model.scalar import show_scalar
+from kvdiag.pymodule import module_argv
 from kvdiag.redact import redact_text
+from kvdiag.runs.sweep.plan import Params, SweepPlan
+from kvdiag.runs.sweep.summarize import run_from_report, summarize_cell
 from kvdiag.scenario.models import Scenario
-from kvdiag.sweep.plan import Params, SweepPlan
-from kvdiag.sweep.summarize import run_from_report, summarize_cell
 
 CELLS_DIR = "cells"
 STOP_WAIT_S = 30.0        # an interrupted run's own teardown (engines stopped, partial report)

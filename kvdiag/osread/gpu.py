@@ -142,7 +142,7 @@ def _nothing_to_ask() -> bool:
 
 def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | None, list[GpuInfo], str]:
     """(driver, runtime, gpus, note), queried in a child process bounded by ``timeout_s``."""
-    from kvdiag.environment.child import ChildTimeout, run_bounded  # here: this file also runs as a script
+    from kvdiag.osread.child import ChildTimeout, run_bounded  # here: this file also runs as a script
 
     if _nothing_to_ask():
         return None, None, [], str(_no_gpu([])["note"])

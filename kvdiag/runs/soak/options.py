@@ -6,10 +6,10 @@ from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 
+from kvdiag.capture.locate import url_host_port
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.errors import UsageError
 from kvdiag.launch.vllm import expand
-from kvdiag.load.procnet import url_host_port
 from kvdiag.scenario import load_scenario
 from kvdiag.scenario.loader import parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario

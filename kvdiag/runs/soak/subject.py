@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import httpx
 
 from kvdiag.osread.ptable import process_tree
-from kvdiag.scenariorun import EngineWatch
+from kvdiag.runs.engines import EngineWatch
 
 
 @dataclass

@@ -3,7 +3,7 @@ capture on a stall.
 
 Two subjects:
 - launched (``--model sim`` or ``--scenario FILE``): the scenario's first engine is started by
-  the run (:func:`kvdiag.runner.run_lifecycle`: own process group, reaper, torn down on every
+  the run (:func:`kvdiag.runs.lifecycle.run_lifecycle`: own process group, reaper, torn down on every
   exit path), watched until ready by :class:`ScenarioRun`, then loaded;
 - external (``--url URL``): an already running server is loaded; when it listens on this
   machine its pid is found from the listening socket so a stall can still be captured.
@@ -22,22 +22,22 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvdiag.capture.bundle import capture_engine
+from kvdiag.capture.locate import is_local_host, server_pid, url_host_port
 from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, KvdiagError
 from kvdiag.load.loadgen import LoadGenerator
-from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.load.stats import SoakSummary
 from kvdiag.model.bundle import Bundle
 from kvdiag.model.evidence import ProcessEvidence
 from kvdiag.model.kinds import EnginePhase, ProcessRole
 from kvdiag.model.run import EngineRecord, Finding, MetricsSnapshot, SoakStats, TimelineEvent
 from kvdiag.osread.net import listening_pids
-from kvdiag.runner import LaunchedRun, RunArtifacts, RunPlan, new_bundle, run_lifecycle
+from kvdiag.runs.engines import EngineWatch, Outcome
+from kvdiag.runs.lifecycle import LaunchedRun, RunArtifacts, RunPlan, new_bundle, run_lifecycle
+from kvdiag.runs.soak.drive import DriveResult, LoadPhase
+from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, request_model, single_engine
+from kvdiag.runs.soak.subject import Subject, served_model, server_answers
 from kvdiag.scenario.models import Scenario
-from kvdiag.scenariorun import EngineWatch, Outcome
-from kvdiag.soakrun.drive import DriveResult, LoadPhase
-from kvdiag.soakrun.options import SoakOptions, load_soak_scenario, request_model, single_engine
-from kvdiag.soakrun.subject import Subject, served_model, server_answers
 
 Clock = Callable[[], float]
 COMMAND = "soak"
@@ -103,7 +103,7 @@ class SoakRun:
             self.t0 = launched.run.t0
         return self
 
-    # -- the run's stages (kvdiag.runner.RunStages) ------------------------------------------------
+    # -- the run's stages (kvdiag.runs.lifecycle.RunStages) ------------------------------------------------
     def watch(self, launched: LaunchedRun | None) -> None:
         """Launched: watch the engine until it is ready, then load it; external: load it. A stall under load
         is captured while its requests are still in flight."""

@@ -31,7 +31,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Literal
 
-from kvdiag.defects import BY_KEY, GIL_HOLDING_ALLOC_PAGE, HEADROOM_UNDERFLOW, UNBOUNDED_IPC_READ
+from kvdiag.kvcached.defects import BY_KEY, GIL_HOLDING_ALLOC_PAGE, HEADROOM_UNDERFLOW, UNBOUNDED_IPC_READ
 from kvdiag.model import DefectCheck, DefectStatus, KvcachedBuild
 from kvdiag.osread.files import read_text as _read
 

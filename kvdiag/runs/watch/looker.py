@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import httpx
 
-from kvdiag.watch.local import LocalEngine
+from kvdiag.runs.watch.local import LocalEngine
 from kvdiag.watch.reading import Look, parse_server_metrics
 
 Clock = Callable[[], float]

@@ -1,10 +1,10 @@
-"""`kvdiag soak` as a configuration of the one run (:func:`kvdiag.runner.run_lifecycle`): its options and
+"""`kvdiag soak` as a configuration of the one run (:func:`kvdiag.runs.lifecycle.run_lifecycle`): its options and
 scenario (:mod:`.options`), the server it loads (:mod:`.subject`), its stages (:mod:`.session`) and its
 load phase (:mod:`.drive`): the load stage driven under the serving watchdog, the /metrics poller and the
 saturation sampler, a stall captured while its requests are in flight, the load's figures and readings
 into the bundle."""
 
-from kvdiag.soakrun.options import SoakOptions, load_soak_scenario, single_engine
-from kvdiag.soakrun.session import SoakRun, run_soak
+from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, single_engine
+from kvdiag.runs.soak.session import SoakRun, run_soak
 
 __all__ = ["SoakOptions", "SoakRun", "load_soak_scenario", "run_soak", "single_engine"]

@@ -14,8 +14,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from kvdiag.watch.events import STALL, VERDICT, WatchEvent
-from kvdiag.watch.sentinel import EngineTracker
+from kvdiag.runs.watch.events import STALL, VERDICT, WatchEvent
+from kvdiag.runs.watch.sentinel import EngineTracker
 
 
 class WatchExporter:

@@ -23,7 +23,7 @@ from kvdiag.model.scalar import show_scalar
 from kvdiag.scenario.models import EngineSpec, Scenario
 
 BANNER_RULE = ("risk ⇔ prealloc on and pages per layer (mem_size_per_layer / page_size) ≤ min_reserved_pages, "
-               "with the stock allocator (kvdiag/logs/banner.py)")
+               "with the stock allocator (kvdiag/kvcached/banner.py)")
 _PAGE_FEATURES = ("pages_per_layer", "min_reserved_pages", "max_reserved_pages")
 _WORDS = {"pages_per_layer": "pages per layer", "prealloc": "prealloc", "allocator": "allocator"}
 MAX_CONJUNCTION = 3
@@ -251,7 +251,7 @@ def rule_predicts(rule_cells: Sequence[SweepCell], rule: SweepRule) -> dict[str,
 
 def banner_check(cells: Sequence[SweepCell]) -> BannerCheck:
     """Each decided cell's outcome against what the engines' printed banners predict
-    (:func:`kvdiag.logs.banner.assess_risk_for`, as stored in each run's report)."""
+    (:func:`kvdiag.kvcached.banner.assess_risk_for`, as stored in each run's report)."""
     disagreements: list[BannerDisagreement] = []
     checked = 0
     for c in cells:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.events import (
+from kvdiag.runs.watch.events import (
     ERROR,
     RECOVERED,
     REPORT,

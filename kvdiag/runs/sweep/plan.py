@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 from kvdiag.model import Scalar
 from kvdiag.model.scalar import show_scalar
-from kvdiag.sweep.axes import Axis
+from kvdiag.runs.sweep.axes import Axis
 
 Params = dict[str, Scalar]
 

@@ -1,6 +1,6 @@
 """`kvdiag watch` as a run: the sentinel stage wired to discovery, capture, analysis and the reports.
 
-The loop and the judgement live in :mod:`kvdiag.watch.sentinel`; this module supplies what it is
+The loop and the judgement live in :mod:`kvdiag.runs.watch.sentinel`; this module supplies what it is
 injected with: the looks (HTTP + /proc), where each server's EngineCore is (the port's listener,
 the EngineCore under it), the capture of a stall (the same path as ``kvdiag capture
 --engine-core-of``: the EngineCore's tree, read-only, analyzed, a report folder), the events'
@@ -23,24 +23,24 @@ import httpx
 from kvdiag import interrupts
 from kvdiag.analyze import analyze, diagnose
 from kvdiag.capture.bundle import capture_tree
+from kvdiag.capture.locate import is_local_host, server_pid, url_host_port
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
-from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole, TimelineEvent, Verdict
 from kvdiag.osread.net import listening_pids
 from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
-from kvdiag.outputs import finish
 from kvdiag.redact import redact_bundle
-from kvdiag.watch.events import ERROR, EventSink, WatchEvent
-from kvdiag.watch.exporter import WatchExporter
-from kvdiag.watch.local import LocalEngine, Located
-from kvdiag.watch.looker import ServerLooker
+from kvdiag.runs.output import finish
+from kvdiag.runs.watch.events import ERROR, EventSink, WatchEvent
+from kvdiag.runs.watch.exporter import WatchExporter
+from kvdiag.runs.watch.local import LocalEngine, Located
+from kvdiag.runs.watch.looker import ServerLooker
+from kvdiag.runs.watch.retention import capture_dir, prune
+from kvdiag.runs.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel, WatchOutcome
 from kvdiag.watch.reading import Look
-from kvdiag.watch.retention import capture_dir, prune
-from kvdiag.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel, WatchOutcome
 
 
 @dataclass

@@ -6,7 +6,7 @@ from collections import Counter
 from collections.abc import Sequence
 
 from kvdiag.errors import ExitCode
-from kvdiag.logs.banner import assess_risk_for
+from kvdiag.kvcached.banner import assess_risk_for
 from kvdiag.model import (
     ABRates,
     BannerInfo,
@@ -19,8 +19,8 @@ from kvdiag.model import (
     VerdictKind,
 )
 from kvdiag.model.scalar import show_scalar
-from kvdiag.sweep.rates import clopper_pearson, distribution, rate_text
-from kvdiag.sweep.rule import banner_check, infer_rule, rule_predicts
+from kvdiag.runs.sweep.rates import clopper_pearson, distribution, rate_text
+from kvdiag.runs.sweep.rule import banner_check, infer_rule, rule_predicts
 
 
 def run_from_report(index: int, exit_code: int, report: Report | None, path: str, wall_s: float,

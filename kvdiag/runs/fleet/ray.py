@@ -22,12 +22,12 @@ from typing import Any
 from kvdiag.bundle import load_bundle
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S
 from kvdiag.errors import KvdiagError, ToolMissing, UsageError
-from kvdiag.fleet.merge import NODES_DIR, NodePart, merge_parts, node_dir_name
-from kvdiag.fleet.node import capture_on_node
-from kvdiag.fleet.pack import unpack_dir
-from kvdiag.fleet.refusal import access_refusal, task_failure
-from kvdiag.fleet.select import RayNode, RayWorker, Selection, node_names, select_targets
 from kvdiag.model import Bundle, Finding, FleetRecord, NodeOutcome, NodeRecord, RayActorRecord, RayTaskRecord
+from kvdiag.runs.fleet.merge import NODES_DIR, NodePart, merge_parts, node_dir_name
+from kvdiag.runs.fleet.node import capture_on_node
+from kvdiag.runs.fleet.pack import unpack_dir
+from kvdiag.runs.fleet.refusal import access_refusal, task_failure
+from kvdiag.runs.fleet.select import RayNode, RayWorker, Selection, node_names, select_targets
 
 RAY_HINT = "pip install 'kvdiag[ray]'  (Ray with its dashboard: the state API needs it)"
 # On top of the capture's own bound: Ray may first have to start a worker process on the node.

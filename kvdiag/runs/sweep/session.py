@@ -15,12 +15,12 @@ from kvdiag.bundle.io import atomic_write_text
 from kvdiag.errors import UsageError
 from kvdiag.model import SweepReport
 from kvdiag.report.sweep import render_sweep_html, render_sweep_text
+from kvdiag.runs.sweep.axes import Axis, cell_scenario, parse_vary, unique_labels
+from kvdiag.runs.sweep.execute import RUN_SLACK_S, CellSpec, Progress, SweepExecutor, SweepStore
+from kvdiag.runs.sweep.plan import Params, SweepPlan, cell_key
+from kvdiag.runs.sweep.rule import cell_features
+from kvdiag.runs.sweep.summarize import conclude
 from kvdiag.scenario.models import Scenario
-from kvdiag.sweep.axes import Axis, cell_scenario, parse_vary, unique_labels
-from kvdiag.sweep.execute import RUN_SLACK_S, CellSpec, Progress, SweepExecutor, SweepStore
-from kvdiag.sweep.plan import Params, SweepPlan, cell_key
-from kvdiag.sweep.rule import cell_features
-from kvdiag.sweep.summarize import conclude
 
 PLAN_FILE = "sweep.json"
 

@@ -28,8 +28,8 @@ from kvdiag.allocator import remove_device_files
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.environment import add_engine_packages, collect_environment
 from kvdiag.environment.interpreter import interpreter_of_pid
-from kvdiag.environment.runtime import collect_runtime
 from kvdiag.errors import Interrupted, UsageError
+from kvdiag.kvcached.runtime import collect_runtime
 from kvdiag.launch.interpreters import engine_interpreters
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
@@ -37,15 +37,15 @@ from kvdiag.model import (
     Bundle,
     TimelineEvent,
 )
-
-# The output folder and the tail of a run live in kvdiag.outputs; named here too, for the commands.
-from kvdiag.outputs import RunArtifacts as RunArtifacts
-from kvdiag.outputs import default_out_dir as default_out_dir
-from kvdiag.outputs import finish as finish
-from kvdiag.outputs import prepare_out_dir as prepare_out_dir
 from kvdiag.redact import Tally, copy_redacted, note_file, write_redacted
+from kvdiag.runs.engines import EngineWatch, Outcome, RunResult, ScenarioRun
+
+# The output folder and the tail of a run live in kvdiag.runs.output; named here too, for the commands.
+from kvdiag.runs.output import RunArtifacts as RunArtifacts
+from kvdiag.runs.output import default_out_dir as default_out_dir
+from kvdiag.runs.output import finish as finish
+from kvdiag.runs.output import prepare_out_dir as prepare_out_dir
 from kvdiag.scenario.models import Scenario
-from kvdiag.scenariorun import EngineWatch, Outcome, RunResult, ScenarioRun
 
 
 def host_info() -> dict[str, str]:

@@ -4,7 +4,7 @@ the /metrics poller and the saturation sampler of the watch stage beside them.
 The phase runs on an event loop of its own until the stated duration and its drain are over, a stall is
 declared, the engine exits, every request fails or an external server stops answering; a stall is
 captured while its requests are still in flight. What it saw lands in a :class:`DriveResult` and in
-the run's metrics and findings, which :class:`~kvdiag.soakrun.session.SoakRun` writes into the bundle.
+the run's metrics and findings, which :class:`~kvdiag.runs.soak.session.SoakRun` writes into the bundle.
 """
 
 from __future__ import annotations
@@ -27,10 +27,10 @@ from kvdiag.load.request import LoadConfig
 from kvdiag.load.stats import SoakSummary
 from kvdiag.logs.lines import feed_line
 from kvdiag.model import Finding, MetricsSnapshot, SoakSample
-from kvdiag.soakrun.options import SoakOptions
-from kvdiag.soakrun.subject import Subject, healthy, server_pids
+from kvdiag.runs.soak.options import SoakOptions
+from kvdiag.runs.soak.subject import Subject, healthy, server_pids
+from kvdiag.watch.poller import MetricsPoller, NoProgressWatchdog
 from kvdiag.watch.saturation import SaturationSampler
-from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
 
 Clock = Callable[[], float]
 _TICK_S = 0.25

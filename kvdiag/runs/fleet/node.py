@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from kvdiag.capture.bundle import capture_pids
-from kvdiag.fleet.pack import pack_dir
+from kvdiag.runs.fleet.pack import pack_dir
 
 
 def capture_on_node(pids: Sequence[int], timeout_s: float, backends: Sequence[str], command: str) -> dict[str, object]:
