@@ -134,7 +134,7 @@ _STARTING = (EnginePhase.LAUNCHING, EnginePhase.LOADING, EnginePhase.PROFILING, 
 def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidence], bundle: Bundle,
                    relevant: list[Finding]) -> Verdict:
     """Verdict for one engine (or one group of processes captured without an engine record)."""
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     findings = (banner_findings(e) if e else []) + relevant
     findings += [f for p in procs for f in process_findings(p, machine, e.name if e else None)]
     pverdicts, deferred = _process_verdicts(judgeable(procs, relevant), machine, e.name if e else None, bundle)

@@ -121,7 +121,7 @@ def ray_get_waits(bundle: Bundle) -> list[CrossNodeWait]:
     fleet = bundle.fleet
     if fleet is None or not fleet.tasks:
         return []
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     tasks = {t.task_id: t for t in fleet.tasks}
     actors = {a.actor_id: a for a in fleet.actors}
     procs: dict[tuple[str | None, int], ProcessEvidence] = {(p.node, p.pid): p for p in bundle.processes if p.node}
@@ -165,7 +165,7 @@ def _endpoints(address: str | None) -> tuple[str, str] | None:
 
 def tcp_waits(bundle: Bundle) -> list[CrossNodeWait]:
     """Threads blocked reading a TCP connection whose other end a process on another node holds."""
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     holders: dict[tuple[str, str], tuple[str | None, int]] = {}
     views = {(p.node, p.pid): classify_process(p, machine) for p in bundle.processes if p.node}
     for p in bundle.processes:
@@ -251,7 +251,7 @@ def _chain_into(verdict: Verdict, w: CrossNodeWait, bundle: Bundle) -> WaitChain
 def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Verdict:
     """The overall verdict of a merged bundle: the nodes that gave no evidence named with why, and the
     waits that cross nodes, each leading to the hang it ends at."""
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     out = overall.model_copy(deep=True)
     missing = [f for f in bundle.findings if f.kind == "node_not_captured"]
     if not by:

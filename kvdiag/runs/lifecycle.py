@@ -8,10 +8,7 @@ from __future__ import annotations
 
 import copy
 import datetime as _dt
-import os
-import platform
 import shutil
-import socket
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -27,6 +24,7 @@ from kvdiag import __version__, interrupts
 from kvdiag.allocator import remove_device_files
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.environment import add_engine_packages, collect_environment
+from kvdiag.environment.host import host_record
 from kvdiag.environment.interpreter import interpreter_of_pid
 from kvdiag.errors import Interrupted, UsageError
 from kvdiag.kvcached.runtime import collect_runtime
@@ -48,13 +46,8 @@ from kvdiag.runs.output import prepare_out_dir as prepare_out_dir
 from kvdiag.scenario.models import Scenario
 
 
-def host_info() -> dict[str, str]:
-    return {"hostname": socket.gethostname(), "platform": platform.platform(),
-            "python": platform.python_version(), "cpus": str(os.cpu_count() or 0)}
-
-
 def new_bundle(command: str) -> Bundle:
-    return Bundle(kvdiag_version=__version__, command=command, host=host_info(),
+    return Bundle(kvdiag_version=__version__, command=command, host=host_record(),
                   created_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
                   environment=collect_environment())
 

@@ -75,7 +75,7 @@ def _bundle(bundle_dir: Path) -> tuple[Bundle, Verdict]:
                         raw=f"Init C++ PageAllocator: num_layers=28 {p[0]}")
     engine_name = f"model {p[1]}"
     bundle = Bundle(
-        command="repro two-engine", host={"hostname": p[2]}, scenario_path=p[3],
+        command="repro two-engine", host={"kernel": p[2]}, scenario_path=p[3],
         engines=[EngineRecord(name=engine_name, allocator=p[4], phase=EnginePhase.STALLED, banners=[banner],
                               last_log_line=p[0], log_tail=list(p), error=p[1], log_path="logs/engine.log",
                               url=p[5], pids={"api_server": 199, "engine_core": 200})],

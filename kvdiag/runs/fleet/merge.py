@@ -69,12 +69,12 @@ def _node_bundle(part: NodePart, rel: str) -> Bundle:
 
 def _fill_record(record: NodeRecord, env: EnvironmentRecord | None, b: Bundle) -> None:
     host = b.host
-    record.kernel = record.kernel or (env.kernel if env else None) or host.get("kernel")
-    record.machine = record.machine or (env.machine if env else None) or host.get("machine")
-    record.python = record.python or (env.python if env else None) or host.get("python")
+    record.kernel = record.kernel or (env.kernel if env else None) or host.kernel
+    record.machine = record.machine or (env.machine if env else None) or host.machine
+    record.python = record.python or (env.python if env else None) or host.python
     if record.cpus is None:
         cpus = env.cpus if env else None
-        record.cpus = cpus if cpus is not None else (int(host["cpus"]) if host.get("cpus", "").isdigit() else None)
+        record.cpus = cpus if cpus is not None else host.cpus
     if not record.pids:
         record.pids = [p.pid for p in b.processes]
 
@@ -117,10 +117,9 @@ def merge_parts(parts: list[NodePart], *, command: str, fleet: FleetRecord,
         merged.timeline += nb.timeline
         if environment is None and nb.environment is not None:
             environment = nb.environment.model_copy(deep=True)
-            merged.host = dict(nb.host)
+            merged.host = nb.host.model_copy()
     merged.environment = environment or EnvironmentRecord()
     merged.environment.nodes = records
-    merged.host["nodes"] = str(len(records))
     return merged
 
 

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from kvdiag.capture.bundle import capture_engine
-from kvdiag.capture.locate import is_local_host, server_pid, url_host_port
+from kvdiag.capture.locate import is_local_host, local_server, url_host_port
 from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
 from kvdiag.errors import EngineFailed, KvdiagError
 from kvdiag.load.loadgen import LoadGenerator
@@ -31,7 +31,6 @@ from kvdiag.model.bundle import Bundle
 from kvdiag.model.evidence import ProcessEvidence
 from kvdiag.model.kinds import EnginePhase, ProcessRole
 from kvdiag.model.run import EngineRecord, Finding, MetricsSnapshot, SoakStats, TimelineEvent
-from kvdiag.osread.net import listening_pids
 from kvdiag.runs.engines import EngineWatch, Outcome
 from kvdiag.runs.lifecycle import LaunchedRun, RunArtifacts, RunPlan, new_bundle, run_lifecycle
 from kvdiag.runs.soak.drive import DriveResult, LoadPhase
@@ -194,7 +193,7 @@ class SoakRun:
         else:
             subject.request_model = served_model(url)
         if is_local_host(host):
-            pid = server_pid(listening_pids(port))
+            pid = local_server(url)
             if pid is not None:
                 subject.root_pid = pid
                 subject.log_pids = {"api_server": pid}

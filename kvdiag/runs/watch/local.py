@@ -11,21 +11,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvdiag.capture.locate import Located
 from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
 from kvdiag.osread.tasks import read_wchan
 from kvdiag.watch.reading import CoreSample
 
 Clock = Callable[[], float]
-
-
-@dataclass(frozen=True)
-class Located:
-    """What discovery found: the API server (the port's listener) and its one EngineCore."""
-
-    server_pid: int | None
-    core_pid: int | None
-    note: str | None = None     # why no EngineCore was picked (several, none, not local)
 
 
 def sample_core(pid: int) -> CoreSample | None:

@@ -21,22 +21,19 @@ from typing import TextIO
 import httpx
 
 from kvdiag import interrupts
-from kvdiag.analyze import analyze, diagnose
-from kvdiag.capture.bundle import capture_tree
-from kvdiag.capture.locate import is_local_host, server_pid, url_host_port
+from kvdiag.capture.locate import locate, url_host_port
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
-from kvdiag.capture.select import capture_scope, engine_cores_of
+from kvdiag.capture.select import capture_scope
 from kvdiag.defaults import WATCH_WINDOW_S
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole, TimelineEvent, Verdict
-from kvdiag.osread.net import listening_pids
-from kvdiag.osread.ptable import alive
+from kvdiag.model import Bundle, TimelineEvent, Verdict
 from kvdiag.osread.stat import read_stat
-from kvdiag.redact import redact_bundle
+from kvdiag.runs.capture import capture_run
+from kvdiag.runs.fleet.ray import capture_cluster
 from kvdiag.runs.output import finish
 from kvdiag.runs.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.runs.watch.exporter import WatchExporter
-from kvdiag.runs.watch.local import LocalEngine, Located
+from kvdiag.runs.watch.local import LocalEngine
 from kvdiag.runs.watch.looker import ServerLooker
 from kvdiag.runs.watch.retention import capture_dir, prune
 from kvdiag.runs.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel, WatchOutcome
@@ -59,8 +56,6 @@ class WatchOptions:
     tools: list[str] = field(default_factory=lambda: list(DEFAULT_BACKENDS))
     capture_timeout_s: float = 10.0
     ray: str | None = None           # capture a stall through the Ray fleet path (every node) instead
-    # the fleet path's capture (address, bundle folder, timeout, tools) -> merged bundle; given by the CLI
-    ray_capture: Callable[[str, Path, float, list[str]], Bundle] | None = None
     verbose: bool = False            # a stderr line per look (else one per engine a minute)
 
     def validate(self) -> None:
@@ -117,38 +112,6 @@ def engine_name(url: str) -> str:
     return f"{host}:{port}"
 
 
-def locate(url: str, pid_hint: int | None = None) -> Located:
-    """The API server listening on ``url``'s port and its one EngineCore (``pid_hint``: --pid, either)."""
-    host, port = url_host_port(url)
-    root: int | None = None
-    if pid_hint is not None and alive(pid_hint):
-        root = pid_hint
-    elif not is_local_host(host):
-        return Located(None, None, f"{host} is not this machine: stalls are reported, not captured")
-    else:
-        root = server_pid(listening_pids(port))
-        if root is None:
-            return Located(None, None, f"no local process listens on port {port} (or it is another user's)")
-    cores = engine_cores_of(root)
-    server = None if root in cores else root
-    if not cores:
-        return Located(server, None, f"no VLLM::EngineCore process under pid {root}")
-    if len(cores) > 1:
-        return Located(server, None, f"{len(cores)} EngineCore processes under pid {root} "
-                       f"({', '.join(map(str, cores))}): name one with --pid")
-    return Located(server, cores[0])
-
-
-def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
-    """The EngineCore's evidence already names its hang: its workers then need no pausing tool (the early
-    stop of ``kvdiag capture``)."""
-    v = analyze(Bundle(processes=evidence, findings=findings))
-    cores = {e.pid for e in evidence if e.role is ProcessRole.ENGINE_CORE}
-    if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
-        return f"the EngineCore's evidence decided ({v.kind.value})"
-    return None
-
-
 def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
     """What the watch saw, in the bundle: the engine's metrics and when progress stopped."""
     bundle.stall_detected = True
@@ -164,7 +127,7 @@ def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
 
 
 def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None], opts: WatchOptions, t0: float,
-                  clock: Callable[[], float]) -> CaptureResult:
+                  clock: Callable[[], float], human: Callable[[str], None] = lambda line: None) -> CaptureResult:
     """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
     --engine-core-of``; with --ray, every node of the cluster as ``kvdiag capture --ray``), with the watch's
     metrics and timeline in the bundle; ``announce`` the verdict as soon as the evidence is in; prune to --keep."""
@@ -172,30 +135,24 @@ def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None]
     bundle_dir = out_dir / "bundle"
     bundle_dir.mkdir(parents=True, exist_ok=True)
     command = f"watch --url {req.url}"
-    known: list[Diagnosis] = []
-
-    def early(partial: Bundle) -> None:
-        _add_watch_record(partial, req)
-        known.append(diagnose(redact_bundle(partial)))
-        announce(_result(known[0].verdict, known[0].exit_code, out_dir, None))
+    def record(bundle: Bundle) -> None:
+        _add_watch_record(bundle, req)
 
     if opts.ray is not None:
-        if opts.ray_capture is None:
-            raise UsageError("--ray: this kvdiag has no fleet capture")
-        bundle = opts.ray_capture(opts.ray, bundle_dir, opts.capture_timeout_s, opts.tools)
+        bundle = capture_cluster(opts.ray, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
+                                 progress=human)
         bundle.command = f"{command} --ray {opts.ray}"
-        _add_watch_record(bundle, req)
+        record(bundle)
+        arts = finish(out_dir, bundle, verdict_t=clock() - t0)
     else:
         if req.core_pid is None:
             raise UsageError(f"{req.engine}: no local EngineCore to capture")
         scope = capture_scope(req.core_pid)
         if scope.problems:
             raise UsageError(f"refusing to capture pid {req.core_pid}: " + "; ".join(scope.problems))
-        bundle = capture_tree(req.core_pid, bundle_dir, timeout_s=opts.capture_timeout_s, backends=opts.tools,
-                              command=command, pids=scope.pids, save=False, decides=core_decides, on_evidence=early)
-        if not known:
-            _add_watch_record(bundle, req)
-    arts = finish(out_dir, bundle, verdict_t=clock() - t0, diagnosis=known[0] if known else None)
+        arts = capture_run(req.core_pid, scope, out_dir, timeout_s=opts.capture_timeout_s, tools=opts.tools,
+                           command=command, record=record, verdict_t=lambda: clock() - t0,
+                           on_verdict=lambda d: announce(_result(d.verdict, d.exit_code, out_dir, None)))
     prune(opts.out, opts.keep)
     return _result(arts.verdict, arts.exit_code, out_dir, arts.bundle.stall_to_verdict_s)
 
@@ -281,7 +238,7 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             for f in start_fields.values():
                 f["metrics_port"] = port
         sentinel = Sentinel(trackers=trackers, lookers=lookers,
-                            capture=lambda req, announce: capture_stall(req, announce, opts, t0, clock),
+                            capture=lambda req, announce: capture_stall(req, announce, opts, t0, clock, human),
                             sink=sink, clock=clock,
                             wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
                             duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
@@ -298,4 +255,4 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
             exporter.close()
 
 
-__all__ = ["WatchOptions", "core_decides", "capture_stall", "engine_name", "locate", "run_watch"]
+__all__ = ["WatchOptions", "capture_stall", "engine_name", "run_watch"]
