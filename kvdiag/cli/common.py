@@ -10,7 +10,6 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from kvdiag.errors import UsageError
 from kvdiag.model import Diagnosis
 from kvdiag.report import build_report, render_terminal
 from kvdiag.report.text import format_verdict
@@ -27,16 +26,6 @@ def console() -> Console:
 def result_console() -> Console:
     """The outcome: verdict, summary, the files written and the exit code, on stdout (every command)."""
     return Console(highlight=False, soft_wrap=True)
-
-
-def read_log_lines(path: Path) -> list[str]:
-    """The lines of a log the user named; a UsageError saying why when it cannot be read."""
-    try:
-        return path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
-        raise UsageError(f"{path}: file not found") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
 
 
 def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from kvdiag.errors import UsageError
 from kvdiag.kvcached.banner import BANNER_MARKER, parse_banner
 from kvdiag.model import BannerInfo, EnginePhase
 
@@ -96,3 +98,13 @@ def feed_line(state: LogState, line: str, source: str | None = None) -> list[str
     elif ERROR_LINE.search(line):
         state.errors.append(line.strip()[:500])
     return events
+
+
+def read_log_lines(path: Path) -> list[str]:
+    """The lines of a log the user named; a UsageError saying why when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None

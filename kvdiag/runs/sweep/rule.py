@@ -13,11 +13,10 @@ single field: they say why, and they hold beyond the grid's range.
 from __future__ import annotations
 
 import itertools
-import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from kvdiag.launch.engines import engine_env
+from kvdiag.launch.engines import launched_pool
 from kvdiag.model import BannerCheck, BannerDisagreement, Scalar, SweepCell, SweepRule
 from kvdiag.model.scalar import show_scalar
 from kvdiag.scenario.models import EngineSpec, Scenario
@@ -29,34 +28,18 @@ _WORDS = {"pages_per_layer": "pages per layer", "prealloc": "prealloc", "allocat
 MAX_CONJUNCTION = 3
 
 
-def _env_true(value: str | None) -> bool:
-    """kvcached's rule: unset means on; otherwise only the word "true" (any case) enables."""
-    return True if value is None else value.strip().lower() == "true"
-
-
-def _int(value: str | None, default: int) -> int:
-    try:
-        return int(value) if value is not None and value.strip() else default
-    except ValueError:
-        return default
-
-
 def engine_features(spec: EngineSpec, environ: Mapping[str, str] | None = None) -> dict[str, Scalar]:
     """The pool settings one engine launches with (kvdiag's allocator engines only; else empty)."""
-    if not (spec.kind == "sim" or (spec.kind == "vllm" and spec.allocator != "external")):
+    s = launched_pool(spec, environ)
+    if s is None:
         return {}
-    outer = os.environ if environ is None else environ
-    env = {**outer, **engine_env(spec)}
     pool = spec.sim if spec.kind == "sim" else spec.vllm.pool
-    # A simulated engine gets its page size as a flag (it wins over the variable); the plugin reads the variable.
-    page = pool.page_size_mb if spec.kind == "sim" else _int(env.get("KVCACHED_PAGE_SIZE_MB"), pool.page_size_mb)
-    pages = int(pool.kv_per_layer_mb * 1024 * 1024) // (page * 1024 * 1024) if page > 0 else 0
     return {
-        "prealloc": _env_true(env.get("KVCACHED_PAGE_PREALLOC_ENABLED")),
+        "prealloc": s.prealloc_on,
         "allocator": spec.allocator if spec.allocator != "external" else "stock",
-        "pages_per_layer": pages,
-        "min_reserved_pages": _int(env.get("KVCACHED_MIN_RESERVED_PAGES"), pool.min_reserved_pages),
-        "max_reserved_pages": _int(env.get("KVCACHED_MAX_RESERVED_PAGES"), pool.max_reserved_pages),
+        "pages_per_layer": s.pages_per_layer(pool.kv_per_layer_mb, pool.page_size_mb),
+        "min_reserved_pages": s.min_reserved_pages if s.min_reserved_pages is not None else pool.min_reserved_pages,
+        "max_reserved_pages": s.max_reserved_pages if s.max_reserved_pages is not None else pool.max_reserved_pages,
     }
 
 
