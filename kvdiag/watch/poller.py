@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.probe import parse_metrics
+from kvdiag.watch.metrics import parse_metrics
 from kvdiag.watch.stall import ServingStall
 
 Clock = Callable[[], float]

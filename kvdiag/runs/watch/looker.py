@@ -9,7 +9,8 @@ from dataclasses import dataclass
 import httpx
 
 from kvdiag.runs.watch.local import LocalEngine
-from kvdiag.watch.reading import Look, parse_server_metrics
+from kvdiag.watch.metrics import parse_server_metrics
+from kvdiag.watch.reading import Look
 
 Clock = Callable[[], float]
 
