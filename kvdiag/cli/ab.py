@@ -9,7 +9,8 @@ import typer
 from kvdiag.cli.common import console, result_console
 from kvdiag.cli.sweep import run_ab_repeat
 from kvdiag.launch.preflight import check_launchable
-from kvdiag.runs.lifecycle import RunArtifacts, prepare_out_dir, run_ab, switchable
+from kvdiag.runs.lifecycle import run_ab, switchable
+from kvdiag.runs.output import RunArtifacts, prepare_out_dir
 from kvdiag.scenario import load_scenario
 
 

@@ -11,7 +11,7 @@ import typer
 from rich.console import Console
 
 from kvdiag.model import Diagnosis
-from kvdiag.report import build_report, render_terminal
+from kvdiag.report.terminal import render_terminal
 from kvdiag.report.text import format_verdict
 
 if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
@@ -31,12 +31,9 @@ def result_console() -> Console:
 def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:
     """The run's outcome on stdout (``con``: another console, e.g. in tests)."""
     con = con or result_console()
-    # The view the report files were written from; a caller without one renders the verdicts it holds.
-    diag = arts.bundle.diagnosis
-    view = arts.view if arts.view is not None else build_report(
-        arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
-        verdicts_by_engine=arts.verdicts_by_engine, ab=diag.ab if diag is not None else None)
-    render_terminal(view, con, files=False)
+    if arts.view is None:
+        raise ValueError("a run's outcome is printed from the view its report files were written from")
+    render_terminal(arts.view, con, files=False)
     for name in ("report.html", "report.json", "report.md"):
         p = arts.paths.get(name) or (arts.out_dir / name)
         if Path(p).exists():

@@ -9,7 +9,8 @@ import typer
 
 from kvdiag.cli.common import console, print_summary
 from kvdiag.launch.preflight import check_launchable
-from kvdiag.runs.lifecycle import prepare_out_dir, run_scenario, switchable
+from kvdiag.runs.lifecycle import run_scenario, switchable
+from kvdiag.runs.output import prepare_out_dir
 from kvdiag.scenario import load_scenario
 
 

@@ -10,8 +10,9 @@ import typer
 from kvdiag.cli.common import console, print_summary, result_console
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.report.soakview import soak_lines
-from kvdiag.runs.lifecycle import prepare_out_dir
-from kvdiag.runs.soak import SoakOptions, SoakRun
+from kvdiag.runs.output import prepare_out_dir
+from kvdiag.runs.soak.options import SoakOptions
+from kvdiag.runs.soak.session import SoakRun
 from kvdiag.scenario import load_scenario
 
 

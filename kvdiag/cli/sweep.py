@@ -12,7 +12,8 @@ from kvdiag import defaults as D
 from kvdiag.errors import UsageError
 from kvdiag.launch.preflight import check_launchable
 from kvdiag.model import SweepReport
-from kvdiag.runs.lifecycle import default_out_dir, switchable
+from kvdiag.runs.lifecycle import switchable
+from kvdiag.runs.output import default_out_dir
 from kvdiag.runs.sweep.execute import stderr_progress
 from kvdiag.runs.sweep.session import SweepConfig, run_sweep, stored_identity, summary_text
 from kvdiag.scenario import load_scenario

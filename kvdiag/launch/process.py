@@ -17,8 +17,6 @@ from types import TracebackType
 from kvdiag import interrupts
 from kvdiag.errors import EngineFailed
 from kvdiag.launch.reaper import RUN_ID_ENV, kill_groups, sweep_shm, vllm_dist_idents
-from kvdiag.ports import free_port as free_port  # re-exported: launchers and tests import it from here
-from kvdiag.ports import port_in_use as port_in_use
 from kvdiag.pymodule import module_argv
 
 # Where a launched engine's temp files go (sub-folders of the run's private folder): vLLM leaves ~7

@@ -13,12 +13,13 @@ import httpx
 
 from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
-from kvdiag.launch.process import EngineProcess, ProcessSet, free_port, port_in_use
+from kvdiag.launch.process import EngineProcess, ProcessSet
 from kvdiag.launch.vllm import expand
 from kvdiag.logs.lines import MAX_LINE, LogState, feed_line
 from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.osread.net import listening_ports
 from kvdiag.osread.ptable import process_tree
+from kvdiag.ports import free_port, port_in_use
 from kvdiag.scenario.models import EngineSpec, Scenario
 from kvdiag.watch.logs import LogFollower
 from kvdiag.watch.probe import (

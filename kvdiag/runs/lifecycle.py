@@ -37,12 +37,7 @@ from kvdiag.model import (
 )
 from kvdiag.redact import Tally, copy_redacted, note_file, write_redacted
 from kvdiag.runs.engines import EngineWatch, Outcome, RunResult, ScenarioRun
-
-# The output folder and the tail of a run live in kvdiag.runs.output; named here too, for the commands.
-from kvdiag.runs.output import RunArtifacts as RunArtifacts
-from kvdiag.runs.output import default_out_dir as default_out_dir
-from kvdiag.runs.output import finish as finish
-from kvdiag.runs.output import prepare_out_dir as prepare_out_dir
+from kvdiag.runs.output import RunArtifacts, finish, prepare_out_dir
 from kvdiag.scenario.models import Scenario
 
 

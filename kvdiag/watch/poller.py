@@ -21,13 +21,8 @@ import httpx
 
 from kvdiag.model import MetricsSnapshot
 from kvdiag.watch.metrics import parse_metrics
-from kvdiag.watch.stall import ServingStall
 
 Clock = Callable[[], float]
-
-
-# The soak's no-progress watchdog is the one stall detector's serving policy (kvdiag.watch.stall).
-NoProgressWatchdog = ServingStall
 
 
 @dataclass(eq=False)

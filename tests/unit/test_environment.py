@@ -12,7 +12,7 @@ from kvdiag.environment import collect_environment
 from kvdiag.environment.host import relevant_env
 from kvdiag.environment.ptrace import judge
 from kvdiag.model import EnvironmentRecord, PtraceAccess
-from kvdiag.report.redact import REDACTED
+from kvdiag.redact import REDACTED
 
 
 def test_record_of_this_host_round_trips() -> None:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from reportkit import build_report, write_outputs
 from rich.console import Console
 
 from kvdiag.bundle import save_bundle
@@ -43,8 +44,9 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.report import build_report, render_html, render_json, render_markdown, render_terminal, write_outputs
+from kvdiag.report import render_html, render_json, render_markdown
 from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, script_json
+from kvdiag.report.terminal import render_terminal
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "report.schema.json"
 

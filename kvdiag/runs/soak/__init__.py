@@ -3,8 +3,3 @@ scenario (:mod:`.options`), the server it loads (:mod:`.subject`), its stages (:
 load phase (:mod:`.drive`): the load stage driven under the serving watchdog, the /metrics poller and the
 saturation sampler, a stall captured while its requests are in flight, the load's figures and readings
 into the bundle."""
-
-from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, single_engine
-from kvdiag.runs.soak.session import SoakRun, run_soak
-
-__all__ = ["SoakOptions", "SoakRun", "load_soak_scenario", "run_soak", "single_engine"]

@@ -29,8 +29,9 @@ from kvdiag.logs.lines import feed_line
 from kvdiag.model import Finding, MetricsSnapshot, SoakSample
 from kvdiag.runs.soak.options import SoakOptions
 from kvdiag.runs.soak.subject import Subject, healthy, server_pids
-from kvdiag.watch.poller import MetricsPoller, NoProgressWatchdog
+from kvdiag.watch.poller import MetricsPoller
 from kvdiag.watch.saturation import SaturationSampler
+from kvdiag.watch.stall import ServingStall
 
 Clock = Callable[[], float]
 _TICK_S = 0.25
@@ -106,7 +107,7 @@ class LoadPhase:
         self.loadgen = lg
         poller = MetricsPoller(s.url, s.name, self.t0, clock=self.clock, period_s=opts.metrics_period_s)
         # A tick that comes late (this loop starved of CPU) is a gap in looking, not a stall.
-        watchdog = NoProgressWatchdog(self.window_s, clock=self.clock, max_blind_s=4 * _TICK_S)
+        watchdog = ServingStall(self.window_s, clock=self.clock, max_blind_s=4 * _TICK_S)
         view = ProgressView(self.console)
         sampler = SaturationSampler(opts.concurrency, server_pids(s), clock=self.clock)
         r = self.result

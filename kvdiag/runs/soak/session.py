@@ -32,7 +32,8 @@ from kvdiag.model.evidence import ProcessEvidence
 from kvdiag.model.kinds import EnginePhase, ProcessRole
 from kvdiag.model.run import EngineRecord, Finding, MetricsSnapshot, SoakStats, TimelineEvent
 from kvdiag.runs.engines import EngineWatch, Outcome
-from kvdiag.runs.lifecycle import LaunchedRun, RunArtifacts, RunPlan, new_bundle, run_lifecycle
+from kvdiag.runs.lifecycle import LaunchedRun, RunPlan, new_bundle, run_lifecycle
+from kvdiag.runs.output import RunArtifacts
 from kvdiag.runs.soak.drive import DriveResult, LoadPhase
 from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, request_model, single_engine
 from kvdiag.runs.soak.subject import Subject, served_model, server_answers
