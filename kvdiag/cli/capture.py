@@ -6,7 +6,7 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.capture.orchestrate import DEFAULT_BACKENDS
+from kvdiag.defaults import DEFAULT_TOOLS
 from kvdiag.cli.common import EarlyVerdict, print_outcome
 from kvdiag.errors import UsageError
 from kvdiag.runs.capture import capture_cluster_run, capture_run, checked_tools, scope_of, target_pid
@@ -33,7 +33,7 @@ def capture_cmd(
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/capture-<timestamp>/)."),
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds the capture tools may take in all; "
                                   "analysis and the report follow."),
-    tools: str = typer.Option(",".join(DEFAULT_BACKENDS), "--tools",
+    tools: str = typer.Option(",".join(DEFAULT_TOOLS), "--tools",
                               help="Comma-separated capture backends: proc, py-spy, pystack, gdb (the default: "
                                    "all four); py-spy-nonblocking (never pauses the target), pystack-locals, "
                                    "gdb-full (every library's symbols)."),
