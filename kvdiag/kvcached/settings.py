@@ -29,12 +29,12 @@ _N = TypeVar("_N", int, float)
 class PoolSettings:
     """kvcached's pool settings as one environment gives them (None: unset, kvcached's default applies)."""
 
-    prealloc: bool | None = None
-    min_reserved_pages: int | None = None
-    max_reserved_pages: int | None = None
-    gpu_utilization: float | None = None
-    page_size_mb: int | None = None
-    contiguous_layout: bool | None = None
+    prealloc: bool | None = None              # KVCACHED_PAGE_PREALLOC_ENABLED
+    min_reserved_pages: int | None = None     # kvcached's default 5
+    max_reserved_pages: int | None = None     # kvcached's default 10
+    gpu_utilization: float | None = None      # kvcached's default 0.95
+    page_size_mb: int | None = None           # kvcached's default 2
+    contiguous_layout: bool | None = None     # "1", "true", "yes" or "on" is on
     errors: tuple[str, ...] = ()      # "invalid NAME='x': expected an integer", one per malformed variable
 
     @property
