@@ -8,9 +8,8 @@ import typer
 
 from kvdiag.cli.common import console, result_console
 from kvdiag.cli.sweep import print_result
-from kvdiag.runs.lifecycle import run_ab
 from kvdiag.runs.output import RunArtifacts, prepare_out_dir
-from kvdiag.runs.repro import launchable
+from kvdiag.runs.repro import launchable, run_ab
 from kvdiag.runs.sweep.command import ab_repeat_config
 from kvdiag.runs.sweep.execute import stderr_progress
 from kvdiag.runs.sweep.session import run_sweep

@@ -8,9 +8,8 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
-from kvdiag.runs.lifecycle import run_scenario
 from kvdiag.runs.output import prepare_out_dir
-from kvdiag.runs.repro import launchable
+from kvdiag.runs.repro import launchable, run_scenario
 
 
 class AllocatorChoice(str, Enum):
