@@ -83,7 +83,7 @@ def keep_bundle(bundle: Bundle, dest: Path, kind: str) -> None:
     shutil.rmtree(dest, ignore_errors=True)
     copy = bundle.model_copy(deep=True)
     copy.command = f"capture --pid {bundle.processes[0].pid if bundle.processes else 0}  # corpus {kind}"
-    copy.host.pop("cpus", None)
+    copy.host.cpus = None
     copy.environment = None
     for e in copy.engines:
         e.log_path = "service.log" if e.log_path else None

@@ -526,8 +526,9 @@ def main_vllm(args: argparse.Namespace) -> int:
     import httpx
 
     from kvdiag.launch.engines import plan_engine
-    from kvdiag.launch.process import EngineProcess, ProcessSet, free_port
+    from kvdiag.launch.process import EngineProcess, ProcessSet
     from kvdiag.launch.vllm import find_vllm
+    from kvdiag.ports import free_port
     from kvdiag.scenario.models import EngineSpec, VllmParams
 
     t_begin = time.monotonic()

@@ -18,3 +18,6 @@ DEFAULT_TOOLS = ("proc", "py-spy", "pystack", "gdb")
 # KV pool usage at or above this share is full: with requests running and no tokens, a decode stall; in a
 # soak, the load saturated the pool.
 KV_FULL = 0.9
+# A simulated engine's tokens per KV page and vLLM block size when its flags give none (what doctor plans).
+SIM_TOKENS_PER_PAGE = 2048
+SIM_BLOCK_SIZE = 16

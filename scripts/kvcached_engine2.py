@@ -16,11 +16,11 @@ signal.alarm(50)  # a regression must not wedge the GPU proof run
 os.environ.setdefault("KVCACHED_PAGE_PREALLOC_ENABLED", "true")
 os.environ.setdefault("KVCACHED_IPC_NAME", "KVDIAG_ENG2")
 
-import torch  # noqa: E402
-import kvcached.vmm_ops as ops  # noqa: E402
-
 import faulthandler  # noqa: E402
 import sys  # noqa: E402
+
+import kvcached.vmm_ops as ops  # noqa: E402
+import torch  # noqa: E402
 
 faulthandler.enable()
 MB = 1024 * 1024

@@ -22,6 +22,7 @@ from kvdiag.allocator.protocol import (
 )
 from kvdiag.allocator.reference import ReferenceAllocator
 from kvdiag.errors import AllocatorError
+from kvdiag.kvcached.settings import read_settings
 
 __all__ = [
     "ALLOCATOR_KINDS",
@@ -79,32 +80,20 @@ def make_allocator(kind: str, **kwargs: Any) -> PageAllocator:
     return cast(PageAllocator, cls(num_layers, mem_size_per_layer, page_size, **kwargs))
 
 
-def _env_bool(value: str) -> bool:
-    return value.strip().lower() in ("1", "true", "yes", "on")
-
-
 def kvcached_env_kwargs(env: Mapping[str, str]) -> dict[str, Any]:
-    """Translate kvcached's environment variables into allocator kwargs.
+    """kvcached's environment variables (:func:`kvdiag.kvcached.settings.read_settings`) as allocator kwargs.
 
-    KVCACHED_PAGE_PREALLOC_ENABLED (only the word "true", any case, enables it),
-    KVCACHED_MIN_RESERVED_PAGES, KVCACHED_MAX_RESERVED_PAGES, KVCACHED_GPU_UTILIZATION,
-    KVCACHED_PAGE_SIZE_MB and KVCACHED_CONTIGUOUS_LAYOUT. Unset variables are left out so the
-    allocator defaults (kvcached's) apply.
+    Unset variables are left out so the allocator defaults (kvcached's) apply; a malformed one is a
+    ValueError, as kvcached's own int() of it would be.
     """
-    out: dict[str, Any] = {}
-    if "KVCACHED_PAGE_PREALLOC_ENABLED" in env:
-        out["enable_prealloc"] = env["KVCACHED_PAGE_PREALLOC_ENABLED"].strip().lower() == "true"
-    if "KVCACHED_MIN_RESERVED_PAGES" in env:
-        out["min_reserved_pages"] = int(env["KVCACHED_MIN_RESERVED_PAGES"])
-    if "KVCACHED_MAX_RESERVED_PAGES" in env:
-        out["max_reserved_pages"] = int(env["KVCACHED_MAX_RESERVED_PAGES"])
-    if "KVCACHED_GPU_UTILIZATION" in env:
-        out["gpu_utilization"] = float(env["KVCACHED_GPU_UTILIZATION"])
-    if "KVCACHED_PAGE_SIZE_MB" in env:
-        out["page_size"] = int(env["KVCACHED_PAGE_SIZE_MB"]) * 1024 * 1024
-    if "KVCACHED_CONTIGUOUS_LAYOUT" in env:
-        out["contiguous_layout"] = _env_bool(env["KVCACHED_CONTIGUOUS_LAYOUT"])
-    return out
+    s = read_settings(env)
+    if s.errors:
+        raise ValueError("; ".join(s.errors))
+    out: dict[str, Any] = {"enable_prealloc": s.prealloc, "min_reserved_pages": s.min_reserved_pages,
+                           "max_reserved_pages": s.max_reserved_pages, "gpu_utilization": s.gpu_utilization,
+                           "page_size": s.page_size_mb * 1024 * 1024 if s.page_size_mb is not None else None,
+                           "contiguous_layout": s.contiguous_layout}
+    return {k: v for k, v in out.items() if v is not None}
 
 
 def device_file_paths(device_name: str) -> list[str]:

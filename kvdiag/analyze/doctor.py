@@ -20,14 +20,14 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdiag.defects import (
+from kvdiag.kvcached.banner import assess_risk_for, pages_per_layer
+from kvdiag.kvcached.defects import (
     BLOCK_OVER_PAGE,
     FIX_BUILD,
     FIX_PREALLOC,
     GIL_HOLDING_ALLOC_PAGE,
     HEADROOM_UNDERFLOW,
 )
-from kvdiag.logs.banner import assess_risk_for, pages_per_layer
 from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, KvcachedBuild, RiskStatus
 
 DEFAULT_KVCACHED_UTIL = 0.95

@@ -16,7 +16,7 @@ from kvdiag.analyze.peers import PeerJudge, servers_were_paused_too
 from kvdiag.analyze.process import analyze_process, process_findings
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
 from kvdiag.defaults import KV_FULL, STALL_WINDOW_S
-from kvdiag.logs.banner import assess_risk_for
+from kvdiag.kvcached.banner import assess_risk_for
 from kvdiag.logs.lines import CRASH_AT_EXIT, OOM_AT_EXIT
 from kvdiag.model.bundle import Bundle
 from kvdiag.model.evidence import ProcessEvidence
@@ -134,7 +134,7 @@ _STARTING = (EnginePhase.LAUNCHING, EnginePhase.LOADING, EnginePhase.PROFILING, 
 def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidence], bundle: Bundle,
                    relevant: list[Finding]) -> Verdict:
     """Verdict for one engine (or one group of processes captured without an engine record)."""
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     findings = (banner_findings(e) if e else []) + relevant
     findings += [f for p in procs for f in process_findings(p, machine, e.name if e else None)]
     pverdicts, deferred = _process_verdicts(judgeable(procs, relevant), machine, e.name if e else None, bundle)

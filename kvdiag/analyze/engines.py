@@ -7,8 +7,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from kvdiag.logs.banner import assess_risk_for
-from kvdiag.model import BannerRisk, Bundle, EngineJudgement, EngineRecord, Verdict, engine_health
+from kvdiag.kvcached.banner import assess_risk_for
+from kvdiag.model import (
+    ABComparison,
+    BannerRisk,
+    Bundle,
+    Diagnosis,
+    EngineJudgement,
+    EngineRecord,
+    Verdict,
+    engine_health,
+)
 
 
 def combined_risk(risks: list[BannerRisk]) -> BannerRisk | None:
@@ -35,4 +44,19 @@ def judge_engines(bundle: Bundle, verdicts_by_engine: Mapping[str, Verdict]) -> 
     return [judge_engine(e, verdicts_by_engine.get(e.name)) for e in bundle.engines]
 
 
-__all__ = ["combined_risk", "judge_engine", "judge_engines"]
+def diagnosis_of(bundle: Bundle, verdict: Verdict, *, exit_code: int,
+                 verdicts_by_engine: dict[str, Verdict] | None = None,
+                 ab: ABComparison | None = None) -> Diagnosis:
+    """A diagnosis from a caller that holds verdicts but no stored diagnosis (a hand-built bundle): the
+    engines' judgements are the stored ones when ``bundle``'s diagnosis holds these verdicts, else
+    judged here, exactly as :func:`kvdiag.analyze.diagnose` stores them."""
+    by_engine = dict(verdicts_by_engine or {})
+    stored = bundle.diagnosis
+    engines = stored.engines if stored is not None and stored.verdicts_by_engine == by_engine else None
+    if engines is None:
+        engines = judge_engines(bundle, by_engine)
+    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=exit_code, ab=ab, engines=engines)
+
+
+
+__all__ = ["combined_risk", "diagnosis_of", "judge_engine", "judge_engines"]

@@ -125,7 +125,7 @@ def ray_get_waits(bundle: Bundle) -> list[CrossNodeWait]:
     fleet = bundle.fleet
     if fleet is None or not fleet.tasks:
         return []
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     tasks = {t.task_id: t for t in fleet.tasks}
     actors = {a.actor_id: a for a in fleet.actors}
     procs: dict[tuple[str | None, int], ProcessEvidence] = {(p.node, p.pid): p for p in bundle.processes if p.node}
@@ -163,7 +163,7 @@ def _runs_at(task: RayTaskRecord, actors: dict[str, RayActorRecord]) -> tuple[st
 def tcp_waits(bundle: Bundle) -> list[CrossNodeWait]:
     """Threads blocked reading a TCP connection whose other end a process on another node holds (the exact
     4-tuple, kvdiag.analyze.tcp_match)."""
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     index = TcpIndex(bundle)
     procs: dict[tuple[str | None, int], ProcessEvidence] = {(p.node, p.pid): p for p in bundle.processes if p.node}
     out: list[CrossNodeWait] = []
@@ -238,7 +238,7 @@ def _chain_into(verdict: Verdict, w: CrossNodeWait, bundle: Bundle) -> WaitChain
 def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Verdict:
     """The overall verdict of a merged bundle: the nodes that gave no evidence named with why, and the
     waits that cross nodes, each leading to the hang it ends at."""
-    machine = bundle.host.get("machine")
+    machine = bundle.host.machine
     out = overall.model_copy(deep=True)
     missing = [f for f in bundle.findings if f.kind == "node_not_captured"]
     if not by:

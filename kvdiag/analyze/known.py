@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdiag.defects import GIL_HOLDING_ALLOC_PAGE, UNBOUNDED_IPC_READ, KvcachedDefect
+from kvdiag.kvcached.defects import GIL_HOLDING_ALLOC_PAGE, UNBOUNDED_IPC_READ, KvcachedDefect
 from kvdiag.model import KnownDefect, Verdict, VerdictKind
 
 

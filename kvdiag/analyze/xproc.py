@@ -111,7 +111,7 @@ class CrossProcess:
 
     def __init__(self, bundle: Bundle) -> None:
         self.bundle = bundle
-        machine = bundle.host.get("machine")
+        machine = bundle.host.machine
         self.machine = machine
         self.procs: dict[PKey, ProcessEvidence] = {pkey(p): p for p in bundle.processes if p.alive and p.threads}
         self.views = {k: classify_process(p, machine) for k, p in self.procs.items()}

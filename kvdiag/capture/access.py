@@ -24,9 +24,9 @@ import os
 import re
 import signal
 
-from kvdiag.capture.elfsym import find_runtime_symbol
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.model import PtraceAccess, TargetAccess
+from kvdiag.osread.elfsym import find_runtime_symbol
 from kvdiag.osread.maps import read_maps
 from kvdiag.osread.mem import mem_open_error
 from kvdiag.osread.process import read_comm, read_exe

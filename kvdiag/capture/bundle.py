@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import platform
 import threading
 from collections.abc import Callable, Sequence
 from datetime import datetime, timezone
@@ -18,19 +16,10 @@ from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
+from kvdiag.environment.host import host_record
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole, TcpSocket
-from kvdiag.osread.net import boot_id, process_tcp
+from kvdiag.osread.net import process_tcp
 from kvdiag.osread.ptable import process_tree
-
-
-def host_info() -> dict[str, str]:
-    """What an offline reader needs to interpret syscall numbers and stacks (no hostname)."""
-    info = {"machine": platform.machine(), "kernel": platform.release(), "system": platform.system(),
-            "python": platform.python_version(), "cpus": str(os.cpu_count() or 0)}
-    boot = boot_id()
-    if boot:   # with each process's network namespace, what tells two hosts' captures apart in a merge
-        info["boot_id"] = boot
-    return info
 
 
 def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
@@ -122,7 +111,7 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                     ev.engine = record.name
     bundle = Bundle(kvdiag_version=__version__, command=command or f"capture --pid {roots[0]}",
                     created_at=datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                    host=host_info(), processes=evidence, findings=findings, engines=engines)
+                    host=host_record(), processes=evidence, findings=findings, engines=engines)
     if on_evidence is not None:
         on_evidence(bundle)
     env_thread.join()   # bounded: every child it starts has its own timeout
@@ -162,4 +151,4 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
     return evidence, findings
 
 
-__all__ = ["capture_engine", "capture_pids", "capture_tree", "host_info"]
+__all__ = ["capture_engine", "capture_pids", "capture_tree"]

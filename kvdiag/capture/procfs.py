@@ -25,7 +25,6 @@ from pathlib import Path
 
 from kvdiag.capture import xwaits
 from kvdiag.capture.base import BackendResult
-from kvdiag.capture.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.capture.fds import FdResolver
 from kvdiag.model import (
     FdInfo,
@@ -37,6 +36,7 @@ from kvdiag.model import (
     ThreadState,
     ToolRun,
 )
+from kvdiag.osread.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.osread.fds import epoll_targets, fd_stat, readlink
 from kvdiag.osread.mem import TargetMemory
 from kvdiag.osread.process import read_cmdline, read_comm, read_exe, read_io

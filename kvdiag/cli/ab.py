@@ -7,10 +7,12 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, result_console
-from kvdiag.cli.sweep import run_ab_repeat
-from kvdiag.launch.preflight import check_launchable
-from kvdiag.runner import RunArtifacts, prepare_out_dir, run_ab, switchable
-from kvdiag.scenario import load_scenario
+from kvdiag.cli.sweep import print_result
+from kvdiag.runs.output import RunArtifacts, prepare_out_dir
+from kvdiag.runs.repro import launchable, run_ab
+from kvdiag.runs.sweep.command import ab_repeat_config
+from kvdiag.runs.sweep.execute import stderr_progress
+from kvdiag.runs.sweep.session import run_sweep
 
 
 def ab_cmd(
@@ -31,11 +33,10 @@ def ab_cmd(
     Exit codes: 0 fixed healthy and stock reproduced the hang,
     1 the A/B did not separate, 2 bad usage, 130 interrupted.
     """
-    scen, name, text = load_scenario(scenario)
-    check_launchable(scen, name, text)   # before any folder or engine exists
-    switchable(scen, "kvdiag ab")
+    scen, name, text = launchable(scenario, "kvdiag ab")   # before any folder or engine exists
     if repeat > 1:
-        return run_ab_repeat(scen, name, text, out, repeat, jobs)
+        cfg = ab_repeat_config(scen, name, text, out, repeat, jobs)
+        return print_result(run_sweep(cfg, stderr_progress), cfg.out_dir)
     out_dir = prepare_out_dir(out, "ab")
     con = console()
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 
 from kvdiag.analyze import diagnose
-from kvdiag.analyze.text import format_verdict
 from kvdiag.bundle import load_run, resolve_bundle_file
+from kvdiag.report.text import format_verdict
 
 
 def analyze_cmd(

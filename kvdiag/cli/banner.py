@@ -8,10 +8,10 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import read_log_lines
-from kvdiag.defects import FIX_BUILD, GIL_HOLDING_ALLOC_PAGE
 from kvdiag.errors import ExitCode
-from kvdiag.logs.banner import assess_risk_for, parse_banners
+from kvdiag.kvcached.banner import assess_risk_for, parse_banners
+from kvdiag.kvcached.defects import FIX_BUILD, GIL_HOLDING_ALLOC_PAGE
+from kvdiag.logs.lines import read_log_lines
 
 
 def banner_cmd(

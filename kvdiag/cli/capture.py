@@ -2,57 +2,15 @@
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import typer
 
-from kvdiag.analyze import analyze, diagnose
-from kvdiag.analyze.text import format_verdict
-from kvdiag.capture.access import is_kernel_thread
-from kvdiag.capture.bundle import capture_tree
-from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
-from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
+from kvdiag.cli.common import EarlyVerdict, print_outcome
+from kvdiag.defaults import DEFAULT_TOOLS
 from kvdiag.errors import UsageError
-from kvdiag.fleet.ray import capture_cluster
-from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
-from kvdiag.osread.stat import read_stat
-from kvdiag.outputs import RunArtifacts, finish, prepare_out_dir
-from kvdiag.redact import redact_bundle
-
-
-def _target(pid: int | None, engine_core_of: int | None) -> int:
-    """The pid to capture: --pid as given, or the one EngineCore under --engine-core-of."""
-    if (pid is None) == (engine_core_of is None):
-        raise UsageError("give exactly one of --pid PID and --engine-core-of API_SERVER_PID")
-    if pid is not None:
-        if pid <= 0 or read_stat(pid) is None:
-            raise UsageError(f"--pid {pid}: no such process",
-                             hint="pass the pid of the EngineCore, or --engine-core-of API_SERVER_PID")
-        return pid
-    assert engine_core_of is not None
-    if engine_core_of <= 0 or read_stat(engine_core_of) is None:
-        raise UsageError(f"--engine-core-of {engine_core_of}: no such process")
-    cores = engine_cores_of(engine_core_of)
-    if not cores:
-        raise UsageError(f"--engine-core-of {engine_core_of}: no VLLM::EngineCore process under it",
-                         hint="pass the pid of a vLLM API server (`vllm serve`), or --pid of the process itself")
-    if len(cores) > 1:
-        raise UsageError(f"--engine-core-of {engine_core_of}: {len(cores)} EngineCore processes under it "
-                         f"({', '.join(map(str, cores))})", hint="pick one with --pid")
-    return cores[0]
-
-
-def _core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
-    """Whether the engine core's evidence already names its hang (the rest of the tree then needs no
-    pausing tool): the reason, else None."""
-    v = analyze(Bundle(processes=evidence, findings=findings))
-    cores = {e.pid for e in evidence if e.role is ProcessRole.ENGINE_CORE}
-    if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
-        return f"the EngineCore's evidence decided ({v.kind.value})"
-    return None
+from kvdiag.runs.capture import capture_cluster_run, capture_run, checked_tools, scope_of, target_pid
+from kvdiag.runs.output import prepare_out_dir
 
 
 def capture_cmd(
@@ -75,7 +33,7 @@ def capture_cmd(
     out: Path | None = typer.Option(None, "--out", "-o", help="Output folder (default: reports/capture-<timestamp>/)."),
     timeout: float = typer.Option(10.0, "--timeout", help="Seconds the capture tools may take in all; "
                                   "analysis and the report follow."),
-    tools: str = typer.Option(",".join(DEFAULT_BACKENDS), "--tools",
+    tools: str = typer.Option(",".join(DEFAULT_TOOLS), "--tools",
                               help="Comma-separated capture backends: proc, py-spy, pystack, gdb (the default: "
                                    "all four); py-spy-nonblocking (never pauses the target), pystack-locals, "
                                    "gdb-full (every library's symbols)."),
@@ -103,93 +61,18 @@ def capture_cmd(
     if ray is not None:
         if pid is not None or engine_core_of is not None:
             raise UsageError("--ray captures a cluster: leave out --pid and --engine-core-of")
-        return _capture_ray(ray, select, actor, out, timeout, tools, as_json)
-    target = _target(pid, engine_core_of)
-    if target == os.getpid():
-        raise UsageError("--pid: refusing to capture kvdiag itself")
-    names = _checked_options(timeout, tools)
-    kthread = is_kernel_thread(target)
-    if kthread:
-        # Refused, but as an outcome with a report (kernel_thread, exit 5), not a scope question:
-        # only the named thread is looked at, through /proc, and nothing attaches to it.
-        scope = Scope(root=target, pids=[target], problems=[])
-    else:
-        scope = capture_scope(target)
-    if scope.problems and not all_descendants:
-        raise UsageError(f"refusing to capture pid {target}: " + "; ".join(scope.problems),
-                         hint="name the engine: --engine-core-of API_SERVER_PID (or --pid of its EngineCore); "
-                         "--all-descendants captures the whole tree anyway")
-    out_dir = prepare_out_dir(out, "capture")
-    bundle_dir = out_dir / "bundle"
-    if kthread:
-        typer.echo(f"pid {target} is a kernel thread: capture refused; recording what /proc shows", err=True)
-    else:
-        typer.echo(f"capturing pid {target} and its children with {', '.join(names)} "
-                   f"(read-only; the tools stop after --timeout {timeout:g} s)", err=True)
-    command = (f"capture --engine-core-of {engine_core_of}" if engine_core_of is not None
-               else f"capture --pid {target}")
-
-    said: list[str] = []
-    known: list[Diagnosis] = []
-
-    def early(partial: Bundle) -> None:
-        # The verdict as soon as the evidence is in; the environment record and the reports follow.
-        known.append(diagnose(redact_bundle(partial)))
-        if not as_json:
-            said.append(format_verdict(known[0].verdict))
-            typer.echo("\n".join(said[0].splitlines()[:2]), nl=True)
-            sys.stdout.flush()
-            typer.echo("writing the report", err=True)
-
-    # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
-    bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command, pids=scope.pids,
-                          save=False, on_evidence=early, decides=_core_decides, follow=follow and not kthread)
-    # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
-    arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
-    return print_outcome(arts, bundle_dir, as_json, said=said[0] if said else None)
-
-
-def print_outcome(arts: RunArtifacts, bundle_dir: Path, as_json: bool, said: str | None = None) -> int:
-    """The outcome on stdout; ``said``: the verdict already printed (its lines are not repeated)."""
-    verdict, by_engine, code, paths = arts.verdict, arts.verdicts_by_engine, arts.exit_code, arts.paths
-    if as_json:
-        typer.echo(json.dumps({"verdict": verdict.model_dump(mode="json"),
-                               "verdicts_by_engine": {k: v.model_dump(mode="json") for k, v in by_engine.items()},
-                               "bundle": str(bundle_dir), "reports": {k: str(p) for k, p in paths.items()},
-                               "exit_code": code}, indent=2))
-        return code
-    text = format_verdict(verdict, by_engine).splitlines()
-    if said and said.splitlines()[:2] == text[:2]:
-        text = text[2:]   # the verdict line and its summary are on the screen already
-    typer.echo("\n".join(text))
-    typer.echo(f"bundle: {bundle_dir}")
-    for name, path in paths.items():
-        typer.echo(f"{name}: {path}")
-    typer.echo(f"exit code {code}")
-    return code
-
-
-def _checked_options(timeout: float, tools: str) -> list[str]:
-    """The tool names of ``--tools``, once ``--timeout`` and every name are known good (UsageError if not)."""
-    if not 0 < timeout <= 600:
-        raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
-    names = [t.strip() for t in tools.split(",") if t.strip()]
-    try:
-        make_backends(names)
-    except ValueError as exc:
-        raise UsageError(f"--tools: {exc}") from None
-    return names
-
-
-def _capture_ray(address: str, select: str, patterns: list[str], out: Path | None, timeout: float, tools: str,
-                 as_json: bool) -> int:
-    """``capture --ray``: the same capture on every node of a Ray cluster, merged into one bundle."""
-    names = _checked_options(timeout, tools)
-    out_dir = prepare_out_dir(out, "capture")
-    bundle_dir = out_dir / "bundle"
-    bundle = capture_cluster(address, bundle_dir, select=select, patterns=patterns, timeout_s=timeout,
-                             backends=names, progress=lambda m: typer.echo(m, err=True))
-    return print_outcome(finish(out_dir, bundle), bundle_dir, as_json)
+        names = checked_tools(timeout, tools)
+        arts = capture_cluster_run(ray, prepare_out_dir(out, "capture"), select=select, patterns=actor,
+                                   timeout_s=timeout, tools=names, progress=lambda m: typer.echo(m, err=True))
+        return print_outcome(arts, as_json)
+    target = target_pid(pid, engine_core_of)
+    names = checked_tools(timeout, tools)
+    scope = scope_of(target, all_descendants)
+    command = f"capture --engine-core-of {engine_core_of}" if engine_core_of is not None else f"capture --pid {target}"
+    said = EarlyVerdict(as_json)
+    arts = capture_run(target, scope, prepare_out_dir(out, "capture"), timeout_s=timeout, tools=names,
+                       command=command, follow=follow, on_verdict=said, progress=lambda m: typer.echo(m, err=True))
+    return print_outcome(arts, as_json, said=said.text)
 
 
 def register(app: typer.Typer) -> None:

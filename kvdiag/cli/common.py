@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import typer
 from rich.console import Console
 
-from kvdiag.errors import UsageError
-from kvdiag.report import build_report, render_terminal
+from kvdiag.model import Diagnosis
+from kvdiag.report.terminal import render_terminal
+from kvdiag.report.text import format_verdict
 
 if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
-    from kvdiag.runner import RunArtifacts
+    from kvdiag.runs.output import RunArtifacts
 
 
 def console() -> Console:
@@ -25,25 +28,12 @@ def result_console() -> Console:
     return Console(highlight=False, soft_wrap=True)
 
 
-def read_log_lines(path: Path) -> list[str]:
-    """The lines of a log the user named; a UsageError saying why when it cannot be read."""
-    try:
-        return path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except FileNotFoundError:
-        raise UsageError(f"{path}: file not found") from None
-    except OSError as exc:
-        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None
-
-
 def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:
     """The run's outcome on stdout (``con``: another console, e.g. in tests)."""
     con = con or result_console()
-    # The view the report files were written from; a caller without one renders the verdicts it holds.
-    diag = arts.bundle.diagnosis
-    view = arts.view if arts.view is not None else build_report(
-        arts.bundle, arts.verdict, command=arts.bundle.command, exit_code=arts.exit_code,
-        verdicts_by_engine=arts.verdicts_by_engine, ab=diag.ab if diag is not None else None)
-    render_terminal(view, con, files=False)
+    if arts.view is None:
+        raise ValueError("a run's outcome is printed from the view its report files were written from")
+    render_terminal(arts.view, con, files=False)
     for name in ("report.html", "report.json", "report.md"):
         p = arts.paths.get(name) or (arts.out_dir / name)
         if Path(p).exists():
@@ -51,3 +41,40 @@ def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:
     con.print(f"  bundle: {arts.out_dir / 'bundle'}")
     con.print(f"exit code {arts.exit_code}")
     sys.stdout.flush()
+
+
+class EarlyVerdict:
+    """Prints a capture's verdict (its first two lines) as soon as the evidence is in, before the reports."""
+
+    def __init__(self, as_json: bool) -> None:
+        self.as_json = as_json
+        self.text: str | None = None
+
+    def __call__(self, diagnosis: Diagnosis) -> None:
+        if self.as_json:
+            return
+        self.text = format_verdict(diagnosis.verdict)
+        typer.echo("\n".join(self.text.splitlines()[:2]), nl=True)
+        sys.stdout.flush()
+        typer.echo("writing the report", err=True)
+
+
+def print_outcome(arts: RunArtifacts, as_json: bool, said: str | None = None) -> int:
+    """A capture's outcome on stdout; ``said``: the verdict already printed (its lines are not repeated)."""
+    verdict, by_engine, code, paths = arts.verdict, arts.verdicts_by_engine, arts.exit_code, arts.paths
+    bundle_dir = arts.out_dir / "bundle"
+    if as_json:
+        typer.echo(json.dumps({"verdict": verdict.model_dump(mode="json"),
+                               "verdicts_by_engine": {k: v.model_dump(mode="json") for k, v in by_engine.items()},
+                               "bundle": str(bundle_dir), "reports": {k: str(p) for k, p in paths.items()},
+                               "exit_code": code}, indent=2))
+        return code
+    text = format_verdict(verdict, by_engine).splitlines()
+    if said and said.splitlines()[:2] == text[:2]:
+        text = text[2:]   # the verdict line and its summary are on the screen already
+    typer.echo("\n".join(text))
+    typer.echo(f"bundle: {bundle_dir}")
+    for name, path in paths.items():
+        typer.echo(f"{name}: {path}")
+    typer.echo(f"exit code {code}")
+    return code

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.capture import print_outcome
+from kvdiag.cli.common import print_outcome
 from kvdiag.errors import BundleError, UsageError
-from kvdiag.fleet.merge import NodePart, load_node_folder, merge_parts, missing_node, same_host_twice
 from kvdiag.model import FleetRecord
-from kvdiag.outputs import finish, prepare_out_dir
+from kvdiag.runs.fleet.merge import NodePart, load_node_folder, merge_parts, missing_node, same_host_twice
+from kvdiag.runs.output import finish, prepare_out_dir
 
 
 def merge_cmd(
@@ -45,7 +45,7 @@ def merge_cmd(
     bundle_dir = out_dir / "bundle"
     merged = merge_parts(parts, command="merge " + " ".join(str(f) for f in folders),
                          fleet=FleetRecord(source="merge"), out_bundle_dir=bundle_dir)
-    return print_outcome(finish(out_dir, merged), bundle_dir, as_json)
+    return print_outcome(finish(out_dir, merged), as_json)
 
 
 def register(app: typer.Typer) -> None:

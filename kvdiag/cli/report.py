@@ -11,8 +11,9 @@ from kvdiag.analyze.diagnosis import complete
 from kvdiag.bundle import atomic_write_text, load_run
 from kvdiag.cli.common import result_console
 from kvdiag.errors import ExitCode, UsageError
-from kvdiag.report import render_html, render_terminal, run_view, write_view
-from kvdiag.sweep.session import is_sweep_folder, rerender_sweep
+from kvdiag.report import render_html, run_view, write_view
+from kvdiag.report.terminal import render_terminal
+from kvdiag.runs.sweep.session import is_sweep_folder, rerender_sweep
 
 
 def report_cmd(

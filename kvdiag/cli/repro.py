@@ -8,9 +8,8 @@ from pathlib import Path
 import typer
 
 from kvdiag.cli.common import console, print_summary
-from kvdiag.launch.preflight import check_launchable
-from kvdiag.runner import prepare_out_dir, run_scenario, switchable
-from kvdiag.scenario import load_scenario
+from kvdiag.runs.output import prepare_out_dir
+from kvdiag.runs.repro import launchable, run_scenario
 
 
 class AllocatorChoice(str, Enum):
@@ -36,10 +35,8 @@ def two_engine(
     6 inconclusive (the evidence that decides is missing, named), 2 bad usage or
     scenario, 130 interrupted.
     """
-    scen, name, text = load_scenario(scenario)
-    if allocator is not None:
-        switchable(scen, f"--allocator {allocator.value}")
-    check_launchable(scen, name, text)   # before any folder or engine exists
+    # Refused before any folder or engine exists.
+    scen, name, text = launchable(scenario, f"--allocator {allocator.value}" if allocator is not None else None)
     out_dir = prepare_out_dir(out, "repro two-engine")
     con = console()
     con.print(f"kvdiag repro two-engine: scenario {name}, output {out_dir}")

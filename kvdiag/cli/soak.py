@@ -10,9 +10,10 @@ import typer
 from kvdiag.cli.common import console, print_summary, result_console
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.report.soakview import soak_lines
-from kvdiag.runner import prepare_out_dir
+from kvdiag.runs.output import prepare_out_dir
+from kvdiag.runs.soak.options import SoakOptions
+from kvdiag.runs.soak.session import SoakRun
 from kvdiag.scenario import load_scenario
-from kvdiag.soakrun import SoakOptions, SoakRun
 
 
 class AllocatorChoice(str, Enum):

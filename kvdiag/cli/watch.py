@@ -9,14 +9,7 @@ import typer
 
 from kvdiag.defaults import DEFAULT_TOOLS, WATCH_WINDOW_S
 from kvdiag.errors import ExitCode
-from kvdiag.fleet.ray import capture_cluster
-from kvdiag.model import Bundle
-from kvdiag.watchrun import WatchOptions, run_watch
-
-
-def _ray_capture(address: str, bundle_dir: Path, timeout_s: float, tools: list[str]) -> Bundle:
-    return capture_cluster(address, bundle_dir, timeout_s=timeout_s, backends=tools,
-                           progress=lambda m: typer.echo(f"kvdiag watch: {m}", err=True))
+from kvdiag.runs.watch.session import WatchOptions, run_watch
 
 
 def _human(line: str) -> None:
@@ -70,8 +63,7 @@ def watch_cmd(
     opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
                         keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
                         duration_s=duration, tools=[t.strip() for t in tools.split(",") if t.strip()],
-                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose,
-                        ray_capture=_ray_capture)
+                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose)
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
     _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")

@@ -6,11 +6,14 @@ heavy (torch, vLLM) is imported just to ask its version.
 
 from __future__ import annotations
 
+import os
 import platform
 from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
+from kvdiag.model import HostRecord
+from kvdiag.osread.net import boot_id
 from kvdiag.redact import REDACTED, is_secret_name, redact_text
 
 # The distributions a kvcached/vLLM bug report needs, by their PyPI names.
@@ -53,3 +56,9 @@ def relevant_env(environ: Mapping[str, str]) -> dict[str, str]:
             value = environ[key]
             out[key] = REDACTED if (is_secret_name(key) and value) else redact_text(value)[:500]
     return out
+
+
+def host_record() -> HostRecord:
+    """This machine, as every bundle records it: what an offline reader needs to read its syscall numbers."""
+    return HostRecord(machine=platform.machine(), system=platform.system(), kernel=platform.release(),
+                      python=platform.python_version(), cpus=os.cpu_count(), boot_id=boot_id())

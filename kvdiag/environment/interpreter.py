@@ -32,10 +32,10 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kvdiag.environment.child import ChildTimeout, run_bounded
 from kvdiag.environment.host import PACKAGES
-from kvdiag.environment.kvcached import build_at, site_kvcached
+from kvdiag.kvcached.build import build_at, site_kvcached
 from kvdiag.model import InterpreterPackages
+from kvdiag.osread.child import ChildTimeout, run_bounded
 from kvdiag.osread.maps import mapped_files
 from kvdiag.osread.process import read_cmdline, read_cwd, read_environ, read_exe
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdiag.interpreter import module_argv
+from kvdiag.kvcached import settings
+from kvdiag.kvcached.settings import PoolSettings, read_settings
 from kvdiag.launch.vllm import expand, find_vllm, native_library, stage_plugin
+from kvdiag.pymodule import module_argv
 from kvdiag.scenario.models import EngineSpec
 
 PORT_ENV = "KVDIAG_ENGINE_PORT"
@@ -99,6 +102,45 @@ def engine_env(spec: EngineSpec) -> dict[str, str]:
         env.setdefault("KVCACHED_MAX_RESERVED_PAGES", str(spec.sim.max_reserved_pages))
         env.setdefault("KVCACHED_PAGE_SIZE_MB", str(spec.sim.page_size_mb))
     return env
+
+
+def _last_flag(argv: list[str], name: str) -> str | None:
+    """The value of ``name`` in ``argv`` as argparse takes it (the last one given wins)."""
+    value = None
+    for i, arg in enumerate(argv):
+        if arg == name and i + 1 < len(argv):
+            value = argv[i + 1]
+        elif arg.startswith(name + "="):
+            value = arg.split("=", 1)[1]
+    return value
+
+
+# A simulated engine's flags for kvcached's settings: given, a flag wins over the variable.
+_SIM_FLAGS = (("--page-size-mb", settings.PAGE_SIZE_MB), ("--min-reserved-pages", settings.MIN_RESERVED),
+              ("--max-reserved-pages", settings.MAX_RESERVED), ("--kvcached-gpu-utilization", settings.GPU_UTILIZATION),
+              ("--prealloc", settings.PREALLOC))
+
+
+def launched_pool(spec: EngineSpec, environ: Mapping[str, str] | None = None) -> PoolSettings | None:
+    """The kvcached settings an engine with kvdiag's allocator (a simulated engine, or vLLM with kvdiag's
+    plugin) launches with, as :func:`plan_engine` starts it under ``environ`` (default: this process's);
+    None for any other engine. What doctor and sweep predict is this."""
+    if not (spec.kind == "sim" or (spec.kind == "vllm" and spec.allocator != "external")):
+        return None
+    env = {**(os.environ if environ is None else environ), **engine_env(spec)}
+    if spec.kind == "vllm":
+        pool = spec.vllm.pool
+        defaults = {settings.PAGE_SIZE_MB: str(pool.page_size_mb),
+                    settings.MIN_RESERVED: str(pool.min_reserved_pages),
+                    settings.MAX_RESERVED: str(pool.max_reserved_pages)}
+        env.update({k: v for k, v in defaults.items() if k not in spec.env})
+    else:
+        argv = sim_argv(spec, 0, "", 0.0)
+        for flag, name in _SIM_FLAGS:
+            value = _last_flag(argv, flag)
+            if value is not None:
+                env[name] = value
+    return read_settings(env)
 
 
 def plan_engine(spec: EngineSpec, port: int, device_name: str, device_size_gb: float,

@@ -8,7 +8,7 @@ which interpreter that is, with the folders it puts first on ``sys.path``:
 - ``command`` engines, before launch: ``argv[0]`` when it is a Python
   (``python3 -m vllm.entrypoints...``, ``/venv/bin/python serve.py``), or a script
   whose ``#!`` line names one (a venv's ``bin/vllm``, ``#!/usr/bin/env python3``);
-- after launch (:meth:`kvdiag.runner.LaunchedRun.note_interpreters`): whatever
+- after launch (:meth:`kvdiag.runs.lifecycle.LaunchedRun.note_interpreters`): whatever
   the engine's process turned out to run (``/proc/PID/exe``), for wrappers that
   ``exec`` a Python.
 

@@ -17,7 +17,6 @@ from types import TracebackType
 
 from kvdiag import interrupts
 from kvdiag.errors import EngineFailed
-from kvdiag.interpreter import module_argv
 from kvdiag.launch.owned import OwnedFiles, process_trees, run_processes
 from kvdiag.launch.reaper import (
     RUN_ID_ENV,
@@ -28,8 +27,7 @@ from kvdiag.launch.reaper import (
     vllm_dist_idents,
 )
 from kvdiag.osread.holders import FileId
-from kvdiag.ports import free_port as free_port  # re-exported: launchers and tests import it from here
-from kvdiag.ports import port_in_use as port_in_use
+from kvdiag.pymodule import module_argv
 
 # Where a launched engine's temp files go (sub-folders of the run's private folder): vLLM leaves ~7
 # ZMQ socket files in VLLM_RPC_BASE_PATH, vllm_dist_* and torch caches in TMPDIR, and its cache root.

@@ -5,8 +5,10 @@ from __future__ import annotations
 import re
 from collections import deque
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from kvdiag.logs.banner import BANNER_MARKER, parse_banner
+from kvdiag.errors import UsageError
+from kvdiag.kvcached.banner import BANNER_MARKER, parse_banner
 from kvdiag.model import BannerInfo, EnginePhase
 
 # Characters of one log line kept where a line is quoted (events, reports); a banner is about 300.
@@ -113,3 +115,13 @@ def root_error(errors: list[str]) -> str | None:
     core = [ln for ln in real if "EngineCore" in ln]
     pick = core or real or errors
     return pick[0] if pick else None
+
+
+def read_log_lines(path: Path) -> list[str]:
+    """The lines of a log the user named; a UsageError saying why when it cannot be read."""
+    try:
+        return path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except FileNotFoundError:
+        raise UsageError(f"{path}: file not found") from None
+    except OSError as exc:
+        raise UsageError(f"{path}: cannot read: {exc.strerror}") from None

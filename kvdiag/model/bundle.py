@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from pydantic import Field
+from typing import Any
 
-from kvdiag.model.environment import EnvironmentRecord
+from pydantic import Field, model_validator
+
+from kvdiag.model.environment import EnvironmentRecord, HostRecord
 from kvdiag.model.evidence import ProcessEvidence, RedactionSummary
 from kvdiag.model.fleet import FleetRecord
 from kvdiag.model.kinds import SCHEMA_VERSION, _Model
@@ -19,7 +21,7 @@ class Bundle(_Model):
     kvdiag_version: str = ""
     command: str = ""
     created_at: str = ""             # ISO-8601 UTC
-    host: dict[str, str] = Field(default_factory=dict)
+    host: HostRecord = Field(default_factory=HostRecord)
     scenario: dict[str, object] | None = None
     scenario_path: str | None = None
     stall_window_s: float | None = None
@@ -40,6 +42,17 @@ class Bundle(_Model):
     redaction: RedactionSummary = Field(default_factory=RedactionSummary)
     stall_to_verdict_s: float | None = None   # "stall detected" → verdict, seconds (capture, analysis)
     fleet: FleetRecord | None = None   # a bundle merged from several hosts (Ray cluster, ``kvdiag merge``)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _host_machine(cls, data: Any) -> Any:
+        """Bundles whose host record has no machine (repro, ab and soak wrote none): the environment's."""
+        if not isinstance(data, dict):
+            return data
+        host, env = data.get("host", {}), data.get("environment")
+        if isinstance(host, dict) and not host.get("machine") and isinstance(env, dict) and env.get("machine"):
+            data = {**data, "host": {**host, "machine": env["machine"]}}
+        return data
 
 
 Bundle.model_rebuild()

@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import Literal
+from typing import Any, Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from kvdiag.model.fleet import NodeRecord
 from kvdiag.model.kinds import _Model
@@ -101,6 +101,30 @@ class InterpreterPackages(_Model):
     note: str = ""                   # why the interpreter could not be asked, when it could not
     engines: list[str] = Field(default_factory=list)   # the scenario engines that run this interpreter
     kvcached: KvcachedBuild | None = None   # the kvcached build this interpreter imports (None: not judged)
+
+
+class HostRecord(_Model):
+    """What an offline reader needs to interpret a bundle's syscall numbers and stacks (no hostname)."""
+
+    machine: str = ""                # platform.machine(): x86_64, aarch64 (picks the syscall table)
+    system: str = ""
+    kernel: str = ""
+    python: str = ""
+    cpus: int | None = None
+    # The kernel's boot id: with each process's network namespace, what tells two hosts' captures apart
+    # in a merge (None: not read).
+    boot_id: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _untyped(cls, data: Any) -> Any:
+        """Bundles written before the record was typed: a dict of strings, some with hostname and platform."""
+        if isinstance(data, dict):
+            data = {k: v for k, v in data.items() if k in cls.model_fields}
+            cpus = data.get("cpus")
+            if isinstance(cpus, str):
+                data["cpus"] = int(cpus) if cpus.isdigit() else None
+        return data
 
 
 class EnvironmentRecord(_Model):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvdiag.model.environment import EnvironmentRecord
+from kvdiag.model.environment import EnvironmentRecord, HostRecord
 from kvdiag.model.evidence import RedactionSummary
 from kvdiag.model.kinds import SCHEMA_VERSION, EnginePhase, VerdictKind, _Model
 from kvdiag.model.run import BannerInfo, BannerRisk, Finding, SoakStats, TimelineEvent
@@ -83,7 +83,7 @@ class Report(_Model):
     ab: ABComparison | None = None   # `kvdiag ab`: both runs side by side (the bundle's diagnosis.ab)
     bundle_path: str | None = None
     # Added by the report stage: environment and run context for the human reader.
-    host: dict[str, str] = Field(default_factory=dict)
+    host: HostRecord = Field(default_factory=HostRecord)
     scenario: str | None = None      # scenario name or path the run used
     stall_window_s: float | None = None
     interrupted: bool = False        # the run was cut short; the report holds what it got

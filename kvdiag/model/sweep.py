@@ -103,7 +103,7 @@ class BannerDisagreement(_Model):
 
 
 class BannerCheck(_Model):
-    """The observed outcomes against the banner's static risk rule (kvdiag/logs/banner.py)."""
+    """The observed outcomes against the banner's static risk rule (kvdiag/kvcached/banner.py)."""
 
     rule: str
     agree: bool

@@ -14,19 +14,16 @@ import os
 from pathlib import Path
 
 from kvdiag.bundle import atomic_write_text
-from kvdiag.model import ABComparison, Bundle, Diagnosis, Finding, Report, Verdict
-from kvdiag.redact import redact_bundle
+from kvdiag.model import Bundle, Diagnosis, Finding, Report
+from kvdiag.redact import redact_bundle, redact_obj
 from kvdiag.report.html import render_html
-from kvdiag.report.json import build_report, diagnosis_of, render_json, report_of
+from kvdiag.report.json import render_json, report_of
 from kvdiag.report.markdown import render_markdown
-from kvdiag.report.redact import REDACTED, is_secret_name, redact_obj, redact_text
-from kvdiag.report.terminal import render_terminal
 from kvdiag.report.view import ReportView, build_view
 
 __all__ = [
-    "REDACTED", "ReportView", "build_report", "build_view", "diagnosis_of", "is_secret_name", "redact_obj",
-    "redact_text", "render_html", "render_json", "render_markdown", "render_run", "render_terminal", "report_of",
-    "run_view", "write_outputs", "write_view",
+    "ReportView", "build_view", "render_html", "render_json", "render_markdown", "report_of",
+    "run_view", "write_view",
 ]
 
 REPORT_FILES = ("report.json", "report.html", "report.md")
@@ -90,26 +87,3 @@ def write_view(out_dir: Path, view: ReportView, bundle_dir: Path | None = None) 
     atomic_write_text(paths["report.md"], markdown)
     atomic_write_text(paths["report.html"], page)
     return paths
-
-
-def write_outputs(out_dir: Path, bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
-                  verdicts_by_engine: dict[str, Verdict] | None = None,
-                  ab: ABComparison | None = None, bundle_dir: Path | None = None) -> dict[str, Path]:
-    """Write out_dir/report.json, report.html and report.md for ``bundle`` judged as ``verdict`` (a caller
-    holding verdicts, not a stored diagnosis: see :func:`kvdiag.report.json.diagnosis_of`). Returns
-    ``{"report.json": path, "report.html": path, "report.md": path}``; ``bundle_dir`` (default
-    ``out_dir/bundle``) is where raw tool outputs and logs are read from."""
-    if bundle_dir is None:
-        bundle_dir = out_dir / "bundle"
-    diag = diagnosis_of(bundle, verdict, exit_code=exit_code, verdicts_by_engine=verdicts_by_engine, ab=ab)
-    view = run_view(bundle, diag, out_dir=out_dir, bundle_dir=bundle_dir, command=command)
-    return write_view(out_dir, view, bundle_dir)
-
-
-def render_run(out_dir: Path, bundle: Bundle, bundle_dir: Path | None = None) -> dict[str, Path]:
-    """Render the diagnosis stored in ``bundle`` (``bundle.diagnosis``) as report.json/html/md."""
-    diag = bundle.diagnosis
-    if diag is None:
-        raise ValueError("the bundle holds no diagnosis: analyze it first (kvdiag.analyze.diagnose)")
-    bundle_dir = bundle_dir if bundle_dir is not None else out_dir / "bundle"
-    return write_view(out_dir, run_view(bundle, diag, out_dir=out_dir, bundle_dir=bundle_dir), bundle_dir)

@@ -12,9 +12,7 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.analyze.engines import judge_engines
 from kvdiag.model import (
-    ABComparison,
     Bundle,
     Diagnosis,
     EngineJudgement,
@@ -93,7 +91,7 @@ def report_of(bundle: Bundle, diagnosis: Diagnosis, *, command: str = "", bundle
         soak=bundle.soak,
         ab=ab,
         bundle_path=bundle_path,
-        host=dict(bundle.host),
+        host=bundle.host.model_copy(),
         scenario=bundle.scenario_path,
         stall_window_s=bundle.stall_window_s,
         interrupted=bundle.interrupted,
@@ -103,29 +101,6 @@ def report_of(bundle: Bundle, diagnosis: Diagnosis, *, command: str = "", bundle
         outcome=ab.outcome if ab is not None else verdict.kind.value,
         simulated_engines=simulated_engines(bundle),
     )
-
-
-def diagnosis_of(bundle: Bundle, verdict: Verdict, *, exit_code: int,
-                 verdicts_by_engine: dict[str, Verdict] | None = None,
-                 ab: ABComparison | None = None) -> Diagnosis:
-    """A diagnosis from a caller that holds verdicts but no stored diagnosis (a hand-built bundle): the
-    engines' judgements are the stored ones when ``bundle``'s diagnosis holds these verdicts, else
-    judged by kvdiag.analyze, exactly as :func:`kvdiag.analyze.diagnose` stores them."""
-    by_engine = dict(verdicts_by_engine or {})
-    stored = bundle.diagnosis
-    engines = stored.engines if stored is not None and stored.verdicts_by_engine == by_engine else None
-    if engines is None:
-        engines = judge_engines(bundle, by_engine)
-    return Diagnosis(verdict=verdict, verdicts_by_engine=by_engine, exit_code=exit_code, ab=ab, engines=engines)
-
-
-def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
-                 verdicts_by_engine: dict[str, Verdict] | None = None,
-                 ab: ABComparison | None = None, bundle_path: str | None = None) -> Report:
-    """The report for ``bundle`` judged as ``verdict`` (see :func:`diagnosis_of`; a run renders
-    :func:`report_of` its stored diagnosis)."""
-    diag = diagnosis_of(bundle, verdict, exit_code=exit_code, verdicts_by_engine=verdicts_by_engine, ab=ab)
-    return report_of(bundle, diag, command=command, bundle_path=bundle_path)
 
 
 def simulated_engines(bundle: Bundle) -> list[str]:

@@ -165,7 +165,7 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
 
     out += ["", "#### Environment", ""]
     env_lines = [f"kvdiag {report.kvdiag_version}"]
-    env_lines += [f"{k}: {val}" for k, val in report.host.items()]
+    env_lines += [f"{k}: {val}" for k, val in report.host.model_dump(exclude_defaults=True).items()]
     if report.stall_window_s is not None:
         env_lines.append(f"stall window: {report.stall_window_s:g} s")
     if report.stall_to_verdict_s is not None:

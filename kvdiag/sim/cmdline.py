@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
-from kvdiag.interpreter import module_argv
+from kvdiag.pymodule import module_argv
 
 
 def _fmt(value: float) -> str:

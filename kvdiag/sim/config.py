@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any
+
+from kvdiag.defaults import SIM_BLOCK_SIZE, SIM_TOKENS_PER_PAGE
+from kvdiag.kvcached.settings import read_settings
 
 MB = 1024 * 1024
 GB = 1024 * MB
@@ -39,25 +41,6 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 
 
-def _env_bool_true(name: str, default: str) -> bool:
-    """kvcached's rule: only the word "true" (any case) enables."""
-    return os.environ.get(name, default).strip().lower() == "true"
-
-
-_N = TypeVar("_N", int, float)
-
-
-def _env_number(name: str, kind: Callable[[str], _N], what: str) -> _N | None:
-    """``name`` from the environment as ``kind`` (unset or blank: None); a malformed value stops the engine."""
-    raw = os.environ.get(name)
-    if raw is None or not raw.strip():
-        return None
-    try:
-        return kind(raw)
-    except ValueError:
-        raise SystemExit(f"invalid {name}={raw!r}: expected {what}") from None
-
-
 @dataclass
 class SimConfig:
     """Everything one simulated engine needs; picklable (it crosses into the EngineCore process). Grouped as
@@ -84,8 +67,8 @@ class SimConfig:
     ipc_name: str = ""
     worker_ipc: bool = False
     map_latency_us: int = 0
-    tokens_per_page: int = 2048
-    block_size: int = 16
+    tokens_per_page: int = SIM_TOKENS_PER_PAGE
+    block_size: int = SIM_BLOCK_SIZE
     # the modelled device
     device_name: str = "kvdiag0"
     device_size_gb: float = 96.0
@@ -255,22 +238,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-# kvcached's numeric environment variables and the SimConfig field each sets unless a flag gave it.
-_ENV_NUMBERS: tuple[tuple[str, str, Callable[[str], float], str], ...] = (
-    ("KVCACHED_GPU_UTILIZATION", "kvcached_gpu_utilization", float, "a number"),
-    ("KVCACHED_PAGE_SIZE_MB", "page_size_mb", int, "an integer"),
-    ("KVCACHED_MIN_RESERVED_PAGES", "min_reserved_pages", int, "an integer"),
-    ("KVCACHED_MAX_RESERVED_PAGES", "max_reserved_pages", int, "an integer"),
-)
-
-
 def _apply_env(cfg: SimConfig, given: set[str]) -> None:
+    """kvcached's settings from the environment, each unless a flag gave it; a malformed one stops the engine
+    (checked even when a flag overrides it)."""
+    env = read_settings(os.environ)
+    if env.errors:
+        raise SystemExit(env.errors[0])
     if "prealloc" not in given:
-        cfg.prealloc = _env_bool_true("KVCACHED_PAGE_PREALLOC_ENABLED", "true")
-    if "contiguous_layout" not in given and os.environ.get("KVCACHED_CONTIGUOUS_LAYOUT"):
-        cfg.contiguous_layout = _env_bool_true("KVCACHED_CONTIGUOUS_LAYOUT", "true")
-    for env, name, kind, what in _ENV_NUMBERS:
-        value = _env_number(env, kind, what)    # read (and checked) even when a flag overrides it
+        cfg.prealloc = env.prealloc_on
+    if "contiguous_layout" not in given and env.contiguous_layout is not None:
+        cfg.contiguous_layout = env.contiguous_layout
+    for name, value in (("kvcached_gpu_utilization", env.gpu_utilization), ("page_size_mb", env.page_size_mb),
+                        ("min_reserved_pages", env.min_reserved_pages), ("max_reserved_pages", env.max_reserved_pages)):
         if value is not None and name not in given:
             setattr(cfg, name, value)
     if "ipc_name" not in given:

@@ -2,27 +2,14 @@
 
 from __future__ import annotations
 
-import math
 import time
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiag.model import MetricsSnapshot
 from kvdiag.osread.stat import read_stat
 from kvdiag.osread.tasks import list_tids
-
-__all__ = ["metric_samples"]
-
-_WANTED = {
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
-    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:num_preemptions_total": "preemptions",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-}
+from kvdiag.watch.metrics import parse_metrics
 
 
 def check_health(client: httpx.Client, base_url: str, timeout_s: float = 1.0) -> bool:
@@ -53,33 +40,6 @@ def probe_completion(client: httpx.Client, base_url: str, model: str | None, max
     except (ValueError, KeyError, IndexError, TypeError, AttributeError):
         return False, f"unexpected answer after {took:.2f}s: {resp.text[:160]}"
     return tokens > 0, f"{tokens} tokens in {took:.2f}s, finish_reason {finish}"
-
-
-def parse_metrics(text: str, t: float, engine: str | None = None) -> MetricsSnapshot:
-    """Sum the vLLM gauges/counters we watch over all label sets (prometheus_client's parser)."""
-    values: dict[str, float] = {}
-    for name, value in metric_samples(text):
-        key = _WANTED.get(name)
-        if key is not None and not math.isnan(value):
-            values[key] = values.get(key, 0.0) + value
-    return MetricsSnapshot(t=t, engine=engine, **values)
-
-
-def metric_samples(text: str) -> list[tuple[str, float]]:
-    """(sample name, value) of every sample in an exposition; a malformed line costs only itself."""
-    try:
-        return [(s.name, float(s.value)) for fam in text_string_to_metric_families(text) for s in fam.samples]
-    except ValueError:
-        out: list[tuple[str, float]] = []
-        for line in text.splitlines():
-            if not line.strip() or line.startswith("#"):
-                continue
-            try:
-                out += [(s.name, float(s.value)) for fam in text_string_to_metric_families(line + "\n")
-                        for s in fam.samples]
-            except ValueError:
-                continue
-        return out
 
 
 def scrape_metrics(client: httpx.Client, base_url: str, t: float, engine: str | None = None,

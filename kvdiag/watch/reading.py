@@ -1,80 +1,13 @@
 """What one look at a running server reads: its /metrics progress, /health, and its local EngineCore.
 
-Pure data and parsing; the sentinel (:mod:`kvdiag.watch.sentinel`) judges a sequence of looks.
+Pure data; the sentinel (:mod:`kvdiag.runs.watch.sentinel`) judges a sequence of looks.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
-from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.probe import metric_samples
-
-# Sample name -> field of ServerMetrics; label sets (engines, finish reasons) are summed.
-_FIELDS = {
-    "vllm:num_requests_running": "running",
-    "vllm:num_requests_waiting": "waiting",
-    "vllm:kv_cache_usage_perc": "kv_cache_usage",
-    "vllm:gpu_cache_usage_perc": "kv_cache_usage",
-    "vllm:generation_tokens_total": "generation_tokens",
-    "vllm:prompt_tokens_total": "prompt_tokens",
-    "vllm:request_success_total": "finished",
-    "vllm:num_preemptions_total": "preemptions",
-    # One observation per engine step: the iteration counter.
-    "vllm:iteration_tokens_total_count": "iterations",
-    # The API server's own start (prometheus_client's process collector): changes when it restarts.
-    "process_start_time_seconds": "start_time",
-}
-
-
-@dataclass(frozen=True)
-class ServerMetrics:
-    """The /metrics values the sentinel follows (None: the server does not export it)."""
-
-    running: float | None = None
-    waiting: float | None = None
-    kv_cache_usage: float | None = None
-    generation_tokens: float | None = None
-    prompt_tokens: float | None = None
-    finished: float | None = None
-    preemptions: float | None = None
-    iterations: float | None = None
-    start_time: float | None = None
-
-    @property
-    def in_flight(self) -> int | None:
-        """Requests running or waiting; None when the server exports neither gauge."""
-        if self.running is None and self.waiting is None:
-            return None
-        return int((self.running or 0) + (self.waiting or 0))
-
-    @property
-    def progress(self) -> float | None:
-        """A cumulative count that grows whenever the engine gets work done: tokens generated,
-        prompt tokens prefilled, requests finished. None when none of them is exported."""
-        parts = [v for v in (self.generation_tokens, self.prompt_tokens, self.finished) if v is not None]
-        return sum(parts) if parts else None
-
-    def snapshot(self, t: float, engine: str | None) -> MetricsSnapshot:
-        """The bundle's record of this reading at run time ``t``."""
-        return MetricsSnapshot(t=round(t, 3), engine=engine, kv_cache_usage=self.kv_cache_usage,
-                               running=self.running, waiting=self.waiting, preemptions=self.preemptions,
-                               generation_tokens=self.generation_tokens, prompt_tokens=self.prompt_tokens)
-
-
-def parse_server_metrics(text: str) -> ServerMetrics:
-    """The followed values of a Prometheus exposition (vLLM's names; a malformed line costs only itself)."""
-    values: dict[str, float] = {}
-    for name, value in metric_samples(text):
-        key = _FIELDS.get(name)
-        if key is None or math.isnan(value):
-            continue
-        if key == "start_time":
-            values[key] = value      # one process: never a sum
-        else:
-            values[key] = values.get(key, 0.0) + value
-    return ServerMetrics(**values)
+from kvdiag.watch.metrics import ServerMetrics
 
 
 @dataclass(frozen=True)
@@ -100,4 +33,4 @@ class Look:
     core: CoreSample | None = None      # the local EngineCore
 
 
-__all__ = ["CoreSample", "Look", "ServerMetrics", "parse_server_metrics"]
+__all__ = ["CoreSample", "Look"]

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from kvcli import HEALTH_SERVER, run_kvdiag
 
-from kvdiag.launch.process import free_port
+from kvdiag.ports import free_port
 
 pytestmark = pytest.mark.timeout(200)
 

@@ -12,7 +12,7 @@ import pytest
 
 from kvdiag.analyze.doctor import EnginePlan, colocation_checks, headroom_checks
 from kvdiag.environment import collect_environment
-from kvdiag.environment.kvcached import fingerprint_tree
+from kvdiag.kvcached.build import fingerprint_tree
 from kvdiag.model import GpuInfo, RiskStatus
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from kvcli import read_report, run_kvdiag
 
-from kvdiag.launch.process import free_port
+from kvdiag.ports import free_port
 
 
 def _scenario(tmp: Path, port_arg: str, device: str) -> Path:

@@ -32,7 +32,7 @@ child.wait(60)
 """
 CHILD = r"""
 import json, os, sys
-from kvdiag.fleet.node import capture_on_node
+from kvdiag.runs.fleet.node import capture_on_node
 open(sys.argv[2] + ".started", "w").close()
 out = capture_on_node([int(sys.argv[1])], 10.0, ["proc", "py-spy"], "test")
 with open(sys.argv[2] + ".tmp", "w") as fh:

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.environment.runtime import collect_runtime
+from kvdiag.kvcached.runtime import collect_runtime
 
 pytestmark = pytest.mark.timeout(120)
 

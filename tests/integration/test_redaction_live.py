@@ -26,7 +26,7 @@ import yaml
 from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
 from kvdiag.launch.engines import sim_argv
-from kvdiag.launch.process import free_port
+from kvdiag.ports import free_port
 from kvdiag.redact import REDACTED
 from kvdiag.scenario.models import EngineSpec, SimParams
 from kvdiag.sim.harness import remove_device_files

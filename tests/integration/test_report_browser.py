@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from kvdiag.analyze.engines import diagnosis_of
 from kvdiag.model import (
     ABComparison,
     BannerInfo,
@@ -41,7 +42,7 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.report import write_outputs
+from kvdiag.report import run_view, write_view
 
 MARK = "KVDIAG-PWNED"
 PAYLOADS = [
@@ -75,7 +76,7 @@ def _bundle(bundle_dir: Path) -> tuple[Bundle, Verdict]:
                         raw=f"Init C++ PageAllocator: num_layers=28 {p[0]}")
     engine_name = f"model {p[1]}"
     bundle = Bundle(
-        command="repro two-engine", host={"hostname": p[2]}, scenario_path=p[3],
+        command="repro two-engine", host={"kernel": p[2]}, scenario_path=p[3],
         engines=[EngineRecord(name=engine_name, allocator=p[4], phase=EnginePhase.STALLED, banners=[banner],
                               last_log_line=p[0], log_tail=list(p), error=p[1], log_path="logs/engine.log",
                               url=p[5], pids={"api_server": 199, "engine_core": 200})],
@@ -176,8 +177,10 @@ def test_injected_markup_is_text_and_never_runs(tmp_path: Path) -> None:
     if browser is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
     bundle, verdict = _bundle(tmp_path / "bundle")
-    paths = write_outputs(tmp_path, bundle, verdict, command=f"repro {PAYLOADS[1]}", exit_code=10,
-                          verdicts_by_engine={f"eng {PAYLOADS[0]}": verdict}, ab=_ab_carrying(PAYLOADS[2]))
+    diag = diagnosis_of(bundle, verdict, exit_code=10, verdicts_by_engine={f"eng {PAYLOADS[0]}": verdict},
+                        ab=_ab_carrying(PAYLOADS[2]))
+    view = run_view(bundle, diag, out_dir=tmp_path, bundle_dir=tmp_path / "bundle", command=f"repro {PAYLOADS[1]}")
+    paths = write_view(tmp_path, view, tmp_path / "bundle")
     dump, log = _load_in_chromium(browser, paths["report.html"], tmp_path)
     _assert_nothing_ran(dump, log)
     assert dump.title == "kvdiag A/B: separated"

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvdiag.interpreter import module_argv
+from kvdiag.pymodule import module_argv
 from kvdiag.sim import command
 from kvdiag.sim.config import PRESETS, SimConfig, parse_args
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from kvcli import read_report, run_kvdiag
 
-from kvdiag.launch.process import free_port
+from kvdiag.ports import free_port
 from kvdiag.sim.harness import SimProcess, process_alive, remove_device_files
 
 ROOT = Path(__file__).resolve().parents[2]

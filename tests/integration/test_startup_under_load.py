@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from kvcli import read_report, run_kvdiag
 
-from kvdiag.interpreter import module_argv
-from kvdiag.launch.process import free_port
+from kvdiag.ports import free_port
+from kvdiag.pymodule import module_argv
 
 pytestmark = pytest.mark.timeout(300)
 

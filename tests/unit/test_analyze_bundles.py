@@ -14,7 +14,7 @@ import pytest
 from kvdiag.analyze import analyze, analyze_by_engine, classify_process, exit_code_for
 from kvdiag.analyze.classify import WaitKind
 from kvdiag.bundle import load_bundle
-from kvdiag.logs.banner import parse_banner
+from kvdiag.kvcached.banner import parse_banner
 from kvdiag.model import (
     Bundle,
     Confidence,

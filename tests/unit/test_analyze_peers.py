@@ -121,7 +121,7 @@ def test_real_vllm_stock_engine_two_is_the_engine_core_gil_cycle() -> None:
 def test_api_server_loop_parked_on_a_hung_engine_core_defers_to_it() -> None:
     bundle, api, core = _stock()
     _park_api_loop_on_core(api, core)
-    alone = analyze_process(api, bundle.host.get("machine"), "vlm")
+    alone = analyze_process(api, bundle.host.machine, "vlm")
     assert alone is not None and alone.kind is VerdictKind.BLOCKED_IPC_READ   # on its own, it is one
     verdict = analyze_by_engine(bundle)["vlm"]
     assert verdict.kind is VerdictKind.GIL_CYCLE and f"pid {core.pid}" in verdict.summary, verdict.summary
@@ -199,7 +199,7 @@ def test_idle_vllm_tree_with_fd_peers_is_healthy() -> None:
     _park(core, next(t.tid for t in core.threads if t.name == "MultiprocWorkerMonitor"), [_conn("pipe", worker)])
     _park(worker, worker.pid, [_conn("socket", core)])
     _park(worker, next(t.tid for t in worker.threads if t.name == "DeathPipeMonitor"), [_conn("pipe", core)])
-    alone = analyze_process(api, bundle.host.get("machine"), "e")
+    alone = analyze_process(api, bundle.host.machine, "e")
     assert alone is not None and alone.kind is VerdictKind.BLOCKED_IPC_READ   # the shape that misled
     verdict = analyze_by_engine(bundle)["e"]
     assert verdict.kind is VerdictKind.HEALTHY, verdict.summary

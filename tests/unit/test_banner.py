@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.logs.banner import assess_risk, parse_banner, parse_banners
+from kvdiag.kvcached.banner import assess_risk, parse_banner, parse_banners
 
 ENGINE2 = ("Init C++ PageAllocator: num_layers=28, mem_size_per_layer=11MB, total_mem_size=667MB, "
            "page_size=2MB, world_size=1, pp_rank=0, async_sched=1, contiguous_layout=1, enable_prealloc=1, "

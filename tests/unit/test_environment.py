@@ -12,7 +12,7 @@ from kvdiag.environment import collect_environment
 from kvdiag.environment.host import relevant_env
 from kvdiag.environment.ptrace import judge
 from kvdiag.model import EnvironmentRecord, PtraceAccess
-from kvdiag.report.redact import REDACTED
+from kvdiag.redact import REDACTED
 
 
 def test_record_of_this_host_round_trips() -> None:
@@ -73,7 +73,7 @@ def test_gpus_read_through_nvidia_smi_in_a_child(tmp_path: Path, monkeypatch: py
                    "echo '1, NVIDIA H200, 143771, 140000, 570.124.06'\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    from kvdiag.environment.gpu import read_gpus
+    from kvdiag.osread.gpu import read_gpus
 
     driver, runtime, gpus, note = read_gpus(timeout_s=60)
     assert driver == "570.124.06" and runtime is None and note == "read with nvidia-smi"
@@ -85,8 +85,8 @@ def test_a_host_with_nothing_to_ask_starts_no_child(tmp_path: Path, monkeypatch:
     """No cuda-python and no nvidia-smi: the answer the child would give, without starting it."""
     import importlib.util
 
-    import kvdiag.environment.child as child
-    from kvdiag.environment.gpu import query, read_gpus
+    import kvdiag.osread.child as child
+    from kvdiag.osread.gpu import query, read_gpus
 
     if importlib.util.find_spec("cuda") is not None:
         pytest.skip("cuda-python is installed: the child asks it")
@@ -113,7 +113,7 @@ def test_gpu_query_is_bounded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
     smi.write_text(f"#!/bin/sh\nexec sleep {stamp}\n")
     smi.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
-    from kvdiag.environment.gpu import read_gpus
+    from kvdiag.osread.gpu import read_gpus
 
     _, _, gpus, note = read_gpus(timeout_s=3)
     assert gpus == [] and "did not answer within 3s" in note

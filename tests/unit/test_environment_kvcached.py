@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.environment.kvcached import (
+from kvdiag.kvcached.build import (
     GIL_DEFECT,
     IPC_DEFECT,
     UNDERFLOW_DEFECT,

@@ -21,10 +21,10 @@ from kvdiag.analyze import analyze, analyze_by_engine, analyze_process
 from kvdiag.bundle import load_bundle
 from kvdiag.cli.main import main
 from kvdiag.errors import BundleError
-from kvdiag.fleet.pack import pack_dir, unpack_dir
-from kvdiag.fleet.refusal import access_refusal, task_failure
-from kvdiag.fleet.select import RayNode, RayWorker, node_names, select_targets
 from kvdiag.model import Frame, RayActorRecord
+from kvdiag.runs.fleet.pack import pack_dir, unpack_dir
+from kvdiag.runs.fleet.refusal import access_refusal, task_failure
+from kvdiag.runs.fleet.select import RayNode, RayWorker, node_names, select_targets
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 
@@ -195,7 +195,7 @@ def test_a_capture_task_that_cannot_import_kvdiag_names_the_module_and_the_nodes
     outcome, why = task_failure("RayTaskError(RuntimeError)", ray_text.format("kvdiag"))
     assert outcome == "refused" and "kvdiag is not importable by the Python Ray runs on that node" in why
     assert "/opt/venv/lib/python3.11/site-packages" in why and "No module named 'kvdiag'" in why
-    assert "another version" in task_failure("RayTaskError", ray_text.format("kvdiag.fleet"))[1]
+    assert "another version" in task_failure("RayTaskError", ray_text.format("kvdiag.runs.fleet"))[1]
     assert "No module named 'pydantic'" in task_failure("RayTaskError", ray_text.format("pydantic"))[1]
     assert task_failure("NodeDiedError", "")[0] == "died"
     assert task_failure("RayTaskError(OSError)", "boom\nOSError: disk full\n") == (

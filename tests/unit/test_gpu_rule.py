@@ -33,7 +33,7 @@ from kvdiag.model import (
     VerdictKind,
 )
 from kvdiag.osread.nvml import GpuSampler, parse_lines
-from kvdiag.report import render_run
+from kvdiag.report import run_view, write_view
 
 RAW = Path(__file__).resolve().parents[1] / "fixtures" / "raw" / "gpu"
 PIDS = {"item_spin": 41230, "stream_sync_gil": 52001, "event_sync_blocking": 7301, "launch_blocked": 808}
@@ -173,7 +173,8 @@ def test_bundle_round_trip_and_reports(tmp_path: Path) -> None:
     assert bundle.processes[0].gpu is not None and len(bundle.processes[0].gpu.snapshots) == 3
     bundle.diagnosis = diagnose(bundle)
     assert bundle.diagnosis.exit_code == 10
-    paths = render_run(tmp_path / "out", bundle, bdir)
+    out = tmp_path / "out"
+    paths = write_view(out, run_view(bundle, bundle.diagnosis, out_dir=out, bundle_dir=bdir), bdir)
     report = json.loads(paths["report.json"].read_text())
     assert report["verdict"]["kind"] == "gpu_kernel_hang"
     assert "cudaStreamSynchronize" in report["verdict"]["summary"]

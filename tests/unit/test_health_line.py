@@ -11,10 +11,12 @@ import io
 from pathlib import Path
 
 import pytest
+from reportkit import build_report, write_outputs
 from rich.console import Console
 
 from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind, engine_health
-from kvdiag.report import build_report, render_markdown, render_terminal, write_outputs
+from kvdiag.report import render_markdown
+from kvdiag.report.terminal import render_terminal
 
 
 def _record(probe_ok: bool, phase: EnginePhase) -> EngineRecord:

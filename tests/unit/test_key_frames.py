@@ -15,11 +15,12 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from reportkit import build_report
 
 from kvdiag.analyze import analyze
 from kvdiag.bundle import load_bundle
 from kvdiag.model import Bundle, EvidenceItem, Verdict
-from kvdiag.report import build_report, render_html, render_json, render_markdown
+from kvdiag.report import render_html, render_json, render_markdown
 from kvdiag.report.html import format_frame
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"

@@ -17,7 +17,7 @@ import yaml
 
 from kvdiag.model import Bundle
 from kvdiag.redact import OLD_MARKERS, REDACTED, redact_argv, redact_text, scan_text, scan_tree
-from kvdiag.runner import LaunchedRun
+from kvdiag.runs.lifecycle import LaunchedRun
 from kvdiag.scenario.loader import parse_scenario
 
 HF = "hf_" + "Q7wErTyUiOpAsDfGhJkL"          # credential-shaped

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
+from reportkit import build_report, write_outputs
 from rich.console import Console
 
 from kvdiag.bundle import save_bundle
@@ -43,8 +44,9 @@ from kvdiag.model import (
     Verdict,
     VerdictKind,
 )
-from kvdiag.report import build_report, render_html, render_json, render_markdown, render_terminal, write_outputs
+from kvdiag.report import render_html, render_json, render_markdown
 from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, script_json
+from kvdiag.report.terminal import render_terminal
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "report.schema.json"
 
@@ -84,7 +86,7 @@ def seed_bundle(bundle_dir: Path | None = None) -> tuple[Bundle, Verdict, dict[s
         (bundle_dir / "logs/eng2.log").write_text(f"\x1b[32mINFO\x1b[0m loading\n{BANNER_RAW}\n")
     bundle = Bundle(
         kvdiag_version="0.1.0", command="repro two-engine", created_at="2025-01-01T00:00:00+00:00",
-        host={"hostname": "box", "python": "3.11.7"}, scenario_path="two-engine", stall_window_s=5.0,
+        host={"machine": "box64", "python": "3.11.7"}, scenario_path="two-engine", stall_window_s=5.0,
         engines=[
             EngineRecord(name="eng1", allocator="stock", phase=EnginePhase.SERVING, healthy=True,
                          pids={"api_server": 100, "engine_core": 101}, startup_s=3.2,
@@ -376,7 +378,7 @@ def test_markdown_is_issue_ready(tmp_path: Path) -> None:
     assert "| eng2 | 0 | 28 | 11 MB | 2 MB | 5 | on | 5/5 | **RISK at start-up** |" in md
     assert "a \\| b &lt;pad&gt;" in md  # table cell stays one cell; no raw HTML
     assert "Stacks of the cited threads" in md and "futex_wait [libc.so.6]" in md
-    assert "hostname: box" in md
+    assert "machine: box64" in md
 
 
 def test_terminal_summary() -> None:
@@ -411,7 +413,7 @@ def test_planted_secrets_reach_no_output_file(tmp_path: Path, validator: jsonsch
     (bundle_dir / "raw/eng2/py-spy-200.txt").write_text(leak)
     (bundle_dir / "logs/eng2.log").write_text(leak + "\n")
     (bundle_dir / "scenario.yaml").write_text(f"engines:\n  - env: {{HF_TOKEN: {secrets['hf']}}}\n")
-    bundle.host["env"] = leak
+    bundle.host.kernel = leak
     bundle.engines[1].name = f"eng2 {secrets['sk']}"
     bundle.engines[1].log_tail = [leak]
     bundle.engines[1].last_log_line = leak

@@ -5,15 +5,14 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from reportkit import build_report, write_outputs
 from rich.console import Console
 
 from kvdiag.analyze import analyze
 from kvdiag.bundle import load_bundle
 from kvdiag.environment import collect_environment
-from kvdiag.environment.kvcached import fingerprint_tree
+from kvdiag.kvcached.build import fingerprint_tree
 from kvdiag.model import InterpreterPackages, IpcSocket, KvcachedBuild, KvcachedRuntime, ShmSegment
-from kvdiag.report import write_outputs
-from kvdiag.report.json import build_report
 from kvdiag.report.terminal import render_terminal
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

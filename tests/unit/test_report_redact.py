@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdiag.model import ProcessEvidence, ThreadEvidence
-from kvdiag.report.redact import REDACTED, is_secret_name, redact_obj, redact_shapes, redact_text
+from kvdiag.redact import REDACTED, is_secret_name, redact_obj, redact_shapes, redact_text
 
 HF = "hf_" + "Abc123XyZ" * 4
 SK = "sk-proj-" + "Q1w2E3r4T5y6U7i8" * 2

@@ -15,7 +15,7 @@ from kvdiag.bundle import load_bundle
 from kvdiag.cli.common import print_summary
 from kvdiag.cli.main import main
 from kvdiag.model import Report
-from kvdiag.outputs import finish
+from kvdiag.runs.output import finish
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 

@@ -9,12 +9,14 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
+from reportkit import build_report
 from rich.console import Console
 
 from kvdiag.analyze import analyze, analyze_by_engine
 from kvdiag.load.progress import ProgressView
 from kvdiag.model import Bundle
-from kvdiag.report import build_report, render_markdown, render_terminal
+from kvdiag.report import render_markdown
+from kvdiag.report.terminal import render_terminal
 
 BUNDLE = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "soak_gil_cycle" / "bundle.json"
 

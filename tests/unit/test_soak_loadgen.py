@@ -12,10 +12,11 @@ from typing import Any
 import pytest
 import uvicorn
 
-from kvdiag.launch.process import free_port
 from kvdiag.load.loadgen import LoadConfig, LoadGenerator
 from kvdiag.load.stream import RequestStatus
-from kvdiag.watch.watchdog import MetricsPoller, NoProgressWatchdog
+from kvdiag.ports import free_port
+from kvdiag.watch.poller import MetricsPoller
+from kvdiag.watch.stall import ServingStall
 
 Scope = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -254,9 +255,9 @@ def test_read_timeout_ends_a_silent_request(server: tuple[str, SSEApp]) -> None:
 def test_watchdog_fires_on_a_mid_stream_stall_and_stop_cancels(server: tuple[str, SSEApp]) -> None:
     url, _ = server
 
-    async def go() -> tuple[LoadGenerator, NoProgressWatchdog]:
+    async def go() -> tuple[LoadGenerator, ServingStall]:
         lg = LoadGenerator(LoadConfig(base_url=url, concurrency=3, max_tokens=4, prompt="hang"))
-        wd = NoProgressWatchdog(0.3)
+        wd = ServingStall(0.3)
         lg.start()
         await _until(lambda: wd.observe(lg.in_flight, lg.progress, lg.last_progress_t))
         await lg.stop(timeout_s=10)
@@ -384,9 +385,9 @@ def test_a_slow_scrape_is_a_gap_not_a_stall(server: tuple[str, SSEApp]) -> None:
     client) is untouched and the gap is reported as such."""
     url, app = server
 
-    async def go() -> tuple[MetricsPoller, LoadGenerator, NoProgressWatchdog, bool]:
+    async def go() -> tuple[MetricsPoller, LoadGenerator, ServingStall, bool]:
         p = MetricsPoller(url, "e", t0=time.monotonic(), period_s=0.2, timeout_s=10.0)
-        wd = NoProgressWatchdog(1.0)
+        wd = ServingStall(1.0)
         lg = LoadGenerator(LoadConfig(base_url=url, concurrency=2, max_tokens=20, prompt="slow"))
         p.start()
         await _until(lambda: len(p.snapshots) >= 2)

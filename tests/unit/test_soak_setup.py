@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
+from kvdiag.capture.locate import is_local_host, server_pid, url_host_port
 from kvdiag.errors import UsageError
-from kvdiag.load.procnet import is_local_host, server_pid, url_host_port
 from kvdiag.osread.net import listening_pids
+from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, single_engine
 from kvdiag.scenario import load_scenario
-from kvdiag.soakrun import SoakOptions, load_soak_scenario, single_engine
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from kvdiag.analyze.soak import flat_generation_span
 from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.watchdog import NoProgressWatchdog
+from kvdiag.watch.stall import ServingStall
 
 
 class FakeClock:
@@ -17,7 +17,7 @@ class FakeClock:
 
 def test_stall_after_window_with_requests_in_flight() -> None:
     clk = FakeClock()
-    wd = NoProgressWatchdog(5.0, clock=clk)
+    wd = ServingStall(5.0, clock=clk)
     tokens = 0
     for _ in range(20):               # 2 s of steady tokens
         clk.t += 0.1
@@ -39,7 +39,7 @@ def test_stall_after_window_with_requests_in_flight() -> None:
 
 def test_idle_is_not_a_stall() -> None:
     clk = FakeClock()
-    wd = NoProgressWatchdog(1.0, clock=clk)
+    wd = ServingStall(1.0, clock=clk)
     for _ in range(100):
         clk.t += 0.5
         assert not wd.observe(0, 0)
@@ -55,7 +55,7 @@ def test_idle_is_not_a_stall() -> None:
 
 def test_first_observation_with_tokens_is_not_progress_from_the_past() -> None:
     clk = FakeClock()
-    wd = NoProgressWatchdog(2.0, clock=clk)
+    wd = ServingStall(2.0, clock=clk)
     assert not wd.observe(8, 500, last_token_t=clk.t - 60)   # an old count: baseline only
     clk.t += 2.0
     assert wd.observe(8, 500, last_token_t=clk.t - 62)
@@ -63,7 +63,7 @@ def test_first_observation_with_tokens_is_not_progress_from_the_past() -> None:
 
 def test_quiet_for() -> None:
     clk = FakeClock()
-    wd = NoProgressWatchdog(10.0, clock=clk)
+    wd = ServingStall(10.0, clock=clk)
     wd.observe(1, 0)
     clk.t += 3.0
     assert wd.quiet_for == 3.0
@@ -73,7 +73,7 @@ def test_a_gap_in_observing_is_not_a_stall() -> None:
     """The caller's loop starved for longer than the window: the first look after the gap does not
     fire (tokens may wait unread in its sockets); the next one, with still no token, does."""
     clk = FakeClock()
-    wd = NoProgressWatchdog(5.0, clock=clk, max_blind_s=1.0)
+    wd = ServingStall(5.0, clock=clk, max_blind_s=1.0)
     assert not wd.observe(8, 100, clk.t)
     clk.t += 6.0                                   # no observation for 6 s
     assert not wd.observe(8, 100, clk.t - 6.0)

@@ -11,7 +11,7 @@ import jsonschema
 
 from kvdiag.model import SweepAxis, SweepCell, SweepReport, SweepRun
 from kvdiag.report.sweep import render_sweep_html
-from kvdiag.sweep.summarize import conclude
+from kvdiag.runs.sweep.summarize import conclude
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schema" / "sweep.schema.json"
 

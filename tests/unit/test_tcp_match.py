@@ -16,8 +16,8 @@ from pathlib import Path
 
 from kvdiag.analyze.tcp_match import TcpIndex, parse_addr, split_connection
 from kvdiag.cli.main import main
-from kvdiag.fleet.merge import NodePart, captures_apart, same_host_twice
 from kvdiag.model import Bundle, EnvironmentRecord, NodeRecord, ProcessEvidence, TcpSocket
+from kvdiag.runs.fleet.merge import NodePart, captures_apart, same_host_twice
 
 
 def _run(*argv: str) -> tuple[int, str, str]:

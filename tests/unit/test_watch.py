@@ -7,7 +7,7 @@ from pathlib import Path
 from kvdiag.logs.lines import LogState, feed_line
 from kvdiag.model import EnginePhase
 from kvdiag.watch.logs import LogFollower, scan_file
-from kvdiag.watch.probe import parse_metrics
+from kvdiag.watch.metrics import parse_metrics
 from kvdiag.watch.stall import Observation, StallDetector
 
 VLLM = Path(__file__).resolve().parents[2].parent / "shared" / "vllm"

@@ -10,11 +10,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.watch.events import EventSink, WatchEvent
-from kvdiag.watch.exporter import WatchExporter
-from kvdiag.watch.reading import CoreSample, Look, ServerMetrics, parse_server_metrics
-from kvdiag.watch.retention import capture_dir, prune, watch_captures
-from kvdiag.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel
+from kvdiag.runs.watch.events import EventSink, WatchEvent
+from kvdiag.runs.watch.exporter import WatchExporter
+from kvdiag.runs.watch.retention import capture_dir, prune, watch_captures
+from kvdiag.runs.watch.sentinel import CaptureRequest, CaptureResult, EngineTracker, Sentinel
+from kvdiag.watch.metrics import ServerMetrics, parse_server_metrics
+from kvdiag.watch.reading import CoreSample, Look
 
 VLLM = Path(__file__).resolve().parents[2].parent / "shared" / "vllm"
 
