@@ -79,7 +79,7 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
         out += ["", "> [!WARNING]", "> The run was interrupted; this report holds what was captured until then."]
     if view.soak is not None:
         # A soak's figures come first, with their units (the plots are in report.html).
-        out += ["", "#### Soak results", "", "| | |", "|---|---|"]
+        out += ["", f"#### {view.soak.title}", "", "| | |", "|---|---|"]
         out += [f"| {f.label} | {_cell(f.value)}{' (' + _cell(f.note) + ')' if f.note else ''} |"
                 for f in view.soak.figures]
     if ab is not None:

@@ -59,6 +59,7 @@ class SoakView:
     figures: list[Figure]
     plots: list[Plot]
     details: list[tuple[str, str]]
+    title: str = "Soak results"      # the section's heading: a soak's, or what a watch saw
 
 
 def _ms(v: float | None) -> str:
@@ -171,6 +172,7 @@ def _gauge(metrics: Sequence[MetricsSnapshot], attr: str, scale: float = 1.0) ->
 
 def _marks(timeline: Sequence[TimelineEvent]) -> list[tuple[float, str, str]]:
     names = {"soak load started": ("load started", "plain"), "stall onset (last progress)": ("last token", "warn"),
+             "last progress": ("last progress", "warn"),
              "stall detected": ("stall detected", "bad"), "soak duration reached": ("duration reached", "plain")}
     return [(e.t, *names[e.event]) for e in timeline if e.event in names]
 
@@ -241,4 +243,36 @@ def soak_view(report: Report, bundle: Bundle | None) -> SoakView | None:
     return SoakView(figures=figures(s), plots=plots, details=details(s))
 
 
-__all__ = ["Figure", "Plot", "SoakView", "figures", "soak_lines", "soak_view"]
+def _counter_rate(metrics: Sequence[MetricsSnapshot], attr: str) -> list[tuple[float, float]]:
+    """A counter's rate between consecutive snapshots, placed at the later one (a restart's drop is 0)."""
+    pts = [(m.t, float(getattr(m, attr))) for m in metrics if getattr(m, attr) is not None]
+    return [(t1, max(0.0, v1 - v0) / (t1 - t0)) for (t0, v0), (t1, v1) in zip(pts, pts[1:]) if t1 > t0]
+
+
+def watch_view(report: Report, bundle: Bundle | None) -> SoakView | None:
+    """What `kvdiag watch` read of a stalled server's /metrics before it captured it, plotted as a soak's
+    measurements are (the server's tokens per second, KV usage, requests running and waiting), with
+    the last progress and the stall marked. None for a report without such a record."""
+    if report.soak is not None or bundle is None or len(bundle.metrics) < 2:
+        return None
+    if not any(e.event == "stall detected" for e in report.timeline):
+        return None
+    metrics = sorted(bundle.metrics, key=lambda m: m.t)
+    marks = _marks(report.timeline)
+    t0 = metrics[0].t
+    t1 = max([metrics[-1].t] + [t for t, _, _ in marks])
+    plots = [
+        _plot("tokens", "tokens per second (server)", "tok/s",
+              [("tokens/s", "ok", _counter_rate(metrics, "generation_tokens"))], t0, t1, marks),
+        _plot("kv", "KV cache usage (server)", "%", [("KV usage", "info", _gauge(metrics, "kv_cache_usage", 100.0))],
+              t0, t1, marks, y_max=100.0, fmt="{:.0f} %"),
+        _plot("requests", "requests (server)", "requests",
+              [("running", "ok", _gauge(metrics, "running")), ("waiting", "warn", _gauge(metrics, "waiting"))],
+              t0, t1, marks),
+    ]
+    span = metrics[-1].t - metrics[0].t
+    figures = [Figure(label="watched", value=f"{span:.0f} s", note=f"{len(metrics)} /metrics samples", key="span")]
+    return SoakView(figures=figures, plots=plots, details=[], title="What the watch saw")
+
+
+__all__ = ["Figure", "Plot", "SoakView", "figures", "soak_lines", "soak_view", "watch_view"]

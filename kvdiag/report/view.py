@@ -27,7 +27,7 @@ from kvdiag.model import (
     ThreadEvidence,
 )
 from kvdiag.report.chain import ChainView, chain_view
-from kvdiag.report.soakview import SoakView, soak_view
+from kvdiag.report.soakview import SoakView, soak_view, watch_view
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
@@ -286,7 +286,8 @@ def build_view(report: Report, bundle: Bundle | None = None) -> ReportView:
     return ReportView(report=report, bundle=bundle, processes=cited_first(processes),
                       cited=[(p, t) for p in processes for t in p.threads if t.cited],
                       evidence=[evidence_lines(item) for item in evidence], ab=ab_view(report),
-                      chain=chain_view(report.verdict), soak=soak_view(report, bundle))
+                      chain=chain_view(report.verdict),
+                      soak=soak_view(report, bundle) or watch_view(report, bundle))
 
 
 def as_view(report: Report | ReportView, bundle: Bundle | None = None) -> ReportView:

@@ -194,6 +194,10 @@ def test_watch_and_soak_give_one_stalled_server_one_verdict_and_signature(tmp_pa
     assert isinstance(soaked, dict) and isinstance(watched, dict)
     assert watched["kind"] == soaked["kind"], (watched["summary"], soaked["summary"])
     assert watched["signature"] == soaked["signature"], (watched, soaked)
+    # watch's report plots the minutes of /metrics it kept, with the stall marked, as a soak's does
+    html = (Path(verdict["out"]) / "report.html").read_text()
+    assert "What the watch saw" in html and html.count('<svg class="plot"') == 3, html[:500]
+    assert "stall detected" in html and "last progress" in html
 
 
 def test_a_plain_capture_report_shows_no_engine_noise(tmp_path: Path) -> None:
