@@ -246,7 +246,8 @@ def soak_view(report: Report, bundle: Bundle | None) -> SoakView | None:
 def _counter_rate(metrics: Sequence[MetricsSnapshot], attr: str) -> list[tuple[float, float]]:
     """A counter's rate between consecutive snapshots, placed at the later one (a restart's drop is 0)."""
     pts = [(m.t, float(getattr(m, attr))) for m in metrics if getattr(m, attr) is not None]
-    return [(t1, max(0.0, v1 - v0) / (t1 - t0)) for (t0, v0), (t1, v1) in zip(pts, pts[1:]) if t1 > t0]
+    return [(t1, max(0.0, v1 - v0) / (t1 - t0))
+            for (t0, v0), (t1, v1) in zip(pts, pts[1:], strict=False) if t1 > t0]
 
 
 def watch_view(report: Report, bundle: Bundle | None) -> SoakView | None:
