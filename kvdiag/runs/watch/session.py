@@ -118,7 +118,13 @@ def _served_engine(bundle: Bundle, req: CaptureRequest) -> None:
     of the same server records it, so the analyzer judges a stall under load the same way (decode_stall
     when requests run with the KV pool full and no token comes, with the mechanism the stacks show)."""
     if len(bundle.engines) == 1:            # its log was found: that record, as the watch saw it end
-        bundle.engines[0].phase = EnginePhase.STALLED
+        rec = bundle.engines[0]
+        rec.phase = EnginePhase.STALLED
+        old, rec.name = rec.name, req.engine   # the server as the user named it, not "pid-N"
+        for p in bundle.processes:
+            p.engine = req.engine if p.engine in (None, old) else p.engine
+        for f in bundle.findings:
+            f.engine = req.engine if f.engine == old else f.engine
         return
     if bundle.engines:
         return
