@@ -16,7 +16,10 @@ _OUTCOME_COLOURS = {"healthy": "#2e7d32", "crash": "#6d4c41", "inconclusive": "#
                     "pending": "#eeeeee"}
 
 _CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:1.5em;color:#222;max-width:1400px}
+body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:#222}
+main{margin:1.5em;max-width:1400px}
+header.top{background:#24292f;color:#f0f3f6;padding:10px 20px;font-size:13px}
+header.top b{color:#fff}header.top span{margin-right:18px}
 h1{font-size:1.4em}h2{font-size:1.15em;margin-top:1.6em}
 .rule{font-size:1.15em;padding:.6em .8em;background:#f3f6fa;border-left:4px solid #1565c0}
 .bad{border-left-color:#c62828}.note{color:#555;font-size:.9em}
@@ -24,10 +27,10 @@ table{border-collapse:collapse;font-size:.85em}td,th{border:1px solid #ccc;paddi
 th{background:#f5f5f5}tr.hang td.o{color:#c62828;font-weight:600}tr.healthy td.o{color:#2e7d32}
 .panel{display:inline-block;vertical-align:top;margin:0 1.5em 1.5em 0}
 .grid{display:grid;gap:2px;align-items:stretch}
-.c{min-width:2.6em;min-height:1.9em;display:flex;align-items:center;justify-content:center;color:#fff;
-   font-size:.75em;border-radius:2px;text-decoration:none;position:relative}
+.c{min-width:4.5em;min-height:2.6em;display:flex;align-items:center;justify-content:center;color:#fff;
+   font-size:.9em;border-radius:3px;text-decoration:none;position:relative}
 .c.off{outline:3px solid #ffb300;outline-offset:-3px}
-.ax{font-size:.75em;color:#333;display:flex;align-items:center;justify-content:center}
+.ax{font-size:.85em;color:#333;display:flex;align-items:center;justify-content:center;padding:0 .4em}
 .legend span{display:inline-block;padding:.1em .5em;margin:.1em;color:#fff;border-radius:2px;font-size:.8em}
 code{background:#f4f4f4;padding:0 .2em}
 """
@@ -130,10 +133,11 @@ def _phase_panels(report: SweepReport) -> str:
                 rows.append(f'<{tag} class="c{off}"{href} style="background:{cell_colour(cell)}" '
                             f'title="{_e(_title(cell))}">{_e(_cell_label(cell))}{mark}</{tag}>')
         rows.append('<div class="ax"></div>' + "".join(f'<div class="ax">{_e(_show(v))}</div>' for v in xs))
-        grid = (f'<div class="grid" style="grid-template-columns:auto repeat({len(xs)},minmax(2.6em,auto))">'
+        grid = (f'<div class="grid" style="grid-template-columns:auto repeat({len(xs)},minmax(4.5em,auto))">'
                 + "".join(rows) + "</div>")
         out.append(f'<div class="panel"><div class="note">{_e(title)}</div>'
-                   f'<div class="note">↑ {_e(y.label if y else "")} &nbsp; → {_e(x.label)}</div>{grid}</div>')
+                   f'<div class="note">rows ↑ {_e(y.label if y else "")}</div>{grid}'
+                   f'<div class="note">columns → {_e(x.label)}</div></div>')
     return "".join(out)
 
 
@@ -181,8 +185,15 @@ def _table(report: SweepReport) -> str:
 def render_sweep_html(report: SweepReport) -> str:
     rule = report.rule
     check = report.banner_check
+    # The same header bar as every run report: version, command, when, and the exit code first.
+    bar = (f'<header class="top"><span><b>kvdiag</b> {_e(report.kvdiag_version)}</span>'
+           f'<span>command: <b>{_e(report.command)}</b></span><span>created: {_e(report.created_at or "—")}</span>'
+           f'<span>exit code: <b>{report.exit_code if report.exit_code is not None else "—"}</b></span>'
+           f'<span>scenario: {_e(report.scenario)}</span>'
+           f'{"<span><b>interrupted</b></span>" if report.interrupted else ""}</header><main>')
     parts = [f"<!doctype html><html lang=en><head><meta charset=utf-8>"
              f"<title>kvdiag {_e(report.command)}: {_e(report.scenario)}</title><style>{_CSS}</style></head><body>",
+             bar,
              f"<h1>kvdiag {_e(report.command)} — {_e(report.scenario)}</h1>",
              f"<p>{_e(report.summary)}</p>"]
     if report.ab is not None:
@@ -223,7 +234,7 @@ def render_sweep_html(report: SweepReport) -> str:
                  f"a time, stall window {report.stall_window_s if report.stall_window_s is not None else '—'} s; "
                  f"intervals: {_e(report.interval_method)}; {report.wall_s:g} s; kvdiag {_e(report.kvdiag_version)}, "
                  f"{_e(report.created_at)}{'; interrupted' if report.interrupted else ''}</p>")
-    parts.append("</body></html>\n")
+    parts.append("</main></body></html>\n")
     return "".join(parts)
 
 

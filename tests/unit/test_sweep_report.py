@@ -102,3 +102,9 @@ def test_an_interrupted_sweep_states_no_rule_and_names_what_did_not_run() -> Non
     assert report.rule.text.startswith("no rule from a partial grid: 3 of 4 cell(s) did not run"), report.rule.text
     assert "c22" in report.rule.text
     assert "no cell hangs" not in report.summary
+
+
+def test_the_sweep_page_has_the_run_reports_header_bar_with_its_exit_code() -> None:
+    page = render_sweep_html(_report())
+    bar = page.split('<header class="top">', 1)[1].split("</header>", 1)[0]
+    assert "exit code: <b>10</b>" in bar and "command: <b>sweep</b>" in bar, bar
