@@ -235,6 +235,44 @@ def _chain_into(verdict: Verdict, w: CrossNodeWait, bundle: Bundle) -> WaitChain
                      root_refs=[r.model_copy() for r in root_item.refs] if root_item else [])
 
 
+def _group_of(bundle: Bundle, proc: ProcessEvidence, by: dict[str, Verdict]) -> str | None:
+    """The ``node/group`` key of ``by`` that judged ``proc`` (its engine's, else its node's loose group)."""
+    if proc.engine and f"{proc.node}/{proc.engine}" in by:
+        return f"{proc.node}/{proc.engine}"
+    loose = [p for p in bundle.processes if p.node == proc.node and not (p.engine and f"{p.node}/{p.engine}" in by)]
+    key = f"{proc.node}/pid-{loose[0].pid}" if loose else None
+    return key if key in by else None
+
+
+def waiting_on_hung_peers(bundle: Bundle, by: dict[str, Verdict]) -> dict[str, Verdict]:
+    """The per-group verdicts of a merged bundle with every group that waits forever on a hung process of
+    another node shown so: its own stacks look idle (a thread parked in ray.get or a socket read), but its
+    wait ends at a hang, so it is blocked on that peer, never healthy."""
+    out = dict(by)
+    machine = bundle.host.machine
+    for w in ray_get_waits(bundle) + tcp_waits(bundle):
+        key = _group_of(bundle, w.waiter, out)
+        mine = out.get(key) if key is not None else None
+        if key is None or mine is None or mine.kind is not VerdictKind.HEALTHY or w.target is None:
+            continue
+        target_v = analyze_process(w.target, machine, w.target.engine)
+        if target_v is None or not target_v.kind.is_hang:
+            continue
+        item = cite_item(w.thread, f"waits in {w.how} on {_target_label(w, bundle)}, which is hung",
+                         w.waiter.engine, CONTEXT_KEYS)
+        item.node = w.waiter.node
+        for ref in item.refs:
+            ref.node = w.waiter.node
+        out[key] = Verdict(
+            kind=VerdictKind.BLOCKED_IPC_READ, confidence=Confidence.MEDIUM, engine=mine.engine, evidence=[item],
+            summary=(f"{key}: {_label(w.waiter, bundle)} waits forever in {w.how} on {_target_label(w, bundle)}, "
+                     f"which is hung ({target_v.kind.value}): blocked on that peer, a consequence of its hang"),
+            findings=[Finding(kind="waits_on_hung_peer", node=w.waiter.node, pid=w.waiter.pid,
+                              message=f"{_label(w.waiter, bundle)} waits on {_target_label(w, bundle)}: "
+                                      f"{target_v.kind.value} there")])
+    return out
+
+
 def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Verdict:
     """The overall verdict of a merged bundle: the nodes that gave no evidence named with why, and the
     waits that cross nodes, each leading to the hang it ends at."""
@@ -270,9 +308,12 @@ def across_nodes(overall: Verdict, bundle: Bundle, by: dict[str, Verdict]) -> Ve
             continue
         state = (f"{target_v.kind.value} there" if target_v is not None else
                  "no hang seen there" if w.target is not None else "not captured")
-        text = f"{_label(w.waiter, bundle)} (thread {w.thread.tid}) waits across nodes in {w.how} on " \
-               f"{_target_label(w, bundle)}: {state}"
-        out.findings.append(Finding(kind="waits_across_nodes", node=w.waiter.node, pid=w.waiter.pid, message=text))
+        across = w.target_node != w.waiter.node
+        where = "across nodes" if across else "on its own node"
+        text = (f"{_label(w.waiter, bundle)} (thread {w.thread.tid}) waits {where} in {w.how} on "
+                f"{_target_label(w, bundle)}: {state}")
+        out.findings.append(Finding(kind="waits_across_nodes" if across else "waits_on_peer", node=w.waiter.node,
+                                    pid=w.waiter.pid, message=text))
         if target_v is not None and target_v.kind.is_hang and _cites(out, w.target_node, w.target_pid):
             chains.append(f"{_label(w.waiter, bundle)} → {_target_label(w, bundle)}")
             item: EvidenceItem = cite_item(w.thread, f"waits in {w.how} on {_target_label(w, bundle)}, which is hung",

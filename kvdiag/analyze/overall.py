@@ -4,7 +4,7 @@ the processes judged as a whole, so a wait that crosses a process boundary is na
 from __future__ import annotations
 
 from kvdiag.analyze.engine_rules import engine_verdict
-from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node
+from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node, waiting_on_hung_peers
 from kvdiag.analyze.rulekit import severity
 from kvdiag.analyze.signature import sign
 from kvdiag.analyze.xverdict import judge_across, merge_across
@@ -25,7 +25,7 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
     """Verdict per engine name (insertion order: the bundle's engine order); in a bundle merged from
     several hosts, per node and engine (``node/engine``), each node judged on its own processes."""
     if is_merged(bundle):
-        return by_node(bundle, _by_engine)
+        return waiting_on_hung_peers(bundle, by_node(bundle, _by_engine))
     return _by_engine(bundle)
 
 

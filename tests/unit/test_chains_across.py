@@ -1,4 +1,4 @@
-"""A hang's signature depends on the hang, not on how many of its waiters the capture reached."""
+"""A hang across processes and nodes: its signature by its root, and every waiter shown blocked on it."""
 
 from __future__ import annotations
 
@@ -23,3 +23,14 @@ def test_a_chain_signs_by_its_root_whatever_waiters_were_captured() -> None:
     assert any(project_frames(t.frames) for t in proc.threads if t.tid == waiters[0].tid)
     only_root = verdict.model_copy(update={"evidence": [e for e in verdict.evidence if e.pid == root]})
     assert hang_signature(only_root, bundle) == hang_signature(verdict, bundle) == verdict.signature
+
+
+def test_a_ray_actor_blocked_on_a_hung_actor_is_not_healthy() -> None:
+    """Merged across two Ray nodes: the caller actor parked in ray.get of the hung actor's task is shown
+    blocked on that peer (it was listed healthy), and the overall verdict stays the root's."""
+    bundle = load_bundle(BUNDLES / "ray_pyabba_two_nodes")[0]
+    diag = diagnose(bundle)
+    assert diag.verdict.kind.value == "lock_order_inversion"
+    caller = [v for v in diag.verdicts_by_engine.values() if "Caller" in v.summary]
+    assert caller and caller[0].kind.value == "blocked_ipc_read", [v.summary for v in diag.verdicts_by_engine.values()]
+    assert "which is hung (lock_order_inversion)" in caller[0].summary
