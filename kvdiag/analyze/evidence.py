@@ -249,5 +249,5 @@ def where(view: ThreadView, n: int = 2) -> str:
     names += [f.name for f in python if not f.name.startswith("<")]
     if not names:   # module-level code: its file and line say where
         names = [v.describe(f) for f in python[:1]]
-    unique = list(dict.fromkeys(names))[:n]
+    unique = list(dict.fromkeys(x for x in names if x.strip()))[:n]   # no dangling arrow for a nameless frame
     return f" in {' ← '.join(unique)}" if unique else ""

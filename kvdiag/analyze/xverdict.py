@@ -110,6 +110,7 @@ def _place(item: EvidenceItem | None) -> str:
         return ""
     names = [v.short_name(item.frames[k].split(" (")[0], components=2).removesuffix("()") for k in item.key_frames
              if k < len(item.frames)]
+    names = [n for n in names if n.strip()]   # a frame with no name would leave a dangling arrow
     return f" in {' ← '.join(dict.fromkeys(names))}" if names else ""
 
 

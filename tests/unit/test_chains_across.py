@@ -34,3 +34,10 @@ def test_a_ray_actor_blocked_on_a_hung_actor_is_not_healthy() -> None:
     caller = [v for v in diag.verdicts_by_engine.values() if "Caller" in v.summary]
     assert caller and caller[0].kind.value == "blocked_ipc_read", [v.summary for v in diag.verdicts_by_engine.values()]
     assert "which is hung (lock_order_inversion)" in caller[0].summary
+
+
+def test_a_place_never_ends_with_a_dangling_arrow() -> None:
+    from kvdiag.analyze.xverdict import _place
+    from kvdiag.model import EvidenceItem
+    item = EvidenceItem(pid=1, tid=1, role="r", frames=["accept4 (libc.so.6)", " (x.py:3)"], key_frames=[0, 1])
+    assert _place(item) == " in accept4"
