@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node
+from kvdiag.analyze.ranks import judge_ranks, rank_pids
 from kvdiag.analyze.rulekit import severity
 from kvdiag.analyze.signature import sign
 from kvdiag.analyze.xverdict import judge_across, merge_across
@@ -59,8 +60,22 @@ def analyze(bundle: Bundle) -> Verdict:
             cross = judge_across(sub)[0]
             if cross is not None:
                 overall = merge_across(overall, on_node(cross, node))
-        return sign(across_nodes(overall, bundle, by), bundle)
-    return _worst(by, bundle)
+        return _with_ranks(sign(across_nodes(overall, bundle, by), bundle), bundle)
+    return _with_ranks(_worst(by, bundle), bundle)
+
+
+def _with_ranks(overall: Verdict, bundle: Bundle) -> Verdict:
+    """The ranks of one job judged as a group (kvdiag.analyze.ranks): where they disagree, that is the
+    verdict, unless a worse hang lies outside the group's processes (then the ranks' story is a finding)."""
+    ranks = judge_ranks(bundle)
+    if ranks is None:
+        return overall
+    members = rank_pids(bundle)
+    outside = [e for e in overall.evidence if (e.node, e.pid) not in members]
+    if overall.kind.is_hang and outside and severity(overall.kind) < severity(ranks.kind):
+        note = Finding(kind="ranks", engine=ranks.engine, message=f"{ranks.kind.value}: {ranks.summary}")
+        return overall.model_copy(update={"findings": overall.findings + [note]})
+    return sign(ranks, bundle)
 
 
 def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdict:

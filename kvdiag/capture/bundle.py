@@ -16,6 +16,7 @@ from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.follow import note_followed, peers_outside
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
+from kvdiag.capture.ranks import read_rank
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole
@@ -98,6 +99,7 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     for ev in evidence:
         if ev.alive:   # what another host's capture is matched with (kvdiag merge, capture --ray)
             ev.tcp_connections = tcp_connections(ev.pid) or []
+            ev.rank = read_rank(ev.pid)   # groups the ranks of one job, here and in a merged bundle
     # The engine core first: it is what a reader (and the analyzer's tie-break) looks at first.
     evidence.sort(key=lambda e: (e.role is not ProcessRole.ENGINE_CORE, pids.index(e.pid) if e.pid in pids
                                  else len(pids)))

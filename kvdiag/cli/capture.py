@@ -14,6 +14,7 @@ from kvdiag.analyze.text import format_verdict
 from kvdiag.capture.access import is_kernel_thread
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
+from kvdiag.capture.ranks import job_ranks
 from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.errors import UsageError
 from kvdiag.fleet.ray import capture_cluster
@@ -119,12 +120,15 @@ def capture_cmd(
         raise UsageError(f"refusing to capture pid {target}: " + "; ".join(scope.problems),
                          hint="name the engine: --engine-core-of API_SERVER_PID (or --pid of its EngineCore); "
                          "--all-descendants captures the whole tree anyway")
+    # One rank of a distributed job is judged with its group: the job's other ranks on this host come too.
+    ranks = [] if kthread else job_ranks(scope.pids)
     out_dir = prepare_out_dir(out, "capture")
     bundle_dir = out_dir / "bundle"
     if kthread:
         typer.echo(f"pid {target} is a kernel thread: capture refused; recording what /proc shows", err=True)
     else:
-        typer.echo(f"capturing pid {target} and its children with {', '.join(names)} "
+        also = f" and {len(ranks)} other rank{'s' if len(ranks) > 1 else ''} of its job" if ranks else ""
+        typer.echo(f"capturing pid {target} and its children{also} with {', '.join(names)} "
                    f"(read-only; the tools stop after --timeout {timeout:g} s)", err=True)
     command = (f"capture --engine-core-of {engine_core_of}" if engine_core_of is not None
                else f"capture --pid {target}")
@@ -142,8 +146,9 @@ def capture_cmd(
             typer.echo("writing the report", err=True)
 
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
-    bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command, pids=scope.pids,
-                          save=False, on_evidence=early, decides=_core_decides, follow=follow and not kthread)
+    bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command,
+                          pids=scope.pids + ranks, save=False, on_evidence=early, decides=_core_decides,
+                          follow=follow and not kthread)
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
     return print_outcome(arts, bundle_dir, as_json, said=said[0] if said else None)

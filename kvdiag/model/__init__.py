@@ -76,6 +76,9 @@ from kvdiag.model.kinds import (
     ThreadState,
     VerdictKind,
 )
+from kvdiag.model.ranks import (
+    RankIdentity,
+)
 from kvdiag.model.report import (
     EnginePids,
     Report,
@@ -195,6 +198,7 @@ __all__ = [
     "RingGeometry",
     "RingReading",
     "PtraceAccess",
+    "RankIdentity",
     "RateLine",
     "RedactionSummary",
     "Report",
