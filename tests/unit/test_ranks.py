@@ -1,0 +1,77 @@
+"""The rank analyzer on bundles captured from real jobs: gloo ranks (tests/fixtures/ranks/gloo_job.py) and a
+real vLLM TP=2 engine whose rank 1 hung in a GIL cycle of its own."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from kvdiag.analyze import analyze
+from kvdiag.analyze.ranks import judge_ranks, rank_groups
+from kvdiag.bundle import load_bundle
+from kvdiag.capture.ranks import rank_from_environ
+from kvdiag.model import Bundle, EdgeKind, VerdictKind
+
+BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
+
+
+def _bundle(name: str) -> Bundle:
+    bundle = load_bundle(BUNDLES / name)[0]
+    bundle.diagnosis = None
+    return bundle
+
+
+def test_rank_identity_keeps_only_the_rendezvous() -> None:
+    ident = rank_from_environ({"RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "8", "MASTER_ADDR": "10.0.0.2",
+                               "MASTER_PORT": "29500", "HF_TOKEN": "hf_secret", "PATH": "/usr/bin"})
+    assert ident is not None and (ident.rank, ident.local_rank, ident.world_size) == (3, 1, 8)
+    assert ident.job_key() == "10.0.0.2:29500/8"
+    assert "hf_secret" not in ident.model_dump_json()
+    assert rank_from_environ({"PATH": "/usr/bin", "WORLD_SIZE": "2"}) is None
+
+
+def test_mismatched_collectives_name_the_rank_in_broadcast() -> None:
+    bundle = _bundle("gloo_mismatch_2")
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert "rank 0 waits in all_reduce at gloo_job.py:68" in verdict.summary
+    assert "rank 1 is in broadcast at gloo_job.py:72" in verdict.summary
+    assert {e.pid for e in verdict.evidence} == {p.pid for p in bundle.processes}
+    assert all(e.key_frames for e in verdict.evidence)
+
+
+def test_a_rank_stuck_on_a_lock_never_arrived() -> None:
+    verdict = analyze(_bundle("gloo_lock_4"))
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert verdict.summary.startswith("ranks 0,2,3 wait in all_reduce at gloo_job.py:68")
+    assert "rank 1 never arrived: it is blocked on a lock at gloo_job.py:79 in stuck_on_lock" in verdict.summary
+    assert verdict.waits is not None and verdict.waits.edges[0].kind is EdgeKind.COLLECTIVE
+
+
+def test_a_rank_gone_from_the_host_exited() -> None:
+    bundle = _bundle("gloo_lock_4")
+    bundle.processes = [p for p in bundle.processes if p.rank is None or p.rank.rank != 1]
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert "rank 1 never arrived: it is exited" in verdict.summary
+
+
+def test_ranks_whose_sockets_moved_are_not_judged() -> None:
+    bundle = _bundle("gloo_mismatch_2")
+    for p in bundle.processes:
+        assert p.progress is not None
+        p.progress.io_delta["rchar"] = 4096
+    assert judge_ranks(bundle) is None
+
+
+def test_a_rank_with_its_own_hang_is_the_root_reached_from_the_waiting_rank() -> None:
+    bundle = _bundle("vllm_tp2_stuck_rank")
+    [group] = rank_groups(bundle)
+    assert [r.label for r in group.ranks] == ["TP0", "TP1"]
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.GIL_CYCLE
+    assert "rank TP0 waits in tensor_model_parallel_all_reduce" in verdict.summary
+    assert "rank TP1 never arrived" in verdict.summary
+    waits = verdict.waits
+    assert waits is not None and waits.edges[0].kind is EdgeKind.COLLECTIVE
+    tp = {r.label: r.proc.pid for r in group.ranks if r.proc is not None}
+    assert (waits.edges[0].src.pid, waits.edges[0].dst.pid) == (tp["TP0"], tp["TP1"])
