@@ -75,6 +75,11 @@ def _with_ranks(overall: Verdict, bundle: Bundle) -> Verdict:
     if overall.kind.is_hang and outside and severity(overall.kind) < severity(ranks.kind):
         note = Finding(kind="ranks", engine=ranks.engine, message=f"{ranks.kind.value}: {ranks.summary}")
         return overall.model_copy(update={"findings": overall.findings + [note]})
+    old, new = overall.waits, ranks.waits
+    if old is not None and new is not None and old.root is not None and new.root is not None \
+            and old.root.process() == new.root.process() and len(old.edges) >= len(new.edges):
+        # The cross-process chain already reaches the same root from further out (the API server): kept.
+        ranks = ranks.model_copy(update={"waits": old})
     return sign(ranks, bundle)
 
 

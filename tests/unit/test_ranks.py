@@ -71,7 +71,12 @@ def test_a_rank_with_its_own_hang_is_the_root_reached_from_the_waiting_rank() ->
     assert verdict.kind is VerdictKind.GIL_CYCLE
     assert "rank TP0 waits in tensor_model_parallel_all_reduce" in verdict.summary
     assert "rank TP1 never arrived" in verdict.summary
-    waits = verdict.waits
-    assert waits is not None and waits.edges[0].kind is EdgeKind.COLLECTIVE
     tp = {r.label: r.proc.pid for r in group.ranks if r.proc is not None}
-    assert (waits.edges[0].src.pid, waits.edges[0].dst.pid) == (tp["TP0"], tp["TP1"])
+    # The rank rule's own chain: the waiting rank to the rank that never arrived.
+    own = judge_ranks(bundle)
+    assert own is not None and own.waits is not None and own.waits.edges[0].kind is EdgeKind.COLLECTIVE
+    assert (own.waits.edges[0].src.pid, own.waits.edges[0].dst.pid) == (tp["TP0"], tp["TP1"])
+    # The verdict keeps the longer cross-process chain to the same root (from the API server through TP0).
+    waits = verdict.waits
+    assert waits is not None and waits.root is not None and waits.root.pid == tp["TP1"]
+    assert [n.pid for n in waits.nodes()][-2:] == [tp["TP0"], tp["TP1"]]
