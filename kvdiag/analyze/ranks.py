@@ -249,6 +249,8 @@ def rank_groups(bundle: Bundle) -> list[RankGroup]:
     groups: dict[str, RankGroup] = {}
     seen: dict[tuple[str, str], ProcessEvidence] = {}
     by_ref = {(p.node, p.pid): p for p in bundle.processes}
+    # A node of a merged bundle that was not captured may hold the ranks missing here.
+    unseen_nodes = any(f.kind == "node_not_captured" for f in bundle.findings)
     for proc in bundle.processes:
         ident = proc.rank
         job = ident.job_key() if ident is not None else None
@@ -271,7 +273,7 @@ def rank_groups(bundle: Bundle) -> list[RankGroup]:
         if ident is not None and ident.world_size is not None:
             group.world_size = max(group.world_size or 0, ident.world_size)
             local = ident.local_world_size
-            if local is not None and local < ident.world_size and not is_merged(bundle):
+            if local is not None and local < ident.world_size and (not is_merged(bundle) or unseen_nodes):
                 group.spans_hosts = True
     out = []
     for group in groups.values():

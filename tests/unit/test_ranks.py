@@ -9,7 +9,8 @@ from kvdiag.analyze import analyze
 from kvdiag.analyze.ranks import judge_ranks, rank_groups
 from kvdiag.bundle import load_bundle
 from kvdiag.capture.ranks import rank_from_environ
-from kvdiag.model import Bundle, EdgeKind, VerdictKind
+from kvdiag.fleet.merge import NodePart, merge_parts
+from kvdiag.model import Bundle, EdgeKind, FleetRecord, NodeRecord, VerdictKind
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 
@@ -80,3 +81,34 @@ def test_a_rank_with_its_own_hang_is_the_root_reached_from_the_waiting_rank() ->
     waits = verdict.waits
     assert waits is not None and waits.root is not None and waits.root.pid == tp["TP1"]
     assert [n.pid for n in waits.nodes()][-2:] == [tp["TP0"], tp["TP1"]]
+
+
+def _on_nodes(bundle: Bundle, nodes: dict[int, str]) -> list[NodePart]:
+    """The 4-rank capture cut into one bundle per node (rank -> node), as `kvdiag merge` gets them."""
+    parts: dict[str, Bundle] = {}
+    for p in bundle.processes:
+        assert p.rank is not None and p.rank.rank is not None
+        p.rank.local_world_size = 2
+        node = nodes[p.rank.rank]
+        part = parts.setdefault(node, bundle.model_copy(update={"processes": [], "engines": []}))
+        part.processes.append(p)
+    return [NodePart(record=NodeRecord(node=n, outcome="captured", pids=[p.pid for p in b.processes]), bundle=b)
+            for n, b in parts.items()]
+
+
+def test_ranks_across_nodes_are_grouped_in_a_merged_bundle() -> None:
+    parts = _on_nodes(_bundle("gloo_lock_4"), {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"})
+    merged = merge_parts(parts, command="merge", fleet=FleetRecord())
+    verdict = analyze(merged)
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert verdict.summary.startswith("ranks 0,2,3 wait in all_reduce")
+    assert "rank 1 never arrived: it is blocked on a lock" in verdict.summary
+    assert {(e.node, e.pid) for e in verdict.evidence} == {(p.node, p.pid) for p in merged.processes}
+
+
+def test_ranks_of_a_node_not_captured_are_named_so() -> None:
+    parts = _on_nodes(_bundle("gloo_lock_4"), {0: "node-a", 1: "node-a", 2: "node-b", 3: "node-b"})
+    parts = [parts[0], NodePart(record=NodeRecord(node="node-b", outcome="refused", reason="ptrace refused"))]
+    verdict = analyze(merge_parts(parts, command="merge", fleet=FleetRecord()))
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert "rank 2 never arrived: it is not captured (it runs on another host, or exited)" in verdict.summary
