@@ -29,7 +29,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from kvdiag.analyze import analyze  # noqa: E402
+from kvdiag.analyze.ranks import ranks_settled  # noqa: E402
 from kvdiag.capture.bundle import capture_pids  # noqa: E402
+from kvdiag.model import Bundle, Finding, ProcessEvidence  # noqa: E402
 from kvdiag.ports import free_port  # noqa: E402
 
 JOB = ROOT / "tests" / "fixtures" / "ranks" / "gloo_job.py"
@@ -72,9 +74,16 @@ def run_cli(pid: int, out: Path) -> tuple[float, float, str]:
     return named, time.monotonic() - t0, said
 
 
+def _settled(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
+    return ranks_settled(Bundle(processes=evidence, findings=findings))
+
+
 def lib_capture(pids: list[int], out: Path) -> tuple[float, str]:
+    """The capture `kvdiag capture --pid` runs: the rank pointed at first with every tool, the job's other
+    ranks without pausing them, and with every tool only when their stacks do not settle where each is."""
     t0 = time.monotonic()
-    bundle = capture_pids(pids, out, roots=pids[:1], timeout_s=10.0, save=False, follow=False)
+    bundle = capture_pids(pids, out, roots=pids[:1], timeout_s=10.0, save=False, follow=False,
+                          focus=pids[:1], decides=_settled if len(pids) > 1 else None)
     took = time.monotonic() - t0
     return took, analyze(bundle).kind.value
 

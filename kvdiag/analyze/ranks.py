@@ -419,9 +419,29 @@ def judge_ranks(bundle: Bundle) -> Verdict | None:
     return min(verdicts, key=lambda vd: severity(vd.kind))
 
 
+def ranks_settled(bundle: Bundle) -> str | None:
+    """Whether the ranks' Python frames and /proc alone settle every group (the ranks that wait need no
+    pausing tool): the reason, else None. Settled: a group whose sockets moved, or whose ranks that left
+    are in another collective, exited or computing. A rank blocked elsewhere is not settled: its own hang
+    may need its native frames."""
+    groups = rank_groups(bundle)
+    if not groups:
+        return None
+    for g in groups:
+        if any(r.advanced for r in g.ranks if r.proc is not None and r.key is not None):
+            continue
+        waiting = _majority(g.ranks)
+        left = [r for r in g.ranks if r not in waiting]
+        if not waiting or not left:
+            return None
+        if not all(r.key is not None or r.exited or r.computing for r in left):
+            return None
+    return "the ranks' stacks name where each rank is"
+
+
 def rank_pids(bundle: Bundle) -> set[tuple[str | None, int]]:
     """(node, pid) of every process that is a rank of some group."""
     return {(r.proc.node, r.proc.pid) for g in rank_groups(bundle) for r in g.ranks if r.proc is not None}
 
 
-__all__ = ["RankGroup", "RankState", "judge_group", "judge_ranks", "rank_groups", "rank_pids"]
+__all__ = ["RankGroup", "RankState", "judge_group", "judge_ranks", "rank_groups", "rank_pids", "ranks_settled"]

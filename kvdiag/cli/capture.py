@@ -10,6 +10,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.analyze import analyze, diagnose
+from kvdiag.analyze.ranks import ranks_settled
 from kvdiag.analyze.text import format_verdict
 from kvdiag.capture.access import is_kernel_thread
 from kvdiag.capture.bundle import capture_tree
@@ -54,6 +55,12 @@ def _core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> s
     if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
         return f"the EngineCore's evidence decided ({v.kind.value})"
     return None
+
+
+def _ranks_decide(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
+    """Whether the job's ranks, read without pausing them, already say where each is (the other ranks
+    then need no pausing tool), or the engine core's evidence decides: the reason, else None."""
+    return ranks_settled(Bundle(processes=evidence, findings=findings)) or _core_decides(evidence, findings)
 
 
 def capture_cmd(
@@ -147,7 +154,8 @@ def capture_cmd(
 
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
     bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command,
-                          pids=scope.pids + ranks, save=False, on_evidence=early, decides=_core_decides,
+                          pids=scope.pids + ranks, save=False, on_evidence=early,
+                          decides=_ranks_decide if ranks else _core_decides, focus=scope.pids if ranks else None,
                           follow=follow and not kthread)
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
