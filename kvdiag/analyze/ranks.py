@@ -14,7 +14,8 @@ coordinator), the frame that called it, or, for a rank in none, where it is inst
   that left and where;
 - a rank that never arrived: ``collective_mismatch`` naming where it is (blocked elsewhere, exited), or,
   when its own process shows a hang, that hang as the root with the chain from the waiting ranks;
-- a rank in a long compute (its CPU advancing): slow, not hung (``slow_start``), never a deadlock.
+- a rank in a long compute (its CPU advancing) or a wait that ends by itself (a sleep, a timed wait): slow,
+  not hung (``slow_start``), never a deadlock.
 
 Pure: reads the bundle only.
 """
@@ -87,6 +88,8 @@ class RankState:
     site_index: int | None = None    # frame index of its caller
     where: str = ""                  # for a rank in no collective: where it is instead
     computing: bool = False          # its CPU advanced during the window
+    timed: bool = False              # not in a collective but in a wait that ends by itself (a sleep, a timeout)
+    sampled: bool = False            # /proc's progress window read it (CPU and I/O over the window)
     advanced: bool = False           # its I/O advanced during the window (sockets, pipes)
     exited: bool = False
 
@@ -212,6 +215,7 @@ def _state(label: str, order: int, proc: ProcessEvidence, machine: str | None) -
         st.exited, st.where = True, "exited"
         return st
     p = proc.progress
+    st.sampled = p is not None
     st.computing = p is not None and p.cpu_ticks >= COMPUTE_TICKS
     st.advanced = p is not None and p.advanced
     views = classify_process(proc, machine)
@@ -230,6 +234,7 @@ def _state(label: str, order: int, proc: ProcessEvidence, machine: str | None) -
     else:
         st.where = _elsewhere(main, st.computing)
         st.site_index = _python_site(main)[1]
+        st.timed = main.kind is WaitKind.SLEEP or main.timed
     return st
 
 
@@ -243,33 +248,39 @@ def _tp_label(proc: ProcessEvidence) -> tuple[str, int] | None:
     return label, int(digits) if digits else 0
 
 
+def _rank_of(proc: ProcessEvidence) -> tuple[str, str, int] | None:
+    """(group key, rank label, rank number) of a process that is a rank, else None."""
+    ident = proc.rank
+    job = ident.job_key() if ident is not None else None
+    if ident is not None and job is not None and ident.rank is not None:
+        return f"job {job}", str(ident.rank), ident.rank
+    tp = _tp_label(proc)
+    if tp is not None:
+        return f"vllm {proc.node or ''}/{proc.ppid}", tp[0], tp[1]
+    return None
+
+
 def rank_groups(bundle: Bundle) -> list[RankGroup]:
     """The ranks of every job in the bundle with at least two ranks (or one, with more expected)."""
     machine = bundle.host.get("machine")
-    groups: dict[str, RankGroup] = {}
-    seen: dict[tuple[str, str], ProcessEvidence] = {}
-    by_ref = {(p.node, p.pid): p for p in bundle.processes}
     # A node of a merged bundle that was not captured may hold the ranks missing here.
     unseen_nodes = any(f.kind == "node_not_captured" for f in bundle.findings)
+    candidates: dict[tuple[str, str], list[ProcessEvidence]] = {}
+    numbers: dict[tuple[str, str], int] = {}
     for proc in bundle.processes:
-        ident = proc.rank
-        job = ident.job_key() if ident is not None else None
-        if ident is not None and job is not None and ident.rank is not None:
-            key, label, order = f"job {job}", str(ident.rank), ident.rank
-        elif (tp := _tp_label(proc)) is not None:
-            key, (label, order) = f"vllm {proc.node or ''}/{proc.ppid}", tp
-        else:
-            continue
-        earlier = seen.get((key, label))
-        if earlier is not None:
-            # A child a rank started inherits its environment: the rank is the outermost of them.
-            parent = by_ref.get((proc.node, proc.ppid)) if proc.ppid is not None else None
-            if parent is earlier or earlier.ppid != proc.ppid and parent is not None:
-                continue
-        seen[(key, label)] = proc
+        found = _rank_of(proc)
+        if found is not None:
+            key, label, order = found
+            candidates.setdefault((key, label), []).append(proc)
+            numbers[(key, label)] = order
+    groups: dict[str, RankGroup] = {}
+    for (key, label), procs in candidates.items():
+        # A child a rank started inherits its environment: the rank is the outermost of them.
+        pids = {(p.node, p.pid) for p in procs}
+        proc = next((p for p in procs if (p.node, p.ppid) not in pids), procs[0])
         group = groups.setdefault(key, RankGroup(key=key))
-        group.ranks = [r for r in group.ranks if r.label != label]
-        group.ranks.append(_state(label, order, proc, machine))
+        group.ranks.append(_state(label, numbers[(key, label)], proc, machine))
+        ident = proc.rank
         if ident is not None and ident.world_size is not None:
             group.world_size = max(group.world_size or 0, ident.world_size)
             local = ident.local_world_size
@@ -277,7 +288,6 @@ def rank_groups(bundle: Bundle) -> list[RankGroup]:
                 group.spans_hosts = True
     out = []
     for group in groups.values():
-        group.ranks.sort(key=lambda r: r.order)
         for n in group.missing():
             group.ranks.append(RankState(label=str(n), order=n, proc=None, exited=True,
                                          where=("not captured (it runs on another host, or exited)"
@@ -355,8 +365,12 @@ def judge_group(group: RankGroup, machine: str | None = None) -> Verdict | None:
     evidence = [item for r in waiting
                 if (item := _item(r, f"{r.name} in {r.op} ({r.via}), waiting for its group", engine)) is not None]
     parts: list[str] = []
-    slow = [r for r in left if r.key is None and r.computing and not r.exited]
+    slow = [r for r in left if r.key is None and (r.computing or r.timed) and not r.exited]
     stuck = [r for r in left if r not in slow]
+    # Without /proc's window nothing says the waiting ranks did not just arrive: only ranks seen in
+    # different collectives are a mismatch then.
+    if not all(r.sampled for r in ranks if r.proc is not None) and any(r.key is None for r in stuck):
+        return None
     for r in left:
         if r.key is not None:
             parts.append(f"{r.name} is in {r.op} at {r.site or '?'}")
@@ -434,7 +448,7 @@ def ranks_settled(bundle: Bundle) -> str | None:
         left = [r for r in g.ranks if r not in waiting]
         if not waiting or not left:
             return None
-        if not all(r.key is not None or r.exited or r.computing for r in left):
+        if not all(r.key is not None or r.exited or r.computing or r.timed for r in left):
             return None
     return "the ranks' stacks name where each rank is"
 

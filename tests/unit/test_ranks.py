@@ -112,3 +112,26 @@ def test_ranks_of_a_node_not_captured_are_named_so() -> None:
     verdict = analyze(merge_parts(parts, command="merge", fleet=FleetRecord()))
     assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
     assert "rank 2 never arrived: it is not captured (it runs on another host, or exited)" in verdict.summary
+
+
+def test_without_the_progress_window_only_different_collectives_count() -> None:
+    lock = _bundle("gloo_lock_4")
+    for p in lock.processes:
+        p.progress = None
+    assert judge_ranks(lock) is None   # rank 1 outside a collective proves nothing without /proc
+    mismatch = _bundle("gloo_mismatch_2")
+    for p in mismatch.processes:
+        p.progress = None
+    verdict = judge_ranks(mismatch)
+    assert verdict is not None and verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+
+
+def test_a_rank_whose_cpu_advanced_is_slow_not_hung() -> None:
+    bundle = _bundle("gloo_lock_4")
+    odd = next(p for p in bundle.processes if p.rank is not None and p.rank.rank == 1)
+    assert odd.progress is not None
+    odd.progress.cpu_ticks = 40
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.SLOW_START and verdict.kind.exit_code == 0
+    assert verdict.summary.startswith("slow, not hung: ranks 0,2,3 wait in all_reduce")
+    assert "rank 1 is in a long compute at gloo_job.py:79" in verdict.summary
