@@ -27,7 +27,20 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
     several hosts, per node and engine (``node/engine``), each node judged on its own processes."""
     if is_merged(bundle):
         return by_node(bundle, _by_engine)
-    return _by_engine(bundle)
+    return _ranks_by_engine(_by_engine(bundle), bundle)
+
+
+def _ranks_by_engine(by: dict[str, Verdict], bundle: Bundle) -> dict[str, Verdict]:
+    """The engine that holds a job's ranks gets the ranks' verdict (kvdiag.analyze.ranks) where it is the
+    worse one: each engine's health line then says what the overall verdict says."""
+    ranks = judge_ranks(bundle)
+    if ranks is None:
+        return by
+    cited = {e.pid for e in ranks.evidence}
+    for name, procs in _groups(bundle):
+        if name in by and cited & {p.pid for p in procs}:
+            by[name] = _with_ranks(by[name], bundle, ranks)
+    return by
 
 
 def _by_engine(bundle: Bundle) -> dict[str, Verdict]:
@@ -64,10 +77,10 @@ def analyze(bundle: Bundle) -> Verdict:
     return _with_ranks(_worst(by, bundle), bundle)
 
 
-def _with_ranks(overall: Verdict, bundle: Bundle) -> Verdict:
+def _with_ranks(overall: Verdict, bundle: Bundle, ranks: Verdict | None = None) -> Verdict:
     """The ranks of one job judged as a group (kvdiag.analyze.ranks): where they disagree, that is the
     verdict, unless a worse hang lies outside the group's processes (then the ranks' story is a finding)."""
-    ranks = judge_ranks(bundle)
+    ranks = ranks if ranks is not None else judge_ranks(bundle)
     if ranks is None:
         return overall
     members = rank_pids(bundle)
