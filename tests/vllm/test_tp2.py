@@ -54,3 +54,25 @@ def test_tp2_healthy_under_soak(vllm_setup: VllmSetup, leftovers: Leftovers, tmp
     kind = read_report(out)["verdict"]["kind"]  # type: ignore[index]
     assert (proc.returncode, kind) in ((0, "healthy"), (0, "slow_start"), (6, "not_saturated")), proc.stdout[-4000:]
     assert_clean(leftovers, before)
+
+
+def test_tp2_rank_in_another_collective_is_a_collective_mismatch(vllm_setup: VllmSetup, leftovers: Leftovers,
+                                                                 tmp_path: Path) -> None:
+    """Rank 1 takes a rank-local branch (a barrier rank 0 never calls) while rank 0 goes into the forward
+    pass's all-reduce: `repro` names collective_mismatch with both ranks' frames."""
+    before = leftovers.snapshot()
+    out = tmp_path / "tp2m"
+    proc = run_kvdiag("repro", "two-engine", "--scenario", str(ROOT / "scenarios" / "tp2-vllm-cpu-mismatch.yaml"),
+                      "--out", str(out), timeout=900)
+    assert proc.returncode == 10, proc.stdout[-4000:] + proc.stderr[-2000:]
+    verdict = read_report(out)["verdict"]
+    assert isinstance(verdict, dict)
+    bundle = json.loads((out / "bundle" / "bundle.json").read_text())
+    by_title = {(p["cmdline"] or [p["comm"]])[0].strip("\0 "): p for p in bundle["processes"]}
+    tp0, tp1 = (by_title[t]["pid"] for t in ("VLLM::Worker_TP0", "VLLM::Worker_TP1"))
+    summary = verdict["summary"]
+    assert verdict["kind"] == "collective_mismatch", summary
+    assert "rank TP1 is in barrier" in summary and "rank_local_barrier" in summary, summary
+    assert "rank TP0 waits in" in summary and "all_reduce" in summary, summary
+    assert {tp0, tp1} <= {e["pid"] for e in verdict["evidence"]}
+    assert_clean(leftovers, before)
