@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node
-from kvdiag.analyze.ranks import judge_ranks, rank_pids
+from kvdiag.analyze.ranks import join_chain, judge_ranks, rank_pids
 from kvdiag.analyze.rulekit import severity
 from kvdiag.analyze.signature import sign
 from kvdiag.analyze.xverdict import judge_across, merge_across
@@ -84,15 +84,19 @@ def _with_ranks(overall: Verdict, bundle: Bundle, ranks: Verdict | None = None) 
     if ranks is None:
         return overall
     members = rank_pids(bundle)
+    cross = overall.waits
+    if cross is None and not is_merged(bundle):
+        found = judge_across(bundle)[0]
+        cross = found.waits if found is not None else None
+    # A chain that ends in one of the ranks is explained by them; a worse hang elsewhere is not.
+    ends_in_ranks = cross is not None and cross.root is not None and (cross.root.node, cross.root.pid) in members
     outside = [e for e in overall.evidence if (e.node, e.pid) not in members]
-    if overall.kind.is_hang and outside and severity(overall.kind) < severity(ranks.kind):
+    if overall.kind.is_hang and outside and not ends_in_ranks and severity(overall.kind) < severity(ranks.kind):
         note = Finding(kind="ranks", engine=ranks.engine, message=f"{ranks.kind.value}: {ranks.summary}")
         return overall.model_copy(update={"findings": overall.findings + [note]})
-    old, new = overall.waits, ranks.waits
-    if old is not None and new is not None and old.root is not None and new.root is not None \
-            and old.root.process() == new.root.process() and len(old.edges) >= len(new.edges):
-        # The cross-process chain already reaches the same root from further out (the API server): kept.
-        ranks = ranks.model_copy(update={"waits": old})
+    if cross is not None and ranks.waits is not None:
+        # The chain from further out (the API server, the EngineCore) up to the first rank, then the ranks'.
+        ranks = ranks.model_copy(update={"waits": join_chain(cross, ranks.waits, members)})
     return sign(ranks, bundle)
 
 

@@ -418,7 +418,8 @@ def _chain(waiting: Sequence[RankState], root: RankState, own: Verdict | None) -
     if own is not None and own.waits is not None and own.waits.edges:
         edges += own.waits.edges
     item = _item(root, root.name, None)
-    return WaitChain(edges=edges, root=edges[-1].dst, root_state="blocked",
+    state = "hung" if own is not None else "exited" if root.exited else "blocked"
+    return WaitChain(edges=edges, root=edges[-1].dst, root_state=state,
                      labels={src.key(): f"{first.name} (pid {src.pid})", dst.key(): f"{root.name} (pid {dst.pid})"},
                      root_role=item.role if item else "", root_frames=item.frames if item else [],
                      root_key_frames=item.key_frames or [] if item else [], root_refs=item.refs if item else [])
@@ -453,9 +454,27 @@ def ranks_settled(bundle: Bundle) -> str | None:
     return "the ranks' stacks name where each rank is"
 
 
+def join_chain(outer: WaitChain, chain: WaitChain, members: set[tuple[str | None, int]]) -> WaitChain:
+    """``outer`` (a cross-process chain) up to the first rank process it reaches, then ``chain`` (the ranks'
+    own, from a waiting rank), when ``outer`` reaches the rank ``chain`` starts from; else ``chain``."""
+    if not chain.edges:
+        return chain
+    prefix: list[WaitEdge] = []
+    for e in outer.edges:
+        if (e.src.node, e.src.pid) in members:
+            break
+        prefix.append(e)
+    start = chain.edges[0].src
+    if not prefix or prefix[-1].dst.process() != start.process():
+        return chain
+    labels = {**outer.labels, **chain.labels}
+    return chain.model_copy(update={"edges": prefix + chain.edges, "labels": labels})
+
+
 def rank_pids(bundle: Bundle) -> set[tuple[str | None, int]]:
     """(node, pid) of every process that is a rank of some group."""
     return {(r.proc.node, r.proc.pid) for g in rank_groups(bundle) for r in g.ranks if r.proc is not None}
 
 
-__all__ = ["RankGroup", "RankState", "judge_group", "judge_ranks", "rank_groups", "rank_pids", "ranks_settled"]
+__all__ = ["RankGroup", "RankState", "join_chain", "judge_group", "judge_ranks", "rank_groups", "rank_pids",
+           "ranks_settled"]

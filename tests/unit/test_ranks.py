@@ -135,3 +135,19 @@ def test_a_rank_whose_cpu_advanced_is_slow_not_hung() -> None:
     assert verdict.kind is VerdictKind.SLOW_START and verdict.kind.exit_code == 0
     assert verdict.summary.startswith("slow, not hung: ranks 0,2,3 wait in all_reduce")
     assert "rank 1 is in a long compute at gloo_job.py:79" in verdict.summary
+
+
+def test_real_vllm_tp2_rank_in_a_barrier_the_other_never_calls() -> None:
+    """scenarios/tp2-vllm-cpu-mismatch.yaml: rank 1 calls a barrier rank 0 never calls, rank 0 is in the forward
+    pass's all-reduce; the chain comes from the API server."""
+    bundle = _bundle("vllm_tp2_mismatch")
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert verdict.summary.startswith("rank TP0 waits in tensor_model_parallel_all_reduce at "
+                                      "vocab_parallel_embedding.py:562 in forward")
+    assert "rank TP1 is in barrier at __init__.py" in verdict.summary and "rank_local_barrier" in verdict.summary
+    waits = verdict.waits
+    assert waits is not None
+    assert [e.kind for e in waits.edges] == [EdgeKind.ZMQ, EdgeKind.SHM_RING, EdgeKind.COLLECTIVE]
+    roles = {p.pid: p.role.value for p in bundle.processes}
+    assert roles[waits.edges[0].src.pid] == "api_server"
