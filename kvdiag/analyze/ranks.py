@@ -401,7 +401,7 @@ def judge_group(group: RankGroup, machine: str | None = None) -> Verdict | None:
             "findings": own.findings + [Finding(kind="ranks", engine=engine, message=summary)]})
     confidence = Confidence.HIGH if all(r.proc is not None for r in stuck) or not group.spans_hosts \
         else Confidence.MEDIUM
-    chain = _chain(waiting, stuck[0], None)
+    chain = _chain(waiting, next((r for r in stuck if r.proc is not None), stuck[0]), None)
     return Verdict(kind=VerdictKind.COLLECTIVE_MISMATCH, confidence=confidence, engine=engine, evidence=evidence,
                    summary=summary, waits=chain)
 
