@@ -95,7 +95,7 @@ class RankState:
 
     @property
     def name(self) -> str:
-        return f"rank {self.label}"
+        return self.label if self.label.startswith("pid ") else f"rank {self.label}"
 
     @property
     def key(self) -> tuple[str, str] | None:
@@ -257,7 +257,15 @@ def _rank_of(proc: ProcessEvidence) -> tuple[str, str, int] | None:
     tp = _tp_label(proc)
     if tp is not None:
         return f"vllm {proc.node or ''}/{proc.ppid}", tp[0], tp[1]
+    if _in_collective(proc):
+        # A rank whose environment does not name it (torch.multiprocessing.spawn passes the rank as an
+        # argument): its siblings in a collective are its group, named by pid.
+        return f"spawned {proc.node or ''}/{proc.ppid}", f"pid {proc.pid}", proc.pid
     return None
+
+
+def _in_collective(proc: ProcessEvidence) -> bool:
+    return any(_c10d_op(f) is not None or _vllm_op(f) is not None for t in proc.threads for f in t.frames)
 
 
 def rank_groups(bundle: Bundle) -> list[RankGroup]:
@@ -299,8 +307,11 @@ def rank_groups(bundle: Bundle) -> list[RankGroup]:
 
 
 def _names(ranks: Sequence[RankState]) -> str:
-    labels = [r.label for r in ranks]
-    return f"rank {labels[0]}" if len(labels) == 1 else f"ranks {','.join(labels)}"
+    if len(ranks) == 1:
+        return ranks[0].name
+    if all(r.label.startswith("pid ") for r in ranks):
+        return "pids " + ",".join(r.label.removeprefix("pid ") for r in ranks)
+    return "ranks " + ",".join(r.label for r in ranks)
 
 
 def _wait_text(ranks: Sequence[RankState]) -> str:

@@ -151,3 +151,15 @@ def test_real_vllm_tp2_rank_in_a_barrier_the_other_never_calls() -> None:
     assert [e.kind for e in waits.edges] == [EdgeKind.ZMQ, EdgeKind.SHM_RING, EdgeKind.COLLECTIVE]
     roles = {p.pid: p.role.value for p in bundle.processes}
     assert roles[waits.edges[0].src.pid] == "api_server"
+
+
+def test_ranks_no_environment_names_are_grouped_by_parent_and_named_by_pid() -> None:
+    """Ranks started by torch.multiprocessing.spawn get their rank as an argument: siblings in collectives."""
+    bundle = _bundle("gloo_mismatch_2")
+    for p in bundle.processes:
+        p.rank = None
+    first, second = (p.pid for p in bundle.processes if p.rank is None)
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert f"pid {first} waits in all_reduce at gloo_job.py:68" in verdict.summary
+    assert f"pid {second} is in broadcast at gloo_job.py:72" in verdict.summary
