@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.analyze.fleet import across_nodes, by_node, is_merged, node_bundles, on_node, waiting_on_hung_peers
+from kvdiag.analyze.ranks import join_chain, judge_ranks, rank_pids
 from kvdiag.analyze.rulekit import severity
 from kvdiag.analyze.signature import sign
 from kvdiag.analyze.xverdict import judge_across, merge_across
@@ -26,7 +27,20 @@ def analyze_by_engine(bundle: Bundle) -> dict[str, Verdict]:
     several hosts, per node and engine (``node/engine``), each node judged on its own processes."""
     if is_merged(bundle):
         return waiting_on_hung_peers(bundle, by_node(bundle, _by_engine))
-    return _by_engine(bundle)
+    return _ranks_by_engine(_by_engine(bundle), bundle)
+
+
+def _ranks_by_engine(by: dict[str, Verdict], bundle: Bundle) -> dict[str, Verdict]:
+    """The engine that holds a job's ranks gets the ranks' verdict (kvdiag.analyze.ranks) where it is the
+    worse one: each engine's health line then says what the overall verdict says."""
+    ranks = judge_ranks(bundle)
+    if ranks is None:
+        return by
+    cited = {e.pid for e in ranks.evidence}
+    for name, procs in _groups(bundle):
+        if name in by and cited & {p.pid for p in procs}:
+            by[name] = _with_ranks(by[name], bundle, ranks)
+    return by
 
 
 def _by_engine(bundle: Bundle) -> dict[str, Verdict]:
@@ -59,8 +73,31 @@ def analyze(bundle: Bundle) -> Verdict:
             cross = judge_across(sub)[0]
             if cross is not None:
                 overall = merge_across(overall, on_node(cross, node))
-        return sign(across_nodes(overall, bundle, by), bundle)
-    return _worst(by, bundle)
+        return _with_ranks(sign(across_nodes(overall, bundle, by), bundle), bundle)
+    return _with_ranks(_worst(by, bundle), bundle)
+
+
+def _with_ranks(overall: Verdict, bundle: Bundle, ranks: Verdict | None = None) -> Verdict:
+    """The ranks of one job judged as a group (kvdiag.analyze.ranks): where they disagree, that is the
+    verdict, unless a worse hang lies outside the group's processes (then the ranks' story is a finding)."""
+    ranks = ranks if ranks is not None else judge_ranks(bundle)
+    if ranks is None:
+        return overall
+    members = rank_pids(bundle)
+    cross = overall.waits
+    if cross is None and not is_merged(bundle):
+        found = judge_across(bundle)[0]
+        cross = found.waits if found is not None else None
+    # A chain that ends in one of the ranks is explained by them; a worse hang elsewhere is not.
+    ends_in_ranks = cross is not None and cross.root is not None and (cross.root.node, cross.root.pid) in members
+    outside = [e for e in overall.evidence if (e.node, e.pid) not in members]
+    if overall.kind.is_hang and outside and not ends_in_ranks and severity(overall.kind) < severity(ranks.kind):
+        note = Finding(kind="ranks", engine=ranks.engine, message=f"{ranks.kind.value}: {ranks.summary}")
+        return overall.model_copy(update={"findings": overall.findings + [note]})
+    if cross is not None and ranks.waits is not None:
+        # The chain from further out (the API server, the EngineCore) up to the first rank, then the ranks'.
+        ranks = ranks.model_copy(update={"waits": join_chain(cross, ranks.waits, members)})
+    return sign(ranks, bundle)
 
 
 def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdict:

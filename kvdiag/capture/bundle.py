@@ -14,6 +14,7 @@ from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.follow import note_followed, peers_outside
 from kvdiag.capture.logread import log_record
 from kvdiag.capture.orchestrate import capture_processes
+from kvdiag.capture.ranks import read_rank
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.environment.host import host_record
@@ -26,7 +27,8 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  backends: Sequence[str | CaptureBackend] | None = None,
                  log_pids: dict[str, int] | None = None, command: str = "",
                  pids: Sequence[int] | None = None, save: bool = True, follow: bool = True,
-                 on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None) -> Bundle:
+                 on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None,
+                 focus: Sequence[int] | None = None) -> Bundle:
     """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/<pid>/).
 
     ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
@@ -35,13 +37,14 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
     return capture_pids(pids, bundle_dir, roots=[root_pid], timeout_s=timeout_s, backends=backends,
                         log_pids=log_pids, command=command or f"capture --pid {root_pid}", save=save,
-                        on_evidence=on_evidence, decides=decides, follow=follow)
+                        on_evidence=on_evidence, decides=decides, follow=follow, focus=focus)
 
 
 def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] | None = None,
                  timeout_s: float = 10.0, backends: Sequence[str | CaptureBackend] | None = None,
                  log_pids: dict[str, int] | None = None, command: str = "", save: bool = True, follow: bool = True,
-                 on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None) -> Bundle:
+                 on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None,
+                 focus: Sequence[int] | None = None) -> Bundle:
     """Capture ``pids`` read-only into ``bundle_dir``: what ``kvdiag capture --pid`` does, for processes that
     need not form one tree (the selected workers of one node of a Ray cluster).
 
@@ -51,6 +54,7 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     the evidence is in, before the environment (so a caller can say the verdict at once). ``save=False``:
     the caller writes the bundle. ``decides``: capture the engine cores first and the rest with every
     tool only when that does not decide (:mod:`kvdiag.capture.staged`); None: every process, every tool.
+    ``focus``: the processes that stage captures first (default: the engine cores).
     ``follow``: the processes outside ``pids`` that a blocked thread waits on are captured too (bounded).
     """
     pids = list(pids)
@@ -69,18 +73,23 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                                   name="kvdiag-environment", daemon=True)
     env_thread.start()
 
+    followed, named = peers_outside(pids) if follow else ([], [])
+    every = pids + [p.pid for p in followed]
+    # Each one's rank in a distributed job groups one job's ranks, here and in a merged bundle.
+    ranks = {pid: read_rank(pid) for pid in every}
+
     def with_roles(evidence: list[ProcessEvidence]) -> list[ProcessEvidence]:
         for ev in evidence:
+            ev.rank = ranks.get(ev.pid)
             for role, role_pids in roles.items():
                 if ev.pid in role_pids:
                     ev.role = role
         return evidence
 
-    followed, named = peers_outside(pids) if follow else ([], [])
-    every = pids + [p.pid for p in followed]
-    if decides is not None and cores:
+    first = [p for p in focus if p in every] if focus is not None else cores
+    if decides is not None and first:
         judge = decides
-        evidence, findings = capture_staged(every, cores, raw_root(bundle_dir), timeout_s=timeout_s,
+        evidence, findings = capture_staged(every, first, raw_root(bundle_dir), timeout_s=timeout_s,
                                             backends=backends, bundle_dir=bundle_dir,
                                             decides=lambda evs, fs: judge(with_roles(evs), fs))
     else:

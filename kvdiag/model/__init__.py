@@ -78,6 +78,9 @@ from kvdiag.model.kinds import (
     ThreadState,
     VerdictKind,
 )
+from kvdiag.model.ranks import (
+    RankIdentity,
+)
 from kvdiag.model.report import (
     EnginePids,
     Report,
@@ -198,6 +201,7 @@ __all__ = [
     "RingGeometry",
     "RingReading",
     "PtraceAccess",
+    "RankIdentity",
     "RateLine",
     "RedactionSummary",
     "Report",

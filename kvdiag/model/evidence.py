@@ -8,6 +8,7 @@ from pydantic import Field
 
 from kvdiag.model.gpu import GpuReadings
 from kvdiag.model.kinds import GilState, ProcessRole, ThreadState, _Model
+from kvdiag.model.ranks import RankIdentity
 from kvdiag.model.rings import RingReading
 from kvdiag.model.waits import PeerProcess, SharedMapping
 
@@ -202,3 +203,5 @@ class ProcessEvidence(_Model):
     peers_outside: list[PeerProcess] = Field(default_factory=list)
     # The GPUs of the host it ran on, sampled over the capture window (None: not sampled, e.g. no GPU).
     gpu: GpuReadings | None = None
+    # Its rank in a distributed job (torch.distributed's environment; None: none set, or not read).
+    rank: RankIdentity | None = None

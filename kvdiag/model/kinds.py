@@ -51,6 +51,9 @@ class VerdictKind(str, Enum):
     # device-to-host copy, a NCCL wait) for the whole window while the GPU reports busy: a kernel that
     # never finishes. The host's locks and the GIL are consequences, not the cause.
     GPU_KERNEL_HANG = "gpu_kernel_hang"
+    # Ranks of one collective group sit in different collectives (or at different call sites), or one
+    # never arrived: every other rank waits forever. The rank that left and where it is are named.
+    COLLECTIVE_MISMATCH = "collective_mismatch"
 
     @property
     def spec(self) -> KindSpec:
@@ -85,23 +88,26 @@ KIND_SPECS: dict[VerdictKind, KindSpec] = {
     # A root cause like the host cycles above it; ranked before a blocked read or a decode stall, which a
     # kernel that never ends produces in the processes waiting on it (the API server, the scheduler).
     _K.GPU_KERNEL_HANG: KindSpec("hang", ExitCode.DEADLOCK, 4, "bad"),
-    _K.BLOCKED_IPC_READ: KindSpec("hang", ExitCode.DEADLOCK, 5, "bad"),
-    _K.DECODE_STALL: KindSpec("hang", ExitCode.DEADLOCK, 6, "bad"),
-    _K.OOM: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 7, "fail"),
-    _K.CRASH: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 8, "fail"),
-    _K.UNKNOWN: KindSpec("hang", ExitCode.DEADLOCK, 9, "unk"),
-    _K.STOPPED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 10, "warn"),
-    _K.TRACED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 11, "warn"),
-    _K.NO_ACCESS: KindSpec("no_evidence", ExitCode.NO_ACCESS, 12, "warn"),
-    _K.NO_EVIDENCE: KindSpec("no_evidence", ExitCode.NO_ACCESS, 13, "warn"),
-    _K.EXITED: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 14, "unk"),
-    _K.ZOMBIE: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 15, "unk"),
-    _K.NOT_PYTHON: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 16, "unk"),
-    _K.KERNEL_THREAD: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 17, "unk"),
-    _K.INCONCLUSIVE: KindSpec("inconclusive", ExitCode.INCONCLUSIVE, 18, "unk"),
-    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 19, "warn"),
-    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 20, "warn"),
-    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 21, "ok"),
+    # The ranks that wait are consequences of the one that left: ranked above the blocked reads and stalls
+    # it causes elsewhere, below the host cycles that may be why a rank never arrived.
+    _K.COLLECTIVE_MISMATCH: KindSpec("hang", ExitCode.DEADLOCK, 5, "bad"),
+    _K.BLOCKED_IPC_READ: KindSpec("hang", ExitCode.DEADLOCK, 6, "bad"),
+    _K.DECODE_STALL: KindSpec("hang", ExitCode.DEADLOCK, 7, "bad"),
+    _K.OOM: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 8, "fail"),
+    _K.CRASH: KindSpec("engine_failed", ExitCode.ENGINE_FAILED, 9, "fail"),
+    _K.UNKNOWN: KindSpec("hang", ExitCode.DEADLOCK, 10, "unk"),
+    _K.STOPPED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 11, "warn"),
+    _K.TRACED: KindSpec("target_state", ExitCode.TARGET_STOPPED, 12, "warn"),
+    _K.NO_ACCESS: KindSpec("no_evidence", ExitCode.NO_ACCESS, 13, "warn"),
+    _K.NO_EVIDENCE: KindSpec("no_evidence", ExitCode.NO_ACCESS, 14, "warn"),
+    _K.EXITED: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 15, "unk"),
+    _K.ZOMBIE: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 16, "unk"),
+    _K.NOT_PYTHON: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 17, "unk"),
+    _K.KERNEL_THREAD: KindSpec("no_evidence", ExitCode.NOT_DIAGNOSABLE, 18, "unk"),
+    _K.INCONCLUSIVE: KindSpec("inconclusive", ExitCode.INCONCLUSIVE, 19, "unk"),
+    _K.SLOW_START: KindSpec("inconclusive", ExitCode.OK, 20, "warn"),
+    _K.NOT_SATURATED: KindSpec("inconclusive", ExitCode.NOT_SATURATED, 21, "warn"),
+    _K.HEALTHY: KindSpec("healthy", ExitCode.OK, 22, "ok"),
 }
 
 

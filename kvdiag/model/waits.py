@@ -68,6 +68,7 @@ class EdgeKind(str, Enum):
     SHM_RING = "shm_ring"                # a spinning reader/writer of a shared-memory ring -> the other side
     ZMQ = "zmq"                          # ZMQ recv (signaler fd) -> the peer of the I/O thread's connections
     RAY_GET = "ray_get"                  # ray.get -> the worker running the producing task
+    COLLECTIVE = "collective"            # a rank waiting in a collective -> a rank of its group that is elsewhere
     OTHER = "other"
 
 

@@ -12,9 +12,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvdiag.analyze import analyze, diagnose
+from kvdiag.analyze.ranks import ranks_settled
 from kvdiag.capture.access import is_kernel_thread
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import make_backends
+from kvdiag.capture.ranks import job_ranks
 from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.environment.host import host_record
 from kvdiag.errors import UsageError
@@ -33,6 +35,13 @@ def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> st
     if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
         return f"the EngineCore's evidence decided ({v.kind.value})"
     return None
+
+
+def ranks_decide(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
+    """Whether the job's ranks, read without pausing them, already say where each is (the other ranks
+    then need no pausing tool), or the engine core's evidence decides: the reason, else None."""
+    return ranks_settled(Bundle(host=host_record(), processes=evidence, findings=findings)) or core_decides(
+        evidence, findings)
 
 
 def target_pid(pid: int | None, engine_core_of: int | None) -> int:
@@ -98,9 +107,12 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
     ``verdict_t``: the run time of the verdict, for its timeline (the watch's stall-to-verdict)."""
     known: list[Diagnosis] = []
     kthread = scope.pids == [target] and is_kernel_thread(target)
+    # One rank of a distributed job is judged with its group: the job's other ranks on this host come too.
+    ranks = [] if kthread else job_ranks(scope.pids)
     if progress is not None:
+        also = f" and {len(ranks)} other rank{'s' if len(ranks) > 1 else ''} of its job" if ranks else ""
         progress(f"pid {target} is a kernel thread: capture refused; recording what /proc shows" if kthread else
-                 f"capturing pid {target} and its children with {', '.join(tools)} "
+                 f"capturing pid {target} and its children{also} with {', '.join(tools)} "
                  f"(read-only; the tools stop after --timeout {timeout_s:g} s)")
 
     def early(partial: Bundle) -> None:
@@ -112,7 +124,8 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
 
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
     bundle = capture_tree(target, out_dir / "bundle", timeout_s=timeout_s, backends=tools, command=command,
-                          pids=scope.pids, save=False, on_evidence=early, decides=core_decides,
+                          pids=scope.pids + ranks, save=False, on_evidence=early,
+                          decides=ranks_decide if ranks else core_decides, focus=scope.pids if ranks else None,
                           follow=follow and not kthread)
     if not known and record is not None:
         record(bundle)

@@ -27,6 +27,10 @@ With ``KVDIAG_VLLM_HANG_RANK=R`` as well, the stall goes into one worker instead
 first forward pass at least T seconds after its first one (which compiles kernels), and hangs there in the same GIL
 cycle; the other ranks then wait for it in their next collective, and the EngineCore waits for the
 answering rank on vLLM's shared-memory ring. The EngineCore itself does not stall then.
+``KVDIAG_VLLM_RANK_BRANCH=barrier`` with those two makes that rank take a rank-local branch instead of the
+GIL cycle: in the first pass of a new request at least T seconds after its first one, it calls a barrier on
+its tensor-parallel group that no other rank calls, while the others go on into the forward pass's
+all-reduce (the ranks then wait for each other in different collectives).
 
 Only the standard library, vLLM and kvdiag.allocator are imported here (this runs inside the
 engine; none of kvdiag's pipeline stages belong in it).
@@ -49,6 +53,7 @@ ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
 STALL_ENV = "KVDIAG_VLLM_STALL_AFTER_S"
 HANG_RANK_ENV = "KVDIAG_VLLM_HANG_RANK"
 STEP_DELAY_ENV = "KVDIAG_VLLM_STEP_DELAY_MS"
+BRANCH_ENV = "KVDIAG_VLLM_RANK_BRANCH"
 MB = 1024 * 1024
 GB = 1024 * MB
 
@@ -331,16 +336,22 @@ def _arm_worker_stall(rank: int, after_s: float) -> None:
     cls = gpu_worker.Worker
     orig_execute = cls.execute_model
     state: dict[str, float | bool] = {"served_t": 0.0, "stalled": False}
+    branch = os.environ.get(BRANCH_ENV, "").strip() == "barrier"
 
     def execute_model(self: Any, scheduler_output: Any, *args: Any, **kwargs: Any) -> Any:
         forward = getattr(scheduler_output, "total_num_scheduled_tokens", 0) > 0
         served = float(state["served_t"])
-        if forward and served and not state["stalled"] and time.monotonic() - served >= after_s:
+        # The rank-local branch waits for a new request's first pass: the one in flight (the run's warm-up)
+        # is answered first, so the branch is taken while serving.
+        new_request = bool(getattr(scheduler_output, "scheduled_new_reqs", None)) or not branch
+        if forward and served and new_request and not state["stalled"] and time.monotonic() - served >= after_s:
             state["stalled"] = True
             _log.warning("kvdiag plugin: %s=%g %s=%d: growing the pool by a stock engine-2 pool on worker rank "
                          "%d's main thread now (pid %d)", STALL_ENV, after_s, HANG_RANK_ENV, rank, rank, os.getpid())
             for h in logging.getLogger("vllm").handlers:
                 h.flush()
+            if branch:
+                rank_local_barrier()
             extra = build_allocator("stock", 28, 11 * MB, ipc_suffix=f"_RANK{rank}")
             take_null_block(extra)
         out = orig_execute(self, scheduler_output, *args, **kwargs)
@@ -353,5 +364,15 @@ def _arm_worker_stall(rank: int, after_s: float) -> None:
               rank, after_s, os.getpid())
 
 
-__all__ = ["ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "STEP_DELAY_ENV", "PoolBacking", "build_allocator", "register",
-           "take_null_block"]
+def rank_local_barrier() -> None:
+    """A collective only this rank calls (a barrier on its tensor-parallel group): the rank-local branch that
+    leaves the others waiting in their all-reduce."""
+    from vllm.distributed import get_tp_group  # vLLM exists only inside its own processes: imported when armed
+
+    _log.warning("kvdiag plugin: %s=barrier: this rank calls a barrier no other rank calls (pid %d)", BRANCH_ENV,
+                 os.getpid())
+    get_tp_group().barrier()
+
+
+__all__ = ["BRANCH_ENV", "ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "STEP_DELAY_ENV", "PoolBacking", "build_allocator",
+           "rank_local_barrier", "register", "take_null_block"]

@@ -69,7 +69,7 @@ def test_tp2_stuck_rank_and_the_chain_from_the_api_server() -> None:
     assert verdict.waits is not None and verdict.waits.root is not None
     assert [n.pid for n in verdict.waits.nodes()] == [api, t["VLLM::EngineCore"], t["VLLM::Worker_TP0"],
                                                       t["VLLM::Worker_TP1"]]
-    assert [e.kind for e in verdict.waits.edges] == [EdgeKind.ZMQ, EdgeKind.SHM_RING, EdgeKind.OTHER]
+    assert [e.kind for e in verdict.waits.edges] == [EdgeKind.ZMQ, EdgeKind.SHM_RING, EdgeKind.COLLECTIVE]
     assert verdict.waits.root_state == "hung" and verdict.waits.root.pid == t["VLLM::Worker_TP1"]
     ring = verdict.waits.edges[1].evidence
     assert ring.mapping and "/dev/shm/psm_" in ring.mapping and "nothing unread" in ring.text
