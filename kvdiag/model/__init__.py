@@ -42,10 +42,12 @@ from kvdiag.model.evidence import (
     FdInfo,
     Frame,
     ProcessEvidence,
+    KernelWait,
     ProgressSample,
     RedactionSummary,
     TargetAccess,
     ThreadEvidence,
+    ThreadObservation,
     ToolRun,
 )
 from kvdiag.model.fleet import (
@@ -191,6 +193,7 @@ __all__ = [
     "PeerProcess",
     "ProcessEvidence",
     "ProcessRole",
+    "KernelWait",
     "ProgressSample",
     "RingGeometry",
     "RingReading",
@@ -216,6 +219,7 @@ __all__ = [
     "TARGET_STATE_KINDS",
     "TargetAccess",
     "ThreadEvidence",
+    "ThreadObservation",
     "ThreadState",
     "TimelineEvent",
     "ToolRun",
