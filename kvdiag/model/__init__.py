@@ -122,7 +122,9 @@ from kvdiag.model.verdict import (
     Diagnosis,
     EvidenceItem,
     KnownDefect,
+    ThreadWait,
     Verdict,
+    WaitPurpose,
 )
 from kvdiag.model.waits import (
     EdgeEvidence,
@@ -159,6 +161,8 @@ __all__ = [
     "DefectCheck",
     "DefectStatus",
     "Diagnosis",
+    "ThreadWait",
+    "WaitPurpose",
     "Distribution",
     "DoctorCheck",
     "DoctorReport",
