@@ -12,7 +12,7 @@ from kvdiag.analyze.classify import classify_process
 from kvdiag.analyze.confidence import healthy_confidence
 from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.gpu import gpu_wait_progressed
-from kvdiag.analyze.outcome import stuck_outcome
+from kvdiag.analyze.outcome import spinners_on, stuck_outcome
 from kvdiag.analyze.peers import PeerJudge, servers_were_paused_too
 from kvdiag.analyze.process import analyze_process, process_findings
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
@@ -144,7 +144,11 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     from_log = verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM) and e is not None and \
         e.exit_code in (None, 0) and e.phase is not EnginePhase.EXITED
     if verdict.kind.is_hang:
-        return _chained(verdict, stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None))
+        verdict = _chained(verdict, stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None))
+        spin = spinners_on(bundle, {x.pid for x in verdict.evidence})
+        if spin:
+            verdict.summary += "; " + "; ".join(spin[:2])
+        return verdict
     if verdict.kind not in (VerdictKind.HEALTHY, VerdictKind.SLOW_START) and not from_log:
         return verdict
     hang = stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None)
@@ -156,7 +160,14 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         hang.findings.append(Finding(kind="log_line", engine=verdict.engine, message=(
             f"the log says {verdict.kind.value}, but the processes it could be about are alive and their stacks "
             f"show a stuck wait; a log line is the verdict only for a process that is gone: {verdict.summary}")))
-        hang.summary += f"; the shared log also says: {verdict.summary}"
+        alive = {p.pid for p in bundle.processes if p.alive}
+        gone = [int(m) for m in re.findall(r"(?:pid[= ]|[Pp]rocess |\(pid )(\d+)", verdict.summary)
+                if int(m) not in alive]
+        if gone:
+            hang.summary += (f"; the log's {verdict.kind.value} line is about pid {gone[0]}, which is gone: the live "
+                             f"process waits on a gone peer ({verdict.summary})")
+        else:
+            hang.summary += f"; the shared log also says: {verdict.summary}"
     elif verdict.kind is VerdictKind.SLOW_START:
         hang.findings.append(Finding(kind="stale_log", engine=verdict.engine, message=(
             f"not slow_start: {verdict.summary}; the log did not grow during the window, and a stale line never "
@@ -171,6 +182,15 @@ def _chained(verdict: Verdict, chain: Verdict | None) -> Verdict:
         return verdict
     root = {(e.pid, e.tid) for e in verdict.evidence}
     first = chain.evidence[0]
+    if (first.pid, first.tid) == (verdict.evidence[0].pid, verdict.evidence[0].tid) and \
+            verdict.kind in (VerdictKind.BLOCKED_IPC_READ, VerdictKind.UNKNOWN) and chain.kind is not verdict.kind \
+            and any(c.pid != first.pid for c in chain.evidence[1:]):
+        # The same wait, followed further: into the peer, to the thread there that holds the answer up.
+        out = chain.model_copy(deep=True)
+        out.summary = out.summary.removeprefix("hang: ")
+        out.findings.append(Finding(kind="mechanism", pid=first.pid, engine=verdict.engine,
+                                    message=f"{verdict.kind.value}: {verdict.summary}"))
+        return out
     if first.pid == verdict.evidence[0].pid or not any((c.pid, c.tid) in root for c in chain.evidence[1:]):
         return verdict
     out = verdict.model_copy(deep=True)

@@ -104,9 +104,17 @@ class Wait:
         return None if self.th.observed is None else self.th.observed.advanced
 
     @property
+    def woke(self) -> bool:
+        """It was woken in a wait with no timeout: what it waits on delivered something (a timer's wakeups,
+        a GIL waiter's switch intervals, say nothing)."""
+        o = self.th.observed
+        return o is not None and bool(o.voluntary_switches) and not self.view.timed and \
+            self.view.kind not in (WaitKind.SLEEP, WaitKind.GIL_WAIT) and self.purpose is not WaitPurpose.RUNNING
+
+    @property
     def stuck(self) -> bool:
         return self.purpose is WaitPurpose.OUTCOME and self.advanced is False and not self.view.timed and \
-            not self.may_be_completed
+            not self.may_be_completed and not self.woke
 
     @property
     def in_process(self) -> bool:
@@ -216,9 +224,11 @@ def _spinner(p: ProcessEvidence, th: ThreadEvidence) -> bool:
     return (o.voluntary_switches or 0) >= _SPIN_SWITCHES
 
 
-def _advanced(procs: list[ProcessEvidence]) -> list[str]:
+def _advanced(procs: list[ProcessEvidence], waits: dict[int, list[Wait]] | None = None) -> list[str]:
     """What moved in the window, one phrase each (empty: nothing)."""
     out: list[str] = []
+    for ws in (waits or {}).values():
+        out += [f"thread {w.th.tid} of pid {w.proc.pid} was woken in an untimed wait" for w in ws if w.woke]
     for p in procs:
         pr = p.progress
         if pr is None:
@@ -233,6 +243,31 @@ def _advanced(procs: list[ProcessEvidence]) -> list[str]:
         for th in p.threads:
             if th.observed is not None and th.observed.advanced and not _spinner(p, th):
                 out.append(f"thread {th.tid} of pid {p.pid} ran")
+    return out
+
+
+def spinners_on(bundle: Bundle, pids: set[int]) -> list[str]:
+    """Sentences for threads that spin (nap, wake, look) on a shared mapping whose bytes did not change over the
+    window while a process in ``pids`` maps the same file: a reader waiting on a writer that is stuck."""
+    out: list[str] = []
+    by_pid = {p.pid: p for p in bundle.processes}
+    for p in bundle.processes:
+        if p.pid in pids or not p.shared_maps or p.progress is None:
+            continue
+        for th in p.threads:
+            if not _spinner(p, th):
+                continue
+            for m in p.shared_maps:
+                key = f"{m.dev}:{m.inode}"
+                if p.progress.shared_changed.get(key, True):
+                    continue
+                writers = [q for q in pids if q in by_pid and any(
+                    (x.dev, x.inode) == (m.dev, m.inode) for x in by_pid[q].shared_maps or [])]
+                if writers:
+                    out.append(f"pid {p.pid} thread {th.tid} spins on the shared mapping {m.path or key}, whose bytes "
+                               f"did not change over the window; pid {writers[0]}, which maps it too, is the one "
+                               "stuck above")
+                    break
     return out
 
 
@@ -380,10 +415,10 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     scope = [p for p in bundle.processes if p.node == (procs[0].node if procs else None)]
     if not procs or not observed(scope):
         return None
-    if _advanced(scope):
-        return None
     machine = bundle.host.get("machine")
     waits = {p.pid: process_waits(p, machine) for p in scope}
+    if _advanced(scope, waits):
+        return None
     stuck = [w for p in procs for w in waits.get(p.pid, []) if w.stuck]
     if not stuck:
         return None
