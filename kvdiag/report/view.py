@@ -16,12 +16,31 @@ from pathlib import PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from kvdiag.model import Bundle, EvidenceItem, Frame, ProcessEvidence, ProcessRole, Report, ThreadEvidence
+from kvdiag.model import (
+    Bundle,
+    EvidenceItem,
+    Frame,
+    ProcessEvidence,
+    ProcessRole,
+    Report,
+    ThreadEvidence,
+    ThreadWait,
+)
 from kvdiag.report.chain import ChainView, chain_view
 from kvdiag.report.soakview import SoakView, soak_view
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+MAX_WAIT_ROWS = 40
+_WAIT_WORDS = {"new_work": "new work", "outcome": "an outcome", "running": "(running)", "other": "?"}
+
+
+def wait_word(w: ThreadWait) -> str:
+    """How the reports name a thread's wait purpose ("an outcome, stuck" when it did not advance)."""
+    word = _WAIT_WORDS.get(w.purpose.value, w.purpose.value)
+    return f"{word}, stuck" if w.stuck else word
 
 
 def clean_text(text: str) -> str:
