@@ -167,7 +167,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             hang.summary += (f"; the log's {verdict.kind.value} line is about pid {gone[0]}, which is gone: the live "
                              f"process waits on a gone peer ({verdict.summary})")
         else:
-            hang.summary += f"; the shared log also says: {verdict.summary}"
+            hang.summary += (f"; the log's {verdict.kind.value} line is a finding, not the verdict: the processes that "
+                             f"could have written it are alive ({verdict.summary})")
     elif verdict.kind is VerdictKind.SLOW_START:
         hang.findings.append(Finding(kind="stale_log", engine=verdict.engine, message=(
             f"not slow_start: {verdict.summary}; the log did not grow during the window, and a stale line never "

@@ -9,6 +9,7 @@ import re
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, GIL_WAITER_KEYS, where
+from kvdiag.analyze.outcome import idle_new_work
 from kvdiag.analyze.rulekit import (
     HOLDER_BLOCKED,
     WAIT_WORDS,
@@ -21,7 +22,6 @@ from kvdiag.analyze.rulekit import (
     user_lock_frame,
     waiter_role,
 )
-from kvdiag.analyze.outcome import idle_new_work
 from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
 from kvdiag.model import Confidence, ProcessEvidence, Verdict, VerdictKind

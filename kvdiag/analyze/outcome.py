@@ -38,10 +38,12 @@ from kvdiag.model import (
 
 # Python frames (file tail, function) that wait for the next task or job: a worker's idle loop.
 _TASK_QUEUE_FRAMES = frozenset({
-    (("queue.py",), "get"), (("multiprocessing", "queues.py"), "get"), (("concurrent", "futures", "thread.py"),
-                                                                         "_worker"),
-    (("multiprocessing", "pool.py"), "worker"), (("concurrent", "futures", "process.py"), "_process_worker"),
+    (("queue.py",), "get"), (("multiprocessing", "queues.py"), "get"), (("futures", "thread.py"), "_worker"),
+    (("multiprocessing", "pool.py"), "worker"), (("futures", "process.py"), "_process_worker"),
 })
+# What only a join or a result is: a main thread with a signal handler waiting on anything else (an Event its
+# SIGTERM handler sets) is a daemon waiting to be told.
+_RESULT_WORDS = ("join", "result", "waitpid", "AsyncResult", "pool map", "feeder", "Barrier")
 # Python frames whose wait is for the outcome of work already started, and how a user names it.
 _OUTCOME_FRAMES = (
     ("ApplyResult.get", "AsyncResult.get (a pool task's result)"), ("ApplyResult.wait", "AsyncResult.wait"),
@@ -70,11 +72,15 @@ def _py_names(t: ThreadView, n: int = 3) -> list[str]:
 
 
 def _outcome_words(t: ThreadView) -> str | None:
-    for name in _py_names(t, 8):
+    """The outermost recognised wait among the innermost Python frames: ``ApplyResult.wait`` says more than
+    the ``Condition.wait`` it is built on."""
+    found: str | None = None
+    for name in _py_names(t, 6):
         for needle, words in _OUTCOME_FRAMES:
             if needle in name:
-                return words
-    return None
+                found = words
+                break
+    return found
 
 
 def _task_queue(t: ThreadView) -> bool:
@@ -132,11 +138,16 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
     kw = th.kernel_wait
     if kw is not None:
         if kw.what == "fifo_open":
-            return w(WaitPurpose.OUTCOME, f"open() of the FIFO {kw.path} (waits for a {'reader' if kw.access == 'write' else 'writer'})")
-        return w(WaitPurpose.OUTCOME, f"{'flock()' if kw.what == 'flock' else 'a record lock (fcntl)'} on {kw.path or kw.file}")
+            other = "reader" if kw.access == "write" else "writer"
+            return w(WaitPurpose.OUTCOME, f"open() of the FIFO {kw.path} (waits for a {other})")
+        call = "flock()" if kw.what == "flock" else "a record lock (fcntl)"
+        return w(WaitPurpose.OUTCOME, f"{call} on {kw.path or kw.file}")
     if th.write_fds:
         f = th.write_fds[0]
-        return w(WaitPurpose.OUTCOME, f"a write into a full {f.kind} ({_frames_text(t)}): it waits for its "
+        feeder = any(x.kind == "python" and x.name.endswith("_feed") for x in t.frames) or \
+            "Feeder" in (th.name or "")
+        whose = "the queue's feeder thread flushing what was put on a multiprocessing.Queue: " if feeder else ""
+        return w(WaitPurpose.OUTCOME, f"a write into a full {f.kind} ({whose}{_frames_text(t)}); it waits for its "
                                       "reader to drain it")
     if th.waited_pid is not None:
         whom = f"child pid {th.waited_pid}" if th.waited_pid > 0 else "any child"
@@ -146,8 +157,8 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
     if t.kind is WaitKind.SLEEP:
         return w(WaitPurpose.NEW_WORK, f"a timed sleep ({_frames_text(t)}): a timer loop")
     if t.kind is WaitKind.EVENT_WAIT:
-        if t.read_role == "reply" and t.wait_forever and not t.idle_by_design:
-            return w(WaitPurpose.OUTCOME, f"a poll for a reply ({_frames_text(t)})")
+        # A poll over several sources is a loop waiting for whatever comes (an executor's manager thread polls
+        # its workers' results and its wakeup pipe alike), whatever its frames call it.
         return w(WaitPurpose.NEW_WORK, f"accept/poll on its sockets ({_frames_text(t)})")
     if t.kind is WaitKind.IO_READ:
         if t.read_role == "reply" and not t.idle_by_design:
@@ -165,13 +176,18 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
             return w(WaitPurpose.NEW_WORK, f"a timed wait ({_frames_text(t)}): a loop that keeps firing")
         if t.idle_by_design or _task_queue(t):
             return w(WaitPurpose.NEW_WORK, f"a task queue ({_frames_text(t)})")
-        if t.is_main and t.py_wait == "py_cond" and wake_signals(proc) and _outcome_words(t) in (None, "Event.wait"):
-            return w(WaitPurpose.NEW_WORK, f"a signal handler's Event ({_frames_text(t)})")
         words = _outcome_words(t)
+        if t.is_main and t.py_wait == "py_cond" and wake_signals(proc) and not any(
+                r in (words or "") for r in _RESULT_WORDS):
+            return w(WaitPurpose.NEW_WORK, f"a signal handler's Event ({_frames_text(t)})")
+        if words is None and any(s in f.name for f in th.frames[:24] for s in _POOL_FRAMES):
+            words = "a thread team's barrier"
+        if words is None and not any(f.kind == "python" for f in t.frames):
+            # A native thread on a condvar or futex: a pool's idle worker and a waiter for a result look alike.
+            return w(WaitPurpose.OTHER, f"a native {t.kind.value.replace('_', ' ')} ({t.wait_frame or '?'}): "
+                                        "for work or for a result, its frames do not say")
         if words is None and t.kind is WaitKind.MUTEX_WAIT:
             words = "a mutex"
-        if words is None and t.kind is WaitKind.COND_WAIT:
-            words = "a condition variable"
         if words is None:
             words = "a lock or condition"
         return w(WaitPurpose.OUTCOME, f"{words} ({_frames_text(t)})")
@@ -286,6 +302,14 @@ class _Step:
     text: str
     kind: VerdictKind
     cite: list[Wait]
+    live: bool = False     # the chain ends at a process that may still act: not a hang
+
+
+def _may_act(ws: list[Wait]) -> bool:
+    """A thread that runs, sleeps or waits with a timeout (a one-shot sleep ends and may finish the work; one
+    window cannot tell it from a timer loop), or waits on something nobody can name."""
+    return any(x.purpose in (WaitPurpose.RUNNING, WaitPurpose.OTHER) or x.view.kind is WaitKind.SLEEP
+               or (x.view.timed and x.view.kind is not WaitKind.GIL_WAIT) for x in ws)
 
 
 class _Chain:
@@ -309,6 +333,8 @@ class _Chain:
             return _Step(f"and so back to {self.label(pid)}: a cycle, nobody moves", VerdictKind.BLOCKED_IPC_READ, [])
         ws = self.waits.get(pid, [])
         stuck = [w for w in ws if w.stuck]
+        if _may_act(ws) and not stuck:
+            return _Step(f"{self.label(pid)} may still act", VerdictKind.UNKNOWN, [], live=True)
         if stuck and depth < 4:
             w = sorted(stuck, key=lambda x: (x.in_process, not x.view.is_main, x.th.tid))[0]
             return self.step(w, seen | {pid}, depth + 1)
@@ -340,17 +366,18 @@ class _Chain:
                              VerdictKind.BLOCKED_IPC_READ, [w])
             nxt = self.doing(kw.holder_pids[0], seen, depth)
             return _Step(f"{who} waits in {w.what}; it is held open by {self.label(kw.holder_pids[0])}; {nxt.text}",
-                         nxt.kind, [w, *nxt.cite])
+                         nxt.kind, [w, *nxt.cite], nxt.live)
         if kw is not None:
             if not kw.holder_pids:
                 return _Step(f"{who} waits in {w.what}; /proc/locks names no holder (a lock taken and released "
                              "in a race, or one held through an open file description)", VerdictKind.UNKNOWN, [w])
             holder = kw.holder_pids[0]
             nxt = self.doing(holder, seen, depth)
-            return _Step(f"{who} waits in {w.what}, held by pid {holder}; {nxt.text}", nxt.kind, [w, *nxt.cite])
+            return _Step(f"{who} waits in {w.what}, held by pid {holder}; {nxt.text}", nxt.kind, [w, *nxt.cite],
+                         nxt.live)
         if w.th.waited_pid is not None and w.th.waited_pid > 0:
             nxt = self.doing(w.th.waited_pid, seen, depth)
-            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite])
+            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
         peers = _peers(w)
         if peers is not None:
             others = [q for q in peers if q != w.proc.pid]
@@ -361,9 +388,9 @@ class _Chain:
             if w.th.write_fds:
                 only = "only " if len(others) == 1 else ""
                 return _Step(f"{who} waits in {w.what}, which {only}{', '.join(self.label(q) for q in others)} "
-                             f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite])
+                             f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
             return _Step(f"{who} waits in {w.what} from {self.label(others[0])}; {nxt.text}", nxt.kind,
-                         [w, *nxt.cite])
+                         [w, *nxt.cite], nxt.live)
         # A wait inside the process: who could complete it?
         mine = self.waits.get(w.proc.pid, [])
         # Another thread of the process stuck on something outside it (a full pipe, a peer): that is where the
@@ -371,7 +398,7 @@ class _Chain:
         outside = [x for x in mine if x is not w and x.stuck and not x.in_process]
         if outside and depth < 6:
             nxt = self.step(outside[0], seen, depth + 1)
-            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite])
+            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
         forked = self.fork_of(w)
         if forked is not None:
             return _Step(f"{who} waits in {w.what}{_native_words(w)}: {forked}", VerdictKind.LOST_WAKEUP, [w])
@@ -422,12 +449,26 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     stuck = [w for p in procs for w in waits.get(p.pid, []) if w.stuck]
     if not stuck:
         return None
+    # A wait on a futex in shared memory (a multiprocessing Event, Lock, Barrier) may be posted by any process;
+    # while one of them may still act, it is not stuck.
+    everyone = [w for ws in waits.values() for w in ws]
+    # A wait inside one process may be completed by a thread that hears from another process (a pool's result
+    # handler from its workers): the same holds for it.
+    for w in stuck:
+        receiver = any(x is not w and x.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT)
+                       for x in waits.get(w.proc.pid, []))
+        if (w.view.shared_futex or (w.in_process and receiver)) and _may_act(
+                [x for x in everyone if x.proc.pid != w.proc.pid]):
+            w.may_be_completed = True
+    stuck = [w for w in stuck if w.stuck]
     chain = _Chain(bundle, waits)
     # The wait the kernel names the other party of first, then a reply, then a process's own main thread.
     stuck.sort(key=lambda w: (w.th.kernel_wait is None, w.th.waited_pid is None, _peers(w) is None,
                               not w.view.is_main, w.th.tid))
-    first = stuck[0]
-    step = chain.step(first, {first.proc.pid}, 0)
+    found = next(((w, st) for w in stuck if not (st := chain.step(w, {w.proc.pid}, 0)).live), None)
+    if found is None:
+        return None
+    first, step = found
     window = max((p.progress.window_s for p in scope if p.progress is not None), default=0.0)
     evidence: list[EvidenceItem] = []
     for i, w in enumerate(step.cite[:4]):

@@ -29,13 +29,13 @@ def _lock_wait(pid: int, tid: int, fd: int, what: str, locks: list[FileLock] | N
     st = fd_stat(pid, fd)
     path = readlink(pid, fd)
     if st is None:
-        return KernelWait(what=what, path=path)  # type: ignore[arg-type]
+        return KernelWait(what=what, path=path)
     major, minor, ino = _dev(st)
     kinds = ("FLOCK",) if what == "flock" else ("POSIX", "OFDLCK")
     holders = None if locks is None else sorted({
         lk.pid for lk in locks if not lk.waiting and lk.kind in kinds and lk.same_file(major, minor, ino)
         and lk.pid is not None and lk.pid != pid})
-    return KernelWait(what=what, path=path, file=f"{major:02x}:{minor:02x}:{ino}",  # type: ignore[arg-type]
+    return KernelWait(what=what, path=path, file=f"{major:02x}:{minor:02x}:{ino}",
                       holder_pids=holders)
 
 

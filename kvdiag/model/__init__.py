@@ -41,8 +41,8 @@ from kvdiag.model.environment import (
 from kvdiag.model.evidence import (
     FdInfo,
     Frame,
-    ProcessEvidence,
     KernelWait,
+    ProcessEvidence,
     ProgressSample,
     RedactionSummary,
     TargetAccess,
