@@ -408,7 +408,10 @@ class _Chain:
             also = f"its other {len(rest)} thread(s) wait too ({', '.join(kinds)}), none of them advanced"
         else:
             also = "it has no other thread"
-        lost = w.view.kind in (WaitKind.COND_WAIT, WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT)
+        # A condition nobody will signal is a lost wakeup; a plain lock nobody else holds (re-taken by its own
+        # holder, or held by a thread we cannot name) stays unknown.
+        lost = w.view.kind is WaitKind.COND_WAIT or (
+            w.view.kind is WaitKind.PY_LOCK_WAIT and w.view.py_wait == "py_cond")
         kind = VerdictKind.LOST_WAKEUP if lost else VerdictKind.UNKNOWN
         return _Step(f"{who} waits in {w.what} for the outcome of work already started; no live thread can "
                      f"complete it: {also}", kind, [w])
