@@ -17,6 +17,7 @@ Pure: reads the bundle only. A bundle captured before threads were observed one 
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 from kvdiag.analyze import vocab as v
@@ -439,6 +440,19 @@ def _peers(w: Wait) -> list[int] | None:
     return out if read else None
 
 
+_LOG_PID = re.compile(r"\bpid[= ](\d+)")
+
+
+def _gone_in_log(bundle: Bundle, scope: list[ProcessEvidence]) -> list[int]:
+    """Pids the engines' logs name that are not among the captured live processes (a dead producer)."""
+    alive = {p.pid for p in scope if p.alive}
+    out: list[int] = []
+    for e in bundle.engines:
+        for line in e.log_tail:
+            out += [int(m) for m in _LOG_PID.findall(line) if int(m) not in alive and int(m) not in out]
+    return out
+
+
 def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | None) -> Verdict | None:
     """A hang verdict when one of ``procs`` waits for an outcome that did not advance while nothing in the
     captured processes advanced; None when the window did not observe them or something moved."""
@@ -481,6 +495,10 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     others = [w for w in stuck[1:] if not any(e.pid == w.proc.pid and e.tid == w.th.tid for e in evidence)]
     evidence += [cited(w.view, f"also waits: {w.what} (did not advance)", engine, CONTEXT_KEYS) for w in others[:3]]
     n = len(scope)
+    gone = _gone_in_log(bundle, scope)
+    if gone and step.kind in (VerdictKind.LOST_WAKEUP, VerdictKind.UNKNOWN):
+        step.text += (f"; the log names pid {', '.join(map(str, gone[:3]))}, which no longer exist"
+                      f"{'s' if len(gone) == 1 else ''}: a producer that died with the work it had taken")
     summary = (f"hang: {step.text}. Nothing advanced in {n} captured process{'es' if n > 1 else ''} over the "
                f"{window:.2f}s window (no CPU, I/O, log growth or shared-memory change), so the outcome it waits "
                f"for is not coming")
