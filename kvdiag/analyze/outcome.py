@@ -21,7 +21,7 @@ import re
 from dataclasses import dataclass
 
 from kvdiag.analyze import vocab as v
-from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.classify import RUNNING_TICKS, ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS
 from kvdiag.analyze.rulekit import cited, wake_signals
 from kvdiag.model import (
@@ -72,15 +72,28 @@ def _py_names(t: ThreadView, n: int = 3) -> list[str]:
     return [f.name for f in t.frames if f.kind == "python"][:n]
 
 
+# The same waits by file and bare function name (pystack names a frame by its function alone).
+_OUTCOME_BY_FILE = {
+    ("pool.py", "get"): "AsyncResult.get (a pool task's result)", ("pool.py", "wait"): "AsyncResult.wait",
+    ("_base.py", "result"): "Future.result (work already submitted)", ("threading.py", "join"): "Thread.join",
+    ("threading.py", "_wait_for_tstate_lock"): "Thread.join", ("process.py", "join"): "Process.join",
+    ("popen_fork.py", "wait"): "waitpid of a child", ("threading.py", "wait"): "Event/Condition.wait",
+    ("synchronize.py", "wait"): "a multiprocessing Event/Condition/Barrier",
+    ("queues.py", "_finalize_join"): "joining its queue's feeder thread",
+}
+
+
 def _outcome_words(t: ThreadView) -> str | None:
     """The outermost recognised wait among the innermost Python frames: ``ApplyResult.wait`` says more than
     the ``Condition.wait`` it is built on."""
     found: str | None = None
-    for name in _py_names(t, 6):
-        for needle, words in _OUTCOME_FRAMES:
-            if needle in name:
-                found = words
-                break
+    for f in [f for f in t.frames if f.kind == "python"][:6]:
+        words = next((w for needle, w in _OUTCOME_FRAMES if needle in f.name), None)
+        if words is None:
+            base = (f.file or "").rsplit("/", 1)[-1]
+            words = _OUTCOME_BY_FILE.get((base, f.name.rsplit(".", 1)[-1]))
+        if words is not None:
+            found = words
     return found
 
 
@@ -108,7 +121,15 @@ class Wait:
 
     @property
     def advanced(self) -> bool | None:
-        return None if self.th.observed is None else self.th.observed.advanced
+        o = self.th.observed
+        if o is None:
+            return None
+        if self.view.kind is WaitKind.SLEEP or (self.view.timed and self.view.kind is not WaitKind.GIL_WAIT):
+            # A timer that fires runs a loop's check for a tick and sleeps again in the same call: progress only
+            # if it ran longer than that, did I/O, or is somewhere else now.
+            return (o.cpu_ticks or 0) >= RUNNING_TICKS or any(n > 0 for n in o.io_delta.values()) or \
+                o.same_syscall is False
+        return o.advanced
 
     @property
     def woke(self) -> bool:
@@ -257,8 +278,10 @@ def _advanced(procs: list[ProcessEvidence], waits: dict[int, list[Wait]] | None 
             out.append(f"pid {p.pid} did I/O")
         if any(pr.shared_changed.values()):
             out.append(f"pid {p.pid}'s shared memory changed")
+        mine = {w.th.tid: w for w in (waits or {}).get(p.pid, [])}
         for th in p.threads:
-            if th.observed is not None and th.observed.advanced and not _spinner(p, th):
+            moved = mine[th.tid].advanced if th.tid in mine else th.observed is not None and th.observed.advanced
+            if moved and not _spinner(p, th):
                 out.append(f"thread {th.tid} of pid {p.pid} ran")
     return out
 
