@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import RUNNING_TICKS, ThreadView, WaitKind, classify_process
-from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS
+from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, Key, item_of, where
 from kvdiag.analyze.rulekit import cited, wake_signals
 from kvdiag.model import (
     Bundle,
@@ -102,6 +102,11 @@ def _task_queue(t: ThreadView) -> bool:
 
 
 def _frames_text(t: ThreadView) -> str:
+    """The application's frames nearest the wait (as every rule's summary names them), else the innermost
+    Python frames, else what decided the wait."""
+    mine = where(t).removeprefix(" in ")
+    if mine:
+        return mine
     names = list(dict.fromkeys(_py_names(t, 3))) or [t.wait_frame or t.kind.value]
     return " ← ".join(names)
 
@@ -161,9 +166,9 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
     if kw is not None:
         if kw.what == "fifo_open":
             other = "reader" if kw.access == "write" else "writer"
-            return w(WaitPurpose.OUTCOME, f"open() of the FIFO {kw.path} (waits for a {other})")
+            return w(WaitPurpose.OUTCOME, f"open() of the FIFO {kw.path} (waits for a {other}; {_frames_text(t)})")
         call = "flock()" if kw.what == "flock" else "a record lock (fcntl)"
-        return w(WaitPurpose.OUTCOME, f"{call} on {kw.path or kw.file}")
+        return w(WaitPurpose.OUTCOME, f"{call} on {kw.path or kw.file} ({_frames_text(t)})")
     if th.write_fds:
         f = th.write_fds[0]
         feeder = any(x.kind == "python" and x.name.endswith("_feed") for x in t.frames) or \
@@ -463,6 +468,18 @@ def _peers(w: Wait) -> list[int] | None:
     return out if read else None
 
 
+def _cite(w: Wait, role: str, engine: str | None, keys: tuple[Key, ...]) -> EvidenceItem:
+    """The thread's citation; a wait no frame names as blocking (a write into a full pipe) rests on its
+    innermost Python call."""
+    item = cited(w.view, role, engine, keys)
+    if item.frames and not item.key_frames:
+        py = next((i for i, f in enumerate(w.view.frames) if f.kind == "python"), None)
+        if py is not None:
+            rows = [(i, v.describe(f)) for i, f in enumerate(w.view.frames[:py + 1])][-6:]
+            item = item_of(w.view.pid, w.view.tid, role, engine, rows, {py})
+    return item
+
+
 _LOG_PID = re.compile(r"\bpid[= ](\d+)")
 
 
@@ -514,9 +531,9 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     for i, w in enumerate(step.cite[:4]):
         role = f"{'waits' if i == 0 else 'then'}: {w.what} ({w.purpose.value.replace('_', ' ')}; "
         role += "did not advance)" if w.stuck else "waiting)"
-        evidence.append(cited(w.view, role, engine, BLOCKED_KEYS if i == 0 or w.stuck else CONTEXT_KEYS))
+        evidence.append(_cite(w, role, engine, BLOCKED_KEYS if i == 0 or w.stuck else CONTEXT_KEYS))
     others = [w for w in stuck[1:] if not any(e.pid == w.proc.pid and e.tid == w.th.tid for e in evidence)]
-    evidence += [cited(w.view, f"also waits: {w.what} (did not advance)", engine, CONTEXT_KEYS) for w in others[:3]]
+    evidence += [_cite(w, f"also waits: {w.what} (did not advance)", engine, CONTEXT_KEYS) for w in others[:3]]
     n = len(scope)
     gone = _gone_in_log(bundle, scope)
     if gone and step.kind in (VerdictKind.LOST_WAKEUP, VerdictKind.UNKNOWN):
