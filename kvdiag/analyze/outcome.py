@@ -420,6 +420,10 @@ class _Chain:
                              f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
             return _Step(f"{who} waits in {w.what} from {self.label(others[0])}; {nxt.text}", nxt.kind,
                          [w, *nxt.cite], nxt.live)
+        if w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds:
+            # A read or write whose other end was not read: whoever holds it may still answer.
+            return _Step(f"{who} waits in {w.what}; who holds the other end was not read", VerdictKind.UNKNOWN,
+                         [w], live=True)
         # A wait inside the process: who could complete it?
         mine = self.waits.get(w.proc.pid, [])
         # Another thread of the process stuck on something outside it (a full pipe, a peer): that is where the
