@@ -193,7 +193,10 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
         if t.read_role == "request" or t.idle_by_design:
             return w(WaitPurpose.NEW_WORK, f"a read of its next request or task ({_frames_text(t)})")
         socks = [f for f in th.blocked_fds if f.kind == "socket" and not f.listening]
-        if socks and all(not f.accepted and f.proto in ("tcp", "tcp6", "unix") and f.peer_pids for f in socks):
+        # A connection it opened (a TCP client end, a Unix socket connected to a named listener) carries the
+        # replies to what it sent; a socketpair's ends are symmetric and say nothing.
+        if socks and all(not f.accepted and f.peer_pids and (f.proto in ("tcp", "tcp6") or (
+                f.proto == "unix" and bool(f.address))) for f in socks):
             return w(WaitPurpose.OUTCOME, f"a read of a reply on a connection it opened ({_frames_text(t)})")
         if socks and any(f.accepted for f in socks):
             return w(WaitPurpose.NEW_WORK, f"a read of the next request on an accepted connection ({_frames_text(t)})")
