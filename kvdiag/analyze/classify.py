@@ -197,8 +197,10 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
                       kind=WaitKind.UNKNOWN, frames=frames, has_frames=bool(frames_all),
                       libraries=_libraries(frames_all))
     view.stopped = th.state is ThreadState.STOPPED
-    view.idle_by_design = _idle_by_design(th, frames_all) or any(
-        m in " ".join(proc.cmdline) for m in v.IDLE_PROCESS_MARKERS)
+    # A thread blocked writing a full pipe or socket waits on its reader, whatever its name says (a queue's
+    # feeder thread is idle by design only while it has nothing to write).
+    view.idle_by_design = not th.write_fds and (_idle_by_design(th, frames_all) or any(
+        m in " ".join(proc.cmdline) for m in v.IDLE_PROCESS_MARKERS))
 
     # GIL: interpreter flags first.
     holders = [tool for tool, st in th.gil_by_tool.items() if st is GilState.HOLDS]

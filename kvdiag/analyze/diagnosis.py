@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 from kvdiag.analyze.classify import views_memo
 from kvdiag.analyze.engines import judge_engines
+from kvdiag.analyze.outcome import thread_waits
 from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.analyze.soak import judged_soak, saturation_verdict, served_verdict
 from kvdiag.analyze.xverdict import judge_across
@@ -49,6 +50,7 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
     with views_memo():
         diag = _conclude(bundle, runs)
         diag.engines = judge_engines(bundle, diag.verdicts_by_engine)
+        diag.thread_waits = thread_waits(bundle) or None
     return diag
 
 

@@ -12,6 +12,7 @@ from kvdiag.analyze.classify import classify_process
 from kvdiag.analyze.confidence import healthy_confidence
 from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.gpu import gpu_wait_progressed
+from kvdiag.analyze.outcome import spinners_on, stuck_outcome
 from kvdiag.analyze.peers import PeerJudge, servers_were_paused_too
 from kvdiag.analyze.process import analyze_process, process_findings
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
@@ -133,7 +134,79 @@ _STARTING = (EnginePhase.LAUNCHING, EnginePhase.LOADING, EnginePhase.PROFILING, 
 
 def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidence], bundle: Bundle,
                    relevant: list[Finding]) -> Verdict:
-    """Verdict for one engine (or one group of processes captured without an engine record)."""
+    """Verdict for one engine (or one group of processes captured without an engine record).
+
+    Health is earned: a verdict that would let the run pass (healthy, slow_start) or that rests on a log line
+    alone (a crash or OOM line in the log of processes still alive) gives way to a stuck outcome-wait
+    (kvdiag.analyze.outcome): a thread waiting for the result of work already started while nothing in the
+    captured processes advanced. The log's line stays, as a finding."""
+    verdict = _engine_verdict(name, e, procs, bundle, relevant)
+    from_log = verdict.kind in (VerdictKind.CRASH, VerdictKind.OOM) and e is not None and \
+        e.exit_code in (None, 0) and e.phase is not EnginePhase.EXITED
+    if verdict.kind.is_hang:
+        verdict = _chained(verdict, stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None))
+        spin = spinners_on(bundle, {x.pid for x in verdict.evidence})
+        if spin:
+            verdict.summary += "; " + "; ".join(spin[:2])
+        return verdict
+    if verdict.kind not in (VerdictKind.HEALTHY, VerdictKind.SLOW_START) and not from_log:
+        return verdict
+    hang = stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None)
+    if hang is None:
+        return verdict
+    hang.engine = verdict.engine
+    hang.findings = [*hang.findings, *verdict.findings]
+    if from_log:
+        hang.findings.append(Finding(kind="log_line", engine=verdict.engine, message=(
+            f"the log says {verdict.kind.value}, but the processes it could be about are alive and their stacks "
+            f"show a stuck wait; a log line is the verdict only for a process that is gone: {verdict.summary}")))
+        alive = {p.pid for p in bundle.processes if p.alive}
+        gone = [int(m) for m in re.findall(r"(?:pid[= ]|[Pp]rocess |\(pid )(\d+)", verdict.summary)
+                if int(m) not in alive]
+        if gone:
+            hang.summary += (f"; the log's {verdict.kind.value} line is about pid {gone[0]}, which is gone: the live "
+                             f"process waits on a gone peer ({verdict.summary})")
+        else:
+            hang.summary += (f"; the log's {verdict.kind.value} line is a finding, not the verdict: the processes that "
+                             f"could have written it are alive ({verdict.summary})")
+    elif verdict.kind is VerdictKind.SLOW_START:
+        hang.findings.append(Finding(kind="stale_log", engine=verdict.engine, message=(
+            f"not slow_start: {verdict.summary}; the log did not grow during the window, and a stale line never "
+            "outvotes a stuck wait")))
+    return hang
+
+
+def _chained(verdict: Verdict, chain: Verdict | None) -> Verdict:
+    """A hang named at its root gains the waits that lead to it from another process (a flock on a lock the
+    root holds, a FIFO it holds open, a child it is): the chain is said first, the root's verdict after."""
+    if chain is None or not verdict.evidence or not chain.evidence or verdict.waits is not None:
+        return verdict
+    root = {(e.pid, e.tid) for e in verdict.evidence}
+    first = chain.evidence[0]
+    if (first.pid, first.tid) == (verdict.evidence[0].pid, verdict.evidence[0].tid) and \
+            verdict.kind in (VerdictKind.BLOCKED_IPC_READ, VerdictKind.UNKNOWN) and chain.kind is not verdict.kind \
+            and any(c.pid != first.pid for c in chain.evidence[1:]):
+        # The same wait, followed further: into the peer, to the thread there that holds the answer up.
+        out = chain.model_copy(deep=True)
+        out.summary = out.summary.removeprefix("hang: ")
+        out.findings.append(Finding(kind="mechanism", pid=first.pid, engine=verdict.engine,
+                                    message=f"{verdict.kind.value}: {verdict.summary}"))
+        return out
+    if first.pid == verdict.evidence[0].pid or not any((c.pid, c.tid) in root for c in chain.evidence[1:]):
+        return verdict
+    out = verdict.model_copy(deep=True)
+    text = chain.summary.removeprefix("hang: ").split(". Nothing advanced", 1)[0]
+    out.summary = f"{text}. At the root: {verdict.summary}"
+    out.evidence = [first, *verdict.evidence]
+    if verdict.kind is VerdictKind.UNKNOWN and chain.kind is not VerdictKind.UNKNOWN:
+        # The chain names what the root's own rule could not: its words replace the root's guess.
+        out.kind, out.summary = chain.kind, chain.summary.removeprefix("hang: ")
+        out.confidence_reasons = chain.confidence_reasons
+    return out
+
+
+def _engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidence], bundle: Bundle,
+                    relevant: list[Finding]) -> Verdict:
     machine = bundle.host.machine
     findings = (banner_findings(e) if e else []) + relevant
     findings += [f for p in procs for f in process_findings(p, machine, e.name if e else None)]

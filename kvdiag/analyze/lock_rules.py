@@ -9,6 +9,7 @@ import re
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, GIL_WAITER_KEYS, where
+from kvdiag.analyze.outcome import idle_new_work
 from kvdiag.analyze.rulekit import (
     HOLDER_BLOCKED,
     WAIT_WORDS,
@@ -77,7 +78,11 @@ def rule_python_lock_inversion(proc: ProcessEvidence, views: list[ThreadView],
     if len(waiters) < 2 or (addrs and len(addrs) < 2):
         return None
     # Only a thread that can run Python releases a Python lock (kvdiag.analyze.runtime: a runtime's native threads).
-    if any(may_release_python_lock(t, waiters) for t in possible_signallers(views, waiters, proc)) or any(
+    # A thread idle on new work (accept, a poll, a timer loop) that did not advance over an observed window is not
+    # acting: it could hold one of the locks only if it took it before it went idle (pystack --locals decides).
+    idle = idle_new_work(proc)
+    signallers = [t for t in possible_signallers(views, waiters, proc) if t.tid not in idle]
+    if any(may_release_python_lock(t, waiters) for t in signallers) or any(
             t.kind is WaitKind.GIL_WAIT for t in views):
         return None
     ring = _lock_reference_cycle(waiters, views)

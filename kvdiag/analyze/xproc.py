@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import ThreadView, WaitKind, classify_process
+from kvdiag.analyze.outcome import observed, process_waits
 from kvdiag.analyze.process import analyze_process
 from kvdiag.analyze.rulekit import peer_phrase
 from kvdiag.analyze.tcp_match import TcpIndex, TcpMatch, split_connection
@@ -44,6 +45,7 @@ from kvdiag.model import (
     WaitEdge,
     WaitGraphRecord,
     WaitNode,
+    WaitPurpose,
 )
 
 _ZMQ_SEND = ("zmq_msg_send", "zmq_send", "zmq_sendmsg", "zmq_sendiov")
@@ -374,7 +376,12 @@ class CrossProcess:
                    and (k, t.tid) not in self.deps]
         # A thread that waits for the outside world (a read, a poll) may be the one to wake it, unless its
         # own wait is stuck on something (a reply, a full pipe).
-        others_act = [t for t in live if t not in blocked and not any(
+        # A thread idle on new work (accept, a poll on its sockets, its next request) that did not advance over
+        # the observed window wakes the blocked one only if new work arrives: it is not acting now.
+        idle = {w.th.tid for w in process_waits(self.procs[k], self.machine) if w.purpose is WaitPurpose.NEW_WORK
+                and w.advanced is False and w.view.kind in (WaitKind.EVENT_WAIT, WaitKind.IO_READ)} \
+            if observed([self.procs[k]]) else set()
+        others_act = [t for t in live if t not in blocked and t.tid not in idle and not any(
             d.purpose in ("reply", "blocked") for d in self.deps.get((k, t.tid), [])) and (
             t.running or t.woke or t.timed or t.kind in (WaitKind.SLEEP, WaitKind.UNKNOWN, WaitKind.EVENT_WAIT,
                                                           WaitKind.IO_READ))]

@@ -5,7 +5,7 @@ Schedule (parallel capture):
    first; 0.4 s): the first sample, then inside the window what needs no second sample (identity, the
    GIL's place, the fds blocked threads wait on) and the tools that never pause a target
    (``py-spy --nonblocking``); nothing pauses a target while its window is open;
-2. as each window closes, that process's ptrace tools one after the other (Linux allows one tracer
+2. once every window has closed, each process's ptrace tools one after the other (Linux allows one tracer
    at a time), verdict-critical first: pystack --native-all (the interpreter's own GIL flags, Python
    and native frames); gdb only where pystack read no native frame (missing, refused, failed, timed
    out), capped at job.GDB_BUDGET_S per process and loading the symbols of tools.GDB_LIBRARIES only;
@@ -131,8 +131,8 @@ def _window_pyspy(backends: list[CaptureBackend], unavailable: dict[str, str],
 
 def _shared_window(jobs: list[ProcessJob]) -> None:
     """One /proc progress window for every process at once (focus processes first), with the tools that
-    never pause a target (py-spy --nonblocking) running inside it; each process's ptrace chain starts the
-    moment its own window closes (the focus processes' first). Nothing pauses a target while its window is
+    never pause a target (py-spy --nonblocking) running inside it; the ptrace chains start once every window
+    has closed (the focus processes' first). Nothing pauses any process of the capture while a window is
     open, and the windows overlap instead of following one another."""
     opened: list[tuple[ProcessJob, ProcBackend, ProcWindow]] = []
     try:
@@ -146,9 +146,12 @@ def _shared_window(jobs: list[ProcessJob]) -> None:
         for job in jobs:   # no /proc here: the chain may start at once
             if id(job) not in closing:
                 job.start_chain()
+        # Every window closes before any of these processes is paused: a peer stopped by a ptrace tool while
+        # another process's window is still open would look, from that window, like a peer that never answers.
         for job, pb, window in opened:
             time.sleep(max(0.0, window.window_end - time.monotonic()))
             job.close_window(pb, window)
+        for job, _, _ in opened:
             job.start_chain()
     finally:   # interrupted inside the window: no /proc/PID/mem left open
         for _, _, window in opened:

@@ -23,16 +23,18 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvdiag.capture import xwaits
+from kvdiag.capture import kwaits, xwaits
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.fds import FdResolver
 from kvdiag.model import (
     FdInfo,
     Finding,
     GilState,
+    KernelWait,
     ProcessEvidence,
     ProgressSample,
     ThreadEvidence,
+    ThreadObservation,
     ThreadState,
     ToolRun,
 )
@@ -213,6 +215,8 @@ class ProcWindow:
     # tid -> (raw syscall line, (fds, wait timeout)), resolved inside the window from the first sample
     fd_waits: dict[int, tuple[str, tuple[list[FdInfo], int | None]]] = field(default_factory=dict)
     shared: xwaits.SharedWindow | None = None   # shared mappings' first reading (kvdiag.capture.xwaits)
+    task_io: dict[int, dict[str, int]] = field(default_factory=dict)   # each thread's I/O counters, first sample
+    kernel_waits: dict[int, tuple[str, KernelWait]] = field(default_factory=dict)   # tid -> (syscall line, wait)
 
 
 class ProcBackend:
@@ -253,11 +257,12 @@ class ProcBackend:
         logs = log_files(pid)
         io_before, sizes_before = read_io(pid), _sizes(pid, logs)
         first = snapshot(pid, full=True)
+        task_io = {tid: read_io(pid, tid) for tid in first}
         window_start = time.monotonic()
         interval = max(0.0, min(self.cpu_interval_s, timeout_s / 4))
         w = ProcWindow(pid=pid, start=start, window_start=window_start, window_end=window_start + interval,
                        status=status, logs=logs, io_before=io_before, sizes_before=sizes_before, first=first,
-                       mem=TargetMemory(pid))
+                       mem=TargetMemory(pid), task_io=task_io)
         w.mem_ok = w.mem.ok
         # Inside the window: what needs no second sample.
         w.gil = locate_gil(pid, w.mem, list(first)) if w.mem.ok else None
@@ -267,6 +272,8 @@ class ProcBackend:
         syscalls = {tid: sample.syscall for tid, sample in first.items() if sample.syscall}
         waits = _fd_waits(pid, syscalls, w.mem, w.resolver)
         w.fd_waits = {tid: (syscalls[tid], found) for tid, found in waits.items()}
+        w.kernel_waits = {tid: (syscalls[tid], kw) for tid, kw in
+                          kwaits.kernel_waits(pid, syscalls, w.mem, w.deadline).items()}
         w.shared = xwaits.begin(pid)
         return w
 
@@ -277,6 +284,7 @@ class ProcBackend:
         try:
             second = snapshot(pid, full=False)
             second_sys = {tid: read_syscall(pid, tid) for tid in first}
+            io_second = {tid: read_io(pid, tid) for tid in first}
             io_after, sizes_after = read_io(pid), _sizes(pid, w.logs)
             window = time.monotonic() - w.window_start
             holder_after: int | None = None
@@ -299,6 +307,11 @@ class ProcBackend:
             for th in threads:
                 if th.syscall and th.tid in waits:
                     th.blocked_fds, th.wait_timeout_ms = waits[th.tid]
+                kw = w.kernel_waits.get(th.tid)
+                if kw is not None and kw[0] == th.syscall:
+                    th.kernel_wait = kw[1]
+                th.observed = _observation(first[th.tid], second.get(th.tid), first[th.tid].syscall,
+                                           second_sys.get(th.tid), w.task_io.get(th.tid), io_second.get(th.tid))
             shared = w.shared or xwaits.begin(pid)
         finally:
             mem.close()
@@ -407,6 +420,27 @@ class ProcBackend:
 
 
 _MAX_POLL_FDS = 64
+_IO_KEYS = ("rchar", "wchar", "syscr", "syscw")
+
+
+def _observation(a: TaskReading, b: TaskReading | None, sys_a: str | None, sys_b: str | None,
+                 io_a: dict[str, int] | None, io_b: dict[str, int] | None) -> ThreadObservation | None:
+    """What the thread did between its two samples; None when it was gone at the second."""
+    if b is None:
+        return None
+
+    def delta(x: int | None, y: int | None) -> int | None:
+        return max(0, y - x) if x is not None and y is not None else None
+
+    same = None
+    if sys_a and sys_b and sys_a.strip() != "running" and sys_b.strip() != "running":
+        same = sys_a.split()[:7] == sys_b.split()[:7]
+    elif (sys_a or "").strip() == "running" or (sys_b or "").strip() == "running":
+        same = False
+    io = {k: io_b[k] - io_a[k] for k in _IO_KEYS if io_a and io_b and k in io_a and k in io_b}
+    return ThreadObservation(cpu_ticks=delta(a.ticks, b.ticks), voluntary_switches=delta(a.voluntary, b.voluntary),
+                             nonvoluntary_switches=delta(a.nonvoluntary, b.nonvoluntary), same_syscall=same,
+                             io_delta=io)
 
 
 def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,

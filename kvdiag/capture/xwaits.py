@@ -42,7 +42,8 @@ def _sampled(maps: list[SharedMapping]) -> list[SharedMapping]:
     seen: set[str] = set()
     out: list[SharedMapping] = []
     for m in maps:
-        if m.path.startswith(_SAMPLED_PREFIXES) and mapping_key(m) not in seen:
+        # Any writable shared file mapping can carry a ring or a counter somebody polls, whatever its layout.
+        if (m.path.startswith(_SAMPLED_PREFIXES) or "w" in m.perms) and mapping_key(m) not in seen:
             seen.add(mapping_key(m))
             out.append(m)
     return out[:_MAX_SAMPLED]

@@ -42,12 +42,14 @@ from kvdiag.model.environment import (
 from kvdiag.model.evidence import (
     FdInfo,
     Frame,
+    KernelWait,
     ProcessEvidence,
     ProgressSample,
     RedactionSummary,
     TargetAccess,
     TcpSocket,
     ThreadEvidence,
+    ThreadObservation,
     ToolRun,
 )
 from kvdiag.model.fleet import (
@@ -125,7 +127,9 @@ from kvdiag.model.verdict import (
     Diagnosis,
     EvidenceItem,
     KnownDefect,
+    ThreadWait,
     Verdict,
+    WaitPurpose,
 )
 from kvdiag.model.waits import (
     EdgeEvidence,
@@ -162,6 +166,8 @@ __all__ = [
     "DefectCheck",
     "DefectStatus",
     "Diagnosis",
+    "ThreadWait",
+    "WaitPurpose",
     "Distribution",
     "DoctorCheck",
     "DoctorReport",
@@ -197,6 +203,7 @@ __all__ = [
     "PeerProcess",
     "ProcessEvidence",
     "ProcessRole",
+    "KernelWait",
     "ProgressSample",
     "RingGeometry",
     "RingReading",
@@ -224,6 +231,7 @@ __all__ = [
     "TargetAccess",
     "TcpSocket",
     "ThreadEvidence",
+    "ThreadObservation",
     "ThreadState",
     "TimelineEvent",
     "ToolRun",

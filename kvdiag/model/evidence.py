@@ -111,6 +111,38 @@ class ProgressSample(_Model):
             self.io_delta.get(k, 0) > 0 for k in ("wchar", "syscw", "rchar", "syscr"))
 
 
+class ThreadObservation(_Model):
+    """What one thread did between the progress window's two samples, read from /proc (None: not read).
+
+    A wakeup alone is not progress: a timer that keeps firing (a heartbeat, a poll with a timeout) switches
+    context every time and produces nothing. CPU time, I/O and a different syscall are."""
+
+    samples: int = 2
+    cpu_ticks: int | None = None             # utime + stime over the window
+    voluntary_switches: int | None = None    # it blocked or slept and was woken
+    nonvoluntary_switches: int | None = None  # the kernel preempted it while it ran
+    same_syscall: bool | None = None         # the same syscall line (number and arguments) at both samples
+    io_delta: dict[str, int] = Field(default_factory=dict)   # /proc/PID/task/TID/io: rchar, wchar, syscr, syscw
+
+    @property
+    def advanced(self) -> bool:
+        """It used CPU, did I/O of its own, or was in a different syscall at the second sample."""
+        return bool(self.cpu_ticks) or any(v > 0 for v in self.io_delta.values()) or self.same_syscall is False
+
+
+class KernelWait(_Model):
+    """A blocking syscall whose other party the kernel names: a file lock (holder from /proc/locks) or the
+    open of a FIFO (who holds its other end)."""
+
+    what: Literal["flock", "record_lock", "fifo_open"]
+    path: str | None = None
+    file: str | None = None                  # "major:minor:inode" of the file waited on
+    # flock / record lock: the processes /proc/locks names as holding a conflicting lock on the file;
+    # fifo_open: the processes that hold the FIFO open (any end). Empty: nobody; None: not read.
+    holder_pids: list[int] | None = None
+    access: str | None = None                # "read" / "write": the FIFO end being opened, the lock wanted
+
+
 class ThreadEvidence(_Model):
     tid: int
     name: str | None = None
@@ -136,6 +168,8 @@ class ThreadEvidence(_Model):
     write_fds: list[FdInfo] = Field(default_factory=list)   # write/send blocked on these fds
     waited_pid: int | None = None    # wait4/waitid's pid argument (-1: any child)
     futex_mapping: SharedMapping | None = None   # the MAP_SHARED file mapping the futex address lies in
+    observed: ThreadObservation | None = None   # its own two samples in the progress window (None: not observed)
+    kernel_wait: KernelWait | None = None       # a file lock or FIFO open it is blocked in, and who holds it
 
 
 class TargetAccess(_Model):

@@ -8,7 +8,7 @@ from kvdiag.model.environment import EnvironmentRecord, HostRecord
 from kvdiag.model.evidence import RedactionSummary
 from kvdiag.model.kinds import SCHEMA_VERSION, EnginePhase, VerdictKind, _Model
 from kvdiag.model.run import BannerInfo, BannerRisk, Finding, SoakStats, TimelineEvent
-from kvdiag.model.verdict import ABComparison, Verdict
+from kvdiag.model.verdict import ABComparison, ThreadWait, Verdict
 
 
 class EnginePids(BaseModel):
@@ -95,3 +95,6 @@ class Report(_Model):
     outcome: str | None = None
     # Engines that were kvdiag's simulated engines, not a real vLLM (their model name is a label).
     simulated_engines: list[str] = Field(default_factory=list)
+    # Every captured thread's wait: for new work, for the outcome of work already started, running (and whether
+    # it advanced over the observed window). Empty: a bundle from before it was judged.
+    thread_waits: list[ThreadWait] = Field(default_factory=list)

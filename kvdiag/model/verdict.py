@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import Literal
 
 from pydantic import Field
@@ -122,6 +123,28 @@ class ABComparison(_Model):
         return f"{self.title} (stock: {self.stock.verdict.value}, fixed: {self.fixed.verdict.value})"
 
 
+class WaitPurpose(str, Enum):
+    """What a thread that is not running waits for."""
+
+    NEW_WORK = "new_work"      # a server's accept/poll, a worker's task queue, a timer loop: idle by design
+    OUTCOME = "outcome"        # the result of work already started: join, a result, a lock, a reply, a child
+    RUNNING = "running"
+    OTHER = "other"            # a GIL wait, a read whose purpose the frames do not say, a state no tool read
+
+
+class ThreadWait(_Model):
+    """One thread's wait purpose as the analyzer judged it (shown per thread in every report)."""
+
+    pid: int
+    node: str | None = None
+    tid: int
+    name: str | None = None
+    purpose: WaitPurpose
+    what: str
+    advanced: bool | None = None   # its own observation in the window (None: not observed)
+    stuck: bool = False            # an outcome-wait that did not advance
+
+
 class Diagnosis(_Model):
     """analyze(bundle): everything the run concluded. Stored in the bundle; renderers read only this."""
 
@@ -135,3 +158,5 @@ class Diagnosis(_Model):
     # Each engine's health line and banner risks, judged with its verdict (None: a bundle from before they
     # were stored; kvdiag.analyze.diagnosis.complete fills them in before rendering).
     engines: list[EngineJudgement] | None = None
+    # Every captured thread's wait purpose (None: a bundle from before it was stored).
+    thread_waits: list[ThreadWait] | None = None

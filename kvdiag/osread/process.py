@@ -41,10 +41,12 @@ def read_environ(pid: int) -> dict[str, str] | None:
     return out
 
 
-def read_io(pid: int) -> dict[str, int]:
-    """/proc/PID/io counters (rchar, wchar, syscr, syscw, ...); {} when unreadable."""
+def read_io(pid: int, tid: int | None = None) -> dict[str, int]:
+    """/proc/PID/io (or one thread's /proc/PID/task/TID/io) counters (rchar, wchar, syscr, syscw, ...); {} when
+    unreadable."""
     out: dict[str, int] = {}
-    for line in (read_text(f"{PROC}/{pid}/io") or "").splitlines():
+    path = f"{PROC}/{pid}/io" if tid is None else f"{PROC}/{pid}/task/{tid}/io"
+    for line in (read_text(path) or "").splitlines():
         key, _, val = line.partition(":")
         if val.strip().isdigit():
             out[key.strip()] = int(val)

@@ -19,6 +19,8 @@ class Status:
     cap_eff: int | None = None          # CapEff bit mask
     seccomp: int | None = None          # 0 off, 1 strict, 2 filter
     ctx_switches: int | None = None     # voluntary + nonvoluntary context switches
+    voluntary: int | None = None        # the thread gave up the CPU (it blocked or slept)
+    nonvoluntary: int | None = None     # the kernel took the CPU from it (it was running)
 
 
 def _int(text: str | None, base: int = 10) -> int | None:
@@ -45,7 +47,9 @@ def parse_status(text: str) -> Status:
                   ppid=_int(digits.get("PPid")), uid=_int(uid[0]) if uid else None,
                   tracer_pid=_int(digits.get("TracerPid")), sig_caught=_int(fields.get("SigCgt"), 16),
                   cap_eff=_int(fields.get("CapEff"), 16), seccomp=_int(digits.get("Seccomp")),
-                  ctx_switches=sum(switches) if switches else None)
+                  ctx_switches=sum(switches) if switches else None,
+                  voluntary=_int(fields.get("voluntary_ctxt_switches")),
+                  nonvoluntary=_int(fields.get("nonvoluntary_ctxt_switches")))
 
 
 def read_status(pid: int | str, tid: int | None = None, proc_root: str = PROC) -> Status | None:

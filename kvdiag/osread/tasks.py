@@ -18,6 +18,8 @@ class TaskReading:
     utime: int | None = None
     stime: int | None = None
     ctx_switches: int | None = None
+    voluntary: int | None = None
+    nonvoluntary: int | None = None
     comm: str | None = None
     wchan: str | None = None
     syscall: str | None = None              # the raw /proc/.../syscall line
@@ -71,15 +73,19 @@ def read_task(pid: int, tid: int, full: bool = True) -> TaskReading | None:
         return None
     st = parse_stat(raw, tid)
     status = read_text(f"{base}/status")
-    switches = parse_status(status).ctx_switches if status is not None else None
+    parsed = parse_status(status) if status is not None else None
+    switches = parsed.ctx_switches if parsed is not None else None
     cheap = TaskReading(tid=tid, state=st.state if st else "?", utime=st.utime if st else None,
-                        stime=st.stime if st else None, ctx_switches=switches)
+                        stime=st.stime if st else None, ctx_switches=switches,
+                        voluntary=parsed.voluntary if parsed is not None else None,
+                        nonvoluntary=parsed.nonvoluntary if parsed is not None else None)
     if not full:
         return cheap
     comm = read_text(f"{base}/comm")
     syscall = read_text(f"{base}/syscall")
     stack = read_text(f"{base}/stack")
     return TaskReading(tid=tid, state=cheap.state, utime=cheap.utime, stime=cheap.stime, ctx_switches=switches,
+                       voluntary=cheap.voluntary, nonvoluntary=cheap.nonvoluntary,
                        comm=comm.strip() if comm is not None else None, wchan=_wchan(read_text(f"{base}/wchan")),
                        syscall=syscall.strip() if syscall else None,
                        kernel_stack=tuple(parse_kernel_stack(stack)) if stack else ())

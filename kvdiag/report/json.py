@@ -100,6 +100,7 @@ def report_of(bundle: Bundle, diagnosis: Diagnosis, *, command: str = "", bundle
         stall_to_verdict_s=bundle.stall_to_verdict_s,
         outcome=ab.outcome if ab is not None else verdict.kind.value,
         simulated_engines=simulated_engines(bundle),
+        thread_waits=list(diagnosis.thread_waits or []),
     )
 
 

@@ -7,7 +7,7 @@ import re
 from kvdiag.logs.lines import MAX_LINE
 from kvdiag.model import Bundle, Report, ReportEngine
 from kvdiag.report.envtext import environment_lines
-from kvdiag.report.view import EvidenceLines, ReportView, as_view, clean_text
+from kvdiag.report.view import MAX_WAIT_ROWS, EvidenceLines, ReportView, as_view, clean_text, wait_word
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
@@ -104,6 +104,16 @@ def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -
             out += ["", f"**{_inline(clean_text(item.role))}** ({where})"]
             if item.frames:
                 out += ["", _fence(marked_lines(ev))]
+
+    if report.thread_waits:
+        out += ["", "#### What each thread waits for", "",
+                "| pid | tid | thread | waits for | in | advanced |", "|---|---|---|---|---|---|"]
+        for w in report.thread_waits[:MAX_WAIT_ROWS]:
+            out.append("| " + " | ".join(_cell(x) for x in (
+                w.pid, w.tid, w.name, wait_word(w), _short(w.what, 100),
+                "not observed" if w.advanced is None else "yes" if w.advanced else "no")) + " |")
+        if len(report.thread_waits) > MAX_WAIT_ROWS:
+            out.append(f"- … {len(report.thread_waits) - MAX_WAIT_ROWS} more threads in report.json")
 
     findings = report.findings
     if findings:

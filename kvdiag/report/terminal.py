@@ -15,7 +15,7 @@ from rich.text import Text
 
 from kvdiag.model import Report, VerdictKind
 from kvdiag.report.envtext import gpu_lines, package_summary
-from kvdiag.report.view import ReportView, as_view
+from kvdiag.report.view import ReportView, as_view, wait_word
 
 KEY_FRAMES = 8
 _DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
@@ -124,6 +124,19 @@ def render_terminal(report: Report | ReportView, console: Console, paths: Mappin
                 line = Text(f"  {e.name} last log line: ", style="dim")
                 line.append(e.last_log_line, style="")
                 console.print(line)
+
+    waits = [w for w in report.thread_waits if w.purpose.value != "running"]
+    if waits:
+        stuck = [w for w in waits if w.stuck]
+        console.print(Text(f"waits: {len(stuck)} outcome-wait(s) stuck, "
+                           f"{sum(1 for w in waits if w.purpose.value == 'new_work')} waiting for new work, "
+                           f"{sum(1 for w in report.thread_waits if w.purpose.value == 'running')} running",
+                           style="bold" if stuck else "dim"))
+        for w in (stuck or waits)[:8]:
+            line = Text(f"  pid {w.pid} tid {w.tid}{f' ({w.name})' if w.name else ''}: ")
+            line.append(wait_word(w), style="red" if w.stuck else "dim")
+            line.append(f" — {w.what}")
+            console.print(line)
 
     for f in report.findings:
         line = Text("  ")

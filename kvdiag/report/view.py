@@ -25,12 +25,23 @@ from kvdiag.model import (
     ProcessRole,
     Report,
     ThreadEvidence,
+    ThreadWait,
 )
 from kvdiag.report.chain import ChainView, chain_view
 from kvdiag.report.soakview import SoakView, soak_view, watch_view
 
 _ANSI = re.compile(r"\x1b\[[0-9;?]*[A-Za-z]")
 _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
+MAX_WAIT_ROWS = 40
+_WAIT_WORDS = {"new_work": "new work", "outcome": "an outcome", "running": "(running)", "other": "?"}
+
+
+def wait_word(w: ThreadWait) -> str:
+    """How the reports name a thread's wait purpose ("an outcome, stuck" when it did not advance)."""
+    word = _WAIT_WORDS.get(w.purpose.value, w.purpose.value)
+    return f"{word}, stuck" if w.stuck else word
 
 
 def clean_text(text: str) -> str:

@@ -35,8 +35,10 @@ TOOLS: dict[str, list[str]] = {
     "gil_cycle_pybind11_stripped": ["proc", "py-spy", "pystack"],
 }
 EXIT = {"crash": 4, "oom": 4, "stopped": 5, "traced": 5, "healthy": 0, "slow_start": 0}
-# The cross-process programs have their own test (test_xproc_corpus.py: the CLI, the chain, the root).
-CORPUS = [k for k in hk.KINDS if k not in hk.BENCH_EXCLUDE and not hk.KINDS[k].xproc]
+# The cross-process programs have their own test (test_xproc_corpus.py: the CLI, the chain, the root), and so do
+# the families (test_family_corpus.py: the chain in words).
+CORPUS = [k for k in hk.KINDS if k not in hk.BENCH_EXCLUDE and not hk.KINDS[k].xproc
+          and hk.KINDS[k].script != "families.py"]
 
 
 def capture(kind: str, tmp_path: Path) -> tuple[hk.Hanger, Bundle, Verdict]:

@@ -1,0 +1,51 @@
+"""Hangs no shape-specific rule was written for (tests/fixtures/hangers/families.py, each from a public report)
+are named as hangs with their root and the chain in words, and their healthy look-alikes stay healthy.
+
+Each program really hangs (or really idles) and is captured read-only with /proc and py-spy, as the hanger
+corpus is; what a correct verdict says comes from how the program was written (hanger_kit.KINDS: ``expect``
+and ``says``), never from the analyzer.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvdiag.analyze import exit_code_for
+from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.capture.bundle import capture_tree
+from kvdiag.model import WaitPurpose
+
+HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
+sys.path.insert(0, str(HANGERS))
+import hanger_kit as hk  # noqa: E402
+
+pytestmark = pytest.mark.timeout(120)
+
+FAMILIES = [k for k, spec in hk.KINDS.items() if spec.script == "families.py"]
+
+
+@pytest.mark.parametrize("kind", FAMILIES)
+def test_family_is_named_with_its_chain(kind: str, tmp_path: Path) -> None:
+    spec = hk.KINDS[kind]
+    with hk.running(kind, bound_s=60) as h:
+        bundle = capture_tree(h.root_pid, tmp_path / "bundle", timeout_s=10.0, backends=["proc", "py-spy"])
+    diag = diagnose(bundle)
+    verdict = diag.verdict
+    assert verdict.kind.value == spec.expect, f"{kind} ({spec.shape}): {verdict.summary}"
+    assert exit_code_for(verdict) == (10 if spec.hangs else 0)
+    for words in spec.says:
+        assert words in verdict.summary, f"{kind}: {words!r} not in {verdict.summary!r}"
+    waits = diag.thread_waits or []
+    assert {w.pid for w in waits} >= {h.pid}, "every captured thread's wait is judged"
+    if spec.hangs:
+        assert verdict.evidence and verdict.evidence[0].frames, "a hang verdict cites a thread and its frames"
+        # The inversion and the spinner's writer (a queue.get, a task queue by its frames) are named by the
+        # shape rules; every other family rests on the stuck outcome-wait.
+        if kind not in ("family_tcp_lock_inversion", "family_shm_spin"):
+            assert any(w.stuck for w in waits), "the outcome-wait that stopped advancing is shown as stuck"
+    else:
+        assert not any(w.stuck for w in waits), [w for w in waits if w.stuck]
+        assert any(w.purpose in (WaitPurpose.NEW_WORK, WaitPurpose.RUNNING) for w in waits)
