@@ -26,7 +26,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from kvdiag.sim.harness import SimProcess, free_port, remove_device_files  # noqa: E402
+from kvdiag.allocator import remove_device_files  # noqa: E402
+from kvdiag.ports import free_port  # noqa: E402
+from kvdiag.sim.harness import SimProcess  # noqa: E402
 
 STREAMS = 64
 MAX_TOKENS = 128

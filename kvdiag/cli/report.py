@@ -43,13 +43,13 @@ def report_cmd(
             # Links in the page lead to the bundle's files from where the page is written.
             view = run_view(loaded, diag, out_dir=html.parent, bundle_dir=bundle_dir,
                             bundle_path=_relative_to(bundle_dir, html.parent))
-            atomic_write_text(html, render_html(view, bundle_dir=bundle_dir))
+            atomic_write_text(html, render_html(view))
             paths = {"report.html": html}
         else:
             # A bundle/ folder sits in its run folder: re-render there, beside it, like the original run.
             target = out if out is not None else run.out_dir
             view = run_view(loaded, diag, out_dir=target, bundle_dir=bundle_dir)
-            paths = write_view(target, view, bundle_dir)
+            paths = write_view(target, view)
     except OSError as exc:
         raise UsageError(f"cannot write the report: {exc.strerror or exc} ({exc.filename or ''})",
                          hint="pass --out DIR or --html FILE pointing at a writable place") from None

@@ -23,14 +23,14 @@ from kvdiag import __version__
 from kvdiag.environment.host import os_name, package_versions, relevant_env
 from kvdiag.environment.interpreter import engines_packages, pid_packages
 from kvdiag.environment.ptrace import probe_ptrace
-from kvdiag.kvcached.build import fingerprint_tree, installed_kvcached
+from kvdiag.kvcached.build import installed_kvcached
 from kvdiag.kvcached.runtime import collect_runtime
 from kvdiag.model import EnvironmentRecord, GpuInfo, InterpreterPackages
 from kvdiag.osread.gpu import read_gpus
 from kvdiag.osread.host import cgroup_limits, memory_total_mb, usable_cpus
 from kvdiag.osread.process import read_environ
 
-__all__ = ["add_engine_packages", "collect_environment", "engine_version", "fingerprint_tree", "installed_kvcached",
+__all__ = ["add_engine_packages", "collect_environment", "engine_version", "installed_kvcached",
            "probe_ptrace"]
 
 T = TypeVar("T")

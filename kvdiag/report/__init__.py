@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import html as _html
 import os
+from collections.abc import Callable
 from pathlib import Path
 
 from kvdiag.bundle import atomic_write_text
@@ -56,34 +57,41 @@ def run_view(bundle: Bundle, diagnosis: Diagnosis, *, out_dir: Path, bundle_dir:
     diagnosis, command = redact_obj((diagnosis, command))
     if bundle_path is None and bundle_dir is not None and bundle_dir.is_dir():
         bundle_path = _relative(bundle_dir, out_dir)
-    return build_view(report_of(bundle, diagnosis, command=command, bundle_path=bundle_path), bundle)
+    return build_view(report_of(bundle, diagnosis, command=command, bundle_path=bundle_path), bundle,
+                      bundle_dir if bundle_dir is not None and bundle_dir.is_dir() else None)
 
 
-def write_view(out_dir: Path, view: ReportView, bundle_dir: Path | None = None) -> dict[str, Path]:
+def _fallback_markdown(report: Report, error: str) -> str:
+    return f"### kvdiag: `{report.verdict.kind.value}`\n\n{report.verdict.summary}\n"
+
+
+# The report files and their renderers, each ``(view) -> str``; a page that fails to render gets its fallback.
+RENDERERS: dict[str, Callable[[ReportView], str]] = {
+    "report.html": render_html, "report.md": render_markdown, "report.json": render_json}
+_FALLBACKS: dict[str, Callable[[Report, str], str]] = {"report.html": _fallback_html,
+                                                       "report.md": _fallback_markdown}
+
+
+def write_view(out_dir: Path, view: ReportView) -> dict[str, Path]:
     """Write out_dir/report.json, report.html and report.md from ``view`` (each atomically).
 
     Works on a partial bundle (an interrupted run). A renderer that fails gets a minimal fallback page
     and a ``report_render_failed`` finding in report.json, so a run never ends without a readable
-    report. ``bundle_dir``: where raw tool outputs and logs are read from.
+    report.
     """
     report = view.report
-    bundle_dir = bundle_dir if bundle_dir is not None and bundle_dir.is_dir() else None
+    texts: dict[str, str] = {}
     failures: list[Finding] = []
-    try:
-        page = render_html(view, bundle_dir=bundle_dir)
-    except Exception as exc:  # a rendering bug must not cost the user the report
-        failures.append(Finding(kind="report_render_failed", message=f"report.html: {type(exc).__name__}: {exc}"))
-        page = _fallback_html(report, f"{type(exc).__name__}: {exc}")
-    try:
-        markdown = render_markdown(view)
-    except Exception as exc:
-        failures.append(Finding(kind="report_render_failed", message=f"report.md: {type(exc).__name__}: {exc}"))
-        markdown = f"### kvdiag: `{report.verdict.kind.value}`\n\n{report.verdict.summary}\n"
-    if failures:
-        report.findings.extend(failures)
+    for name, fallback in _FALLBACKS.items():
+        try:
+            texts[name] = RENDERERS[name](view)
+        except Exception as exc:  # a rendering bug must not cost the user the report
+            failures.append(Finding(kind="report_render_failed", message=f"{name}: {type(exc).__name__}: {exc}"))
+            texts[name] = fallback(report, f"{type(exc).__name__}: {exc}")
+    report.findings.extend(failures)
+    # report.json last to render (it carries the failures) and first to be written: it is the contract.
+    texts = {"report.json": RENDERERS["report.json"](view), **texts}
     paths = {name: out_dir / name for name in REPORT_FILES}
-    # JSON first: it is the contract and the cheapest to get right.
-    atomic_write_text(paths["report.json"], render_json(view))
-    atomic_write_text(paths["report.md"], markdown)
-    atomic_write_text(paths["report.html"], page)
+    for name, text in texts.items():
+        atomic_write_text(paths[name], text)
     return paths

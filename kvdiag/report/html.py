@@ -26,9 +26,9 @@ from markupsafe import Markup
 from kvdiag.model import Bundle, Report, VerdictKind
 from kvdiag.redact import redact_text
 from kvdiag.report.json import report_dict
-from kvdiag.report.view import ReportView, ab_view, as_view, clean_text, format_frame, page_href
+from kvdiag.report.view import ReportView, clean_text, page_href
 
-__all__ = ["ab_view", "clean_text", "cycle_diagram", "format_frame", "render_html", "script_json"]
+__all__ = ["cycle_diagram", "render_html", "script_json"]
 
 TEMPLATES = Path(__file__).parent / "templates"
 RAW_FILE_CAP = 256 * 1024        # characters kept per raw file (head and tail)
@@ -382,14 +382,13 @@ def _fmt_num(value: object, digits: int = 2) -> str:
     return str(value)
 
 
-def render_html(report: Report | ReportView, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> str:
-    """Render the self-contained HTML page of a view (or of ``report`` with ``bundle``'s stacks).
+def render_html(view: ReportView) -> str:
+    """Render the self-contained HTML page of a view.
 
-    The view's stacks carry the evidence's key frames highlighted; ``bundle_dir`` adds the raw tool
+    The view's stacks carry the evidence's key frames highlighted; its ``bundle_dir`` adds the raw tool
     outputs and logs found in it.
     """
-    view = as_view(report, bundle)
-    report, safe_bundle, ab = view.report, view.bundle, view.ab   # redacted where its data entered
+    report, safe_bundle, ab, bundle_dir = view.report, view.bundle, view.ab, view.bundle_dir   # redacted
     data = report_dict(report)
 
     def link(rel: str | None) -> str | None:

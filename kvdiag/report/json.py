@@ -129,8 +129,6 @@ def report_dict(report: Report) -> dict[str, Any]:
     return data
 
 
-def render_json(report: Report | ReportView) -> str:
-    """report.json text (of a view's report): pretty-printed, stable key order, UTF-8 (not ASCII-escaped)."""
-    if isinstance(report, ReportView):
-        report = report.report
-    return json.dumps(report_dict(report), indent=2, ensure_ascii=False) + "\n"
+def render_json(view: ReportView) -> str:
+    """report.json text of a view's report: pretty-printed, stable key order, UTF-8 (not ASCII-escaped)."""
+    return json.dumps(report_dict(view.report), indent=2, ensure_ascii=False) + "\n"

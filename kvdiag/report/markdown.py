@@ -5,9 +5,9 @@ from __future__ import annotations
 import re
 
 from kvdiag.logs.lines import MAX_LINE
-from kvdiag.model import Bundle, Report, ReportEngine
+from kvdiag.model import ReportEngine
 from kvdiag.report.envtext import environment_lines
-from kvdiag.report.view import MAX_WAIT_ROWS, EvidenceLines, ReportView, as_view, clean_text, wait_word
+from kvdiag.report.view import MAX_WAIT_ROWS, EvidenceLines, ReportView, clean_text, wait_word
 
 MAX_TIMELINE = 40
 MAX_THREAD_FRAMES = 30
@@ -43,10 +43,8 @@ def _code(text: str) -> str:
     return f"{ticks}{pad}{text}{pad}{ticks}"
 
 
-def render_markdown(report: Report | ReportView, bundle: Bundle | None = None) -> str:
-    """Render the Markdown summary of a view (or of ``report``; ``bundle`` adds the stacks of the cited
-    threads)."""
-    view = as_view(report, bundle)
+def render_markdown(view: ReportView) -> str:
+    """Render the Markdown summary of a view (with the stacks of the cited threads when it has a bundle)."""
     report = view.report
     v = report.verdict
     out: list[str] = []

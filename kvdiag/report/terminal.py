@@ -13,9 +13,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvdiag.model import Report, VerdictKind
+from kvdiag.model import VerdictKind
 from kvdiag.report.envtext import gpu_lines, package_summary
-from kvdiag.report.view import ReportView, as_view, wait_word
+from kvdiag.report.view import ReportView, wait_word
 
 KEY_FRAMES = 8
 _DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
@@ -28,11 +28,10 @@ def _kind_style(kind: str) -> str:
     return _KIND_STYLE.get(kind, "bold red")
 
 
-def render_terminal(report: Report | ReportView, console: Console, paths: Mapping[str, Path] | None = None,
+def render_terminal(view: ReportView, console: Console, paths: Mapping[str, Path] | None = None,
                     *, files: bool = True) -> None:
     """Print the verdict, cited threads with their key frames, engines, findings and (``files``) where the
     report files are."""
-    view = as_view(report)
     report = view.report
     v = report.verdict
     kind = v.kind.value

@@ -12,7 +12,7 @@ import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field, replace
-from pathlib import PurePosixPath
+from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
@@ -262,10 +262,14 @@ _ENGINE_COMMANDS = frozenset({"repro", "ab", "soak", "sweep", "watch"})
 
 @dataclass
 class ReportView:
-    """What every renderer reads: the report and the bundle's stacks, cited frames marked by reference."""
+    """What every renderer reads: the report and the bundle's stacks, cited frames marked by reference.
+
+    Every renderer of a run's report takes the view and nothing else (``render_json``, ``render_markdown``,
+    ``render_html``: ``(view) -> str``; ``render_terminal`` prints it on a console)."""
 
     report: Report
     bundle: Bundle | None = None
+    bundle_dir: Path | None = None   # where the page finds the raw tool outputs and logs (None: nowhere)
     processes: list[ProcessLines] = field(default_factory=list)   # cited first (see cited_first)
     cited: list[tuple[ProcessLines, ThreadLines]] = field(default_factory=list)   # in capture order
     evidence: list[EvidenceLines] = field(default_factory=list)
@@ -290,21 +294,16 @@ class ReportView:
                    or e.pids.api_server is not None or e.allocator not in (None, "external") for e in r.engines)
 
 
-def build_view(report: Report, bundle: Bundle | None = None) -> ReportView:
-    """The view of ``report`` and the (redacted) ``bundle`` it was built from."""
+def build_view(report: Report, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> ReportView:
+    """The view of ``report`` and the (redacted) ``bundle`` it was built from (``bundle_dir``: its folder)."""
     evidence = report.verdict.evidence
     processes = process_lines(bundle, evidence)
-    return ReportView(report=report, bundle=bundle, processes=cited_first(processes),
+    return ReportView(report=report, bundle=bundle, bundle_dir=bundle_dir, processes=cited_first(processes),
                       cited=[(p, t) for p in processes for t in p.threads if t.cited],
                       evidence=[evidence_lines(item) for item in evidence], ab=ab_view(report),
                       chain=chain_view(report.verdict),
                       soak=soak_view(report, bundle) or watch_view(report, bundle))
 
 
-def as_view(report: Report | ReportView, bundle: Bundle | None = None) -> ReportView:
-    """``report`` itself when it is a view already, else its view (with ``bundle``'s stacks)."""
-    return report if isinstance(report, ReportView) else build_view(report, bundle)
-
-
-__all__ = ["EvidenceLines", "FrameLine", "ProcessLines", "ReportView", "ThreadLines", "ab_view", "as_view",
+__all__ = ["EvidenceLines", "FrameLine", "ProcessLines", "ReportView", "ThreadLines", "ab_view",
            "build_view", "cited_first", "clean_text", "evidence_lines", "format_frame", "page_href"]

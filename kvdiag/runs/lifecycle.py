@@ -1,7 +1,8 @@
-"""Sequence the pipeline for scenario commands: launch → watch → capture → analyze → report.
+"""The run every command that launches engines shares: launch → watch → capture → analyze → report.
 
-CLI modules stay thin and call in here; every stage is reached only through
-its package's public functions and the Bundle passed between them.
+:class:`LaunchedRun` is its launch → teardown frame; :func:`run_lifecycle` calls a command's
+:class:`RunStages` inside it and ends with :func:`kvdiag.runs.output.finish`. Every stage is reached only
+through its package's public functions and the Bundle passed between them.
 """
 
 from __future__ import annotations

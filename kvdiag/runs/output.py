@@ -71,7 +71,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     red.diagnosis = diag = complete(red.model_copy(update={"diagnosis": diag}))
     red = write_bundle(red, out_dir / "bundle")
     view = run_view(red, diag, out_dir=out_dir, bundle_dir=out_dir / "bundle")
-    paths = write_view(out_dir, view, out_dir / "bundle")
+    paths = write_view(out_dir, view)
     return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths, view)
 
 

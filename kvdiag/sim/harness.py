@@ -16,14 +16,12 @@ from types import TracebackType
 
 import httpx
 
-from kvdiag.allocator import remove_device_files
 from kvdiag.osread.children import children
 from kvdiag.osread.process import read_comm
-from kvdiag.osread.ptable import alive as process_alive
 from kvdiag.ports import free_port
 from kvdiag.sim.cmdline import command
 
-__all__ = ["SimProcess", "children", "free_port", "process_alive", "remove_device_files"]
+__all__ = ["SimProcess", "children"]
 
 
 class SimProcess:

@@ -14,7 +14,7 @@ import pytest
 from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
 from kvdiag.model import ABComparison, Report
-from kvdiag.report.html import ab_view
+from kvdiag.report.view import ab_view
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -32,7 +32,7 @@ engines:
 
 
 def _cleanup(device: str) -> None:
-    from kvdiag.sim.harness import remove_device_files
+    from kvdiag.allocator import remove_device_files
 
     remove_device_files(device)
 

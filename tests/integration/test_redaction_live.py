@@ -25,11 +25,11 @@ import pytest
 import yaml
 from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
+from kvdiag.allocator import remove_device_files
 from kvdiag.launch.engines import sim_argv
 from kvdiag.ports import free_port
 from kvdiag.redact import REDACTED
 from kvdiag.scenario.models import EngineSpec, SimParams
-from kvdiag.sim.harness import remove_device_files
 
 pytestmark = pytest.mark.timeout(400)
 

@@ -180,7 +180,7 @@ def test_injected_markup_is_text_and_never_runs(tmp_path: Path) -> None:
     diag = diagnosis_of(bundle, verdict, exit_code=10, verdicts_by_engine={f"eng {PAYLOADS[0]}": verdict},
                         ab=_ab_carrying(PAYLOADS[2]))
     view = run_view(bundle, diag, out_dir=tmp_path, bundle_dir=tmp_path / "bundle", command=f"repro {PAYLOADS[1]}")
-    paths = write_view(tmp_path, view, tmp_path / "bundle")
+    paths = write_view(tmp_path, view)
     dump, log = _load_in_chromium(browser, paths["report.html"], tmp_path)
     _assert_nothing_ran(dump, log)
     assert dump.title == "kvdiag A/B: separated"

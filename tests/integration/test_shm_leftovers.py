@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.allocator import native_module
-from kvdiag.sim.harness import SimProcess, remove_device_files
+from kvdiag.allocator import native_module, remove_device_files
+from kvdiag.sim.harness import SimProcess
 
 pytestmark = pytest.mark.timeout(240)
 ROOT = Path(__file__).resolve().parents[2]

@@ -27,7 +27,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvdiag.sim.harness import SimProcess, process_alive, remove_device_files
+from kvdiag.allocator import remove_device_files
+from kvdiag.osread.ptable import alive as process_alive
+from kvdiag.sim.harness import SimProcess
 
 pytestmark = pytest.mark.timeout(150)
 

@@ -21,7 +21,9 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdiag.sim.harness import SimProcess, children, process_alive, remove_device_files
+from kvdiag.allocator import remove_device_files
+from kvdiag.osread.ptable import alive as process_alive
+from kvdiag.sim.harness import SimProcess, children
 
 pytestmark = pytest.mark.timeout(120)
 

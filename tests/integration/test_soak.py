@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 from kvcli import read_report, run_kvdiag
 
+from kvdiag.allocator import remove_device_files
+from kvdiag.osread.ptable import alive as process_alive
 from kvdiag.ports import free_port
-from kvdiag.sim.harness import SimProcess, process_alive, remove_device_files
+from kvdiag.sim.harness import SimProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -20,7 +20,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from steadyload import SteadyLoad, served_model  # noqa: E402
 from watchproc import WatchProc  # noqa: E402
 
-from kvdiag.sim.harness import SimProcess, remove_device_files  # noqa: E402
+from kvdiag.allocator import remove_device_files
+from kvdiag.sim.harness import SimProcess  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 

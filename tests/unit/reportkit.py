@@ -7,7 +7,7 @@ from pathlib import Path
 
 from kvdiag.analyze.engines import diagnosis_of
 from kvdiag.model import ABComparison, Bundle, Report, Verdict
-from kvdiag.report import report_of, run_view, write_view
+from kvdiag.report import ReportView, build_view, report_of, run_view, write_view
 
 
 def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,
@@ -24,5 +24,9 @@ def write_outputs(out_dir: Path, bundle: Bundle, verdict: Verdict, *, command: s
     """report.json, report.html and report.md of ``bundle`` judged as ``verdict``, in ``out_dir``."""
     bundle_dir = bundle_dir if bundle_dir is not None else out_dir / "bundle"
     diag = diagnosis_of(bundle, verdict, exit_code=exit_code, verdicts_by_engine=verdicts_by_engine, ab=ab)
-    return write_view(out_dir, run_view(bundle, diag, out_dir=out_dir, bundle_dir=bundle_dir, command=command),
-                      bundle_dir)
+    return write_view(out_dir, run_view(bundle, diag, out_dir=out_dir, bundle_dir=bundle_dir, command=command))
+
+
+def view_of(report: Report, bundle: Bundle | None = None, bundle_dir: Path | None = None) -> ReportView:
+    """The view every renderer reads, of a report built here."""
+    return build_view(report, bundle, bundle_dir)

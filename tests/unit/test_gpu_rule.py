@@ -174,7 +174,7 @@ def test_bundle_round_trip_and_reports(tmp_path: Path) -> None:
     bundle.diagnosis = diagnose(bundle)
     assert bundle.diagnosis.exit_code == 10
     out = tmp_path / "out"
-    paths = write_view(out, run_view(bundle, bundle.diagnosis, out_dir=out, bundle_dir=bdir), bdir)
+    paths = write_view(out, run_view(bundle, bundle.diagnosis, out_dir=out, bundle_dir=bdir))
     report = json.loads(paths["report.json"].read_text())
     assert report["verdict"]["kind"] == "gpu_kernel_hang"
     assert "cudaStreamSynchronize" in report["verdict"]["summary"]

@@ -11,7 +11,7 @@ import io
 from pathlib import Path
 
 import pytest
-from reportkit import build_report, write_outputs
+from reportkit import build_report, view_of, write_outputs
 from rich.console import Console
 
 from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind, engine_health
@@ -45,9 +45,9 @@ def test_health_line_agrees_with_the_verdict(kind: VerdictKind, probe_ok: bool, 
     assert entry.health_endpoint_ok is probe_ok
 
     out = io.StringIO()
-    render_terminal(report, Console(file=out, width=250, color_system=None))
+    render_terminal(view_of(report), Console(file=out, width=250, color_system=None))
     assert health.line in out.getvalue()
-    assert f"| {health.line} |" in render_markdown(report, bundle)
+    assert f"| {health.line} |" in render_markdown(view_of(report, bundle))
     page = write_outputs(tmp_path, bundle, verdict, command="repro two-engine", exit_code=0,
                          verdicts_by_engine={"eng": verdict})["report.html"].read_text()
     assert ('<span class="badge ok">yes</span>' in page) is health.healthy

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from reportkit import build_report
+from reportkit import build_report, view_of
 
 from kvdiag.analyze import analyze
 from kvdiag.bundle import load_bundle
 from kvdiag.model import Bundle, EvidenceItem, Verdict
 from kvdiag.report import render_html, render_json, render_markdown
-from kvdiag.report.html import format_frame
+from kvdiag.report.view import format_frame
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 ALL = sorted(str(p.parent.relative_to(BUNDLES)) for p in BUNDLES.glob("**/bundle.json"))
@@ -182,7 +182,7 @@ def _section(page: str, start: str, end: str) -> list[tuple[str, str]]:
 def test_html_highlights_exactly_the_key_frames(name: str) -> None:
     bundle, verdict = load(name)
     report = build_report(bundle, verdict, command="analyze", exit_code=10)
-    page = render_html(report, bundle)
+    page = render_html(view_of(report, bundle))
     want = [k for item in verdict.evidence for k in keys(item)]
     evidence = _section(page, '<section id="evidence">', '<section id="engines">')
     assert [text for cls, text in evidence if cls == "key"] == want
@@ -204,7 +204,7 @@ def test_html_highlights_exactly_the_key_frames(name: str) -> None:
 
 def test_markdown_marks_the_key_frames() -> None:
     bundle, verdict = load("vllm_two_engine_stock")
-    md = render_markdown(build_report(bundle, verdict, command="analyze", exit_code=10), bundle)
+    md = render_markdown(view_of(build_report(bundle, verdict, command="analyze", exit_code=10), bundle))
     marked = [line[2:] for line in md.splitlines() if line.startswith("→ ")]
     evidence_keys = [k for item in verdict.evidence for k in keys(item)]
     assert marked[:len(evidence_keys)] == evidence_keys
@@ -213,7 +213,7 @@ def test_markdown_marks_the_key_frames() -> None:
 
 def test_report_json_carries_key_frames_and_validates() -> None:
     bundle, verdict = load("vllm_two_engine_stock")
-    data = json.loads(render_json(build_report(bundle, verdict, command="analyze", exit_code=10)))
+    data = json.loads(render_json(view_of(build_report(bundle, verdict, command="analyze", exit_code=10))))
     schema = json.loads((Path(__file__).resolve().parents[2] / "schema" / "report.schema.json").read_text())
     jsonschema.Draft202012Validator(schema).validate(data)
     assert data["schema_version"] == "1"

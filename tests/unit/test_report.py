@@ -14,7 +14,7 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-from reportkit import build_report, write_outputs
+from reportkit import build_report, view_of, write_outputs
 from rich.console import Console
 
 from kvdiag.bundle import save_bundle
@@ -186,7 +186,7 @@ def test_report_json_validates_and_round_trips(tmp_path: Path, validator: jsonsc
     again = Report.model_validate(data)
     assert again == build_report(bundle, verdict, command="repro two-engine", exit_code=10,
                                  verdicts_by_engine=by_engine, bundle_path="bundle")
-    assert json.loads(render_json(again)) == data
+    assert json.loads(render_json(view_of(again))) == data
 
 
 def test_schema_enums_match_the_model() -> None:
@@ -218,10 +218,10 @@ def test_partial_interrupted_run_still_writes_a_readable_report(
 
 def test_empty_bundle_healthy(validator: jsonschema.Draft202012Validator) -> None:
     report = build_report(Bundle(), Verdict(kind=VerdictKind.HEALTHY, summary="ok"), command="capture", exit_code=0)
-    validator.validate(json.loads(render_json(report)))
-    page = render_html(report)
+    validator.validate(json.loads(render_json(view_of(report))))
+    page = render_html(view_of(report))
     assert "Rendered without the bundle" in page and 'id="cycle"' not in page
-    assert render_markdown(report).startswith("### kvdiag: `healthy`")
+    assert render_markdown(view_of(report)).startswith("### kvdiag: `healthy`")
 
 
 # ---------------------------------------------------------------- HTML
@@ -264,7 +264,7 @@ def test_html_highlights_only_the_key_frames_and_opens_cited_threads(tmp_path: P
     verdict.evidence[0].refs = [FrameRef(pid=200, tid=200, index=i) for i in (1, 2)]
     verdict.evidence[1].refs = [FrameRef(pid=200, tid=201, index=i) for i in (0, 2)]
     report = build_report(bundle, verdict, command="repro two-engine", exit_code=10, verdicts_by_engine=by_engine)
-    page = render_html(report, bundle, tmp_path / "bundle")
+    page = render_html(view_of(report, bundle, tmp_path / "bundle"))
     stacks = page[page.index('id="processes"'):]
     keyed = re.findall(r'<li class="(?:native|python) key">([^<]*)', stacks)
     assert keyed == ["kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)",
@@ -283,13 +283,13 @@ def test_html_of_a_report_without_key_frames_highlights_no_frame(tmp_path: Path)
     """A report written before key frames were recorded still renders: its threads are cited, no frame
     is singled out (the renderer does not guess which ones the rule rested on)."""
     bundle, verdict, by_engine = seed_bundle(tmp_path / "bundle")
-    data = json.loads(render_json(build_report(bundle, verdict, command="repro two-engine", exit_code=10,
-                                               verdicts_by_engine=by_engine)))
+    data = json.loads(render_json(view_of(build_report(bundle, verdict, command="repro two-engine", exit_code=10,
+                                                       verdicts_by_engine=by_engine))))
     for item in data["verdict"]["evidence"]:
         item.pop("key_frames", None)
     old = Report.model_validate(data)
     assert old.verdict.evidence[0].key_frames is None
-    page = render_html(old, bundle, tmp_path / "bundle")
+    page = render_html(view_of(old, bundle, tmp_path / "bundle"))
     assert not re.findall(r'<li class="[^"]*\b(key|ctx)\b', page)
     assert "kvcached::PageAllocator::alloc_page (csrc/page_allocator.cpp:212)" in page
     assert re.findall(r'<details class="thread cited" open>', page)
@@ -304,11 +304,11 @@ def test_stacks_highlight_the_referenced_frame_not_one_with_the_same_text(tmp_pa
     item.refs = [FrameRef(pid=200, tid=201, index=i) for i in (2, 3)]
     item.key_frames = [0]         # the line's text is the worker's name; the frame it refers to is map_pages
     verdict.evidence = [item]
-    page = render_html(build_report(bundle, verdict, command="c", exit_code=10), bundle)
+    page = render_html(view_of(build_report(bundle, verdict, command="c", exit_code=10), bundle))
     stacks = page[page.index('id="processes"'):]
     assert re.findall(r'<li class="(?:native|python) key">([^<]*)', stacks) == [
         "kvcached::PageAllocator::map_pages (csrc/page_allocator.cpp:401)"]
-    md = render_markdown(build_report(bundle, verdict, command="c", exit_code=10), bundle)
+    md = render_markdown(view_of(build_report(bundle, verdict, command="c", exit_code=10), bundle))
     assert "→ kvcached::PageAllocator::map_pages (csrc/page_allocator.cpp:401)" in md.splitlines()
 
 
@@ -351,14 +351,14 @@ def test_html_escapes_injected_markup_everywhere(tmp_path: Path) -> None:
     verdict.evidence[0].role = xss
     report = build_report(bundle, verdict, command=xss, exit_code=10, verdicts_by_engine={xss: verdict},
                           ab=ab_carrying(xss), bundle_path=xss)
-    page = render_html(report, bundle, tmp_path / "bundle")
+    page = render_html(view_of(report, bundle, tmp_path / "bundle"))
     dom = _dom(page)
     assert [t for t, _ in dom.tags if t in ("img", "script")] == ["script", "script"]
     assert not any(name.startswith("on") for _, attrs in dom.tags for name in attrs)
     text = "".join(dom.text)
     assert text.count(xss) >= 10  # shown as text: summary, cycle, names, log lines, raw output, ...
     # Markdown: GitHub renders inline HTML, so outside code blocks and spans the payload must be inert.
-    md = render_markdown(report, bundle)
+    md = render_markdown(view_of(report, bundle))
     prose = re.sub(r"(`{3,})[^\n]*\n.*?\n\1", "", md, flags=re.S)
     prose = re.sub(r"(`+).*?\1", "", prose)
     assert "<script" not in prose and "<img" not in prose and "&lt;script&gt;" in prose
@@ -371,7 +371,7 @@ def test_markdown_is_issue_ready(tmp_path: Path) -> None:
     bundle.engines[1].last_log_line = "a | b <pad>"
     verdict.evidence[1].frames.append("weird ``` frame")
     report = build_report(bundle, verdict, command="repro two-engine", exit_code=10, verdicts_by_engine=by_engine)
-    md = render_markdown(report, bundle)
+    md = render_markdown(view_of(report, bundle))
     assert md.startswith("### kvdiag: `gil_cycle` (high confidence)")
     assert "```text\nstd::condition_variable::wait\nkvcached::PageAllocator::alloc_page" in md
     assert "````text\ntake_gil\nPageAllocator::map_pages\nweird ``` frame\n````" in md  # fence outgrows content
@@ -387,7 +387,7 @@ def test_terminal_summary() -> None:
     report = build_report(bundle, verdict, command="repro two-engine", exit_code=10, verdicts_by_engine=by_engine)
     buf = io.StringIO()
     con = Console(file=buf, width=160, color_system=None, record=False)
-    render_terminal(report, con, {"report.html": Path("/tmp/x/report.html")})
+    render_terminal(view_of(report), con, {"report.html": Path("/tmp/x/report.html")})
     out = buf.getvalue()
     assert out.index("gil_cycle") < out.index("pid 200 tid 200") < out.index("\nengines")
     assert "std::condition_variable::wait" in out and "take_gil" in out
@@ -450,7 +450,7 @@ def test_a_failing_renderer_still_leaves_a_report(tmp_path: Path, monkeypatch: p
     def broken(*_args: object, **_kwargs: object) -> str:
         raise RuntimeError("template bug <b>")
 
-    monkeypatch.setattr(report_pkg, "render_html", broken)
+    monkeypatch.setitem(report_pkg.RENDERERS, "report.html", broken)
     bundle, verdict, _ = seed_bundle(tmp_path / "bundle")
     paths = write_outputs(tmp_path, bundle, verdict, command="repro two-engine", exit_code=10)
     data = json.loads(paths["report.json"].read_text())
@@ -492,6 +492,6 @@ def test_raw_outputs_are_capped_and_confined(tmp_path: Path) -> None:
     (tmp_path / "outside.txt").write_text("OUTSIDE-CONTENT")
     bundle.processes[0].tools.append(ToolRun(tool="proc", ok=True, raw_path="../outside.txt"))
     report = build_report(bundle, verdict, command="c", exit_code=10)
-    page = render_html(report, bundle, tmp_path / "bundle")
+    page = render_html(view_of(report, bundle, tmp_path / "bundle"))
     assert "TAILMARK" in page and "bytes omitted" in page and page.count("A" * 1000) < RAW_FILE_CAP // 1000 + 2
     assert "OUTSIDE-CONTENT" not in page and "outside the bundle folder" in page

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from reportkit import build_report, write_outputs
+from reportkit import build_report, view_of, write_outputs
 from rich.console import Console
 
 from kvdiag.analyze import analyze
@@ -45,7 +45,7 @@ def test_environment_and_signature_in_json_html_md_and_terminal(tmp_path: Path) 
         assert "hf_xxxx" not in text, [ln for ln in text.splitlines() if "hf_xxxx" in ln]
     assert "<script>alert(1)" not in page and "&lt;script&gt;" in page
     con = Console(record=True, width=200)
-    render_terminal(build_report(bundle, verdict, command="capture", exit_code=10), con)
+    render_terminal(view_of(build_report(bundle, verdict, command="capture", exit_code=10)), con)
     out = con.export_text()
     assert f"signature: {verdict.signature}" in out and "known: kvcached#371" in out
     assert "environment:" in out and "(pre_fix)" in out
@@ -68,5 +68,5 @@ def test_each_engine_interpreters_kvcached_build_is_rendered_labelled(tmp_path: 
     assert "kvcached 0.1.5 (engine vlm: /venvs/vllm/bin/python)" in md and "pre_fix" in md
     assert "kvcached (kvdiag's Python): kvcached is not installed" in md
     con = Console(record=True, width=300)
-    render_terminal(build_report(bundle, analyze(bundle), command="repro", exit_code=10), con)
+    render_terminal(view_of(build_report(bundle, analyze(bundle), command="repro", exit_code=10)), con)
     assert "kvcached 0.1.5 (pre_fix)" in con.export_text()   # the terminal's package line: the engine's verdict

@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 from types import SimpleNamespace
 
-from reportkit import build_report
+from reportkit import build_report, view_of
 from rich.console import Console
 
 from kvdiag.analyze import analyze, analyze_by_engine
@@ -65,13 +65,14 @@ def test_a_stalled_engine_is_not_reported_healthy_even_if_health_answered() -> N
     entry = report.engines[0]
     assert entry.phase.value == "stalled" and entry.healthy is False and entry.health_endpoint_ok is True
     out = io.StringIO()
-    render_terminal(report, Console(file=out, width=200))
+    render_terminal(view_of(report), Console(file=out, width=200))
     row = next(line for line in out.getvalue().splitlines() if line.startswith("hybrid ") and "stock" in line)
     # the health line names the verdict and what /health said (kvdiag.model.health)
     why = verdict.kind.value.replace("_", " ")
     assert "stalled" in row and entry.health == f"no ({why}; /health still answered)"
     assert " yes " not in row
-    md_row = next(line for line in render_markdown(report).splitlines() if line.startswith("| hybrid | stock |"))
+    md = render_markdown(view_of(report))
+    md_row = next(line for line in md.splitlines() if line.startswith("| hybrid | stock |"))
     assert f"| stalled | {entry.health} |" in md_row
 
 

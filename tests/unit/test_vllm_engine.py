@@ -191,7 +191,7 @@ def test_pool_backing_serves_blocks_through_the_allocator() -> None:
         assert alloc.get_num_inuse_pages() == 1            # the null block's page
         alloc.free_page(null)
     finally:
-        from kvdiag.sim.harness import remove_device_files
+        from kvdiag.allocator import remove_device_files
 
         remove_device_files(f"kvdiag-ut-{os.getpid()}-vllm")
 
