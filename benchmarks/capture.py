@@ -64,10 +64,10 @@ def one(pids: list[int], raw: Path, parallel: bool) -> tuple[float, float, str, 
 @contextlib.contextmanager
 def hung_vllm_tree() -> Iterator[tuple[list[int], dict[int, str]]]:
     """Engine 2 of the vLLM CPU scenario, alone, launched by kvdiag and left hung; torn down on exit."""
+    from kvdiag.allocator import remove_device_files
     from kvdiag.launch.process import ProcessSet
     from kvdiag.runs.engines import Outcome, ScenarioRun
     from kvdiag.scenario import load_scenario
-    from kvdiag.sim.harness import remove_device_files
 
     scen, _, _ = load_scenario(ROOT / "scenarios" / "two-engine-vllm-cpu.yaml")
     vlm = next(e for e in scen.engines if e.name == "vlm")

@@ -708,7 +708,8 @@ def main() -> int:
 
     import httpx
 
-    from kvdiag.sim.harness import SimProcess, remove_device_files
+    from kvdiag.allocator import remove_device_files
+    from kvdiag.sim.harness import SimProcess
 
     dev = f"kvbench-soak-{uuid.uuid4().hex[:8]}"
     log = Path("/tmp") / f"{dev}.log"

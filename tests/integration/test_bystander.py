@@ -25,7 +25,8 @@ import pytest
 from steadyload import SteadyLoad, served_model
 from watchproc import WatchProc
 
-from kvdiag.sim.harness import SimProcess, remove_device_files
+from kvdiag.allocator import remove_device_files
+from kvdiag.sim.harness import SimProcess
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.skipif(not os.path.isdir("/dev/shm"), reason="no /dev/shm")]
 ROOT = Path(__file__).resolve().parents[2]

@@ -174,7 +174,8 @@ def test_watch_and_soak_give_one_stalled_server_one_verdict_and_signature(tmp_pa
     engine that served and stalled even where no log file is found, as soak records it."""
     import uuid
 
-    from kvdiag.sim.harness import SimProcess, remove_device_files
+    from kvdiag.allocator import remove_device_files
+    from kvdiag.sim.harness import SimProcess
     dev = f"kvnew{uuid.uuid4().hex[:10]}"
     sp = SimProcess(tmp_path / "server.log", preset="decode-stall", allocator="stock", device_name=dev)
     try:
