@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 from pathlib import Path
 
 import typer
@@ -21,6 +22,7 @@ from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRol
 from kvdiag.osread.stat import read_stat
 from kvdiag.outputs import RunArtifacts, finish, prepare_out_dir
 from kvdiag.redact import redact_bundle
+from kvdiag.report.html import compile_templates
 
 
 def _target(pid: int | None, engine_core_of: int | None) -> int:
@@ -141,12 +143,21 @@ def capture_cmd(
             sys.stdout.flush()
             typer.echo("writing the report", err=True)
 
+    # The report's template compiles while the tools wait on their targets (it would otherwise follow them).
+    threading.Thread(target=_compile_report, name="kvdiag-report-template", daemon=True).start()
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
     bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command, pids=scope.pids,
                           save=False, on_evidence=early, decides=_core_decides, follow=follow and not kthread)
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
     return print_outcome(arts, bundle_dir, as_json, said=said[0] if said else None)
+
+
+def _compile_report() -> None:
+    try:
+        compile_templates()
+    except Exception:  # noqa: BLE001 - rendering compiles it again and reports what fails
+        pass
 
 
 def print_outcome(arts: RunArtifacts, bundle_dir: Path, as_json: bool, said: str | None = None) -> int:
