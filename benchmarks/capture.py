@@ -223,8 +223,9 @@ def idle_vllm_tree(tp: int, start_timeout_s: float = 600.0) -> Iterator[int]:
             start = time.monotonic()
             while True:
                 if proc.poll() is not None:
-                    raise SystemExit(f"vllm serve (TP={tp}) exited {proc.returncode}: "
-                                     f"{Path(tmp, 'serve.log').read_text(errors='replace')[-3000:]}")
+                    text = Path(tmp, "serve.log").read_text(errors="replace")
+                    why = [ln for ln in text.splitlines() if "Error" in ln and "Traceback" not in ln][:5]
+                    raise SystemExit(f"vllm serve (TP={tp}) exited {proc.returncode}: " + "\n".join(why))
                 if time.monotonic() - start > start_timeout_s:
                     raise SystemExit(f"vllm serve (TP={tp}) not healthy within {start_timeout_s:.0f} s")
                 with contextlib.suppress(OSError):
