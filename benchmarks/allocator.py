@@ -2,7 +2,8 @@
 
 Run from the repo root after the install (a regular ``pip install .`` is what users get):
 
-    python benchmarks/allocator.py [--quick] [--rounds N] [--out FILE]
+    python benchmarks/allocator.py [--quick] [--rounds N] [--native-rounds N] [--load quiet|spin|both]
+                                   [--out FILE]
 
 Run as a script (not ``python -m``), sys.path[0] is benchmarks/, so kvdiag and kvdiag._native come
 from the installed package, not from the checkout in the current directory; the header prints
@@ -10,9 +11,15 @@ where they came from, whether the install is editable, and the build type and fl
 stock and fixed code (the run stops if they differ: both must be measured at the same
 optimization level).
 
-Every row runs --rounds alternating rounds (stock first in even rounds, fixed first in odd ones);
-each round gives one fixed/stock ratio, and the row reports the median ratio and its spread
-(min..max over the rounds). Rows (stock is the baseline, measured in the same run):
+Every row runs alternating rounds (stock first in even rounds, fixed first in odd ones): --rounds
+for the Python rows, --native-rounds (more, shorter) for the two native rows, whose outcome
+depends most on how the host schedules 8 threads on its cores. Each round gives one fixed/stock
+ratio; the row reports the median ratio, its spread (min..max over the rounds) and how many
+rounds fell below 1.0x. The header prints the host facts that decide the native rows (cores and
+affinity, kernel, CPU model, hypervisor, frequency governor when readable, load average).
+--load spin runs the table with three busy-looping processes competing for the same CPUs
+(started and killed by this script, each bounded in time); --load both runs it quiet, then
+under that load. Rows (stock is the baseline, measured in the same run):
   single_ratio     alloc_page+free_page pairs per second, one Python thread calling the bindings
                    (what the engine's scheduler thread does).
   contended_ratio  the same pairs from 8 Python threads sharing one allocator.
@@ -33,16 +40,20 @@ each round gives one fixed/stock ratio, and the row reports the median ratio and
                    fixture's READY line (a healthy start takes ~0.2 s); hung runs are killed.
 The cpu/op column is stock's CPU seconds per pair/op/page over fixed's (the whole process, all
 threads, median over the rounds): what each allocator costs, whatever share of these shared CPUs
-the scheduler gave the run. The slow-path rows also print the allocators' own counts per 1,000
-pages or ops (map calls, pages per map, worker wake-ups, combined maps).
-Ends with: RESULT single_ratio=... contended_ratio=... stalls=... native_pairs_ratio=...
-native_random_ratio=... burst_ratio=... stock_hangs=N/20 fixed_hangs=N/20 build=...
+the scheduler gave the run. The csw/kop column gives the context switches (voluntary +
+involuntary, whole process) per 1,000 units, stock|fixed, median over the rounds: a thread that
+parks on a contended lock switches, a spinning one does not. The slow-path rows also print the
+allocators' own counts per 1,000 pages or ops (map calls, pages per map, worker wake-ups, combined maps).
+Ends with one line per load: RESULT load=quiet|spin single_ratio=... contended_ratio=... stalls=...
+native_pairs_ratio=... native_random_ratio=... burst_ratio=... min_ratio=... rounds_below_1=N
+stock_hangs=N/20 fixed_hangs=N/20 build=...
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import platform
 import resource
 import signal
 import statistics
@@ -164,20 +175,26 @@ class Row:
         self.ratios: list[float] = []
         self.cpu_ratios: list[float] = []  # stock / fixed CPU seconds per unit
         self.counters: dict[str, list[dict[str, int]]] = {"stock": [], "fixed": []}
+        self.csw: dict[str, list[float]] = {"stock": [], "fixed": []}  # context switches per 1,000 units
 
     def run(self, fn: Callable[[str], Sample], n: int) -> None:
         for i in range(n):
             got: dict[str, Sample] = {}
             cpu: dict[str, float] = {}
+            csw: dict[str, float] = {}
             for kind in (("stock", "fixed") if i % 2 == 0 else ("fixed", "stock")):
-                c0 = _cpu_s()
+                c0, s0 = _cpu_s(), _switches()
                 got[kind] = fn(kind)
-                cpu[kind] = (_cpu_s() - c0) / max(1, got[kind][1]["units"])
+                units = max(1, got[kind][1]["units"])
+                cpu[kind] = (_cpu_s() - c0) / units
+                csw[kind] = (_switches() - s0) * 1000.0 / units
             self.stock.append(got["stock"][0])
             self.fixed.append(got["fixed"][0])
             self.ratios.append(got["fixed"][0] / got["stock"][0])
             if cpu["fixed"] > 0:
                 self.cpu_ratios.append(cpu["stock"] / cpu["fixed"])
+            self.csw["stock"].append(csw["stock"])
+            self.csw["fixed"].append(csw["fixed"])
             self.counters["stock"].append(got["stock"][1])
             self.counters["fixed"].append(got["fixed"][1])
 
@@ -185,11 +202,17 @@ class Row:
     def ratio(self) -> float:
         return statistics.median(self.ratios)
 
+    @property
+    def below_one(self) -> int:
+        return sum(1 for r in self.ratios if r < 1.0)
+
     def line(self) -> str:
         spread = f"{min(self.ratios):.2f}..{max(self.ratios):.2f}"
         cpu = f"{statistics.median(self.cpu_ratios):.2f}x" if self.cpu_ratios else "-"
+        csw = f"{statistics.median(self.csw['stock']):.1f}|{statistics.median(self.csw['fixed']):.1f}"
+        below = f"{self.below_one}/{len(self.ratios)}"
         return (f"{self.name:<44}{statistics.median(self.stock):>12,.0f}/s{statistics.median(self.fixed):>12,.0f}/s"
-                f"{self.ratio:>12.2f}x  {spread:<11}{cpu:>7}")
+                f"{self.ratio:>12.2f}x  {spread:<11}{below:>6}{cpu:>8}  {csw}")
 
     def counts(self) -> str:
         """The allocators' own counts per 1,000 units (pages or ops), summed over the rounds."""
@@ -205,6 +228,59 @@ class Row:
                        f"{total['unmap_calls'] * per:.1f} unmaps, {total['worker_wakeups'] * per:.1f} worker wake-ups, "
                        f"{total['combined_maps'] * per:.1f} combined maps")
         return "    per 1,000: " + "; ".join(out)
+
+
+def _switches() -> int:
+    """Context switches of this process so far, all threads (voluntary + involuntary)."""
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_nvcsw + r.ru_nivcsw
+
+
+def host_facts() -> list[str]:
+    """What decides the native rows: cores this process may use, kernel, CPU, hypervisor, governor."""
+    model, hypervisor = "?", False
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and model == "?":
+                model = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and " hypervisor" in line:
+                hypervisor = True
+    except OSError:
+        pass
+    gov_path = Path("/sys/devices/system/cpu/cpu0/cpufreq/scaling_governor")
+    try:
+        governor = gov_path.read_text().strip()
+    except OSError:
+        governor = "not readable (no cpufreq in this kernel or VM)"
+    affinity = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return [f"host: {os.cpu_count()} CPUs online, {affinity} usable by this process; kernel {platform.release()}; "
+            f"{'virtual machine (hypervisor flag)' if hypervisor else 'no hypervisor flag'}",
+            f"cpu: {model}; frequency governor: {governor}"]
+
+
+SPIN = "import time\nend = time.monotonic() + {bound}\nwhile time.monotonic() < end:\n    pass\n"
+
+
+class Spinners:
+    """`n` busy-looping processes competing for the CPUs, each bounded to `bound_s`, killed on exit."""
+
+    def __init__(self, n: int, bound_s: float) -> None:
+        self.n, self.bound_s = n, bound_s
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def __enter__(self) -> Spinners:
+        for _ in range(self.n):
+            self.procs.append(subprocess.Popen([sys.executable, "-c", SPIN.format(bound=self.bound_s)],
+                                               stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+        for p in self.procs:
+            p.wait(timeout=30)
+        self.procs.clear()
 
 
 def _cpu_s() -> float:
@@ -275,42 +351,32 @@ def engine2_runs(native: Any, kind: str, runs: int, hang_after_s: float) -> tupl
     return sum(1 for hung, _ in results if hung), [s for hung, s in results if not hung]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run, not for the record)")
-    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per row (default 7, quick 3)")
-    ap.add_argument("--stall-ms", type=int, default=250)
-    ap.add_argument("--out", type=Path, default=None, help="also write the output to this file")
-    args = ap.parse_args()
-
-    from kvdiag.allocator import native_module
-
-    native = native_module()
+def run_table(native: Any, args: argparse.Namespace, load: str, build_type: str) -> str:
+    """One full table (every row, the stall run, the engine-2 repro) under `load`; its RESULT line."""
     q = args.quick
     n_rounds = args.rounds or (3 if q else 7)
+    n_native = args.native_rounds or (5 if q else 15)
     t_start = time.monotonic()
-    where, build = install_info(native)
-    build_type = build.split(" ", 1)[0]
-    say(f"kvdiag allocator benchmark  (cpus={os.cpu_count()}, python {sys.version.split()[0]})")
-    say(f"install: {where}")
-    say(f"build (stock and fixed alike): {build}")
-    say(f"load average at start: {os.getloadavg()[0]:.1f} (other processes share these {os.cpu_count()} CPUs)")
-    say("")
-    say(f"{'measure':<44}{'stock':>14}{'fixed':>14}{'fixed/stock':>13}  {'spread':<11}{'cpu/op':>7}")
+    say(f"== load: {load}" + ("" if load == "quiet" else f" ({args.spinners} busy-looping processes on the same CPUs)")
+        + f"; load average at start: {os.getloadavg()[0]:.1f} (other processes share these {os.cpu_count()} CPUs)")
+    say(f"{'measure':<44}{'stock':>14}{'fixed':>14}{'fixed/stock':>13}  {'spread':<11}{'<1.0x':>6}{'cpu/op':>8}"
+        f"  csw/kop s|f")
 
     secs = 0.4 if q else 1.0
-    ops = 600_000 if q else 3_000_000
-    rows: list[tuple[Row, Callable[[str], Sample]]] = [
-        (Row("single_ratio", "1 Python thread, alloc+free pairs"), lambda k: single_thread(native, k, secs)),
-        (Row("contended_ratio", "8 Python threads, alloc+free pairs"), lambda k: python_contended(native, k, secs)),
-        (Row("native_pairs_ratio", "8 native threads, alloc+free pairs"), lambda k: native_contended(native, k, ops)),
+    ops = 500_000 if q else 1_500_000
+    rows: list[tuple[Row, Callable[[str], Sample], int]] = [
+        (Row("single_ratio", "1 Python thread, alloc+free pairs"), lambda k: single_thread(native, k, secs), n_rounds),
+        (Row("contended_ratio", "8 Python threads, alloc+free pairs"), lambda k: python_contended(native, k, secs),
+         n_rounds),
+        (Row("native_pairs_ratio", "8 native threads, alloc+free pairs"), lambda k: native_contended(native, k, ops),
+         n_native),
         (Row("native_random_ratio", "8 native threads, randomized ops"),
-         lambda k: native_contended(native, k, ops // 2, mode="random")),
+         lambda k: native_contended(native, k, ops // 2, mode="random"), n_native),
         (Row("burst_ratio", "8 Py threads, bursts of 16, 100us maps"),
-         lambda k: python_contended(native, k, secs, burst=16, latency_us=100)),
+         lambda k: python_contended(native, k, secs, burst=16, latency_us=100), n_rounds),
     ]
-    for row, fn in rows:
-        row.run(fn, n_rounds)
+    for row, fn, n in rows:
+        row.run(fn, n)
         say(row.line())
         if row.key in ("native_random_ratio", "burst_ratio"):
             say(row.counts())
@@ -338,9 +404,49 @@ def main() -> int:
         f"{fixed_hangs}/{runs}" + (f", started in median {statistics.median(fixed_times):.3f} s "
                                    f"(max {max(fixed_times):.3f} s) after READY" if fixed_times else ""))
     say(f"total {time.monotonic() - t_start:.0f} s, load average at the end: {os.getloadavg()[0]:.1f}")
-    ratios = " ".join(f"{row.key}={row.ratio:.2f}" for row, _ in rows[2:])
-    say(f"RESULT single_ratio={rows[0][0].ratio:.2f} contended_ratio={rows[1][0].ratio:.2f} stalls={stalls} "
-        f"{ratios} stock_hangs={stock_hangs}/{runs} fixed_hangs={fixed_hangs}/{runs} build={build_type}")
+    ratios = " ".join(f"{row.key}={row.ratio:.2f}" for row, _, _ in rows)
+    every = [x for row, _, _ in rows for x in row.ratios]
+    below = sum(row.below_one for row, _, _ in rows)
+    return (f"RESULT load={load} {ratios} stalls={stalls} min_ratio={min(every):.2f} "
+            f"rounds_below_1={below}/{len(every)} "
+            f"stock_hangs={stock_hangs}/{runs} fixed_hangs={fixed_hangs}/{runs} build={build_type}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--quick", action="store_true", help="smaller sizes (smoke run, not for the record)")
+    ap.add_argument("--rounds", type=int, default=None, help="alternating rounds per Python row (default 7, quick 3)")
+    ap.add_argument("--native-rounds", type=int, default=None,
+                    help="alternating rounds per native row (default 15, quick 5)")
+    ap.add_argument("--load", choices=("quiet", "spin", "both"), default="quiet",
+                    help="quiet; spin: with --spinners busy-looping processes; both: quiet, then spin")
+    ap.add_argument("--spinners", type=int, default=3)
+    ap.add_argument("--stall-ms", type=int, default=250)
+    ap.add_argument("--out", type=Path, default=None, help="also write the output to this file")
+    args = ap.parse_args()
+
+    from kvdiag.allocator import native_module
+
+    native = native_module()
+    where, build = install_info(native)
+    build_type = build.split(" ", 1)[0]
+    say(f"kvdiag allocator benchmark  (cpus={os.cpu_count()}, python {sys.version.split()[0]})")
+    for line in host_facts():
+        say(line)
+    say(f"install: {where}")
+    say(f"build (stock and fixed alike): {build}")
+    results = []
+    for load in (("quiet", "spin") if args.load == "both" else (args.load,)):
+        say("")
+        if load == "quiet":
+            results.append(run_table(native, args, load, build_type))
+        else:
+            # Bounded on their own in case this script dies without reaching __exit__.
+            with Spinners(args.spinners, bound_s=1800.0):
+                results.append(run_table(native, args, load, build_type))
+    say("")
+    for line in results:
+        say(line)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text("\n".join(LINES) + "\n")

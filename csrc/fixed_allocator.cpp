@@ -1,14 +1,17 @@
 // kvdiag native allocators: the FIXED page allocator.
 //
 // Contract of this file (pure C++; bindings in bindings.cpp):
-//   Locks:   mu_ (page lists, counts, combined-map queue, worker state; an adaptive mutex, see
-//            make_adaptive) is held only for O(1) work per page (free_pages: O(n) for n pages);
-//            it is released before every map/unmap/mem_get_info/device probe/sleep/
-//            Python callback, and callers wake the worker (worker_cv_) after releasing it.
-//            ctl_mu_ serialises start/stop (order ctl_mu_ -> mu_).
+//   Locks:   mu_ (page lists, counts, combined-map queue, worker state) is a plain, parking mutex
+//            (std::mutex: a contended locker sleeps in the kernel, it never spins), held only for
+//            O(1) work per page (free_pages: O(n) for n pages). It is released before every
+//            map/unmap/mem_get_info/device probe/sleep/Python callback, and no condition variable
+//            is notified with it held: callers note under mu_ whether anyone waits (waiters_,
+//            sync_waiters_, worker_waiting_) and notify after unlocking, and only then.
+//            ctl_mu_ serialises start/stop (order ctl_mu_ -> mu_; the device lock is never taken
+//            with mu_ held).
 //   GIL:     the bindings release it around every call that may block; the fast paths
-//            (try_alloc_fast/try_free_fast) only try_lock mu_ (a bounded spin of kSpinTries) and
-//            never wait.
+//            (try_alloc_fast/try_free_fast, called with the GIL held) only try_lock mu_ (a bounded
+//            spin of kSpinTries) and never wait, so a GIL holder never sleeps on mu_.
 //   Python:  the worker never calls should_use_worker_ipc (an atomic holds the answer). Broadcast
 //            map/unmap callbacks, when installed for worker IPC, are invoked with no lock held
 //            (the std::function is copied out under mu_ and called after unlocking).
@@ -33,11 +36,21 @@
 // page queued so far in one backend call; the others wait for that call's outcome. A map then
 // costs one device-lock round per batch of callers instead of one per caller, which is what the
 // stock allocator gets by accident from serialising every caller on the GIL. The fast paths do
-// O(1) work under mu_ with no allocation and no clock read, never wake a worker that is already
-// awake, and contend on an adaptive mutex that spins briefly instead of sleeping in the kernel.
+// O(1) work under mu_ with no allocation and no clock read and never wake a worker that is
+// already awake.
+//
+// Why mu_ parks instead of spinning: native callers can outnumber the cores (the engine's
+// threads, a stress run's 8 threads on 2 cores). A spinning waiter (an adaptive mutex, a
+// try_lock loop) keeps every core contending for mu_'s cache lines, so each op pays cross-core
+// transfers of the lock word, the reserve ring and in_use_, and it burns the time slice that a
+// preempted holder needs to finish. A parked waiter leaves its core to a thread that can make
+// progress; the running threads then take mu_ uncontended, on lines their core already holds.
+// The stock allocator parks too (plain mutex); spinning made this one host-dependent: it lost 2x
+// on a quiet 2-core host, where both cores were free to spin, and won on a busy one. Parking has a
+// price too: with critical sections this short a woken waiter often finds mu_ free again, so a
+// contended unlock costs a futex wake that a spin would have saved: what the stock allocator pays
+// for the same kind of lock, while this allocator does less holding it.
 #include "fixed_allocator.hpp"
-
-#include <pthread.h>
 
 #include <algorithm>
 #include <iostream>
@@ -55,25 +68,6 @@ namespace {
                            std::to_string(timeout_ms) + " (" + r.message + ")");
   throw std::runtime_error(std::string(what) + ": Failed to map pages to KV tensors (" +
                            map_status_name(r.status) + "): " + r.message);
-}
-
-// mu_ is held for O(1) work, so a thread that finds it taken should spin a little before it
-// sleeps. A plain (std::mutex) pthread mutex sleeps in the kernel at once, and once it has been
-// contended every unlock makes a futex syscall, which then dominates the cost of an op. glibc's
-// adaptive mutex spins (reading the lock word, not stealing its cache line) for a self-tuning
-// number of rounds before it sleeps. The mutex is unlocked and unused when this runs.
-void make_adaptive(std::mutex& mu) {
-#if defined(__GLIBC__) && defined(PTHREAD_ADAPTIVE_MUTEX_INITIALIZER_NP)
-  pthread_mutexattr_t attr;
-  if (pthread_mutexattr_init(&attr) != 0) return;
-  if (pthread_mutexattr_settype(&attr, PTHREAD_MUTEX_ADAPTIVE_NP) == 0) {
-    pthread_mutex_destroy(mu.native_handle());
-    pthread_mutex_init(mu.native_handle(), &attr);
-  }
-  pthread_mutexattr_destroy(&attr);
-#else
-  (void)mu;
-#endif
 }
 
 }  // namespace
@@ -99,7 +93,6 @@ PageAllocator::PageAllocator(const AllocatorConfig& cfg)
       reserved_(static_cast<size_t>(max_pages_)),
       free_(static_cast<size_t>(max_pages_)),
       reclaimed_(static_cast<size_t>(max_pages_)) {
-  make_adaptive(mu_);
   min_reserved_pages_ = std::min(max_pages_, cfg_.min_reserved_pages);
   max_reserved_pages_ = std::min(max_pages_, cfg_.max_reserved_pages);
   enable_page_prealloc_ = cfg_.enable_prealloc;

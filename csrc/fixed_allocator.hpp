@@ -7,7 +7,10 @@
 //            callers wake the worker after releasing it. ctl_mu_ serialises start/stop of the
 //            worker. The backend's device VMM lock is taken inside map/unmap with mu_ released.
 //            Lock order: ctl_mu_ -> mu_ (the device lock is never taken with mu_ held). mu_ is a
-//            glibc adaptive mutex (a short spin before sleeping: its critical sections are tiny).
+//            plain std::mutex: a contended native caller parks in the kernel instead of spinning
+//            (with more threads than cores, spinners steal the cores and cache lines the holder
+//            needs; see fixed_allocator.cpp). No condition variable is notified with mu_ held,
+//            and none is notified when nobody waits on it.
 //   GIL:     the bindings release the GIL around every call that can block (alloc_page slow path,
 //            free with unmap, resize, trim, start/stop, trigger, wait_prealloc_idle,
 //            get_avail_physical_pages). Fast paths run with the GIL held but only try_lock mu_
@@ -92,8 +95,9 @@ class PageAllocator : public std::enable_shared_from_this<PageAllocator> {
 
   // The GIL-holding fast paths retry try_lock for a bounded spin (kSpinTries pauses, about a
   // microsecond: mu_ is held for O(1) work) before they give up and take the GIL-releasing slow
-  // path, which costs far more. Native callers just lock(): with threads on several cores a
-  // try_lock spin steals mu_'s cache line from the holder and slows every handoff.
+  // path, which costs far more. Native callers just lock() and park when mu_ is taken: with
+  // threads on several cores a spin steals mu_'s cache line from the holder and slows every
+  // handoff, and with more threads than cores it burns the slice a preempted holder needs.
   static constexpr int kSpinTries = 32;
   bool spin_try_lock(Lock& lk);
 

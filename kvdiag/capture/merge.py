@@ -60,6 +60,35 @@ def _settle(t: ThreadEvidence) -> None:
         if t.frames_by_tool else []
 
 
+def add_tools(first: ProcessEvidence, later: ProcessEvidence) -> ProcessEvidence:
+    """``first`` (one process's evidence) with what a later capture of it by other tools saw added:
+    their stacks and GIL readings per thread, their tool runs (replacing any of ``first``'s of the same
+    name), the preflight as the later capture found it. /proc's fields stay ``first``'s."""
+    out = first.model_copy(deep=True)
+    names = {r.tool for r in later.tools}
+    out.tools = [r for r in out.tools if r.tool not in names] + [r.model_copy() for r in later.tools]
+    out.alive = first.alive and later.alive
+    out.python_version = first.python_version or later.python_version
+    out.access = later.access.model_copy() if later.access is not None else out.access
+    threads = {t.tid: t for t in out.threads}
+    for t in later.threads:
+        into = threads.get(t.tid)
+        if into is None:
+            into = threads[t.tid] = ThreadEvidence(tid=t.tid)
+            out.threads.append(into)
+        for tool in names:
+            into.frames_by_tool.pop(tool, None)
+            into.gil_by_tool.pop(tool, None)
+        into.frames_by_tool.update({k: list(v) for k, v in t.frames_by_tool.items()})
+        into.gil_by_tool.update(t.gil_by_tool)
+        if t.name and not into.name:
+            into.name = t.name
+    for t in out.threads:
+        _settle(t)
+    out.threads.sort(key=lambda t: t.tid)
+    return out
+
+
 def without_tool(proc: ProcessEvidence, tool: str) -> ProcessEvidence:
     """``proc`` as a capture without ``tool`` would have merged it (for "what if it were missing").
 

@@ -10,19 +10,23 @@ longer than the EngineCore's). So:
 2. ``decides(evidence, findings)`` (the caller's judge: capture does not analyze) says whether that
    evidence already names a hang in a focus process; if so the others' pausing tools are recorded as
    skipped, with the reason;
-3. otherwise (no hang in the focus: the answer may lie elsewhere) the other processes get every tool
-   too, and their first-stage evidence is replaced.
+3. otherwise (no hang in the focus: the answer may lie elsewhere) the other processes get the tools
+   the first stage left out (the pausing ones), and what those see is added to their first-stage
+   evidence: their /proc progress window already ran in the first stage, beside the focus's, and is
+   not opened a second time (on an idle vLLM tree that second window was a fifth of the capture).
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvdiag.capture.base import CaptureBackend
+from kvdiag.capture.merge import add_tools
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, capture_processes, make_backends
-from kvdiag.capture.tools import PyspyBackend, pyspy_nonblocking
+from kvdiag.capture.tools import PyspyBackend, PystackBackend, pyspy_nonblocking
 from kvdiag.model import Finding, ProcessEvidence, ToolRun
 
 Decider = Callable[[list[ProcessEvidence], list[Finding]], "str | None"]
@@ -39,6 +43,15 @@ def _quiet(backends: list[CaptureBackend]) -> list[CaptureBackend]:
     return out
 
 
+def _pausing(backends: list[CaptureBackend], quiet: list[CaptureBackend]) -> list[CaptureBackend]:
+    """The tools the first stage did not run on the other processes: the pausing ones. py-spy ran there
+    already without pausing; it runs again (with --native) only where no pystack reads native frames."""
+    native_pystack = any(isinstance(b, PystackBackend) and b.native and b.available() is None for b in backends)
+    quiet_names = {b.name for b in quiet}
+    return [b for b in backends if b.name not in quiet_names
+            or (isinstance(b, PyspyBackend) and b.native and not native_pystack)]
+
+
 def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, timeout_s: float,
                    backends: Sequence[str | CaptureBackend] | None, bundle_dir: Path | None,
                    decides: Decider) -> tuple[list[ProcessEvidence], list[Finding]]:
@@ -50,6 +63,7 @@ def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, 
     quiet = _quiet(make_backends(backends))   # instances of their own: both stages run at once
     if not core or not rest:
         return capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=chosen, bundle_dir=bundle_dir)
+    start = time.monotonic()
     box: list[tuple[list[ProcessEvidence], list[Finding]]] = []
     side = threading.Thread(target=lambda: box.append(capture_processes(
         rest, raw_dir, timeout_s=timeout_s, backends=quiet, bundle_dir=bundle_dir)),
@@ -76,5 +90,16 @@ def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, 
                                             error=f"{b.name} skipped: {why}; /proc and py-spy (without pausing "
                                                   "it) read this process"))
         return ev_core + ev_rest, f_core + f_rest
-    ev_rest, f_rest = capture_processes(rest, raw_dir, timeout_s=timeout_s, backends=chosen, bundle_dir=bundle_dir)
-    return ev_core + ev_rest, f_core + f_rest
+    later = _pausing(make_backends(backends), quiet)
+    offset = time.monotonic() - start
+    ev_more, f_more = capture_processes(rest, raw_dir, timeout_s=timeout_s, backends=later, bundle_dir=bundle_dir)
+    more = {e.pid: e for e in ev_more}
+    for e in ev_more:   # the tools' start, from the capture's start like the first stage's
+        for run in e.tools:
+            if run.started_s is not None:
+                run.started_s = round(run.started_s + offset, 3)
+    merged = [add_tools(e, more[e.pid]) if e.pid in more else e for e in ev_rest]
+    merged += [e for e in ev_more if e.pid not in {m.pid for m in ev_rest}]
+    missing = {f.message for f in f_core + f_rest if f.kind == "tool_missing"}
+    f_more = [f for f in f_more if f.kind != "tool_missing" or f.message not in missing]
+    return ev_core + merged, f_core + f_rest + f_more

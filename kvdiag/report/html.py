@@ -11,6 +11,7 @@ bug in escaping still could not run injected code.
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import math
@@ -28,7 +29,7 @@ from kvdiag.redact import redact_text
 from kvdiag.report.json import report_dict
 from kvdiag.report.view import ReportView, clean_text, page_href
 
-__all__ = ["cycle_diagram", "render_html", "script_json"]
+__all__ = ["compile_templates", "cycle_diagram", "render_html", "script_json"]
 
 TEMPLATES = Path(__file__).parent / "templates"
 RAW_FILE_CAP = 256 * 1024        # characters kept per raw file (head and tail)
@@ -361,7 +362,9 @@ def bundle_href(rel: str | None, bundle_path: str | None) -> str | None:
 
 # ---------------------------------------------------------------- page
 
+@functools.lru_cache(maxsize=1)
 def _env() -> jinja2.Environment:
+    """One environment per process: it keeps the compiled template (compiling it costs a quarter second)."""
     env = jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)), autoescape=True,
                              undefined=jinja2.StrictUndefined, trim_blocks=True, lstrip_blocks=True)
     env.filters["kindclass"] = lambda kind: KIND_CLASS.get(str(kind), "unk")
@@ -370,6 +373,12 @@ def _env() -> jinja2.Environment:
     # Plain text (autoescaped by the template), unlike jinja's tojson which returns markup.
     env.filters["jsontext"] = lambda v: v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
     return env
+
+
+def compile_templates() -> None:
+    """Compile the report's template now (a command that renders later calls this while it waits on
+    something else: the capture tools)."""
+    _env().get_template("report.html.j2")
 
 
 def _fmt_num(value: object, digits: int = 2) -> str:

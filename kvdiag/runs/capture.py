@@ -8,6 +8,7 @@ soon as the evidence is in -> the tail every run shares (:func:`kvdiag.runs.outp
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from kvdiag.errors import UsageError
 from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
 from kvdiag.osread.stat import read_stat
 from kvdiag.redact import redact_bundle
+from kvdiag.report.html import compile_templates
 from kvdiag.runs.fleet.ray import capture_cluster
 from kvdiag.runs.output import RunArtifacts, finish
 
@@ -122,6 +124,8 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
         if on_verdict is not None:
             on_verdict(known[0])
 
+    # The report's template compiles while the tools wait on their targets (it would otherwise follow them).
+    threading.Thread(target=_compile_report, name="kvdiag-report-template", daemon=True).start()
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
     bundle = capture_tree(target, out_dir / "bundle", timeout_s=timeout_s, backends=tools, command=command,
                           pids=scope.pids + ranks, save=False, on_evidence=early,
@@ -131,6 +135,13 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
         record(bundle)
     return finish(out_dir, bundle, verdict_t=verdict_t() if verdict_t is not None else None,
                   diagnosis=known[0] if known else None)
+
+
+def _compile_report() -> None:
+    try:
+        compile_templates()
+    except Exception:  # noqa: BLE001 - rendering compiles it again and reports what fails
+        pass
 
 
 def capture_cluster_run(address: str, out_dir: Path, *, select: str, patterns: list[str], timeout_s: float,

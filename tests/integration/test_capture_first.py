@@ -45,3 +45,20 @@ def test_the_verdict_comes_before_the_environment_and_the_reports(tmp_path: Path
     assert rest["proc"]["ok"] and rest["py-spy"]["ok"]           # the rest read without pausing it
     assert rest["pystack"]["skipped"] and "EngineCore's evidence decided (gil_cycle)" in rest["pystack"]["error"]
     assert ProcessEvidence.model_validate(parent).threads          # its Python stacks are still there
+
+
+def test_an_undecided_engine_core_gets_the_rest_paused_once_with_one_proc_window(tmp_path: Path) -> None:
+    # An idle EngineCore decides nothing: the rest of the tree gets its pausing tools too, added to the
+    # /proc evidence its first-stage window took (not a second window).
+    with hk.running("healthy_idle", under_parent=True, title="VLLM::EngineCore", bound_s=120,
+                    build_dir=tmp_path / "build") as h:
+        bundle = capture_tree(h.root_pid, tmp_path / "b", timeout_s=10.0, save=False,
+                              decides=lambda evs, fs: None)
+    parent = next(p for p in bundle.processes if p.pid == h.root_pid)
+    tools = {t.tool: t for t in parent.tools}
+    assert tools["proc"].ok and tools["py-spy"].ok and tools["pystack"].ok, parent.tools
+    assert [t.tool for t in parent.tools].count("proc") == 1 and parent.progress is not None
+    assert tools["pystack"].started_s is not None and tools["proc"].started_s is not None
+    assert tools["pystack"].started_s >= tools["proc"].started_s + tools["proc"].duration_s - 0.05
+    main = [t for t in parent.threads if t.tid == h.root_pid]
+    assert main and "pystack" in main[0].frames_by_tool and main[0].state.value != "unknown"
