@@ -34,6 +34,7 @@ from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
 from kvdiag.outputs import finish
 from kvdiag.redact import redact_bundle
+from kvdiag.watch.canary import DEFAULT_PROBE_PERIOD_S, Canary, CanaryPolicy, ProbeSender
 from kvdiag.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.watch.exporter import WatchExporter
 from kvdiag.watch.local import LocalEngine, Located
@@ -62,6 +63,8 @@ class WatchOptions:
     # the fleet path's capture (address, bundle folder, timeout, tools) -> merged bundle; given by the CLI
     ray_capture: Callable[[str, Path, float, list[str]], Bundle] | None = None
     verbose: bool = False            # a stderr line per look (else one per engine a minute)
+    probe: bool = False              # a one-token canary to a server idle for probe_period_s
+    probe_period_s: float = DEFAULT_PROBE_PERIOD_S
 
     def validate(self) -> None:
         """Usage errors before anything starts."""
@@ -88,6 +91,8 @@ class WatchOptions:
             raise UsageError(f"--window {self.window_s:g}: must be in (0, 3600] seconds")
         if not 0.1 <= self.period_s <= self.window_s:
             raise UsageError(f"--period {self.period_s:g}: must be between 0.1 s and the window")
+        if self.probe and not self.period_s <= self.probe_period_s <= 86400:
+            raise UsageError(f"--probe-period {self.probe_period_s:g}: must be between --period and a day")
         if self.keep < 1:
             raise UsageError(f"--keep {self.keep}: keep at least one report folder")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -259,6 +264,7 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
     t0 = clock()
     trackers: list[EngineTracker] = []
     lookers: dict[str, Callable[[], Look]] = {}
+    canaries: dict[str, Canary] = {}
     start_fields: dict[str, dict[str, object]] = {}
     client = httpx.Client(trust_env=False, timeout=httpx.Timeout(2.0))
     exporter: WatchExporter | None = None
@@ -272,12 +278,17 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
                                capture_remote=opts.ray is not None)
             trackers.append(tr)
             lookers[name] = ServerLooker(url, client, local, clock=clock)
-            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out), "ray": opts.ray}
+            if opts.probe:
+                canaries[name] = Canary(name, ProbeSender(url, opts.window_s, clock=clock),
+                                        CanaryPolicy(period_s=opts.probe_period_s))
+            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out), "ray": opts.ray,
+                                  "probe_period_s": opts.probe_period_s if opts.probe else None}
         if opts.metrics_port is not None:
             exporter = WatchExporter(trackers)
             port = exporter.serve(opts.metrics_port, opts.metrics_addr)
             sink.listeners.append(exporter.on_event)
-            human(f"kvdiag watch: Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics")
+            human(f"kvdiag watch: Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics, "
+                  f"readiness on /ready")
             for f in start_fields.values():
                 f["metrics_port"] = port
         sentinel = Sentinel(trackers=trackers, lookers=lookers,
@@ -285,7 +296,8 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
                             sink=sink, clock=clock,
                             wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
                             duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
-                            stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock))
+                            stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock),
+                            probe=(lambda tr, look: canaries[tr.name].after_look(tr, look)) if canaries else None)
         with interrupts.on_stop(flag.stop, signals=interrupts.STOP_SIGNALS):
             outcome = sentinel.run()
         return outcome

@@ -12,7 +12,7 @@ from kvdiag.model import MetricsSnapshot
 from kvdiag.osread.stat import read_stat
 from kvdiag.osread.tasks import list_tids
 
-__all__ = ["metric_samples"]
+__all__ = ["labeled_samples", "metric_samples"]
 
 _WANTED = {
     "vllm:kv_cache_usage_perc": "kv_cache_usage",
@@ -67,16 +67,22 @@ def parse_metrics(text: str, t: float, engine: str | None = None) -> MetricsSnap
 
 def metric_samples(text: str) -> list[tuple[str, float]]:
     """(sample name, value) of every sample in an exposition; a malformed line costs only itself."""
+    return [(name, value) for name, _labels, value in labeled_samples(text)]
+
+
+def labeled_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(sample name, labels, value) of every sample in an exposition; a malformed line costs only itself."""
     try:
-        return [(s.name, float(s.value)) for fam in text_string_to_metric_families(text) for s in fam.samples]
+        return [(s.name, dict(s.labels), float(s.value)) for fam in text_string_to_metric_families(text)
+                for s in fam.samples]
     except ValueError:
-        out: list[tuple[str, float]] = []
+        out: list[tuple[str, dict[str, str], float]] = []
         for line in text.splitlines():
             if not line.strip() or line.startswith("#"):
                 continue
             try:
-                out += [(s.name, float(s.value)) for fam in text_string_to_metric_families(line + "\n")
-                        for s in fam.samples]
+                out += [(s.name, dict(s.labels), float(s.value))
+                        for fam in text_string_to_metric_families(line + "\n") for s in fam.samples]
             except ValueError:
                 continue
         return out

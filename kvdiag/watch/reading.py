@@ -9,7 +9,7 @@ import math
 from dataclasses import dataclass
 
 from kvdiag.model import MetricsSnapshot
-from kvdiag.watch.probe import metric_samples
+from kvdiag.watch.probe import labeled_samples
 
 # Sample name -> field of ServerMetrics; label sets (engines, finish reasons) are summed.
 _FIELDS = {
@@ -27,6 +27,12 @@ _FIELDS = {
     "process_start_time_seconds": "start_time",
 }
 
+# The API server's own requests in progress (prometheus-fastapi-instrumentator's gauge, where the server
+# turns it on): counted in the API server, so a frozen EngineCore cannot freeze it. The watch's own looks
+# (/metrics, /health) are not work.
+_IN_PROGRESS = ("http_requests_inprogress", "http_requests_in_progress")
+_NOT_WORK = ("/metrics", "/health", "/ping", "/version", "/v1/models", "/load")
+
 
 @dataclass(frozen=True)
 class ServerMetrics:
@@ -41,13 +47,15 @@ class ServerMetrics:
     preemptions: float | None = None
     iterations: float | None = None
     start_time: float | None = None
+    api_in_progress: float | None = None    # requests the API server holds (None: not exported)
 
     @property
     def in_flight(self) -> int | None:
-        """Requests running or waiting; None when the server exports neither gauge."""
-        if self.running is None and self.waiting is None:
+        """Requests running or waiting in the engine, or held by the API server where it says so (the larger);
+        None when the server exports none of these gauges."""
+        if self.running is None and self.waiting is None and self.api_in_progress is None:
             return None
-        return int((self.running or 0) + (self.waiting or 0))
+        return int(max((self.running or 0) + (self.waiting or 0), self.api_in_progress or 0))
 
     @property
     def progress(self) -> float | None:
@@ -66,7 +74,11 @@ class ServerMetrics:
 def parse_server_metrics(text: str) -> ServerMetrics:
     """The followed values of a Prometheus exposition (vLLM's names; a malformed line costs only itself)."""
     values: dict[str, float] = {}
-    for name, value in metric_samples(text):
+    for name, labels, value in labeled_samples(text):
+        if name in _IN_PROGRESS and not math.isnan(value):
+            if labels.get("handler", "") not in _NOT_WORK:
+                values["api_in_progress"] = values.get("api_in_progress", 0.0) + value
+            continue
         key = _FIELDS.get(name)
         if key is None or math.isnan(value):
             continue
