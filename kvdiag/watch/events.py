@@ -100,5 +100,5 @@ class EventSink:
             listener(ev)
 
 
-__all__ = ["ERROR", "EVENTS", "PROBE", "PROBE_ANSWERED", "PROBE_FAILED", "RECOVERED", "REPORT", "RESTART", "START", "STALL", "STOP", "VERDICT", "EventSink",
-           "WatchEvent"]
+__all__ = ["ERROR", "EVENTS", "PROBE", "PROBE_ANSWERED", "PROBE_FAILED", "RECOVERED", "REPORT", "RESTART", "START",
+           "STALL", "STOP", "VERDICT", "EventSink", "WatchEvent"]
