@@ -95,6 +95,8 @@ def test_an_engine_core_stopped_while_idle_is_seen_only_with_probe(tmp_path: Pat
         assert verdict is not None and verdict["kind"] == "stopped" and str(core) in verdict["summary"], w.diag()
         # probe period + window + capture (and a look period, on a loaded 2-core machine some slack)
         assert took < PROBE_PERIOD_S + WINDOW_S + 15, took
+        print(f"watch start -> verdict stopped: {took:.1f}s (probe period {PROBE_PERIOD_S:g}s, window {WINDOW_S:g}s, "
+              f"stall declared {stall['unix'] - probe['unix']:.1f}s after the probe)")
         assert w.wait_event("report", 30) is not None, w.diag()
         report = json.loads((Path(verdict["out"]) / "bundle" / "bundle.json").read_text())
         procs = {p["pid"]: p for p in report["processes"]}

@@ -22,7 +22,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "integration"))
 from vllmserver import VllmServer  # noqa: E402
 from watchproc import WatchProc  # noqa: E402
 
-pytestmark = pytest.mark.timeout(420)
+# Over a minute: a real vLLM start (20-40 s) and the injected GIL cycle, armed STALL_AFTER_S after the block pool
+# so that the SIGSTOP part (probe period + window + capture, twice) is over first.
+pytestmark = [pytest.mark.timeout(420), pytest.mark.slow]
 
 WINDOW_S = 5.0
 PROBE_PERIOD_S = 2.0
