@@ -164,7 +164,7 @@ def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
         TimelineEvent(t=round(req.onset_t, 3), event="last progress", engine=req.engine,
                       detail="the last look at which tokens, prefill or finished requests grew"),
         TimelineEvent(t=round(req.detected_t, 3), event="stall detected", engine=req.engine,
-                      detail=f"requests in flight, no progress for {req.window_s:g}s"),
+                      detail=req.cause or f"requests in flight, no progress for {req.window_s:g}s"),
     ]
 
 

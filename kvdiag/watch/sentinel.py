@@ -253,6 +253,13 @@ class EngineTracker:
         return WatchEvent(name, self.name, look.wall, {k: v for k, v in fields.items() if v is not None})
 
 
+def _cause(ev: WatchEvent, window_s: float) -> str:
+    probe = ev.fields.get("probe")
+    if isinstance(probe, dict):
+        return f"the engine was idle; probe {probe.get('id')} got no answer within {window_s:g}s"
+    return ""
+
+
 def _core_fields(core: CoreSample | None, cpu_pct: float | None) -> dict[str, Any] | None:
     if core is None:
         return None
@@ -279,6 +286,7 @@ class CaptureRequest:
     detected_t: float
     onset_wall: float
     snapshots: tuple[MetricsSnapshot, ...]
+    cause: str = ""         # how the stall showed (default: requests in flight and no progress for the window)
 
 
 @dataclass(frozen=True)
@@ -377,7 +385,8 @@ class Sentinel:
         req = CaptureRequest(engine=tr.name, url=tr.url, core_pid=look.core.pid if look.core else None,
                              server_pid=look.server_pid, window_s=tr.window_s, onset_t=onset - tr.t0,
                              detected_t=look.t - tr.t0,
-                             onset_wall=look.wall - (look.t - onset), snapshots=tuple(tr.snapshots))
+                             onset_wall=look.wall - (look.t - onset), snapshots=tuple(tr.snapshots),
+                             cause=_cause(ev, tr.window_s))
         said: list[CaptureResult] = []
 
         def announce(res: CaptureResult) -> None:

@@ -101,6 +101,7 @@ def test_an_engine_core_stopped_while_idle_is_seen_only_with_probe(tmp_path: Pat
         report = json.loads((Path(verdict["out"]) / "bundle" / "bundle.json").read_text())
         procs = {p["pid"]: p for p in report["processes"]}
         assert core in procs and any(t.get("frames") for t in procs[core]["threads"]), "no EngineCore frames"
+        assert any(probe["id"] in (e.get("detail") or "") for e in report["timeline"]), report["timeline"]
         metrics = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
         assert f'kvdiag_watch_probes_total{{engine="{engine}",outcome="failed"}} 1.0' in metrics
         assert f'kvdiag_watch_ready{{engine="{engine}"}} 0.0' in metrics
