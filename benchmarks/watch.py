@@ -25,6 +25,11 @@ script, not by kvdiag) under a steady streaming load (4 streams of 120-147 token
 `--long`: instead, the same server healthy under load for --long-s seconds and then idle for --long-s
 seconds with the watch beside it: the number of stalls it reports (must be 0).
 
+`--probe-load`: instead, the probe's load on an idle server (`kvdiag watch --probe`): --probe-load-s seconds with a
+passive watch beside it, then as long with a probing watch (--probe-period); the difference in the EngineCore's and
+the API server's CPU over the probes sent is each probe's cost; the probes per minute, their latency, the stalls
+reported (must be 0).
+
 Run it alone: `flock /tmp/kvdiag-bench.lock flock /tmp/kvdiag-vllm.lock python benchmarks/watch.py`.
 Ends with `RESULT overhead=... noise=... onset_to_verdict_median_s=... onset_to_verdict_max_s=... window_s=...`.
 """
@@ -217,6 +222,38 @@ def long_run(server: VllmServer, out: Path, long_s: float, window_s: float) -> d
             "errors": len(w.named("error")), "rc": rc}
 
 
+def probe_load(server: VllmServer, out: Path, seconds: float, probe_period_s: float) -> dict[str, Any]:
+    """The idle server's CPU with a passive watch, then with a probing one, for ``seconds`` each."""
+    core = server.engine_core_pid()
+    if core is None:
+        raise SystemExit("no EngineCore")
+    cpu: dict[bool, tuple[float, float]] = {}
+    watches: dict[bool, WatchProc] = {}
+    for probing in (False, True):
+        extra = ("--probe", "--probe-period", f"{probe_period_s:g}") if probing else ()
+        w = _start_watch(server, out / f"probe-{probing}", *extra)
+        try:
+            c0, s0 = _cpu_s(core) or 0.0, _cpu_s(server.pid) or 0.0
+            time.sleep(seconds)
+            cpu[probing] = ((_cpu_s(core) or 0.0) - c0, (_cpu_s(server.pid) or 0.0) - s0)
+            w.terminate()
+            w.wait(30)
+        finally:
+            w.kill()
+        watches[probing] = w
+    w = watches[True]
+    sent, answered = len(w.named("probe")), w.named("probe_answered")
+    lat = sorted(a["latency_s"] for a in answered)
+    n = max(1, len(answered))
+    return {"sent": sent, "answered": len(answered), "failed": len(w.named("probe_failed")),
+            "stalls": len(w.named("stall")) + len(watches[False].named("stall")),
+            "per_min": sent / (seconds / 60.0), "latency_median_s": statistics.median(lat) if lat else None,
+            "latency_max_s": lat[-1] if lat else None,
+            "core_ms_per_probe": (cpu[True][0] - cpu[False][0]) / n * 1000,
+            "server_ms_per_probe": (cpu[True][1] - cpu[False][1]) / n * 1000,
+            "core_idle_pct": cpu[False][0] / seconds * 100, "core_probing_pct": cpu[True][0] / seconds * 100}
+
+
 def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-watch-"))
     try:
@@ -239,8 +276,36 @@ def run(tmp: Path) -> int:
     ap.add_argument("--window", type=float, default=4.0)
     ap.add_argument("--long", action="store_true", help="10 minutes healthy under load, 10 idle: stalls reported")
     ap.add_argument("--long-s", type=float, default=600.0)
+    ap.add_argument("--probe-load", action="store_true", help="the --probe canary's load on an idle server")
+    ap.add_argument("--probe-load-s", type=float, default=600.0, help="seconds per phase (passive, probing)")
+    ap.add_argument("--probe-period", type=float, default=30.0)
     args = ap.parse_args()
     load_avg = os.getloadavg()[0]
+    if args.probe_load:
+        server = VllmServer(tmp / "vllm.log")
+        try:
+            server.start()
+            if not server.wait_ready(240):
+                raise SystemExit(server.log_text()[-3000:])
+            time.sleep(3.0)
+            r = probe_load(server, tmp, args.probe_load_s, args.probe_period)
+        finally:
+            server.stop()
+        print(f"\n| measure (idle server, {args.probe_load_s:g} s per phase, --probe-period {args.probe_period:g}) "
+              f"| value |\n|---|---|")
+        print(f"| probes sent / answered / failed | {r['sent']} / {r['answered']} / {r['failed']} |")
+        print(f"| probes per minute | {r['per_min']:.2f} |")
+        print(f"| probe latency, median / max | {r['latency_median_s']} / {r['latency_max_s']} s |")
+        print(f"| EngineCore CPU per probe (probing minus passive) | {r['core_ms_per_probe']:.1f} ms |")
+        print(f"| API server CPU per probe (probing minus passive) | {r['server_ms_per_probe']:.1f} ms |")
+        print(f"| EngineCore CPU, passive / probing | {r['core_idle_pct']:.2f} / {r['core_probing_pct']:.2f} % of a "
+              "core |")
+        print(f"| stalls reported | {r['stalls']} |")
+        print(f"load average at start {load_avg:.1f}, {os.cpu_count()} CPUs")
+        print(f"RESULT probe_stalls={r['stalls']} probes_per_min={r['per_min']:.2f} "
+              f"core_ms_per_probe={r['core_ms_per_probe']:.1f} server_ms_per_probe={r['server_ms_per_probe']:.1f} "
+              f"probe_load_s={args.probe_load_s:g} probe_period_s={args.probe_period:g}")
+        return 0
     if args.long:
         server = VllmServer(tmp / "vllm.log", max_num_seqs=1)
         try:

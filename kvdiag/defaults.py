@@ -7,6 +7,7 @@ STALL_WINDOW_S = 5.0        # no progress this long = a stall (startup: from the
 STARTUP_TIMEOUT_S = 120.0   # per engine, to become ready
 RUN_TIMEOUT_S = 300.0       # a whole scenario run
 WATCH_WINDOW_S = 30.0       # kvdiag watch: a deployment's stall window (its steps can be long)
+DEFAULT_PROBE_PERIOD_S = 30.0       # watch --probe: seconds of idleness before a canary, and at least between two
 POLL_S = 0.25               # watcher poll period
 KILL_GRACE_S = 5.0          # SIGTERM -> SIGKILL at teardown
 TOOL_TIMEOUT_S = 15.0       # one capture tool on one process

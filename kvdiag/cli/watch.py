@@ -7,7 +7,7 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.defaults import DEFAULT_TOOLS, WATCH_WINDOW_S
+from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S, DEFAULT_TOOLS, WATCH_WINDOW_S
 from kvdiag.errors import ExitCode
 from kvdiag.runs.watch.session import WatchOptions, run_watch
 
@@ -42,6 +42,11 @@ def watch_cmd(
     capture_timeout: float = typer.Option(10.0, "--capture-timeout", help="Bound on one capture, seconds."),
     verbose: bool = typer.Option(False, "--verbose", "-v", help="A stderr line for every look (default: one "
                                  "per engine a minute)."),
+    probe: bool = typer.Option(False, "--probe", help="Also send one bounded one-token request (marked "
+                               "kvdiag-probe-N) to a server that had no work and no progress for --probe-period: "
+                               "no answer within --window is a stall (an engine that froze while idle)."),
+    probe_period: float = typer.Option(DEFAULT_PROBE_PERIOD_S, "--probe-period", help="Seconds of idleness "
+                                       "before a probe, and at least between two probes of one server."),
     ray: str | None = typer.Option(None, "--ray", metavar="ADDRESS", help="Capture a stall on every node of this "
                                    "Ray cluster (as `kvdiag capture --ray`; 'auto': the one `ray` connects to) "
                                    "instead of the local EngineCore; needs `pip install 'kvdiag[ray]'`.",
@@ -56,14 +61,17 @@ def watch_cmd(
     event. A stall is captured once, read-only (as `kvdiag capture --engine-core-of`), into a
     report folder under --out; then the watch goes on (--cooldown), or ends with --once.
     Events are JSON lines on stdout (start, stall, verdict, report, restart, recovered, error, stop),
-    progress on stderr. The watched processes are never signalled or stopped.
+    progress on stderr. The watched processes are never signalled or stopped. With --probe it is no
+    longer passive: an idle server gets a one-token request each --probe-period. --metrics-port also
+    serves /ready (200 progressing or idle, 503 stalled) for a readinessProbe.
     SIGTERM/SIGHUP stop it cleanly. Exit codes: 0 stopped cleanly, 10 a stall named (--once),
     5 a watched server never answered (nothing judged), 2 bad usage.
     """
     opts = WatchOptions(urls=list(url), pids=list(pid), window_s=window, period_s=period, once=once, out=out,
                         keep=keep, metrics_port=metrics_port, metrics_addr=metrics_addr, cooldown_s=cooldown,
                         duration_s=duration, tools=[t.strip() for t in tools.split(",") if t.strip()],
-                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose)
+                        capture_timeout_s=capture_timeout, ray=ray, verbose=verbose, probe=probe,
+                        probe_period_s=probe_period)
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
     _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")

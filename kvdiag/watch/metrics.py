@@ -30,6 +30,12 @@ _FIELDS = {
     "process_start_time_seconds": "start_time",
 }
 
+# The API server's own requests in progress (prometheus-fastapi-instrumentator's gauge, where the server
+# turns it on): counted in the API server, so a frozen EngineCore cannot freeze it. The watch's own looks
+# (/metrics, /health) are not work.
+_IN_PROGRESS = ("http_requests_inprogress", "http_requests_in_progress")
+_NOT_WORK = ("/metrics", "/health", "/ping", "/version", "/v1/models", "/load")
+
 
 @dataclass(frozen=True)
 class ServerMetrics:
@@ -44,13 +50,15 @@ class ServerMetrics:
     preemptions: float | None = None
     iterations: float | None = None
     start_time: float | None = None
+    api_in_progress: float | None = None    # requests the API server holds (None: not exported)
 
     @property
     def in_flight(self) -> int | None:
-        """Requests running or waiting; None when the server exports neither gauge."""
-        if self.running is None and self.waiting is None:
+        """Requests running or waiting in the engine, or held by the API server where it says so (the larger);
+        None when the server exports none of these gauges."""
+        if self.running is None and self.waiting is None and self.api_in_progress is None:
             return None
-        return int((self.running or 0) + (self.waiting or 0))
+        return int(max((self.running or 0) + (self.waiting or 0), self.api_in_progress or 0))
 
     @property
     def progress(self) -> float | None:
@@ -69,7 +77,11 @@ class ServerMetrics:
 def parse_server_metrics(text: str) -> ServerMetrics:
     """The followed values of a Prometheus exposition (vLLM's names; a malformed line costs only itself)."""
     values: dict[str, float] = {}
-    for name, value in metric_samples(text):
+    for name, labels, value in labeled_samples(text):
+        if name in _IN_PROGRESS and not math.isnan(value):
+            if labels.get("handler", "") not in _NOT_WORK:
+                values["api_in_progress"] = values.get("api_in_progress", 0.0) + value
+            continue
         key = _FIELDS.get(name)
         if key is None or math.isnan(value):
             continue
@@ -87,19 +99,25 @@ def parse_metrics(text: str, t: float, engine: str | None = None) -> MetricsSnap
 
 def metric_samples(text: str) -> list[tuple[str, float]]:
     """(sample name, value) of every sample in an exposition; a malformed line costs only itself."""
+    return [(name, value) for name, _labels, value in labeled_samples(text)]
+
+
+def labeled_samples(text: str) -> list[tuple[str, dict[str, str], float]]:
+    """(sample name, labels, value) of every sample in an exposition; a malformed line costs only itself."""
     try:
-        return [(s.name, float(s.value)) for fam in text_string_to_metric_families(text) for s in fam.samples]
+        return [(s.name, dict(s.labels), float(s.value)) for fam in text_string_to_metric_families(text)
+                for s in fam.samples]
     except ValueError:
-        out: list[tuple[str, float]] = []
+        out: list[tuple[str, dict[str, str], float]] = []
         for line in text.splitlines():
             if not line.strip() or line.startswith("#"):
                 continue
             try:
-                out += [(s.name, float(s.value)) for fam in text_string_to_metric_families(line + "\n")
-                        for s in fam.samples]
+                out += [(s.name, dict(s.labels), float(s.value))
+                        for fam in text_string_to_metric_families(line + "\n") for s in fam.samples]
             except ValueError:
                 continue
         return out
 
 
-__all__ = ["ServerMetrics", "metric_samples", "parse_metrics", "parse_server_metrics"]
+__all__ = ["ServerMetrics", "labeled_samples", "metric_samples", "parse_metrics", "parse_server_metrics"]

@@ -41,3 +41,13 @@ def test_the_sidecar_shares_processes_and_may_ptrace() -> None:
     assert "SYS_PTRACE" in side["securityContext"]["capabilities"]["add"]
     port = side["args"][side["args"].index("--metrics-port") + 1]
     assert pod["metadata"]["annotations"]["prometheus.io/port"] == port
+
+
+def test_the_serving_container_is_ready_from_the_watchs_progress() -> None:
+    pod = yaml.safe_load(_block("yaml"))
+    containers = {c["name"]: c for c in pod["spec"]["containers"]}
+    side, serving = containers["kvdiag-watch"], containers["vllm"]
+    assert "--probe" in side["args"]                 # an engine that froze while idle turns it 503 too
+    probe = serving["readinessProbe"]["httpGet"]
+    assert probe["path"] == "/ready" and str(probe["port"]) == side["args"][side["args"].index("--metrics-port") + 1]
+    assert "livenessProbe" not in serving            # a restart would destroy the wedged process and its evidence

@@ -18,7 +18,11 @@ RESTART = "restart"
 RECOVERED = "recovered"
 ERROR = "error"
 STOP = "stop"
-EVENTS = (START, STALL, VERDICT, REPORT, RESTART, RECOVERED, ERROR, STOP)
+# The canary (--probe): a one-token request sent to an idle server, and how it ended.
+PROBE = "probe"
+PROBE_ANSWERED = "probe_answered"
+PROBE_FAILED = "probe_failed"
+EVENTS = (START, STALL, VERDICT, REPORT, RESTART, RECOVERED, ERROR, STOP, PROBE, PROBE_ANSWERED, PROBE_FAILED)
 
 
 @dataclass(frozen=True)
@@ -45,6 +49,9 @@ class WatchEvent:
             core = f.get("engine_core") or {}
             where = (f"; EngineCore pid {core.get('pid')} state {core.get('state')} wchan {core.get('wchan')}"
                      if core else "")
+            if f.get("probe"):
+                return (f"{who}STALL: probe {f['probe'].get('id')} got no answer within {f.get('window_s')}s, "
+                        f"/health {f.get('health')}{where}")
             return (f"{who}STALL: {f.get('in_flight')} request(s) in flight, no progress for "
                     f"{f.get('quiet_s')}s, /health {f.get('health')}{where}")
         if self.event == VERDICT:
@@ -57,6 +64,12 @@ class WatchEvent:
             return f"{who}recovered from {f.get('what')} after {f.get('after_s')}s"
         if self.event == ERROR:
             return f"{who}{f.get('kind')}: {f.get('error')}"
+        if self.event == PROBE:
+            return f"{who}probe {f.get('id')} sent (one token)"
+        if self.event == PROBE_ANSWERED:
+            return f"{who}probe {f.get('id')} answered in {f.get('latency_s')}s"
+        if self.event == PROBE_FAILED:
+            return f"{who}probe {f.get('id')} failed after {f.get('after_s')}s: {f.get('error')}"
         if self.event == START:
             return (f"{who}watching {f.get('url')} (window {f.get('window_s')}s, "
                     f"EngineCore pid {f.get('engine_core_pid')}: {f.get('local')})")
@@ -87,5 +100,5 @@ class EventSink:
             listener(ev)
 
 
-__all__ = ["ERROR", "EVENTS", "RECOVERED", "REPORT", "RESTART", "START", "STALL", "STOP", "VERDICT", "EventSink",
-           "WatchEvent"]
+__all__ = ["ERROR", "EVENTS", "PROBE", "PROBE_ANSWERED", "PROBE_FAILED", "RECOVERED", "REPORT", "RESTART", "START",
+           "STALL", "STOP", "VERDICT", "EventSink", "WatchEvent"]

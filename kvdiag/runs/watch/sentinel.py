@@ -70,6 +70,8 @@ class EngineTracker:
     _progress: float | None = None
     _cpu_prev: tuple[float, int, int] | None = None   # (t, pid, ticks)
     _gaps: deque[float] = field(default_factory=lambda: deque(maxlen=20))
+    _probe_stall_progress: float | None = None   # progress when a probe went unanswered (a stall while idle)
+    _probe_stall: bool = False
 
     def __post_init__(self) -> None:
         if self.window_s <= 0:
@@ -118,6 +120,7 @@ class EngineTracker:
             self.in_stall = False
             self.stall_onset = None
             self._cpu_prev = None
+            self._probe_stall = False
             events.append(self._event(RESTART, look, reasons=reasons, server_pid=look.server_pid,
                                       engine_core_pid=look.core.pid if look.core else None,
                                       down_s=None if self.unreachable_since is None
@@ -136,6 +139,13 @@ class EngineTracker:
         self._stall.max_blind_s = self._blind_after()
         in_flight = m.in_flight or 0
         stalled = self._stall.observe(in_flight, m.progress, now=look.t)
+        if self._probe_stall:
+            # Declared by an unanswered probe while idle: it ends at progress (or a restart, an answered probe).
+            if m.progress is not None and self._probe_stall_progress is not None \
+                    and m.progress > self._probe_stall_progress:
+                self._probe_stall = False
+            else:
+                stalled = True
         if stalled and not self.in_stall:
             self.in_stall = True
             self.stalls += 1
@@ -150,6 +160,40 @@ class EngineTracker:
 
     def note_capture(self, t: float) -> None:
         self.last_capture_t = t
+
+    def probe_unanswered(self, look: Look, probe: dict[str, Any], sent_t: float) -> list[WatchEvent]:
+        """A probe sent at ``sent_t`` got no answer within the window: a stall (unless one is on already)."""
+        if self.in_stall or look.metrics is None:
+            return []
+        self._probe_stall = True
+        self._probe_stall_progress = look.metrics.progress
+        self.in_stall = True
+        self.stalls += 1
+        self.stall_onset = sent_t
+        return [self._stall_event(look, probe=probe)]
+
+    def probe_answered(self, look: Look) -> list[WatchEvent]:
+        """The engine answered a probe: a stall an unanswered probe declared is over."""
+        if not self._probe_stall:
+            return []
+        self._probe_stall = False
+        if not self.in_stall:
+            return []
+        self.in_stall = False
+        onset, self.stall_onset = self.stall_onset, None
+        return [self._event(RECOVERED, look, what="stall", after_s=round(look.t - (onset or look.t), 1))]
+
+    @property
+    def ready(self) -> tuple[bool, str]:
+        """Readiness from progress: (ready, why). Not ready while stalled or while /metrics does not answer."""
+        if self.last_look is None:
+            return False, "not looked at yet"
+        if self.reachable is False:
+            return False, "its /metrics does not answer"
+        if self.in_stall:
+            return False, (f"stalled: a probe got no answer within {self.window_s:g}s" if self._probe_stall
+                           else f"stalled: requests in flight and no progress for {self.quiet_s:.0f}s")
+        return True, "progressing or idle"
 
     # -- internals ---------------------------------------------------------------------------------
     def _restart_reasons(self, look: Look) -> list[str]:
@@ -190,7 +234,7 @@ class EngineTracker:
                                  / (look.t - self._cpu_prev[0]), 1)
         self._cpu_prev = (look.t, core.pid, core.cpu_ticks)
 
-    def _stall_event(self, look: Look) -> WatchEvent:
+    def _stall_event(self, look: Look, probe: dict[str, Any] | None = None) -> WatchEvent:
         m = look.metrics
         assert m is not None and self.stall_onset is not None
         quiet = round(look.t - self.stall_onset, 2)
@@ -204,10 +248,18 @@ class EngineTracker:
         return self._event(STALL, look, in_flight=m.in_flight, running=m.running, waiting=m.waiting,
                            kv_cache_usage=m.kv_cache_usage, quiet_s=quiet, window_s=self.window_s,
                            onset_unix=round(look.wall - quiet, 3), health=look.health,
-                           engine_core=_core_fields(look.core, self.cpu_pct), capture=capture, why_not=why_not)
+                           engine_core=_core_fields(look.core, self.cpu_pct), capture=capture, why_not=why_not,
+                           probe=probe, api_in_progress=m.api_in_progress)
 
     def _event(self, name: str, look: Look, **fields: Any) -> WatchEvent:
         return WatchEvent(name, self.name, look.wall, {k: v for k, v in fields.items() if v is not None})
+
+
+def _cause(ev: WatchEvent, window_s: float) -> str:
+    probe = ev.fields.get("probe")
+    if isinstance(probe, dict):
+        return f"the engine was idle; probe {probe.get('id')} got no answer within {window_s:g}s"
+    return ""
 
 
 def _core_fields(core: CoreSample | None, cpu_pct: float | None) -> dict[str, Any] | None:
@@ -236,6 +288,7 @@ class CaptureRequest:
     detected_t: float
     onset_wall: float
     snapshots: tuple[MetricsSnapshot, ...]
+    cause: str = ""         # how the stall showed (default: requests in flight and no progress for the window)
 
 
 @dataclass(frozen=True)
@@ -277,6 +330,8 @@ class Sentinel:
     wall: Clock | None = None
     stop_reason: Callable[[], str] | None = None   # why ``wait`` said stop (a signal's name)
     progress: Callable[[EngineTracker, Look, float], None] | None = None   # each look, and how long it took
+    # after each look: the canary's events (probes sent and ended, a stall an unanswered probe declared)
+    probe: Callable[[EngineTracker, Look], list[WatchEvent]] | None = None
 
     def run(self) -> WatchOutcome:
         out = WatchOutcome()
@@ -294,7 +349,10 @@ class Sentinel:
                         "url": tr.url, "window_s": tr.window_s, "period_s": self.period_s, "once": self.once,
                         "server_pid": look.server_pid, "engine_core_pid": look.core.pid if look.core else None,
                         **self.start_fields.get(tr.name, {})}))
-                for ev in tr.observe(look):
+                events = tr.observe(look)
+                if self.probe is not None:
+                    events += self.probe(tr, look)
+                for ev in events:
                     self.sink.emit(ev)
                     if ev.event == STALL:
                         out.stalls += 1
@@ -330,7 +388,8 @@ class Sentinel:
         req = CaptureRequest(engine=tr.name, url=tr.url, core_pid=look.core.pid if look.core else None,
                              server_pid=look.server_pid, window_s=tr.window_s, onset_t=onset - tr.t0,
                              detected_t=look.t - tr.t0,
-                             onset_wall=look.wall - (look.t - onset), snapshots=tuple(tr.snapshots))
+                             onset_wall=look.wall - (look.t - onset), snapshots=tuple(tr.snapshots),
+                             cause=_cause(ev, tr.window_s))
         said: list[CaptureResult] = []
 
         def announce(res: CaptureResult) -> None:

@@ -25,13 +25,14 @@ from kvdiag import interrupts
 from kvdiag.capture.locate import locate, url_host_port
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope
-from kvdiag.defaults import WATCH_WINDOW_S
+from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S, WATCH_WINDOW_S
 from kvdiag.errors import UsageError
 from kvdiag.model import Bundle, EnginePhase, EngineRecord, TimelineEvent, Verdict
 from kvdiag.osread.stat import read_stat
 from kvdiag.runs.capture import capture_run
 from kvdiag.runs.fleet.ray import capture_cluster
 from kvdiag.runs.output import finish
+from kvdiag.runs.watch.canary import Canary, CanaryPolicy, ProbeSender
 from kvdiag.runs.watch.events import ERROR, EventSink, WatchEvent
 from kvdiag.runs.watch.exporter import WatchExporter
 from kvdiag.runs.watch.local import LocalEngine
@@ -58,6 +59,8 @@ class WatchOptions:
     capture_timeout_s: float = 10.0
     ray: str | None = None           # capture a stall through the Ray fleet path (every node) instead
     verbose: bool = False            # a stderr line per look (else one per engine a minute)
+    probe: bool = False              # a one-token canary to a server idle for probe_period_s
+    probe_period_s: float = DEFAULT_PROBE_PERIOD_S
 
     def validate(self) -> None:
         """Usage errors before anything starts."""
@@ -84,6 +87,8 @@ class WatchOptions:
             raise UsageError(f"--window {self.window_s:g}: must be in (0, 3600] seconds")
         if not 0.1 <= self.period_s <= self.window_s:
             raise UsageError(f"--period {self.period_s:g}: must be between 0.1 s and the window")
+        if self.probe and not self.period_s <= self.probe_period_s <= 86400:
+            raise UsageError(f"--probe-period {self.probe_period_s:g}: must be between --period and a day")
         if self.keep < 1:
             raise UsageError(f"--keep {self.keep}: keep at least one report folder")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
@@ -146,7 +151,7 @@ def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
         TimelineEvent(t=round(req.onset_t, 3), event="last progress", engine=req.engine,
                       detail="the last look at which tokens, prefill or finished requests grew"),
         TimelineEvent(t=round(req.detected_t, 3), event="stall detected", engine=req.engine,
-                      detail=f"requests in flight, no progress for {req.window_s:g}s"),
+                      detail=req.cause or f"requests in flight, no progress for {req.window_s:g}s"),
     ]
 
 
@@ -247,6 +252,7 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
     t0 = clock()
     trackers: list[EngineTracker] = []
     lookers: dict[str, Callable[[], Look]] = {}
+    canaries: dict[str, Canary] = {}
     start_fields: dict[str, dict[str, object]] = {}
     client = httpx.Client(trust_env=False, timeout=httpx.Timeout(2.0))
     exporter: WatchExporter | None = None
@@ -260,12 +266,16 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
                                capture_remote=opts.ray is not None)
             trackers.append(tr)
             lookers[name] = ServerLooker(url, client, local, clock=clock)
-            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out), "ray": opts.ray}
+            if opts.probe:
+                canaries[name] = Canary(name, ProbeSender(url, opts.window_s, clock=clock),
+                                        CanaryPolicy(period_s=opts.probe_period_s))
+            start_fields[name] = {"local": local.note or "EngineCore found", "out": str(opts.out), "ray": opts.ray,
+                                  "probe_period_s": opts.probe_period_s if opts.probe else None}
         if opts.metrics_port is not None:
             exporter = WatchExporter(trackers)
             port = exporter.serve(opts.metrics_port, opts.metrics_addr)
             sink.listeners.append(exporter.on_event)
-            human(f"Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics")
+            human(f"Prometheus metrics on http://{opts.metrics_addr}:{port}/metrics, readiness on /ready")
             for f in start_fields.values():
                 f["metrics_port"] = port
         sentinel = Sentinel(trackers=trackers, lookers=lookers,
@@ -273,7 +283,8 @@ def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
                             sink=sink, clock=clock,
                             wait=flag.event.wait, period_s=opts.period_s, once=opts.once,
                             duration_s=opts.duration_s, start_fields=start_fields, wall=time.time,
-                            stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock))
+                            stop_reason=lambda: flag.reason, progress=_StatusLines(human, opts.verbose, clock),
+                            probe=(lambda tr, look: canaries[tr.name].after_look(tr, look)) if canaries else None)
         with interrupts.on_stop(flag.stop, signals=interrupts.STOP_SIGNALS):
             outcome = sentinel.run()
         return outcome
