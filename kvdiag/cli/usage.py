@@ -35,15 +35,12 @@ def cli_abort_types() -> tuple[type[BaseException], ...]:
 def show_usage_error(app: typer.Typer, exc: BaseException, argv: list[str]) -> None:
     """click's own rendering (usage line, "Try ... --help", "Error: ..."); click leaves out the usage
     line for some errors (an option missing its value): then it is built from the command named."""
-    if getattr(exc, "ctx", None) is None:
-        usage = _usage_of(app, argv)
-        if usage:
-            typer.echo(usage, err=True)
-    if "Did you mean" in str(getattr(exc, "message", "")) and getattr(exc, "possibilities", None):
-        # typer writes its suggestion into the message and click appends its own: say it once
+    usage = _usage_of(app, argv) if getattr(exc, "ctx", None) is None else None
+    if usage:
+        typer.echo(usage, err=True)
+    if "Did you mean" in str(getattr(exc, "message", "")):   # typer's suggestion; click would add its own
         exc.possibilities = None   # type: ignore[attr-defined]
-    show = getattr(exc, "show", None)
-    if callable(show):
+    if callable(show := getattr(exc, "show", None)):
         show()
     else:
         typer.echo(f"kvdiag: error: {exc}", err=True)

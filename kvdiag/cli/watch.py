@@ -8,7 +8,6 @@ from pathlib import Path
 import typer
 
 from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S, DEFAULT_TOOLS, WATCH_WINDOW_S
-from kvdiag.errors import ExitCode
 from kvdiag.runs.watch.session import WatchOptions, run_watch
 
 
@@ -54,16 +53,11 @@ def watch_cmd(
 ) -> int:
     """Follow running vLLM servers passively (no load of its own) and name a stall.
 
-    Each period it reads /metrics (tokens generated, prompt tokens, requests finished,
-    running, waiting, KV usage, engine steps), /health, and, where the EngineCore is local,
-    its state, wchan and CPU. A stall is requests running or waiting and no progress for
-    --window seconds, whatever /health says; no requests is idle; a restarted server is an
-    event. A stall is captured once, read-only (as `kvdiag capture --engine-core-of`), into a
-    report folder under --out; then the watch goes on (--cooldown), or ends with --once.
-    Events are JSON lines on stdout (start, stall, verdict, report, restart, recovered, error, stop),
-    progress on stderr. The watched processes are never signalled or stopped. With --probe it is no
-    longer passive: an idle server gets a one-token request each --probe-period. --metrics-port also
-    serves /ready (200 progressing or idle, 503 stalled) for a readinessProbe.
+    Each period it reads /metrics, /health and, where the EngineCore is local, its state, wchan
+    and CPU. A stall (requests in flight, no progress for --window, whatever /health says) is
+    captured once, read-only, into a report folder under --out. Events are JSON lines on stdout,
+    progress on stderr; the watched processes are never signalled. --probe sends an idle server a
+    one-token request each --probe-period; --metrics-port also serves /ready (200/503).
     SIGTERM/SIGHUP stop it cleanly. Exit codes: 0 stopped cleanly, 10 a stall named (--once),
     5 a watched server never answered (nothing judged), 2 bad usage.
     """
@@ -74,14 +68,9 @@ def watch_cmd(
                         probe_period_s=probe_period)
     opts.validate()
     outcome = run_watch(opts, sys.stdout, _human)
-    _human(f"stopped ({outcome.stopped_by}): {outcome.stalls} stall(s), {outcome.named} named")
-    if outcome.once_hit:
-        return ExitCode.DEADLOCK
-    if outcome.never_reached:
-        _human(f"nothing judged: {', '.join(outcome.never_reached)} never answered /metrics during the watch (exit 5)")
-        return ExitCode.NOT_DIAGNOSABLE
-    return ExitCode.OK
-
+    for line in outcome.closing_lines():
+        _human(line)
+    return outcome.exit_code
 
 def register(app: typer.Typer) -> None:
     app.command("watch")(watch_cmd)

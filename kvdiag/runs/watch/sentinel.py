@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdiag.errors import ExitCode
 from kvdiag.model import MetricsSnapshot
 from kvdiag.runs.watch.events import (
     ERROR,
@@ -310,6 +311,21 @@ class WatchOutcome:
     stopped_by: str = ""
     once_hit: bool = False
     never_reached: list[str] = field(default_factory=list)   # servers that never answered: nothing judged
+
+    @property
+    def exit_code(self) -> int:
+        """10 a stall named with --once; 5 a server never answered (nothing was judged); else 0."""
+        if self.once_hit:
+            return ExitCode.DEADLOCK
+        return ExitCode.NOT_DIAGNOSABLE if self.never_reached else ExitCode.OK
+
+    def closing_lines(self) -> list[str]:
+        """What the watch says on stderr when it stops."""
+        lines = [f"stopped ({self.stopped_by}): {self.stalls} stall(s), {self.named} named"]
+        if not self.once_hit and self.never_reached:
+            lines.append(f"nothing judged: {', '.join(self.never_reached)} never answered /metrics during the "
+                         "watch (exit 5)")
+        return lines
 
 
 @dataclass
