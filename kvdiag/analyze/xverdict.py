@@ -208,7 +208,13 @@ def merge_across(overall: Verdict, cross: Verdict | None) -> Verdict:
         # The process-level verdict stays (its words and citations); the chain and its root are added.
         out = overall.model_copy(deep=True)
         out.waits = cross.waits
-        out.summary = f"{overall.summary}; across processes, {cross.summary}"
+        # The root's own sentence is already the summary's first: the chain says only who waits on it.
+        chain = cross.summary
+        marker = f" is {overall.kind.value}: "
+        before, _, root = chain.partition(marker)
+        if root and overall.summary.startswith(root.rstrip(".")):
+            chain = f"{before} is {overall.kind.value} (above)"
+        out.summary = f"{overall.summary}; across processes, {chain}"
         out.cycle = out.cycle or cross.cycle
         return out
     return overall

@@ -41,3 +41,10 @@ def test_a_place_never_ends_with_a_dangling_arrow() -> None:
     from kvdiag.model import EvidenceItem
     item = EvidenceItem(pid=1, tid=1, role="r", frames=["accept4 (libc.so.6)", " (x.py:3)"], key_frames=[0, 1])
     assert _place(item) == " in accept4"
+
+
+def test_the_chain_does_not_repeat_the_roots_sentence() -> None:
+    """A real vLLM engine in the GIL cycle: the summary says the cycle once, then who waits on it."""
+    verdict = diagnose(load_bundle(BUNDLES / "vllm_two_engine_stock")[0]).verdict
+    assert verdict.summary.count("GIL cycle in pid") == 1, verdict.summary
+    assert "is gil_cycle (above)" in verdict.summary
