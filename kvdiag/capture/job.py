@@ -24,7 +24,7 @@ from kvdiag.capture.untouched import Before, resume_if_left_stopped
 from kvdiag.model import Finding, TargetAccess, ToolRun
 
 # Order of the ptrace chain, whatever order the tools were named in: verdict-critical evidence first.
-_CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
+_CHAIN_ORDER = {"agent": 0, "pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # gdb is optional evidence: it gets at most this long per process (the chains run in parallel, so this
 # bounds the whole capture's gdb time whatever the number of processes).
 GDB_BUDGET_S = 4.0
@@ -43,7 +43,7 @@ def skip_reason(access: TargetAccess, backend: CaptureBackend) -> tuple[str, boo
         return f"{backend.name} skipped: a kernel thread (capture refused)", True
     if access.zombie:
         return f"{backend.name} skipped: the process is a zombie (exited, not reaped)", True
-    if not access.ptrace_ok or not access.tracers_ok:
+    if (not access.ptrace_ok or not access.tracers_ok) and backend.name != "agent":
         return (f"{backend.name} skipped: access refused ({access.refused[-1] if access.refused else 'ptrace'})",
                 False)
     if access.python is False:

@@ -80,6 +80,9 @@ def capture_cmd(
                                    "all four); py-spy-nonblocking (never pauses the target), pystack-locals, "
                                    "gdb-full (every library's symbols)."),
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
+    via: str = typer.Option("auto", "--via", help="How stacks are read: auto (ptrace tools; kvdiag's in-process "
+                            "agent where ptrace is refused and the target was started with KVDIAG_AGENT=1) or "
+                            "agent (the agent for every process)."),
     follow: bool = typer.Option(True, "--follow/--no-follow", help="Also capture the processes outside the "
                                 "tree that a blocked thread waits on (at most 4; the others are named)."),
 ) -> int:
@@ -100,6 +103,10 @@ def capture_cmd(
     With --ray, every node of a Ray cluster: one task pinned to each node runs this same capture
     there, and one report covers them all (a node that could not be captured is named, with why).
     """
+    if via not in ("auto", "agent"):
+        raise UsageError(f"--via {via}: one of auto, agent")
+    if via == "agent":
+        tools = f"{tools},agent"
     if ray is not None:
         if pid is not None or engine_core_of is not None:
             raise UsageError("--ray captures a cluster: leave out --pid and --engine-core-of")
@@ -131,9 +138,14 @@ def capture_cmd(
 
     said: list[str] = []
     known: list[Diagnosis] = []
+    paths_said: list[str] = []
 
     def early(partial: Bundle) -> None:
         # The verdict as soon as the evidence is in; the environment record and the reports follow.
+        for f in partial.findings:
+            if f.kind == "capture_path":   # which path read it (ptrace tools or the agent), before the verdict
+                typer.echo(f.message, err=True)
+                paths_said.append(f.message)
         known.append(diagnose(redact_bundle(partial)))
         if not as_json:
             said.append(format_verdict(known[0].verdict))
@@ -144,6 +156,9 @@ def capture_cmd(
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
     bundle = capture_tree(target, bundle_dir, timeout_s=timeout, backends=names, command=command, pids=scope.pids,
                           save=False, on_evidence=early, decides=_core_decides, follow=follow and not kthread)
+    for f in bundle.findings:
+        if f.kind == "capture_path" and f.message not in paths_said:
+            typer.echo(f.message, err=True)
     # The same tail as every run: redact, analyze, store the diagnosis in the bundle, render it.
     arts = finish(out_dir, bundle, diagnosis=known[0] if known else None)
     return print_outcome(arts, bundle_dir, as_json, said=said[0] if said else None)
