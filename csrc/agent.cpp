@@ -276,15 +276,16 @@ void call_faulthandler(int sig, siginfo_t* info, void* uctx) {
     }
 }
 
-void dump(int sig, siginfo_t* info, void* uctx, unsigned nonce) {
-    char req[64], tmp[64], done[64];
-    name_of(req, sizeof(req), nonce, "req");
+// Writes the dump into PID.NONCE.tmp; true when it is complete and still wanted (the caller renames it
+// once this dump's state is released, so the next request never finds the agent busy with this one).
+bool dump(int sig, siginfo_t* info, void* uctx, unsigned nonce, char* req, char* tmp) {
+    name_of(req, 64, nonce, "req");
     struct stat st;
-    if (fstatat(g_dirfd, req, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != g_uid || !S_ISREG(st.st_mode)) return;
-    name_of(tmp, sizeof(tmp), nonce, "tmp");
-    name_of(done, sizeof(done), nonce, "dump");
+    if (fstatat(g_dirfd, req, &st, AT_SYMLINK_NOFOLLOW) != 0 || st.st_uid != g_uid || !S_ISREG(st.st_mode))
+        return false;
+    name_of(tmp, 64, nonce, "tmp");
     int fd = openat(g_dirfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_CLOEXEC, 0600);
-    if (fd < 0) return;
+    if (fd < 0) return false;
     long t0 = now_ms();
     int gen = ++g_gen;
     if (gen <= 0) gen = g_gen = 1;
@@ -349,13 +350,9 @@ void dump(int sig, siginfo_t* info, void* uctx, unsigned nonce) {
     out.s("end-maps\nelapsed_ms ").i(now_ms() - t0).s("\nend\n");
     out.flush();
     close(fd);
-    // kvdiag removes its request when it stops waiting: an answer nobody waits for any more is dropped.
-    if (fstatat(g_dirfd, req, &st, AT_SYMLINK_NOFOLLOW) == 0)
-        renameat(g_dirfd, tmp, g_dirfd, done);
-    else
-        unlinkat(g_dirfd, tmp, 0);
     g_dumps.fetch_add(1);
     g_active.store(0, std::memory_order_release);
+    return true;
 }
 
 void trigger_handler(int sig, siginfo_t* info, void* uctx) {
@@ -364,8 +361,19 @@ void trigger_handler(int sig, siginfo_t* info, void* uctx) {
         (info->si_uid == g_uid || info->si_uid == 0)) {
         int expected = 0;
         if (g_busy.compare_exchange_strong(expected, 1)) {
-            dump(sig, info, uctx, static_cast<unsigned>(info->si_value.sival_int));
+            char req[64], tmp[64], done[64];
+            unsigned nonce = static_cast<unsigned>(info->si_value.sival_int);
+            bool written = dump(sig, info, uctx, nonce, req, tmp);
             g_busy.store(0);
+            if (written) {
+                // kvdiag removes its request when it stops waiting: an answer nobody waits for is dropped.
+                struct stat st;
+                name_of(done, sizeof(done), nonce, "dump");
+                if (fstatat(g_dirfd, req, &st, AT_SYMLINK_NOFOLLOW) == 0)
+                    renameat(g_dirfd, tmp, g_dirfd, done);
+                else
+                    unlinkat(g_dirfd, tmp, 0);
+            }
         }
     }
     errno = saved;

@@ -12,13 +12,35 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import importlib.util
 import os
 import sys
 from pathlib import Path
+from typing import Any
 
 from kvdiag.agent.protocol import ArmedRecord, agent_dir, armed_name, ensure_private_dir, starttime_of
 
+NATIVE_ENV = "KVDIAG_AGENT_NATIVE"   # where the dumper is when kvdiag is only on PYTHONPATH (a staged plugin)
 _state: dict[str, object] = {}
+
+
+def _load_dumper() -> Any:
+    """kvdiag.agent._dumper: importable from the package, else loaded from ``$KVDIAG_AGENT_NATIVE``."""
+    try:
+        from kvdiag.agent import _dumper   # only an armed process loads the native part
+
+        return _dumper
+    except ImportError:
+        path = os.environ.get(NATIVE_ENV)
+        if not path:
+            raise
+        spec = importlib.util.spec_from_file_location("kvdiag.agent._dumper", path)
+        if spec is None or spec.loader is None:
+            raise ImportError(f"cannot load kvdiag.agent._dumper from {path}") from None
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["kvdiag.agent._dumper"] = module
+        spec.loader.exec_module(module)
+        return module
 
 
 def _own_starttime() -> int:
@@ -42,9 +64,7 @@ def _write_armed(directory: Path, trigger: int, thread: int) -> Path:
 
 
 def _forget() -> None:
-    from kvdiag.agent import _dumper   # loaded by arm(); already in sys.modules here
-
-    _dumper.disarm()
+    _load_dumper().disarm()
     path = _state.get("armed")
     if isinstance(path, Path) and path.name == armed_name(os.getpid()):
         try:
@@ -54,8 +74,7 @@ def _forget() -> None:
 
 
 def _after_fork_in_child() -> None:
-    from kvdiag.agent import _dumper
-
+    _dumper = _load_dumper()
     _dumper.rearm_child()
     directory, trigger, thread = _state["dir"], _state["trigger"], _state["thread"]
     assert isinstance(directory, Path) and isinstance(trigger, int) and isinstance(thread, int)
@@ -76,8 +95,7 @@ def arm() -> Path:
     problem = ensure_private_dir(directory)
     if problem is not None:
         raise OSError(problem)
-    from kvdiag.agent import _dumper   # the native part; only an armed process loads it
-
+    _dumper = _load_dumper()
     placeholder, trigger, thread = _dumper.prepare(str(directory))
     # faulthandler writes the Python stacks (GIL-free, stdlib); our handler calls it with its fd pointed
     # at the dump file, and never lets it chain to anything.

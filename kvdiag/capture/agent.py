@@ -9,7 +9,8 @@ ptrace is refused (:func:`choose_path`), or everywhere with ``--via agent``.
 
 Safety: a signal is sent only to a process whose armed record names its current start time and whose
 ``SigCgt`` shows the trigger handler installed (a real-time signal's default action would end it); a
-stopped process is not asked (it could not answer); every wait is bounded, and on giving up the request
+stopped process is not asked (it could not answer), nor a traced one (the signal would stop it for its
+tracer); every wait is bounded, and on giving up the request
 file is removed, so an answer arriving late is thrown away by the agent itself.
 """
 
@@ -156,12 +157,25 @@ def _stopped(pid: int) -> bool:
     return status is not None and status.state in ("T", "t")
 
 
+def _not_askable(pid: int) -> str | None:
+    """Why ``pid`` must not be signalled now: stopped (it could not answer), or traced (every signal would
+    stop it for its tracer, which may never let it go)."""
+    status = read_status(pid)
+    if status is None:
+        return f"pid {pid} is gone"
+    if status.tracer_pid:
+        return f"pid {pid} is traced by pid {status.tracer_pid}: a signal would stop it for that tracer (not asked)"
+    if status.state in ("T", "t"):
+        return f"pid {pid} is stopped: its agent cannot answer until it is continued (not asked)"
+    return None
+
+
 def request_dump(pid: int, arm: Armed, timeout_s: float) -> DumpOutcome:
     """Ask the agent in ``pid`` for one dump and wait for it, at most ``timeout_s``."""
     start = time.monotonic()
-    if _stopped(pid):
-        return DumpOutcome(None, f"pid {pid} is stopped: its agent cannot answer until it is continued "
-                                 "(not asked)", 0.0)
+    why = _not_askable(pid)
+    if why is not None:
+        return DumpOutcome(None, why, 0.0)
     nonce = secrets.randbelow((1 << 31) - 2) + 1
     req = arm.directory / request_name(pid, nonce, "req")
     done = arm.directory / request_name(pid, nonce, "dump")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.interpreter import module_argv
-from kvdiag.launch.vllm import expand, find_vllm, native_library, stage_plugin
+from kvdiag.launch.vllm import expand, find_vllm, agent_library, native_library, stage_plugin
 from kvdiag.scenario.models import EngineSpec
 
 PORT_ENV = "KVDIAG_ENGINE_PORT"
@@ -82,6 +82,9 @@ def vllm_env(spec: EngineSpec, device_name: str, device_size_gb: float, run_dir:
     native = native_library()
     if native:
         env["KVDIAG_NATIVE_PATH"] = native
+    dumper = agent_library()
+    if dumper:   # the in-process agent, armed only where KVDIAG_AGENT=1
+        env["KVDIAG_AGENT_NATIVE"] = dumper
     if run_dir is not None:
         site = stage_plugin(run_dir)
         old = spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")
