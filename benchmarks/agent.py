@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -110,7 +109,7 @@ def main() -> None:
     if not args.skip_corpus:
         lines += corpus(args.only)
     if not args.skip_vllm:
-        from agent_vllm import vllm_rounds   # the real-vLLM half (its own file: it needs tests/vllm)
+        from agent_vllm import vllm_rounds  # the real-vLLM half (its own file: it needs tests/vllm)
 
         lines += vllm_rounds(args.rounds)
     result = " ".join(ln.split(" ", 1)[1] for ln in lines if ln.startswith("RESULT_"))

@@ -75,8 +75,9 @@ def vllm_rounds(rounds: int) -> list[str]:
             got = {id(s): _complete(s.url, model) for s in order}
             pairs.append((got[id(arm)], got[id(plain)]))
         ratios = [a / p for a, p in pairs]
+        armed_tps, plain_tps = statistics.median(a for a, _ in pairs), statistics.median(p for _, p in pairs)
         lines.append(f"vllm TP=1 tokens/s, {rounds} paired rounds of {MAX_TOKENS} tokens: armed median "
-                     f"{statistics.median(a for a, _ in pairs):.1f}, not armed {statistics.median(p for _, p in pairs):.1f}; "
+                     f"{armed_tps:.1f}, not armed {plain_tps:.1f}; "
                      f"paired ratio armed/not median {statistics.median(ratios):.3f} "
                      f"(min {min(ratios):.3f}, max {max(ratios):.3f})")
         per_proc: list[str] = []

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import faulthandler
+import importlib
 import importlib.util
 import os
 import sys
@@ -27,9 +28,7 @@ _state: dict[str, object] = {}
 def _load_dumper() -> Any:
     """kvdiag.agent._dumper: importable from the package, else loaded from ``$KVDIAG_AGENT_NATIVE``."""
     try:
-        from kvdiag.agent import _dumper   # only an armed process loads the native part
-
-        return _dumper
+        return importlib.import_module("kvdiag.agent._dumper")   # only an armed process loads the native part
     except ImportError:
         path = os.environ.get(NATIVE_ENV)
         if not path:

@@ -237,5 +237,5 @@ def evidence_outcome(name: str, procs: list[ProcessEvidence], findings: list[Fin
     return None
 
 
-__all__ = ["FoundState", "attach_refused", "read_by_agent", "evidence_outcome", "found_state", "judgeable", "partial_evidence",
-           "process_outcome"]
+__all__ = ["FoundState", "attach_refused", "evidence_outcome", "found_state", "judgeable", "partial_evidence",
+           "process_outcome", "read_by_agent"]

@@ -386,10 +386,10 @@ class AgentBackend:
             return BackendResult(tool=ToolRun(tool=self.name, ok=False, duration_s=round(outcome.duration_s, 3),
                                               error=f"agent: {outcome.error}", command=command))
         tally = Tally()
-        raw = raw_dir / "agent.txt"
+        raw: Path | None = raw_dir / "agent.txt"
         try:
             raw_dir.mkdir(parents=True, exist_ok=True)
-            write_redacted(raw, outcome.text, tally)
+            write_redacted(raw_dir / "agent.txt", outcome.text, tally)
         except OSError:
             raw = None
         dump = parse_dump(outcome.text)

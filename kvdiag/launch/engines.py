@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvdiag.interpreter import module_argv
-from kvdiag.launch.vllm import expand, find_vllm, agent_library, native_library, stage_plugin
+from kvdiag.launch.vllm import agent_library, expand, find_vllm, native_library, stage_plugin
 from kvdiag.scenario.models import EngineSpec
 
 PORT_ENV = "KVDIAG_ENGINE_PORT"

@@ -18,7 +18,6 @@ The folder lives in the run's private temp folder and goes with it.
 from __future__ import annotations
 
 import importlib.util
-
 import os
 import re
 import shutil
@@ -135,5 +134,5 @@ def stage_plugin(folder: Path) -> Path:
     return site
 
 
-__all__ = ["DEFAULT_MODEL", "agent_library", "DEFAULT_VENV", "ENTRY_POINT_GROUP", "MODEL_ENV", "VENV_ENV", "default_model",
-           "engine_python", "expand", "find_vllm", "native_library", "stage_plugin"]
+__all__ = ["DEFAULT_MODEL", "DEFAULT_VENV", "ENTRY_POINT_GROUP", "MODEL_ENV", "VENV_ENV", "agent_library",
+           "default_model", "engine_python", "expand", "find_vllm", "native_library", "stage_plugin"]
