@@ -17,7 +17,8 @@
 //            handler meanwhile, so their frames do not change under it.
 //   Waits:   the trigger handler waits at most kCollectMs for the other threads to answer; a thread
 //            parks in its handler at most kParkMs until the trigger handler releases it. A thread that
-//            blocks the thread signal, sleeps uninterruptibly or is gone is written as "noanswer".
+//            sleeps uninterruptibly or is gone is written as "noanswer"; one that blocks the thread signal
+//            (its SigBlk, read from /proc/self/task/TID/status) is not signalled and written as "blocked".
 //   Signals: two real-time signals picked at arm time among those with no handler. Requests are honoured
 //            only from sigqueue(2) by the same uid (or root) naming an existing request file in the
 //            agent's private directory (0700, owned by us); the dump is written beside it and renamed
@@ -55,7 +56,7 @@ constexpr int kMaxFrames = 96;
 constexpr long kCollectMs = 300;
 constexpr long kParkMs = 1500;
 
-enum SlotState : int { kPending = 1, kDone = 2 };
+enum SlotState : int { kPending = 1, kDone = 2, kBlocked = 3 };
 
 struct Slot {
     std::atomic<int> tid{0};
@@ -226,6 +227,36 @@ void thread_handler(int, siginfo_t* info, void* uctx) {
     errno = saved;
 }
 
+// Whether thread ``tid`` of this process blocks ``sig`` (its SigBlk mask): it would never answer, so the
+// trigger handler neither signals nor waits for it.
+bool blocks_signal(int tid, int sig) {
+    char path[64];
+    // "/proc/self/task/TID/status" without stdio
+    const char* head = "/proc/self/task/";
+    size_t n = strlen(head);
+    memcpy(path, head, n);
+    char d[16];
+    int k = 0;
+    unsigned v = static_cast<unsigned>(tid);
+    do { d[k++] = static_cast<char>('0' + v % 10); v /= 10; } while (v && k < 16);
+    while (k) path[n++] = d[--k];
+    memcpy(path + n, "/status", 8);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    ssize_t got = read(fd, g_copy, sizeof(g_copy) - 1);
+    close(fd);
+    if (got <= 0) return false;
+    g_copy[got] = '\0';
+    const char* at = strstr(g_copy, "SigBlk:");
+    if (at == nullptr) return false;
+    at += 7;
+    while (*at == ' ' || *at == '\t') ++at;
+    unsigned long long mask = 0;
+    for (; (*at >= '0' && *at <= '9') || (*at >= 'a' && *at <= 'f'); ++at)
+        mask = (mask << 4) | static_cast<unsigned long long>(*at <= '9' ? *at - '0' : *at - 'a' + 10);
+    return (mask >> (sig - 1)) & 1ULL;
+}
+
 int list_tasks(int* tids, int cap) {
     int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return 0;
@@ -309,6 +340,8 @@ bool dump(int sig, siginfo_t* info, void* uctx, unsigned nonce, char* req, char*
         if (g_tids[k] == me) {
             fill_slot(g_slots[k], uctx);
             g_slots[k].state.store(kDone, std::memory_order_release);
+        } else if (blocks_signal(g_tids[k], g_thread)) {
+            g_slots[k].state.store(kBlocked, std::memory_order_release);
         } else if (syscall(SYS_tgkill, g_pid, g_tids[k], g_thread) == 0) {
             ++sent;
         }
@@ -335,8 +368,9 @@ bool dump(int sig, siginfo_t* info, void* uctx, unsigned nonce, char* req, char*
     out.s("end-python-stacks\n");
     for (int k = 0; k < n; ++k) {
         Slot& slot = g_slots[k];
-        bool answered = slot.state.load(std::memory_order_acquire) == kDone;
-        out.s("thread ").i(slot.tid.load()).s(answered ? " answered" : " noanswer");
+        int state = slot.state.load(std::memory_order_acquire);
+        bool answered = state == kDone;
+        out.s("thread ").i(slot.tid.load()).s(answered ? " answered" : state == kBlocked ? " blocked" : " noanswer");
         if (answered) {
             out.s(" pthread ").x(slot.pthread_id).s(" gil ").i(slot.holds_gil).s(" tstate ").i(slot.has_tstate)
                 .s(" pc ").x(slot.pc).s(" frames");

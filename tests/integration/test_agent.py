@@ -81,7 +81,7 @@ def test_via_agent_reads_the_same_threads_as_pystack(tmp_path: Path) -> None:
 
 
 _SERVER = textwrap.dedent("""
-    import os, socket, sys, threading, time
+    import os, signal, socket, sys, threading, time
     n = int(sys.argv[1])
     def busy():
         x = 0
@@ -89,6 +89,11 @@ _SERVER = textwrap.dedent("""
             x += 1
     for _ in range(n):
         threading.Thread(target=busy, daemon=True).start()
+    def masked():
+        # as native worker pools do: every signal blocked in this thread; the agent must not wait for it
+        signal.pthread_sigmask(signal.SIG_BLOCK, signal.valid_signals())
+        time.sleep(3600)
+    threading.Thread(target=masked, daemon=True).start()
     srv = socket.create_server(("127.0.0.1", 0))
     def serve():
         while True:
@@ -138,8 +143,10 @@ def test_a_thousand_dumps_leave_the_target_running_and_serving() -> None:
             assert out.text is not None, (i, out.error)
         per_dump = (time.monotonic() - start) / 1000
         dump = parse_dump(out.text)
-        assert dump is not None and dump.complete and len(dump.threads) >= 4
-        assert all(t.answered for t in dump.threads)
+        assert dump is not None and dump.complete and len(dump.threads) >= 5
+        # the thread that blocks every signal is named as such, not waited for (a busy thread the scheduler kept
+        # off a loaded CPU for the whole 300 ms may still miss a dump: "noanswer")
+        assert out.text.count(" blocked\n") == 1
         assert proc.poll() is None and _echo(port) == b"ping"
         leftovers = [p.name for p in arm.directory.glob(f"{proc.pid}.*") if not p.name.endswith(".armed")]
         assert leftovers == []
