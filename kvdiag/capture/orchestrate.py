@@ -160,8 +160,9 @@ def _agent_path(job: ProcessJob, via: str, access: TargetAccess | None) -> Findi
     """Put ``job`` on the agent path when :func:`~kvdiag.capture.agent.choose_path` says so: the agent
     joins its chain and every other tool but /proc is left out (said in its ToolRun). The finding says
     which path was taken and why; None: the ptrace tools read it."""
-    arm, why_not = armed(job.pid) if via == AGENT or (access is not None and not access.zombie
-                                                        and not access.kernel_thread) else (None, "")
+    if choose_path(via, access, True)[0] != AGENT:
+        return None     # ptrace reads it (or nothing would): the agent is not even looked for
+    arm, why_not = armed(job.pid)
     path, why = choose_path(via, access, arm is not None)
     if path != AGENT:
         return None
