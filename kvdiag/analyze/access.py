@@ -53,6 +53,13 @@ def read_by_agent(proc: ProcessEvidence) -> bool:
     return any(t.tool == "agent" and t.ok for t in proc.tools)
 
 
+def _agent_unanswered(proc: ProcessEvidence) -> bool:
+    """The agent was asked (the agent path) and did not answer, and no stack tool read the process either."""
+    asked = [t for t in proc.tools if t.tool == "agent"]
+    return bool(asked) and not any(t.ok for t in asked) and not any(
+        t.ok for t in proc.tools if t.tool in _STACK_TOOLS)
+
+
 def _tools_refused(proc: ProcessEvidence) -> list[str]:
     """Errors of the stack tools that ran, when every one of them was refused by the kernel."""
     return _refused_by_kernel(proc, _STACK_TOOLS)
@@ -126,6 +133,9 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
         return VerdictKind.NO_ACCESS
     if a is not None and a.python is False:
         return VerdictKind.NOT_PYTHON
+    if _agent_unanswered(proc):
+        # Read through the agent path and the agent gave nothing: /proc alone is no stack evidence.
+        return VerdictKind.NO_EVIDENCE
     if not proc.threads:
         # Alive, readable, and yet not one thread was read (every tool missing, failing or timing out):
         # nothing to judge, and certainly not health.

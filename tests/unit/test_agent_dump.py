@@ -92,3 +92,6 @@ def test_a_refused_process_read_by_the_agent_is_judged_and_no_access_names_the_a
     assert process_outcome(unread, []) is VerdictKind.NO_ACCESS
     verdict = evidence_outcome("engine", [unread], [])
     assert verdict is not None and any(f.message == AGENT_FIX for f in verdict.findings)
+    # asked for the agent (--via agent) where ptrace was allowed, and it did not answer: no evidence, not health
+    forced = unread.model_copy(update={"access": TargetAccess()})
+    assert process_outcome(forced, []) is VerdictKind.NO_EVIDENCE
