@@ -12,7 +12,10 @@ armed (KVDIAG_AGENT=1), one not; paired rounds of the same completion on each, o
 (tokens/s armed / not); the armed server's agent answers timed per process; then the plugin's injected
 GIL cycle in the armed EngineCore, captured under the seccomp filter: named through the agent alone.
 
-    python benchmarks/agent.py [--only NAME ...] [--skip-vllm] [--skip-corpus] [--rounds 8]
+TP=2 (``--tp2``): the shipped tp2-vllm-cpu scenario (rank 1 hangs in its worker) run by a kvdiag under the
+seccomp filter with every engine process armed.
+
+    python benchmarks/agent.py [--only NAME ...] [--skip-vllm] [--skip-corpus] [--rounds 8] [--tp2]
 """
 
 from __future__ import annotations
@@ -70,7 +73,7 @@ def corpus(only: list[str]) -> list[str]:
     print(f"{'program':32} {'expected':22} {'ptrace':22} {'agent':22} same  via")
     for i, kind in enumerate(kinds):
         spec = hk.KINDS[kind]
-        with hk.running(kind, env=env) as h:
+        with hk.running(kind, env=env, bound_s=300.0) as h:
             order = (False, True) if i % 2 == 0 else (True, False)
             got = {seccomp: run_capture(h.root_pid, seccomp) for seccomp in order}
         a, b = got[False], got[True]
@@ -103,6 +106,7 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-corpus", action="store_true")
     ap.add_argument("--rounds", type=int, default=8)
+    ap.add_argument("--tp2", action="store_true", help="also the TP=2 repro through the agents (minutes)")
     ap.add_argument("--write", type=Path, default=None, help="also write the table to this file")
     args = ap.parse_args()
     lines: list[str] = []
@@ -112,6 +116,10 @@ def main() -> None:
         from agent_vllm import vllm_rounds  # the real-vLLM half (its own file: it needs tests/vllm)
 
         lines += vllm_rounds(args.rounds)
+        if args.tp2:
+            from agent_vllm import tp2_repro
+
+            lines += tp2_repro()
     result = " ".join(ln.split(" ", 1)[1] for ln in lines if ln.startswith("RESULT_"))
     print(f"RESULT {result}")
     if args.write:

@@ -127,3 +127,30 @@ def _swallow(url: str, model: str) -> None:
         _complete(url, model, timeout_s=120)
     except Exception:  # noqa: BLE001 - it hangs by design; the server is torn down under it
         pass
+
+
+def tp2_repro() -> list[str]:
+    """TP=2: the shipped tp2 scenario (the plugin hangs rank 1 in its worker while serving), run by a kvdiag under
+    the seccomp filter with every engine process armed: the stuck rank named through the agents alone."""
+    out = Path(tempfile.mkdtemp(prefix="kvdiag-agent-tp2-"))
+    env = {**os.environ, ENABLE_ENV: "1"}
+    t0 = time.monotonic()
+    r = subprocess.run([sys.executable, str(NO_PTRACE), str(Path(sys.executable).parent / "kvdiag"), "repro",
+                        "two-engine", "--scenario", str(ROOT / "scenarios" / "tp2-vllm-cpu.yaml"), "--out", str(out)],
+                       capture_output=True, text=True, timeout=1200, env=env)
+    try:
+        report = json.loads((out / "report.json").read_text())
+        bundle = json.loads((out / "bundle" / "bundle.json").read_text())
+    except (OSError, ValueError):
+        return [f"vllm TP=2: no report (exit {r.returncode}): {r.stderr[-300:]}"]
+    verdict = report["verdict"]
+    via = sorted({f["pid"] for f in bundle["findings"] if f["kind"] == "capture_path"})
+    agent = [t["duration_s"] for p in bundle["processes"] for t in p["tools"] if t["tool"] == "agent" and t["ok"]]
+    lines = [f"vllm TP=2 (repro tp2-vllm-cpu under the seccomp filter, engines armed, {time.monotonic() - t0:.0f}s): "
+             f"exit {r.returncode}, verdict {verdict['kind']}: {verdict['summary'][:240]}",
+             f"  processes read through the agent: {len(via)} (pids {', '.join(map(str, via))}); agent dumps "
+             f"{len(agent)}, p50 {statistics.median(agent) * 1000 if agent else 0:.0f} ms",
+             f"RESULT_TP2 gil_cycle_named={int(verdict['kind'] == 'gil_cycle')}"]
+    for ln in lines:
+        print(ln, flush=True)
+    return lines

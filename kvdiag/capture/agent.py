@@ -97,6 +97,17 @@ def armed(pid: int) -> tuple[Armed | None, str]:
     return Armed(record, directory), ""
 
 
+def without_agent_signals(pid: int, caught: list[int] | None) -> list[int] | None:
+    """``caught`` (the process's SigCgt) without the agent's own two signals: they wake nothing of the
+    program, and a rule that asks whether a handler could end a wait must not count them."""
+    if not caught or max(caught) < 32:
+        return caught
+    arm, _ = armed(pid)
+    if arm is None:
+        return caught
+    return [n for n in caught if n not in (arm.record.trigger, arm.record.thread)]
+
+
 @lru_cache(maxsize=1)
 def ptrace_refused_here() -> bool:
     """True when ptrace(2) itself is refused to this process (a seccomp filter, as in a container without
@@ -402,4 +413,4 @@ class AgentBackend:
 
 
 __all__ = ["AGENT", "VIA_CHOICES", "AgentBackend", "AgentDump", "armed", "choose_path", "dump_threads",
-           "parse_dump", "ptrace_refused_here", "request_dump"]
+           "parse_dump", "ptrace_refused_here", "request_dump", "without_agent_signals"]

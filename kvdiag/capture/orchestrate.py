@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvdiag.capture.access import check_target
-from kvdiag.capture.agent import AGENT, AgentBackend, armed, choose_path
+from kvdiag.capture.agent import AGENT, AgentBackend, armed, choose_path, without_agent_signals
 from kvdiag.capture.base import CaptureBackend, kill_active_tools
 from kvdiag.capture.job import ProcessJob, skip_reason
 from kvdiag.capture.merge import merge_threads
@@ -268,6 +268,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
         ev = (proc_res.process.model_copy(deep=True) if proc_res and proc_res.process
               else ProcessEvidence(pid=job.pid))
         ev.threads = merge_threads(results)
+        ev.signals_caught = without_agent_signals(job.pid, ev.signals_caught)
         ev.access = job.access
         for b in job.backends:
             if b.name in job.unavailable:

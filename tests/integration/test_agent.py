@@ -71,7 +71,9 @@ def test_gil_cycle_named_through_the_agent_alone_under_a_seccomp_filter(tmp_path
 
 
 def test_via_agent_reads_the_same_threads_as_pystack(tmp_path: Path) -> None:
-    with hk.running("lock_inversion", env=AGENT_ENV) as h:
+    # Python locks: the rule asks whether a signal handler could end the wait; the agent's own two signals
+    # must not count as one on either path.
+    with hk.running("lock_inversion_py2", env=AGENT_ENV) as h:
         _wait_armed(h.pid)
         agent = capture_tree(h.root_pid, tmp_path / "a", backends=["proc", "agent"], save=False)
         ptrace = capture_tree(h.root_pid, tmp_path / "p", backends=["proc", "pystack"], save=False)
