@@ -64,7 +64,8 @@ def vllm_rounds(rounds: int) -> list[str]:
         plain.start()
         for s in (arm, plain):
             if not s.wait_ready(300):
-                return [f"vllm: a server did not start: {s.log_text()[-500:]}"]
+                last = next((ln for ln in reversed(s.log_text().splitlines()) if ln.strip()), "")
+                return [f"vllm: a server did not start: {last[-300:]}"]
         ready = time.monotonic()
         model = plain.model
         for s in (arm, plain):
@@ -113,7 +114,7 @@ def vllm_rounds(rounds: int) -> list[str]:
         lines += [f"  {v}" for v in via[:3]]
         ok = verdict.get("kind") == "gil_cycle"
         lines.append(f"RESULT_VLLM tokens_ratio={statistics.median(ratios):.3f} dump_ms_p50="
-                     f"{statistics.median(dump_ms) if dump_ms else 0:.1f} gil_cycle_named={int(ok)}")
+                     f"{statistics.median(dump_ms) if dump_ms else 0:.1f} tp1_gil_cycle_named={int(ok)}")
     finally:
         for s in (arm, plain):
             s.stop()
@@ -150,7 +151,7 @@ def tp2_repro() -> list[str]:
              f"exit {r.returncode}, verdict {verdict['kind']}: {verdict['summary'][:240]}",
              f"  processes read through the agent: {len(via)} (pids {', '.join(map(str, via))}); agent dumps "
              f"{len(agent)}, p50 {statistics.median(agent) * 1000 if agent else 0:.0f} ms",
-             f"RESULT_TP2 gil_cycle_named={int(verdict['kind'] == 'gil_cycle')}"]
+             f"RESULT_TP2 tp2_gil_cycle_named={int(verdict['kind'] == 'gil_cycle')}"]
     for ln in lines:
         print(ln, flush=True)
     return lines
