@@ -50,6 +50,25 @@ def _own_starttime() -> int:
     return started
 
 
+def _prune(directory: Path) -> None:
+    """Remove the armed records of processes that are gone (one killed with SIGKILL never removed its own):
+    a record whose pid no longer exists, or exists with another start time."""
+    for path in directory.glob("*.armed"):
+        try:
+            record = ArmedRecord.parse(path.read_text(encoding="ascii"))
+            if record is None or str(record.pid) != path.name.split(".")[0]:
+                continue
+            try:
+                with open(f"/proc/{record.pid}/stat", encoding="ascii") as fh:
+                    alive = starttime_of(fh.read()) == record.starttime
+            except FileNotFoundError:
+                alive = False
+            if not alive:
+                path.unlink()
+        except (OSError, UnicodeDecodeError):
+            continue
+
+
 def _write_armed(directory: Path, trigger: int, thread: int) -> Path:
     pid = os.getpid()
     record = ArmedRecord(pid, _own_starttime(), trigger, thread, ".".join(map(str, sys.version_info[:3])))
@@ -102,6 +121,7 @@ def arm() -> Path:
     _dumper.install()
     _state.update(dir=directory, trigger=trigger, thread=thread)
     _state["armed"] = _write_armed(directory, trigger, thread)
+    _prune(directory)
     atexit.register(_forget)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     return _state["armed"]  # type: ignore[return-value]
