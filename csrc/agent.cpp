@@ -77,6 +77,7 @@ std::atomic<int> g_busy{0};
 std::atomic<int> g_active{0};     // generation of the dump in progress, 0: none
 std::atomic<int> g_release{0};    // generation whose parked threads may go
 std::atomic<int> g_disarmed{0};
+std::atomic<int> g_inside{0};     // threads still inside thread_handler (a late one from the last dump)
 std::atomic<unsigned> g_dumps{0};
 int g_gen = 0;
 
@@ -204,9 +205,11 @@ void fill_slot(Slot& slot, void* uctx) {
 
 void thread_handler(int, siginfo_t* info, void* uctx) {
     int saved = errno;
+    g_inside.fetch_add(1);
     int gen = g_active.load(std::memory_order_acquire);
     if (gen == 0 || g_disarmed.load() || info == nullptr || info->si_code != SI_TKILL ||
         info->si_pid != g_pid) {
+        g_inside.fetch_sub(1);
         errno = saved;
         return;
     }
@@ -224,6 +227,7 @@ void thread_handler(int, siginfo_t* info, void* uctx) {
             sleep_us(200);
         break;
     }
+    g_inside.fetch_sub(1);
     errno = saved;
 }
 
@@ -321,6 +325,9 @@ bool dump(int sig, siginfo_t* info, void* uctx, unsigned nonce, char* req, char*
     int gen = ++g_gen;
     if (gen <= 0) gen = g_gen = 1;
     pid_t me = sys_gettid();
+    // A thread still leaving its handler from the previous dump has the thread signal blocked for now:
+    // let it leave, so that "blocked" below means a thread that blocks the signal itself.
+    for (long until = now_ms() + 100; g_inside.load() > 0 && now_ms() < until;) sleep_us(100);
     int n = list_tasks(g_tids, kMaxSlots);
     for (int k = 0; k < n; ++k) {
         Slot& slot = g_slots[k];
@@ -450,14 +457,17 @@ std::tuple<int, int, int> prepare(const std::string& dir) {
     return {g_placeholder, g_trigger, g_thread};
 }
 
-// After faulthandler.register(trigger, placeholder): our handlers in front (faulthandler's kept to call).
+// Our handlers in front of whatever handles the trigger now (faulthandler's, kept to call).
 void install() {
     if (g_dirfd < 0) throw std::runtime_error("prepare() first");
     struct sigaction prev;
     if (sigaction(g_trigger, nullptr, &prev) != 0) throw std::runtime_error("sigaction failed");
+    // Called twice at arm time: before faulthandler.register (prev: the default action, nothing to call)
+    // and after it (prev: faulthandler's handler, which writes the Python stacks).
     if (!((prev.sa_flags & SA_SIGINFO) && prev.sa_sigaction == trigger_handler)) {
         g_fault_prev = prev;
-        g_have_fault = true;
+        g_have_fault = !(prev.sa_flags & SA_SIGINFO) && prev.sa_handler != SIG_DFL && prev.sa_handler != SIG_IGN;
+        if (prev.sa_flags & SA_SIGINFO) g_have_fault = prev.sa_sigaction != nullptr;
     }
     struct sigaction th{};
     th.sa_sigaction = thread_handler;

@@ -115,8 +115,11 @@ def arm() -> Path:
         raise OSError(problem)
     _dumper = _load_dumper()
     placeholder, trigger, thread = _dumper.prepare(str(directory))
-    # faulthandler writes the Python stacks (GIL-free, stdlib); our handler calls it with its fd pointed
-    # at the dump file, and never lets it chain to anything.
+    # Ours first, so that faulthandler keeps it as the handler it restores when the interpreter finalizes
+    # (it would restore the default action otherwise, and a real-time signal's default ends the process).
+    _dumper.install()
+    # faulthandler writes the Python stacks (GIL-free, stdlib); our handler, installed again in front of it,
+    # calls it with its fd pointed at the dump file, and never lets it chain to anything.
     faulthandler.register(trigger, file=placeholder, all_threads=True, chain=False)
     _dumper.install()
     _state.update(dir=directory, trigger=trigger, thread=thread)

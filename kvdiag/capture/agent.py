@@ -140,6 +140,21 @@ def choose_path(via: str, access: TargetAccess | None, armed_ok: bool) -> tuple[
     return "ptrace", ""
 
 
+_REFUSED_WORDS = ("operation not permitted", "permission denied", "eperm", "eacces")
+
+
+def attach_refused(errors: list[str | None]) -> bool:
+    """Every one of these ptrace-tool errors says the kernel refused the attach (an LSM such as AppArmor or
+    SELinux, seen only when a tool attaches)."""
+    return bool(errors) and all(e is not None and any(w in e.lower() for w in _REFUSED_WORDS) for e in errors)
+
+
+def askable(pid: int) -> Armed | None:
+    """The armed agent of ``pid`` when it may be asked now (armed, neither stopped nor traced), else None."""
+    arm, _ = armed(pid)
+    return arm if arm is not None and _not_askable(pid) is None else None
+
+
 # ----------------------------------------------------------------------------- asking for a dump
 
 @dataclass
@@ -195,6 +210,11 @@ def request_dump(pid: int, arm: Armed, timeout_s: float) -> DumpOutcome:
     except OSError as exc:
         return DumpOutcome(None, f"cannot write the request in {arm.directory}: {exc.strerror}", 0.0)
     try:
+        status = read_status(pid)
+        if status is None or status.sig_caught is None or not status.sig_caught >> (arm.record.trigger - 1) & 1:
+            # the handler is gone (the process exec'd or is exiting): the signal's default action would end it
+            return DumpOutcome(None, f"pid {pid} no longer handles the agent's signal (not asked)",
+                               time.monotonic() - start)
         err = _sigqueue(pid, arm.record.trigger, nonce)
         if err:
             return DumpOutcome(None, f"sigqueue to pid {pid} failed: {os.strerror(err)}", time.monotonic() - start)
@@ -412,5 +432,6 @@ class AgentBackend:
         return BackendResult(tool=run, threads=threads, python_version=dump.python if dump else None)
 
 
-__all__ = ["AGENT", "VIA_CHOICES", "AgentBackend", "AgentDump", "armed", "choose_path", "dump_threads",
+__all__ = ["AGENT", "VIA_CHOICES", "AgentBackend", "AgentDump", "armed", "askable", "attach_refused", "choose_path",
+           "dump_threads",
            "parse_dump", "ptrace_refused_here", "request_dump", "without_agent_signals"]

@@ -237,6 +237,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             path_note = _agent_path(job, via, accesses.get(pid))
             if path_note is not None:
                 findings.append(path_note)
+            else:
+                job.agent_fallback = via == "auto"
             jobs.append(job)
             if not parallel:
                 job.run_serially()
@@ -263,6 +265,10 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
         if not befores[pid].exists:
             evidence.append(ProcessEvidence(pid=pid, alive=False))
     for job in jobs:
+        if job.fell_back:
+            findings.append(Finding(kind="capture_path", pid=job.pid, message=(
+                f"pid {job.pid}: read through kvdiag's in-process agent (the kernel refused every ptrace tool's "
+                "attach)")))
         results = job.snapshot_results()
         proc_res = results.get("proc")
         ev = (proc_res.process.model_copy(deep=True) if proc_res and proc_res.process

@@ -185,3 +185,31 @@ def test_dump_of_a_stopped_then_exiting_target_is_bounded() -> None:
         assert proc.wait(timeout=10) == 0     # it exited on its own, normally
         assert any(outcomes)
         assert not (arm.directory / f"{proc.pid}.armed").exists()
+
+
+_ATTACH_TIME = """
+import json, sys
+from pathlib import Path
+import kvdiag.capture.agent as agent
+from kvdiag.analyze import analyze
+from kvdiag.capture.bundle import capture_tree
+# As under an LSM that refuses the attach itself: kvdiag cannot tell beforehand (its probe says ptrace is allowed).
+agent.ptrace_refused_here = lambda: False
+bundle = capture_tree(int(sys.argv[1]), Path(sys.argv[2]), save=False)
+tools = {t.tool: (t.ok, t.error) for p in bundle.processes for t in p.tools}
+print(json.dumps({"kind": analyze(bundle).kind.value, "tools": tools,
+                  "paths": [f.message for f in bundle.findings if f.kind == "capture_path"]}))
+"""
+
+
+def test_agent_after_the_kernel_refused_every_attach(tmp_path: Path) -> None:
+    with hk.running("gil_cycle_native", env=AGENT_ENV) as h:
+        _wait_armed(h.pid)
+        env = {k: v for k, v in os.environ.items() if k != ENABLE_ENV}
+        r = subprocess.run([sys.executable, str(FIXTURES / "no_ptrace.py"), sys.executable, "-c", _ATTACH_TIME,
+                            str(h.pid), str(tmp_path / "b")], capture_output=True, text=True, timeout=90, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["kind"] == "gil_cycle", got
+    assert got["tools"]["agent"][0] and not got["tools"]["pystack"][0], got["tools"]
+    assert any("refused every ptrace tool's attach" in p for p in got["paths"]), got["paths"]
