@@ -18,7 +18,9 @@
 //   Waits:   the trigger handler waits at most kCollectMs for the other threads to answer; a thread
 //            parks in its handler at most kParkMs until the trigger handler releases it. A thread that
 //            sleeps uninterruptibly or is gone is written as "noanswer"; one that blocks the thread signal
-//            (its SigBlk, read from /proc/self/task/TID/status) is not signalled and written as "blocked".
+//            (its SigBlk, read from /proc/self/task/TID/status) is not signalled and written as "blocked";
+//            nor is one asleep in nanosleep/clock_nanosleep ("asleep": a handler would end its sleep early).
+//            The interpreter's thread-state list (read as faulthandler reads it) names their Python stacks.
 //   Signals: two real-time signals picked at arm time among those with no handler. Requests are honoured
 //            only from sigqueue(2) by the same uid (or root) naming an existing request file in the
 //            agent's private directory (0700, owned by us); the dump is written beside it and renamed
@@ -56,7 +58,7 @@ constexpr int kMaxFrames = 96;
 constexpr long kCollectMs = 300;
 constexpr long kParkMs = 1500;
 
-enum SlotState : int { kPending = 1, kDone = 2, kBlocked = 3 };
+enum SlotState : int { kPending = 1, kDone = 2, kBlocked = 3, kAsleep = 4 };
 
 struct Slot {
     std::atomic<int> tid{0};
@@ -261,6 +263,62 @@ bool blocks_signal(int tid, int sig) {
     return (mask >> (sig - 1)) & 1ULL;
 }
 
+// Whether thread ``tid`` sleeps in nanosleep/clock_nanosleep (its /proc/self/task/TID/syscall): a handler
+// would end the sleep early (Linux never restarts these), and C code calling sleep() once would wake.
+bool asleep(int tid) {
+#if defined(__x86_64__)
+    constexpr long kNanosleep = 35, kClockNanosleep = 230;
+#elif defined(__aarch64__)
+    constexpr long kNanosleep = 101, kClockNanosleep = 115;
+#else
+    constexpr long kNanosleep = -2, kClockNanosleep = -2;
+#endif
+    char path[64];
+    const char* head = "/proc/self/task/";
+    size_t n = strlen(head);
+    memcpy(path, head, n);
+    char d[16];
+    int k = 0;
+    unsigned v = static_cast<unsigned>(tid);
+    do { d[k++] = static_cast<char>('0' + v % 10); v /= 10; } while (v && k < 16);
+    while (k) path[n++] = d[--k];
+    memcpy(path + n, "/syscall", 9);
+    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    if (fd < 0) return false;
+    char buf[32];
+    ssize_t got = read(fd, buf, sizeof(buf) - 1);
+    close(fd);
+    if (got <= 0 || buf[0] < '0' || buf[0] > '9') return false;
+    long nr = 0;
+    for (ssize_t i = 0; i < got && buf[i] >= '0' && buf[i] <= '9'; ++i) nr = nr * 10 + (buf[i] - '0');
+    return nr == kNanosleep || nr == kClockNanosleep;
+}
+
+// Every thread state of every interpreter: its pthread id and kernel tid, so the Python stack of a thread
+// that was not interrupted (asleep, blocking the signal) is still attributed; on 3.10 and 3.11 also which
+// one is the runtime's current thread state (the GIL holder), a global there (thread-local from 3.12).
+void write_tstates(Out& out) {
+#if PY_VERSION_HEX < 0x030C0000
+    PyThreadState* current = _PyThreadState_UncheckedGet();
+#endif
+    int guard = 0;
+    for (PyInterpreterState* interp = PyInterpreterState_Head(); interp != nullptr && guard < 64;
+         interp = PyInterpreterState_Next(interp), ++guard) {
+        int count = 0;
+        for (PyThreadState* ts = PyInterpreterState_ThreadHead(interp); ts != nullptr && count < kMaxSlots;
+             ts = PyThreadState_Next(ts), ++count) {
+            out.s("tstate pthread ").x(ts->thread_id);
+#if PY_VERSION_HEX >= 0x030B0000
+            out.s(" native ").u(ts->native_thread_id);
+#endif
+#if PY_VERSION_HEX < 0x030C0000
+            out.s(" current ").i(ts == current ? 1 : 0);
+#endif
+            out.s("\n");
+        }
+    }
+}
+
 int list_tasks(int* tids, int cap) {
     int fd = open("/proc/self/task", O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     if (fd < 0) return 0;
@@ -349,6 +407,8 @@ bool dump(int sig, siginfo_t* info, void* uctx, unsigned nonce, char* req, char*
             g_slots[k].state.store(kDone, std::memory_order_release);
         } else if (blocks_signal(g_tids[k], g_thread)) {
             g_slots[k].state.store(kBlocked, std::memory_order_release);
+        } else if (asleep(g_tids[k])) {
+            g_slots[k].state.store(kAsleep, std::memory_order_release);
         } else if (syscall(SYS_tgkill, g_pid, g_tids[k], g_thread) == 0) {
             ++sent;
         }
@@ -377,7 +437,8 @@ bool dump(int sig, siginfo_t* info, void* uctx, unsigned nonce, char* req, char*
         Slot& slot = g_slots[k];
         int state = slot.state.load(std::memory_order_acquire);
         bool answered = state == kDone;
-        out.s("thread ").i(slot.tid.load()).s(answered ? " answered" : state == kBlocked ? " blocked" : " noanswer");
+        out.s("thread ").i(slot.tid.load()).s(answered ? " answered" : state == kBlocked ? " blocked"
+                                                  : state == kAsleep ? " asleep" : " noanswer");
         if (answered) {
             out.s(" pthread ").x(slot.pthread_id).s(" gil ").i(slot.holds_gil).s(" tstate ").i(slot.has_tstate)
                 .s(" pc ").x(slot.pc).s(" frames");
@@ -385,6 +446,7 @@ bool dump(int sig, siginfo_t* info, void* uctx, unsigned nonce, char* req, char*
         }
         out.s("\n");
     }
+    if (Py_IsInitialized()) write_tstates(out);
     g_release.store(gen, std::memory_order_release);
     out.s("maps\n");
     copy_file(out, "/proc/self/maps");

@@ -251,6 +251,7 @@ def request_dump(pid: int, arm: Armed, timeout_s: float) -> DumpOutcome:
 class AgentThread:
     tid: int
     answered: bool
+    state: str = ""               # answered / blocked (blocks the signal) / asleep (not woken) / noanswer
     pthread: int | None = None
     holds_gil: int | None = None
     has_tstate: int | None = None
@@ -266,6 +267,8 @@ class AgentDump:
     python_stacks: dict[int, list[Frame]]     # pthread id -> Python frames, innermost first
     maps: list[Mapping]
     complete: bool
+    # pthread id -> (kernel tid, whether it is the runtime's current thread state): None where not written
+    tstates: dict[int, tuple[int | None, bool | None]] = field(default_factory=dict)
     elapsed_ms: int | None = None
     collect_ms: int | None = None
 
@@ -310,7 +313,7 @@ def parse_dump(text: str) -> AgentDump | None:
     j = end_py + 1
     while j < len(lines) and lines[j].startswith("thread "):
         parts = lines[j].split()
-        th = AgentThread(tid=int(parts[1]), answered=parts[2] == "answered")
+        th = AgentThread(tid=int(parts[1]), answered=parts[2] == "answered", state=parts[2])
         if th.answered:
             kv = parts[3:]
             at = kv.index("frames") if "frames" in kv else len(kv)
@@ -321,6 +324,17 @@ def parse_dump(text: str) -> AgentDump | None:
             th.pc = int(fields.get("pc", "0"), 16)
             th.addresses = [int(a, 16) for a in kv[at + 1:]]
         threads.append(th)
+        j += 1
+    tstates: dict[int, tuple[int | None, bool | None]] = {}
+    while j < len(lines) and lines[j].startswith("tstate "):
+        kv = lines[j].split()[1:]
+        fields = dict(zip(kv[::2], kv[1::2], strict=False))
+        try:
+            native = int(fields["native"]) if "native" in fields else None
+            current = fields["current"] == "1" if "current" in fields else None
+            tstates[int(fields["pthread"], 16)] = (native, current)
+        except (KeyError, ValueError):
+            pass
         j += 1
     if j < len(lines) and lines[j] == "maps":
         j += 1
@@ -333,7 +347,7 @@ def parse_dump(text: str) -> AgentDump | None:
     elapsed = tail.get("elapsed_ms")
     collect = head.get("collect_ms")
     return AgentDump(pid=int(head.get("pid", "0")), python=head.get("python"), threads=threads,
-                     python_stacks=stacks, maps=maps, complete=lines[-1] == "end",
+                     python_stacks=stacks, maps=maps, complete=lines[-1] == "end", tstates=tstates,
                      elapsed_ms=int(elapsed) if elapsed and elapsed.lstrip("-").isdigit() else None,
                      collect_ms=int(collect) if collect and collect.lstrip("-").isdigit() else None)
 
@@ -383,9 +397,17 @@ def dump_threads(dump: AgentDump, pid: int) -> list[ThreadEvidence]:
     sym = Symbolizer(pid, dump.maps)
     out: list[ThreadEvidence] = []
     claimed: set[int] = set()
+    by_native = {native: (pthread, current) for pthread, (native, current) in dump.tstates.items()
+                 if native is not None}
     for th in dump.threads:
         if not th.answered:
-            out.append(ThreadEvidence(tid=th.tid))
+            # Not interrupted (asleep, or blocking the signal): its Python stack through the thread-state list,
+            # and on 3.10/3.11 whether it is the GIL holder.
+            pthread, current = by_native.get(th.tid, (None, None))
+            python = dump.python_stacks.get(pthread, []) if pthread is not None else []
+            gil = GilState.HOLDS if current else GilState.NONE if current is False and th.state == "asleep" \
+                else GilState.UNKNOWN
+            out.append(ThreadEvidence(tid=th.tid, gil=gil, frames=list(python)))
             continue
         native = _native_frames(th, sym)
         python = dump.python_stacks.get(th.pthread or -1, []) if th.pthread not in claimed else []

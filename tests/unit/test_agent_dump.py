@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from kvdiag.agent.protocol import AGENT_FIX, ArmedRecord, starttime_of
 from kvdiag.analyze.access import evidence_outcome, process_outcome
-from kvdiag.capture.agent import AgentThread, _gil, _interleave, choose_path, parse_dump
+from kvdiag.capture.agent import AgentThread, _gil, _interleave, choose_path, dump_threads, parse_dump
 from kvdiag.model import Frame, GilState, ProcessEvidence, TargetAccess, ThreadEvidence, ToolRun, VerdictKind
 
 DUMP = """kvdiag-agent 1
@@ -23,10 +23,15 @@ Thread 0x00007f0000000700 (most recent call first):
 
 Current thread 0x00007f0000000100 (most recent call first):
   File "/app/main.py", line 5 in <module>
+
+Thread 0x00007f0000000900 (most recent call first):
+  File "/app/poller.py", line 7 in wait
 end-python-stacks
 thread 100 answered pthread 0x7f0000000100 gil 1 tstate 1 pc 0x1010 frames 0x9000 0x9001 0x1010 0x2020
 thread 101 answered pthread 0x7f0000000700 gil 0 tstate 1 pc 0x1010 frames 0x9000 0x1010 0x2020
-thread 102 noanswer
+thread 102 asleep
+tstate pthread 0x7f0000000100 native 100 current 1
+tstate pthread 0x7f0000000900 native 102 current 0
 maps
 00001000-00003000 r-xp 00000000 08:01 1 /nonexistent/libx.so
 end-maps
@@ -45,6 +50,10 @@ def test_dump_text_parses_into_threads_stacks_and_maps() -> None:
     assert [f.name for f in dump.python_stacks[0x7F0000000700]] == ["loop", "run"]
     assert dump.python_stacks[0x7F0000000100][0].line == 5
     assert len(dump.maps) == 1 and dump.maps[0].path == "/nonexistent/libx.so"
+    assert dump.tstates[0x7F0000000900] == (102, False)
+    # the thread left asleep (not interrupted) still gets its Python stack, through the thread-state list
+    asleep = {t.tid: t for t in dump_threads(dump, 100)}[102]
+    assert [f.name for f in asleep.frames] == ["wait"] and asleep.gil is GilState.NONE
     assert parse_dump("not a dump") is None
     assert not parse_dump(DUMP.rsplit("end", 1)[0] + "partial").complete  # type: ignore[union-attr]
 
