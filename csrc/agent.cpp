@@ -263,17 +263,15 @@ bool blocks_signal(int tid, int sig) {
     return (mask >> (sig - 1)) & 1ULL;
 }
 
-// Whether thread ``tid`` sleeps in nanosleep/clock_nanosleep (its /proc/self/task/TID/syscall), or in the
-// restart_syscall a stopped-and-continued sleep resumes in: a handler
+// Whether thread ``tid`` sleeps in nanosleep/clock_nanosleep (its /proc/self/task/TID/syscall): a handler
 // would end the sleep early (Linux never restarts these), and C code calling sleep() once would wake.
 bool asleep(int tid) {
-// restart_syscall: a sleep a debugger's stop interrupted resumes there (pystack or gdb ran before us).
 #if defined(__x86_64__)
-    constexpr long kNanosleep = 35, kClockNanosleep = 230, kRestart = 219;
+    constexpr long kNanosleep = 35, kClockNanosleep = 230;
 #elif defined(__aarch64__)
-    constexpr long kNanosleep = 101, kClockNanosleep = 115, kRestart = 128;
+    constexpr long kNanosleep = 101, kClockNanosleep = 115;
 #else
-    constexpr long kNanosleep = -2, kClockNanosleep = -2, kRestart = -2;
+    constexpr long kNanosleep = -2, kClockNanosleep = -2;
 #endif
     char path[64];
     const char* head = "/proc/self/task/";
@@ -293,7 +291,7 @@ bool asleep(int tid) {
     if (got <= 0 || buf[0] < '0' || buf[0] > '9') return false;
     long nr = 0;
     for (ssize_t i = 0; i < got && buf[i] >= '0' && buf[i] <= '9'; ++i) nr = nr * 10 + (buf[i] - '0');
-    return nr == kNanosleep || nr == kClockNanosleep || nr == kRestart;
+    return nr == kNanosleep || nr == kClockNanosleep;
 }
 
 // Every thread state of every interpreter: its pthread id and kernel tid, so the Python stack of a thread
