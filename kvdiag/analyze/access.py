@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Collection
 from dataclasses import dataclass
 
+from kvdiag.agent.protocol import AGENT_FIX
 from kvdiag.model import Confidence, Finding, ProcessEvidence, ThreadState, Verdict, VerdictKind
 
 # Tool errors that mean "the kernel refused", whatever the preflight thought.
@@ -45,6 +46,18 @@ def _refused_by_kernel(proc: ProcessEvidence, tools: Collection[str]) -> list[st
     if all(any(w in (t.error or "").lower() for w in _PERMISSION_WORDS) for t in ran):
         return [f"{t.tool}: {t.error}" for t in ran]
     return []
+
+
+def read_by_agent(proc: ProcessEvidence) -> bool:
+    """The process's in-process agent answered: its stacks and GIL state were read without ptrace."""
+    return any(t.tool == "agent" and t.ok for t in proc.tools)
+
+
+def _agent_unanswered(proc: ProcessEvidence) -> bool:
+    """The agent was asked (the agent path) and did not answer, and no stack tool read the process either."""
+    asked = [t for t in proc.tools if t.tool == "agent"]
+    return bool(asked) and not any(t.ok for t in asked) and not any(
+        t.ok for t in proc.tools if t.tool in _STACK_TOOLS)
 
 
 def _tools_refused(proc: ProcessEvidence) -> list[str]:
@@ -116,10 +129,13 @@ def process_outcome(proc: ProcessEvidence, findings: list[Finding]) -> VerdictKi
     state = found_state(proc)
     if state.stopped or state.tracer_pid is not None or state.traced_inferred:
         return None     # judged by the target-state rule: stopped or traced, its own outcome
-    if (a is not None and not (a.ptrace_ok and a.tracers_ok)) or _tools_refused(proc):
+    if ((a is not None and not (a.ptrace_ok and a.tracers_ok)) or _tools_refused(proc)) and not read_by_agent(proc):
         return VerdictKind.NO_ACCESS
     if a is not None and a.python is False:
         return VerdictKind.NOT_PYTHON
+    if _agent_unanswered(proc):
+        # Read through the agent path and the agent gave nothing: /proc alone is no stack evidence.
+        return VerdictKind.NO_EVIDENCE
     if not proc.threads or _stacks_unread(proc):
         # Alive, readable, and yet not one thread (or not one stack) was read (every tool missing,
         # failing or timing out): nothing to judge, and certainly not health.
@@ -132,7 +148,7 @@ def _stacks_unread(proc: ProcessEvidence) -> bool:
     wait channels, native frames unwound from memory, no Python frame), and /proc read no owner from
     memory (a GIL holder or a mutex owner) that proves a hang on its own. Without them, a deadlock
     and an idle server look alike: judging would be a guess."""
-    asked = [t for t in proc.tools if t.tool.split("-", 1)[0] in ("py", "pystack", "gdb") and not t.skipped]
+    asked = [t for t in proc.tools if t.tool.split("-", 1)[0] in ("py", "pystack", "gdb", "agent") and not t.skipped]
     if not asked or any(t.ok for t in asked):
         return False
     holders = proc.progress.gil_holders if proc.progress is not None else []
@@ -169,6 +185,8 @@ def _no_access(name: str, procs: list[ProcessEvidence], engine: str | None) -> V
     if not fixes:
         fixes = [f"run kvdiag as root keeping your PATH (sudo env \"PATH=$PATH\" kvdiag ...) or as the user "
                  f"that owns pid {first.pid}"]
+    if AGENT_FIX not in fixes:
+        fixes.append(AGENT_FIX)
     why = refused[1] if len(refused) > 1 else (refused[0] if refused else "ptrace was refused")
     others = f" (and {len(procs) - 1} more process{'es' if len(procs) > 2 else ''})" if len(procs) > 1 else ""
     findings = [Finding(kind="access_refused", pid=first.pid, engine=engine, message=r) for r in refused]
@@ -247,4 +265,4 @@ def evidence_outcome(name: str, procs: list[ProcessEvidence], findings: list[Fin
 
 
 __all__ = ["FoundState", "attach_refused", "evidence_outcome", "found_state", "judgeable", "partial_evidence",
-           "process_outcome"]
+           "process_outcome", "read_by_agent"]

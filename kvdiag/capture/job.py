@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvdiag.bundle import raw_dir as bundle_raw_dir
+from kvdiag.capture.agent import AgentBackend, askable, attach_refused
 from kvdiag.capture.base import BackendResult, CaptureBackend
 from kvdiag.capture.procfs import ProcBackend, ProcWindow
 from kvdiag.capture.slots import ToolSlots
@@ -24,7 +25,7 @@ from kvdiag.capture.untouched import Before, resume_if_left_stopped
 from kvdiag.model import Finding, TargetAccess, ToolRun
 
 # Order of the ptrace chain, whatever order the tools were named in: verdict-critical evidence first.
-_CHAIN_ORDER = {"pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
+_CHAIN_ORDER = {"agent": 0, "pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}
 # gdb is optional evidence: it gets at most this long per process (the chains run in parallel, so this
 # bounds the whole capture's gdb time whatever the number of processes).
 GDB_BUDGET_S = 4.0
@@ -43,7 +44,7 @@ def skip_reason(access: TargetAccess, backend: CaptureBackend) -> tuple[str, boo
         return f"{backend.name} skipped: a kernel thread (capture refused)", True
     if access.zombie:
         return f"{backend.name} skipped: the process is a zombie (exited, not reaped)", True
-    if not access.ptrace_ok or not access.tracers_ok:
+    if (not access.ptrace_ok or not access.tracers_ok) and backend.name != "agent":
         return (f"{backend.name} skipped: access refused ({access.refused[-1] if access.refused else 'ptrace'})",
                 False)
     if access.python is False:
@@ -82,6 +83,10 @@ class ProcessJob:
         self.started: dict[str, float] = {}
         self.before: Before | None = None      # the target as found (set by capture_processes)
         self.resumed: Finding | None = None     # a stop a tool left, undone before the next tool
+        # The agent after the chain where the kernel refused every ptrace tool at attach time (set by the
+        # orchestrator on the ptrace path); fell_back: it ran.
+        self.agent_fallback = False
+        self.fell_back = False
         self._lock = threading.Lock()
         self._proc_done = threading.Event()
         self.threads: list[threading.Thread] = []
@@ -143,8 +148,25 @@ class ProcessJob:
     def _chain(self, chain: list[CaptureBackend]) -> None:
         try:
             self._chain_inner(chain)
+            self._agent_after_refusal()
         finally:
             self._focus_done()
+
+    def _agent_after_refusal(self) -> None:
+        """The preflight allowed ptrace but the kernel refused every tool's attach: read the process through its
+        agent instead, when it is armed and may be asked."""
+        if not self.agent_fallback:
+            return
+        with self._lock:
+            ran = [r.tool for name, r in self.results.items() if name in ("pystack", "gdb", "gdb-full")]
+        if not ran or any(t.ok for t in ran) or not attach_refused([t.error for t in ran]):
+            return
+        if askable(self.pid) is None:
+            return
+        agent = AgentBackend()
+        self.backends = [*self.backends, agent]
+        self._run_one(agent, max(0.5, self._remaining()))
+        self.fell_back = True
 
     def _focus_done(self) -> None:
         """This focus process's verdict-critical tool has ended: the other processes' tools may start."""

@@ -13,9 +13,9 @@ from kvdiag.capture.base import BackendResult
 from kvdiag.model import Bundle, Finding, Frame, GilState, ProcessEvidence, ThreadEvidence
 
 # Which tool's GIL reading to trust first.
-_GIL_PRECEDENCE = ("pystack", "proc", "py-spy", "gdb")
+_GIL_PRECEDENCE = ("pystack", "agent", "proc", "py-spy", "gdb")
 # Tie-break between equally rich stacks: pystack interleaves Python and native frames.
-_FRAME_PREFERENCE = {"pystack": 3, "gdb": 2, "py-spy": 1}
+_FRAME_PREFERENCE = {"pystack": 3, "agent": 3, "gdb": 2, "py-spy": 1}
 
 
 def stack_richness(tool: str, frames: list[Frame]) -> tuple[int, int, int]:

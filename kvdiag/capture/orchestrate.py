@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvdiag.capture.access import check_target
+from kvdiag.capture.agent import AGENT, AgentBackend, armed, choose_path, without_agent_signals
 from kvdiag.capture.base import CaptureBackend, kill_active_tools
 from kvdiag.capture.job import ProcessJob, skip_reason
 from kvdiag.capture.merge import merge_threads
@@ -63,7 +64,7 @@ DEFAULT_BACKENDS = DEFAULT_TOOLS
 _FACTORIES: dict[str, Callable[[], CaptureBackend]] = {
     "proc": ProcBackend, "py-spy": PyspyBackend, "pyspy": PyspyBackend,
     "py-spy-nonblocking": pyspy_nonblocking, "pystack": PystackBackend, "pystack-locals": pystack_lock_locals,
-    "gdb": GdbBackend, "gdb-full": gdb_all_symbols}
+    "gdb": GdbBackend, "gdb-full": gdb_all_symbols, "agent": AgentBackend}
 # Every ptrace tool pauses its target while it reads: it runs at a higher CPU priority where kvdiag may raise
 # it (root / CAP_SYS_NICE), so on a busy machine it ends sooner and the pause is shorter.
 # The focus processes' pystack still goes first: the others wait for it (ToolSlots).
@@ -158,6 +159,27 @@ def _shared_window(jobs: list[ProcessJob]) -> None:
             window.mem.close()
 
 
+def _agent_path(job: ProcessJob, via: str, access: TargetAccess | None) -> Finding | None:
+    """Put ``job`` on the agent path when :func:`~kvdiag.capture.agent.choose_path` says so: the agent
+    joins its chain and every other tool but /proc is left out (said in its ToolRun). The finding says
+    which path was taken and why; None: the ptrace tools read it."""
+    if choose_path(via, access, True)[0] != AGENT:
+        return None     # ptrace reads it (or nothing would): the agent is not even looked for
+    arm, why_not = armed(job.pid)
+    path, why = choose_path(via, access, arm is not None)
+    if path != AGENT:
+        return None
+    job.backends = [*job.backends, AgentBackend()]
+    for b in job.backends:
+        if b.name not in ("proc", AGENT):
+            job.unavailable[b.name] = f"{b.name} skipped: read through kvdiag's in-process agent ({why})"
+            job.skipped.add(b.name)
+    job.unavailable.pop(AGENT, None)
+    how = "read through kvdiag's in-process agent" if arm is not None else "agent asked for but not armed"
+    return Finding(kind="capture_path", pid=job.pid,
+                   message=f"pid {job.pid}: {how} ({why})" + (f": {why_not}" if arm is None else ""))
+
+
 def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.0,
                       backends: Sequence[str | CaptureBackend] | None = None, *,
                       bundle_dir: Path | None = None, parallel: bool = True,
@@ -178,6 +200,10 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     None: every process is a focus process.
     """
     chosen = make_backends(backends)
+    # "agent" among the backends reads every process through its agent; otherwise the agent stands in
+    # for the stack tools wherever ptrace is refused and the target is armed.
+    via = "agent" if any(b.name == AGENT for b in chosen) else "auto"
+    chosen = [b for b in chosen if b.name != AGENT]
     focus_set = set(focus) if focus else None
     if focus_set is not None and not focus_set & set(pids):
         focus_set = None
@@ -211,6 +237,11 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                               deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
                               slots=slots, rank=int(minor), t0=start)
             job.before = befores[pid]
+            path_note = _agent_path(job, via, accesses.get(pid))
+            if path_note is not None:
+                findings.append(path_note)
+            else:
+                job.agent_fallback = via == "auto"
             jobs.append(job)
             if not parallel:
                 job.run_serially()
@@ -237,13 +268,18 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
         if not befores[pid].exists:
             evidence.append(ProcessEvidence(pid=pid, alive=False))
     for job in jobs:
+        if job.fell_back:
+            findings.append(Finding(kind="capture_path", pid=job.pid, message=(
+                f"pid {job.pid}: read through kvdiag's in-process agent (the kernel refused every ptrace tool's "
+                "attach)")))
         results = job.snapshot_results()
         proc_res = results.get("proc")
         ev = (proc_res.process.model_copy(deep=True) if proc_res and proc_res.process
               else ProcessEvidence(pid=job.pid))
         ev.threads = merge_threads(results)
+        ev.signals_caught = without_agent_signals(job.pid, ev.signals_caught)
         ev.access = job.access
-        for b in chosen:
+        for b in job.backends:
             if b.name in job.unavailable:
                 ev.tools.append(ToolRun(tool=b.name, ok=False, error=job.unavailable[b.name],
                                         skipped=b.name in job.skipped))

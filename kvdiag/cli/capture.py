@@ -40,16 +40,16 @@ def capture_cmd(
     as_json: bool = typer.Option(False, "--json", help="Print the verdicts as JSON."),
     follow: bool = typer.Option(True, "--follow/--no-follow", help="Also capture the processes outside the "
                                 "tree that a blocked thread waits on (at most 4; the others are named)."),
+    via: str = typer.Option("auto", "--via", help="How stacks are read: auto (ptrace tools; kvdiag's in-process "
+                            "agent where ptrace is refused and the target runs with KVDIAG_AGENT=1) or agent."),
 ) -> int:
     """Read-only capture of a live engine (stacks, GIL state, /proc), analyzed.
 
     Name the process with --pid, or its API server with --engine-core-of.
     A tree that is not one engine (pid 1, your shell, other users' processes)
-    is refused unless --all-descendants. py-spy --native, pystack and gdb pause
-    the target briefly, one at a time, and always resume it; /proc never does.
-    A capture that never pauses: --tools proc,py-spy-nonblocking.
-    Before attaching, kvdiag checks that it may read the target (owner, ptrace_scope,
-    CAP_SYS_PTRACE, container); when it may not, it says why and the fix (no_access).
+    is refused unless --all-descendants. The stack tools pause the target briefly, one
+    at a time; /proc never does. kvdiag checks it may read the target first, else says
+    why and the fixes (no_access).
     Exit codes: 0 no hang evidence, 10 deadlock or stall found, 4 crash or OOM in its log,
     3 no access (the fix is printed) or no thread could be read, 5 nothing to judge (the
     target exited, is a zombie, is stopped or traced, runs no Python or is a kernel thread),
@@ -61,12 +61,12 @@ def capture_cmd(
     if ray is not None:
         if pid is not None or engine_core_of is not None:
             raise UsageError("--ray captures a cluster: leave out --pid and --engine-core-of")
-        names = checked_tools(timeout, tools)
+        names = checked_tools(timeout, tools, via)
         arts = capture_cluster_run(ray, prepare_out_dir(out, "capture"), select=select, patterns=actor,
                                    timeout_s=timeout, tools=names, progress=lambda m: typer.echo(m, err=True))
         return print_outcome(arts, as_json)
     target = target_pid(pid, engine_core_of)
-    names = checked_tools(timeout, tools)
+    names = checked_tools(timeout, tools, via)
     scope = scope_of(target, all_descendants)
     command = f"capture --engine-core-of {engine_core_of}" if engine_core_of is not None else f"capture --pid {target}"
     said = EarlyVerdict(as_json)

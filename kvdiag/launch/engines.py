@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvdiag.kvcached import settings
 from kvdiag.kvcached.settings import PoolSettings, read_settings
-from kvdiag.launch.vllm import expand, find_vllm, native_library, stage_plugin
+from kvdiag.launch.vllm import agent_library, expand, find_vllm, native_library, stage_plugin
 from kvdiag.pymodule import module_argv
 from kvdiag.scenario.models import EngineSpec
 
@@ -85,6 +85,9 @@ def vllm_env(spec: EngineSpec, device_name: str, device_size_gb: float, run_dir:
     native = native_library()
     if native:
         env["KVDIAG_NATIVE_PATH"] = native
+    dumper = agent_library()
+    if dumper:   # the in-process agent, armed only where KVDIAG_AGENT=1
+        env["KVDIAG_AGENT_NATIVE"] = dumper
     if run_dir is not None:
         site = stage_plugin(run_dir)
         old = spec.env.get("PYTHONPATH") or os.environ.get("PYTHONPATH")

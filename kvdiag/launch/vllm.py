@@ -17,6 +17,7 @@ The folder lives in the run's private temp folder and goes with it.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import shutil
@@ -108,6 +109,15 @@ def native_library() -> str | None:
     return str(Path(path).resolve()) if path else None
 
 
+def agent_library() -> str | None:
+    """Path of the built agent dumper (kvdiag.agent._dumper), found without loading it."""
+    try:
+        spec = importlib.util.find_spec("kvdiag.agent._dumper")
+    except (ImportError, ValueError):
+        return None
+    return str(Path(spec.origin).resolve()) if spec is not None and spec.origin else None
+
+
 def stage_plugin(folder: Path) -> Path:
     """Write the plugin folder (see the module doc) under ``folder``; returns the PYTHONPATH entry."""
     site = folder / "kvdiag-vllm-plugin"
@@ -124,5 +134,5 @@ def stage_plugin(folder: Path) -> Path:
     return site
 
 
-__all__ = ["DEFAULT_MODEL", "DEFAULT_VENV", "ENTRY_POINT_GROUP", "MODEL_ENV", "VENV_ENV", "default_model",
-           "engine_python", "expand", "find_vllm", "native_library", "stage_plugin"]
+__all__ = ["DEFAULT_MODEL", "DEFAULT_VENV", "ENTRY_POINT_GROUP", "MODEL_ENV", "VENV_ENV", "agent_library",
+           "default_model", "engine_python", "expand", "find_vllm", "native_library", "stage_plugin"]

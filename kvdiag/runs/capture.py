@@ -70,11 +70,16 @@ def target_pid(pid: int | None, engine_core_of: int | None) -> int:
     return cores[0]
 
 
-def checked_tools(timeout: float, tools: str | list[str]) -> list[str]:
-    """The tool names of ``--tools``, once ``--timeout`` and every name are known good (UsageError if not)."""
+def checked_tools(timeout: float, tools: str | list[str], via: str = "auto") -> list[str]:
+    """The tool names of ``--tools`` (with the agent's for ``--via agent``), once ``--timeout``, ``--via`` and
+    every name are known good (UsageError if not)."""
     if not 0 < timeout <= 600:
         raise UsageError(f"--timeout {timeout}: must be in (0, 600] seconds")
+    if via not in ("auto", "agent"):
+        raise UsageError(f"--via {via}: one of auto, agent")
     names = [t.strip() for t in tools.split(",") if t.strip()] if isinstance(tools, str) else list(tools)
+    if via == "agent" and "agent" not in names:
+        names.append("agent")
     try:
         make_backends(names)
     except ValueError as exc:
@@ -117,7 +122,17 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
                  f"capturing pid {target} and its children{also} with {', '.join(tools)} "
                  f"(read-only; the tools stop after --timeout {timeout_s:g} s)")
 
+    said_paths: set[str] = set()
+
+    def say_paths(b: Bundle) -> None:
+        # which path read each process (ptrace tools or the in-process agent), said before the verdict
+        for f in b.findings:
+            if f.kind == "capture_path" and progress is not None and f.message not in said_paths:
+                said_paths.add(f.message)
+                progress(f.message)
+
     def early(partial: Bundle) -> None:
+        say_paths(partial)
         if record is not None:
             record(partial)
         known.append(diagnose(redact_bundle(partial)))
@@ -131,6 +146,7 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
                           pids=scope.pids + ranks, save=False, on_evidence=early,
                           decides=ranks_decide if ranks else core_decides, focus=scope.pids if ranks else None,
                           follow=follow and not kthread)
+    say_paths(bundle)
     if not known and record is not None:
         record(bundle)
     return finish(out_dir, bundle, verdict_t=verdict_t() if verdict_t is not None else None,

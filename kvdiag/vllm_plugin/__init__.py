@@ -32,7 +32,10 @@ GIL cycle: in the first pass of a new request at least T seconds after its first
 its tensor-parallel group that no other rank calls, while the others go on into the forward pass's
 all-reduce (the ranks then wait for each other in different collectives).
 
-Only the standard library, vLLM and kvdiag.allocator are imported here (this runs inside the
+With ``KVDIAG_AGENT=1`` every vLLM process also arms kvdiag's in-process agent (:mod:`kvdiag.agent`), so
+``kvdiag capture`` reads it where ptrace is refused.
+
+Only the standard library, vLLM, kvdiag.agent and kvdiag.allocator are imported here (this runs inside the
 engine; none of kvdiag's pipeline stages belong in it).
 """
 
@@ -47,6 +50,8 @@ import threading
 import time
 from typing import Any
 
+from kvdiag.agent.arm import arm_quietly
+from kvdiag.agent.protocol import ENABLE_ENV as AGENT_ENV
 from kvdiag.allocator import kvcached_env_kwargs, make_allocator
 
 ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
@@ -99,6 +104,8 @@ def register() -> None:
     """vLLM's plugin entry point: patch the block pool in the EngineCore when enabled; in the worker of
     rank ``KVDIAG_VLLM_HANG_RANK``, arm the injected stall."""
     global _installed
+    if os.environ.get(AGENT_ENV) == "1":
+        arm_quietly()   # kvdiag's in-process agent, in every vLLM process (idempotent)
     kind = os.environ.get(ENABLE_ENV, "").strip().lower()
     if kind not in ("stock", "fixed") or _installed:
         return

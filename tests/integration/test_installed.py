@@ -67,3 +67,12 @@ def test_non_editable_install_repro_from_the_repository_root(tmp_path: Path) -> 
                               "print(sorted(map(str, s().values())))"], capture_output=True, text=True, timeout=60,
                              cwd=elsewhere, env=env)
     assert "two-engine-vllm-cpu" in shipped.stdout and str(ROOT) not in shipped.stdout, shipped.stdout
+    # The wheel's kvdiag_agent.pth arms the in-process agent at interpreter start, only with KVDIAG_AGENT=1.
+    probe = ("import sys, os; print('kvdiag.agent.arm' in sys.modules, "
+             "os.path.exists(sys.argv[1] + '/%d.armed' % os.getpid()))")
+    agent_dir = tmp_path / "agent"
+    agent_dir.mkdir(mode=0o700)
+    for value, expect in (("1", "True True"), ("", "False False")):
+        got = subprocess.run([str(python), "-c", probe, str(agent_dir)], capture_output=True, text=True, timeout=60,
+                             cwd=tmp_path, env={**env, "KVDIAG_AGENT": value, "KVDIAG_AGENT_DIR": str(agent_dir)})
+        assert got.stdout.strip() == expect, (value, got.stdout, got.stderr)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 
+from kvdiag.agent.protocol import AGENT_FIX
 from kvdiag.analyze.access import attach_refused
 from kvdiag.model import Bundle, NodeOutcome, ProcessEvidence
 
@@ -72,7 +73,7 @@ def access_refusal(bundle: Bundle) -> str | None:
     if any(p.access is not None and p.access.seccomp == 2 for p in procs):
         cause = "kvdiag there runs under a seccomp filter, which refuses ptrace as in a container without SYS_PTRACE"
         fix = ("run the node's container with --cap-add=SYS_PTRACE (Kubernetes: securityContext.capabilities.add: "
-               "[SYS_PTRACE]); if still refused, --security-opt seccomp=unconfined")
+               f"[SYS_PTRACE]); if still refused, --security-opt seccomp=unconfined; {AGENT_FIX}")
     else:
         cause = "/proc/PID/mem opened, so an LSM such as AppArmor or SELinux denies the attach"
         fix = "allow ptrace for kvdiag's tools in that policy, or run kvdiag there as root"
