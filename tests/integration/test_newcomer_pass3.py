@@ -191,7 +191,10 @@ def test_watch_and_soak_give_one_stalled_server_one_verdict_and_signature(tmp_pa
         remove_device_files(dev)
     soaked = read_report(tmp_path / "soak")["verdict"]
     verdict = next(json.loads(ln) for ln in watch.stdout.splitlines() if '"event": "verdict"' in ln)
-    watched = read_report(Path(verdict["out"]))["verdict"]
+    watched_report = read_report(Path(verdict["out"]))
+    watched = watched_report["verdict"]
+    engines = watched_report["engines"]
+    assert isinstance(engines, list) and engines[0]["name"] == sp.url.split("//", 1)[1].rstrip("/"), engines
     assert isinstance(soaked, dict) and isinstance(watched, dict)
     assert watched["kind"] == soaked["kind"], (watched["summary"], soaked["summary"])
     assert watched["signature"] == soaked["signature"], (watched, soaked)

@@ -48,3 +48,17 @@ def test_the_chain_does_not_repeat_the_roots_sentence() -> None:
     verdict = diagnose(load_bundle(BUNDLES / "vllm_two_engine_stock")[0]).verdict
     assert verdict.summary.count("GIL cycle in pid") == 1, verdict.summary
     assert "is gil_cycle (above)" in verdict.summary
+
+
+def test_a_ray_get_on_the_same_node_is_not_said_to_cross_nodes() -> None:
+    """The same two actors with both on one node (the hung one moved there): the wait is named a wait on a
+    peer of its own node, never 'waits_across_nodes'."""
+    bundle = load_bundle(BUNDLES / "ray_pyabba_two_nodes")[0]
+    src = next(p.node for p in bundle.processes if p.pid == 24544)
+    dst = next(p.node for p in bundle.processes if p.pid == 24464)
+    for record in [*bundle.processes, *(bundle.fleet.actors if bundle.fleet else []),
+                   *(bundle.fleet.tasks if bundle.fleet else [])]:
+        if record.node == src:
+            record.node = dst
+    kinds = {f.kind for f in diagnose(bundle).verdict.findings}
+    assert "waits_on_peer" in kinds and "waits_across_nodes" not in kinds, kinds
