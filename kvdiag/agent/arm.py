@@ -25,21 +25,27 @@ NATIVE_ENV = "KVDIAG_AGENT_NATIVE"   # where the dumper is when kvdiag is only o
 _state: dict[str, object] = {}
 
 
-def _load_dumper() -> Any:
-    """kvdiag.agent._dumper: importable from the package, else loaded from ``$KVDIAG_AGENT_NATIVE``."""
+def load_extension(name: str, path_env: str) -> Any:
+    """Extension module ``name``: importable from the package, else loaded from the file ``$path_env`` names
+    (kvdiag only on PYTHONPATH, as in a staged vLLM plugin, has no built extension beside its sources)."""
     try:
-        return importlib.import_module("kvdiag.agent._dumper")   # only an armed process loads the native part
+        return importlib.import_module(name)
     except ImportError:
-        path = os.environ.get(NATIVE_ENV)
+        path = os.environ.get(path_env)
         if not path:
             raise
-        spec = importlib.util.spec_from_file_location("kvdiag.agent._dumper", path)
+        spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load kvdiag.agent._dumper from {path}") from None
+            raise ImportError(f"cannot load {name} from {path}") from None
         module = importlib.util.module_from_spec(spec)
-        sys.modules["kvdiag.agent._dumper"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
         return module
+
+
+def _load_dumper() -> Any:
+    """kvdiag.agent._dumper (only an armed process loads the native part)."""
+    return load_extension("kvdiag.agent._dumper", NATIVE_ENV)
 
 
 def _own_starttime() -> int:

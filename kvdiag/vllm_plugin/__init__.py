@@ -41,7 +41,6 @@ engine; none of kvdiag's pipeline stages belong in it).
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import multiprocessing
 import os
@@ -50,7 +49,7 @@ import threading
 import time
 from typing import Any
 
-from kvdiag.agent.arm import arm_quietly
+from kvdiag.agent.arm import arm_quietly, load_extension
 from kvdiag.agent.protocol import ENABLE_ENV as AGENT_ENV
 from kvdiag.allocator import kvcached_env_kwargs, make_allocator
 
@@ -131,21 +130,7 @@ def register() -> None:
 
 def _native() -> Any:
     """kvdiag._native: importable from the package, else loaded from KVDIAG_NATIVE_PATH."""
-    try:
-        import kvdiag._native as native  # optional: an unbuilt extension is loaded from KVDIAG_NATIVE_PATH
-
-        return native
-    except ImportError:
-        path = os.environ.get("KVDIAG_NATIVE_PATH")
-        if not path:
-            raise
-        spec = importlib.util.spec_from_file_location("kvdiag._native", path)
-        if spec is None or spec.loader is None:
-            raise ImportError(f"cannot load kvdiag._native from {path}") from None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules["kvdiag._native"] = module
-        spec.loader.exec_module(module)
-        return module
+    return load_extension("kvdiag._native", "KVDIAG_NATIVE_PATH")
 
 
 def _always_false() -> bool:
