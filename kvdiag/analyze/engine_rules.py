@@ -103,6 +103,12 @@ def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine:
                 f"pid {p.pid} ({p.role.value}) waits on {', '.join(f'pid {q}' for q in own)} of its own engine, "
                 f"whose stacks show no hang: waiting for its engine, not a deadlock. {v.summary}")))
             continue
+        producers = judge.live_producers(p, v) if judge is not None and root is None else []
+        if producers:
+            deferred.append(Finding(kind="waits_on_live_producer", pid=p.pid, engine=engine, message=(
+                f"pid {p.pid} waits to read from {', '.join(f'pid {q}' for q in producers)}, which is alive, has "
+                f"written before and sleeps in a timer loop: a slow producer, not a stuck one. {v.summary}")))
+            continue
         if root is None:
             out.append(v)
             continue

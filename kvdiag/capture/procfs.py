@@ -331,7 +331,8 @@ class ProcBackend:
             io_delta={k: io_after[k] - w.io_before[k] for k in ("rchar", "wchar", "syscr", "syscw")
                       if k in io_after and k in w.io_before},
             log_growth={p: sizes_after[p] - w.sizes_before[p] for p in sizes_after if p in w.sizes_before},
-            gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [])
+            gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [],
+            writes_total=io_after.get("syscw"))
         xwaits.finish(shared, proc, threads, resolver, w.deadline)
         raw = self._write_raw(raw_dir, proc, gil, tally)
         run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - w.start, 3),
