@@ -162,6 +162,9 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
         return verdict
     hang.engine = verdict.engine
     hang.findings = [*hang.findings, *verdict.findings]
+    spin = spinners_on(bundle, {x.pid for x in hang.evidence})
+    if spin:
+        hang.summary += "; " + "; ".join(spin[:2])
     if from_log:
         hang.findings.append(Finding(kind="log_line", engine=verdict.engine, message=(
             f"the log says {verdict.kind.value}, but the processes it could be about are alive and their stacks "

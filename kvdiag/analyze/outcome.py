@@ -335,6 +335,7 @@ class _Step:
     kind: VerdictKind
     cite: list[Wait]
     live: bool = False     # the chain ends at a process that may still act: not a hang
+    cycle: bool = False    # the chain came back to a process already on it
 
 
 def _may_act(ws: list[Wait]) -> bool:
@@ -362,7 +363,8 @@ class _Chain:
         if not p.alive:
             return _Step(f"{self.label(pid)} is gone", VerdictKind.BLOCKED_IPC_READ, [])
         if pid in seen:
-            return _Step(f"and so back to {self.label(pid)}: a cycle, nobody moves", VerdictKind.BLOCKED_IPC_READ, [])
+            return _Step(f"and so back to {self.label(pid)}: a cycle, nobody moves", VerdictKind.UNKNOWN, [],
+                         cycle=True)
         ws = self.waits.get(pid, [])
         stuck = [w for w in ws if w.stuck]
         if _may_act(ws) and not stuck:
@@ -398,7 +400,7 @@ class _Chain:
                              VerdictKind.BLOCKED_IPC_READ, [w])
             nxt = self.doing(kw.holder_pids[0], seen, depth)
             return _Step(f"{who} waits in {w.what}; it is held open by {self.label(kw.holder_pids[0])}; {nxt.text}",
-                         nxt.kind, [w, *nxt.cite], nxt.live)
+                         nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
         if kw is not None:
             if not kw.holder_pids:
                 return _Step(f"{who} waits in {w.what}; /proc/locks names no holder (a lock taken and released "
@@ -406,10 +408,10 @@ class _Chain:
             holder = kw.holder_pids[0]
             nxt = self.doing(holder, seen, depth)
             return _Step(f"{who} waits in {w.what}, held by pid {holder}; {nxt.text}", nxt.kind, [w, *nxt.cite],
-                         nxt.live)
+                         nxt.live, nxt.cycle)
         if w.th.waited_pid is not None and w.th.waited_pid > 0:
             nxt = self.doing(w.th.waited_pid, seen, depth)
-            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
+            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
         peers = _peers(w)
         if peers is not None:
             others = [q for q in peers if q != w.proc.pid]
@@ -420,9 +422,9 @@ class _Chain:
             if w.th.write_fds:
                 only = "only " if len(others) == 1 else ""
                 return _Step(f"{who} waits in {w.what}, which {only}{', '.join(self.label(q) for q in others)} "
-                             f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
+                             f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
             return _Step(f"{who} waits in {w.what} from {self.label(others[0])}; {nxt.text}", nxt.kind,
-                         [w, *nxt.cite], nxt.live)
+                         [w, *nxt.cite], nxt.live, nxt.cycle)
         if w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds:
             # A read or write whose other end was not read: whoever holds it may still answer.
             return _Step(f"{who} waits in {w.what}; who holds the other end was not read", VerdictKind.UNKNOWN,
@@ -434,7 +436,7 @@ class _Chain:
         outside = [x for x in mine if x is not w and x.stuck and not x.in_process]
         if outside and depth < 6:
             nxt = self.step(outside[0], seen, depth + 1)
-            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
+            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
         forked = self.fork_of(w)
         if forked is not None:
             return _Step(f"{who} waits in {w.what}{_native_words(w)}: {forked}", VerdictKind.LOST_WAKEUP, [w])
@@ -451,6 +453,20 @@ class _Chain:
         kind = VerdictKind.LOST_WAKEUP if lost else VerdictKind.UNKNOWN
         return _Step(f"{who} waits in {w.what} for the outcome of work already started; no live thread can "
                      f"complete it: {also}", kind, [w])
+
+
+def _cycle_kind(cite: list[Wait]) -> VerdictKind:
+    """A cycle's kind by its edges: one through a read of a pipe or socket is a blocked read; one made only of
+    locks (file locks, lock waits) is a lock-order inversion; anything else (a waitpid, a join) names no
+    dedicated kind."""
+    if any(w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds or
+           (w.th.kernel_wait is not None and w.th.kernel_wait.what == "fifo_open") for w in cite):
+        return VerdictKind.BLOCKED_IPC_READ
+    locks = [w for w in cite if (w.th.kernel_wait is not None and w.th.kernel_wait.what != "fifo_open")
+             or w.view.kind in (WaitKind.PY_LOCK_WAIT, WaitKind.MUTEX_WAIT)]
+    if cite and len(locks) == len(cite):
+        return VerdictKind.LOCK_ORDER_INVERSION
+    return VerdictKind.UNKNOWN
 
 
 def _peers(w: Wait) -> list[int] | None:
@@ -521,8 +537,9 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     for w in stuck:
         receiver = any(x is not w and x.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT)
                        for x in waits.get(w.proc.pid, []))
+        # A thread that only naps and looks at shared memory that did not change waits itself: it posts nothing.
         if (w.view.shared_futex or (w.in_process and receiver)) and _may_act(
-                [x for x in everyone if x.proc.pid != w.proc.pid]):
+                [x for x in everyone if x.proc.pid != w.proc.pid and not _spinner(x.proc, x.th)]):
             w.may_be_completed = True
     stuck = [w for w in stuck if w.stuck]
     chain = _Chain(bundle, waits)
@@ -533,6 +550,8 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     if found is None:
         return None
     first, step = found
+    if step.cycle:
+        step.kind = _cycle_kind(step.cite)
     window = max((p.progress.window_s for p in scope if p.progress is not None), default=0.0)
     evidence: list[EvidenceItem] = []
     for i, w in enumerate(step.cite[:4]):
