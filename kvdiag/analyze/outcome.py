@@ -24,6 +24,7 @@ from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import RUNNING_TICKS, ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, Key, item_of, where
 from kvdiag.analyze.rulekit import cited, wake_signals
+from kvdiag.defaults import LONG_SLEEP_S
 from kvdiag.model import (
     Bundle,
     Confidence,
@@ -224,6 +225,21 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
     return w(WaitPurpose.OTHER, t.kind.value)
 
 
+def _long_sleep(x: Wait) -> bool:
+    """A sleep with so long left (its timespec, read from memory) that it completes nothing the capture saw
+    stuck: a keep-alive ``while True: sleep(3600)``."""
+    ms = x.th.wait_timeout_ms
+    return x.view.kind is WaitKind.SLEEP and ms is not None and ms >= LONG_SLEEP_S * 1000
+
+
+def _completer(x: Wait) -> bool:
+    """It runs, sleeps (not for long) or waits with a timeout, or waits on something nobody can name."""
+    if _long_sleep(x):
+        return False
+    return x.purpose in (WaitPurpose.RUNNING, WaitPurpose.OTHER) or x.view.kind is WaitKind.SLEEP or (
+        x.view.timed and x.view.kind is not WaitKind.GIL_WAIT)
+
+
 def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wait]:
     if not proc.alive or not proc.threads:
         return []
@@ -231,10 +247,7 @@ def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wai
            for th, t in zip(proc.threads, classify_process(proc, machine), strict=False)]
     for w in out:
         if w.purpose is WaitPurpose.OUTCOME and w.in_process:
-            w.may_be_completed = any(
-                x is not w and (x.purpose in (WaitPurpose.RUNNING, WaitPurpose.OTHER) or x.view.kind is WaitKind.SLEEP
-                                or (x.view.timed and x.view.kind is not WaitKind.GIL_WAIT))
-                for x in out)
+            w.may_be_completed = any(x is not w and _completer(x) for x in out)
     return out
 
 
@@ -341,8 +354,7 @@ class _Step:
 def _may_act(ws: list[Wait]) -> bool:
     """A thread that runs, sleeps or waits with a timeout (a one-shot sleep ends and may finish the work; one
     window cannot tell it from a timer loop), or waits on something nobody can name."""
-    return any(x.purpose in (WaitPurpose.RUNNING, WaitPurpose.OTHER) or x.view.kind is WaitKind.SLEEP
-               or (x.view.timed and x.view.kind is not WaitKind.GIL_WAIT) for x in ws)
+    return any(_completer(x) for x in ws)
 
 
 class _Chain:
