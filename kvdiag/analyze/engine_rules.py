@@ -12,7 +12,7 @@ from kvdiag.analyze.classify import classify_process
 from kvdiag.analyze.confidence import healthy_confidence
 from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.gpu import gpu_wait_progressed
-from kvdiag.analyze.outcome import spinners_on, stuck_outcome
+from kvdiag.analyze.outcome import lock_after_death, spinners_on, stuck_outcome
 from kvdiag.analyze.peers import PeerJudge, servers_were_paused_too
 from kvdiag.analyze.process import analyze_process, process_findings
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
@@ -158,6 +158,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     if verdict.kind not in (VerdictKind.HEALTHY, VerdictKind.SLOW_START) and not from_log:
         return verdict
     hang = stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None)
+    if hang is None and from_log and e is not None and not _log_names_gone(bundle, verdict):
+        return _live_despite_log(name, e, procs, bundle, relevant, verdict)
     if hang is None:
         return verdict
     hang.engine = verdict.engine
@@ -183,6 +185,33 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             f"not slow_start: {verdict.summary}; the log did not grow during the window, and a stale line never "
             "outvotes a stuck wait")))
     return hang
+
+
+def _log_names_gone(bundle: Bundle, verdict: Verdict) -> bool:
+    """The log (or the verdict read from it) names a process that is no longer alive: the line may be about
+    it, and a crash or OOM of a process that is gone is a verdict."""
+    alive = {p.pid for p in bundle.processes if p.alive}
+    named = {int(m) for m in re.findall(r"(?:pid[= ]|[Pp]rocess |\(pid )(\d+)", verdict.summary)}
+    named |= {int(m) for e in bundle.engines for ln in e.log_tail
+              for m in re.findall(r"(?:\bpid[= ]|[Pp]rocess |\(pid )(\d+)", ln)}
+    return bool(named - alive) or not any(p.alive for p in bundle.processes)
+
+
+def _live_despite_log(name: str, e: EngineRecord, procs: list[ProcessEvidence], bundle: Bundle,
+                      relevant: list[Finding], verdict: Verdict) -> Verdict:
+    """A crash or OOM line in the log of processes that are all alive is a finding beside what their stacks
+    show: a thread waiting with no timeout on a lock a dead thread may have held, else the stacks' own verdict."""
+    note = Finding(kind="log_line", engine=verdict.engine, message=(
+        f"the log says {verdict.kind.value}, but every process it could be about is alive; a log line is the "
+        f"verdict only for a process that is gone: {verdict.summary}"))
+    line = verdict.summary.split(": ", 2)[-1]
+    held = lock_after_death(bundle, judgeable(procs, relevant), e.name, line)
+    if held is not None:
+        held.findings.append(note)
+        return held
+    out = _engine_verdict(name, e.model_copy(update={"error": None}), procs, bundle, relevant)
+    out.findings.append(note)
+    return out
 
 
 def _chained(verdict: Verdict, chain: Verdict | None) -> Verdict:

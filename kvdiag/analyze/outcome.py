@@ -591,3 +591,38 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     return Verdict(kind=step.kind, confidence=Confidence.MEDIUM if step.kind is not VerdictKind.UNKNOWN else
                    Confidence.LOW, engine=engine, evidence=evidence, summary=summary, confidence_reasons=reasons,
                    findings=findings)
+
+
+def lock_after_death(bundle: Bundle, procs: list[ProcessEvidence], engine: str | None, line: str) -> Verdict | None:
+    """A live process whose log ends with an exception (``line``) while one of its threads waits with no
+    timeout on a lock or condition that did not advance and none of its threads runs (the others sleep in timer
+    loops or wait): the thread that died may have held what it waits for. A hang whose waker cannot be named;
+    the exception is its finding, not its verdict."""
+    if not observed(procs):
+        return None
+    machine = bundle.host.machine
+    for p in procs:
+        ws = process_waits(p, machine)
+        if any(w.purpose is WaitPurpose.RUNNING for w in ws):
+            continue
+        held = [w for w in ws if w.purpose is WaitPurpose.OUTCOME and w.view.kind in _BLOCKING and not w.view.timed
+                and w.advanced is False and not w.woke and w.in_process]
+        if not held:
+            continue
+        w = sorted(held, key=lambda x: (not x.view.is_main, x.th.tid))[0]
+        who = f"pid {p.pid} thread {w.th.tid}" + (f" ({w.th.name})" if w.th.name else "")
+        rest = [x for x in ws if x is not w]
+        also = (f"its other {len(rest)} thread(s) only sleep in timer loops or wait" if rest else
+                "it has no other thread")
+        died = (f"a thread died with an exception ({line.strip()[:160]}); a lock it held may never be "
+                "released")
+        return Verdict(
+            kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW, engine=engine,
+            evidence=[_cite(w, f"waits: {w.what} (outcome; no timeout, did not advance)", engine, BLOCKED_KEYS)],
+            summary=(f"hang: {who} waits in {w.what} with no timeout and did not advance; {also}; the log says "
+                     f"{died}"),
+            confidence_reasons=["+ the wait has no timeout and did not advance over the window",
+                                "- who holds what it waits for could not be named: pystack --locals would show the "
+                                "lock's owner"],
+            findings=[Finding(kind="thread_died", pid=p.pid, engine=engine, message=died)])
+    return None
