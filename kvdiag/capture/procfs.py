@@ -501,7 +501,7 @@ def _sleep_left_ms(nr: int, args: list[int], mem: TargetMemory) -> int | None:
     if raw is None or len(raw) < 16:
         return None
     sec, nsec = struct.unpack("<qq", raw)
-    ms = sec * 1000 + nsec // 1_000_000
+    ms = int(sec) * 1000 + int(nsec) // 1_000_000
     if clock and args[1] & _TIMER_ABSTIME:
         clk = _CLOCKS.get(args[0])
         if clk is None:
