@@ -29,6 +29,7 @@ from kvdiag.model import (
     Bundle,
     Confidence,
     EvidenceItem,
+    FdInfo,
     Finding,
     ProcessEvidence,
     ThreadEvidence,
@@ -156,6 +157,24 @@ class Wait:
         return self.th.kernel_wait is None and self.th.waited_pid is None and _peers(self) is None
 
 
+def _self_pair(f: FdInfo, pid: int) -> bool:
+    """One end of a socketpair or pipe whose other end only its own process holds: a loop's wakeup pipe."""
+    peers = (f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids)
+    return f.kind in ("socket", "pipe") and not f.listening and bool(peers) and set(peers) == {pid}
+
+
+def _loop_on_itself(proc: ProcessEvidence, t: ThreadView) -> bool:
+    """An asyncio loop run to complete a coroutine (run_until_complete, asyncio.run), parked with no timeout,
+    whose selector holds nothing but its own wakeup pipe: no listening or connected socket, no timer, no child
+    watcher; and no signal handler that could deliver to it. Only another thread's call_soon_threadsafe can
+    wake it."""
+    if not t.asyncio_loop or not t.wait_forever or not t.blocked_fds or wake_signals(proc):
+        return False
+    if not any(f.kind == "python" and f.name.endswith("run_until_complete") for f in t.frames):
+        return False
+    return all(_self_pair(f, proc.pid) for f in t.blocked_fds)
+
+
 def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, machine: str | None = None) -> Wait:
     """New work, an outcome, running, or other (a GIL wait, a state no tool could read)."""
     def w(purpose: WaitPurpose, what: str) -> Wait:
@@ -184,6 +203,10 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
         return w(WaitPurpose.OTHER, "waits for the GIL")
     if t.kind is WaitKind.SLEEP:
         return w(WaitPurpose.NEW_WORK, f"a timed sleep ({_frames_text(t)}): a timer loop")
+    if t.kind is WaitKind.EVENT_WAIT and _loop_on_itself(proc, t):
+        return w(WaitPurpose.OUTCOME, f"an asyncio loop inside run_until_complete with nothing to wait on but its "
+                                      f"own wakeup pipe (no socket, no timer): its main coroutine awaits a future "
+                                      f"only another thread could set ({_frames_text(t)})")
     if t.kind is WaitKind.EVENT_WAIT:
         # A poll over several sources is a loop waiting for whatever comes (an executor's manager thread polls
         # its workers' results and its wakeup pipe alike), whatever its frames call it.
@@ -226,10 +249,11 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
 
 
 def _long_sleep(x: Wait) -> bool:
-    """A sleep with so long left (its timespec, read from memory) that it completes nothing the capture saw
-    stuck: a keep-alive ``while True: sleep(3600)``."""
+    """A main thread with so long left to sleep (its timespec, read from memory) that it completes nothing the
+    capture saw stuck: a keep-alive ``while True: sleep(3600)`` while the work runs on other threads. A worker
+    thread's long sleep is work in flight (a join waits for it to end), so it still counts."""
     ms = x.th.wait_timeout_ms
-    return x.view.kind is WaitKind.SLEEP and ms is not None and ms >= LONG_SLEEP_S * 1000
+    return x.view.is_main and x.view.kind is WaitKind.SLEEP and ms is not None and ms >= LONG_SLEEP_S * 1000
 
 
 def _completer(x: Wait) -> bool:
@@ -437,7 +461,8 @@ class _Chain:
                              f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
             return _Step(f"{who} waits in {w.what} from {self.label(others[0])}; {nxt.text}", nxt.kind,
                          [w, *nxt.cite], nxt.live, nxt.cycle)
-        if w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds:
+        if (w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds) and not \
+                _loop_on_itself(w.proc, w.view):
             # A read or write whose other end was not read: whoever holds it may still answer.
             return _Step(f"{who} waits in {w.what}; who holds the other end was not read", VerdictKind.UNKNOWN,
                          [w], live=True)
@@ -460,7 +485,7 @@ class _Chain:
             also = "it has no other thread"
         # A condition nobody will signal is a lost wakeup; a plain lock nobody else holds (re-taken by its own
         # holder, or held by a thread we cannot name) stays unknown.
-        lost = w.view.kind is WaitKind.COND_WAIT or (
+        lost = w.view.kind is WaitKind.COND_WAIT or _loop_on_itself(w.proc, w.view) or (
             w.view.kind is WaitKind.PY_LOCK_WAIT and w.view.py_wait == "py_cond")
         kind = VerdictKind.LOST_WAKEUP if lost else VerdictKind.UNKNOWN
         return _Step(f"{who} waits in {w.what} for the outcome of work already started; no live thread can "
@@ -493,7 +518,9 @@ def _peers(w: Wait) -> list[int] | None:
     out: list[int] = []
     read = False
     for f in w.th.blocked_fds:
-        if f.kind not in ("socket", "pipe") or f.listening:
+        # A loop's own wakeup pipe is no peer: who writes it is a thread of the same process.
+        if f.kind not in ("socket", "pipe") or f.listening or (
+                w.view.kind is WaitKind.EVENT_WAIT and _self_pair(f, w.proc.pid)):
             continue
         pids = (f.writer_pids if f.writer_pids is not None else f.peer_pids) if f.kind == "pipe" else f.peer_pids
         if pids is None:
