@@ -22,3 +22,7 @@ KV_FULL = 0.9
 # A simulated engine's tokens per KV page and vLLM block size when its flags give none (what doctor plans).
 SIM_TOKENS_PER_PAGE = 2048
 SIM_BLOCK_SIZE = 16
+
+# A main thread with at least this long left to sleep is not what completes a wait the capture found stuck: what it
+# does after waking cannot explain the stall the user sees now.
+LONG_SLEEP_S = 60.0

@@ -12,7 +12,7 @@ from kvdiag.analyze.classify import classify_process
 from kvdiag.analyze.confidence import healthy_confidence
 from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.gpu import gpu_wait_progressed
-from kvdiag.analyze.outcome import spinners_on, stuck_outcome
+from kvdiag.analyze.outcome import lock_after_death, spinners_on, stuck_outcome
 from kvdiag.analyze.peers import PeerJudge, servers_were_paused_too
 from kvdiag.analyze.process import analyze_process, process_findings
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
@@ -103,6 +103,12 @@ def _process_verdicts(procs: list[ProcessEvidence], machine: str | None, engine:
                 f"pid {p.pid} ({p.role.value}) waits on {', '.join(f'pid {q}' for q in own)} of its own engine, "
                 f"whose stacks show no hang: waiting for its engine, not a deadlock. {v.summary}")))
             continue
+        producers = judge.live_producers(p, v) if judge is not None and root is None else []
+        if producers:
+            deferred.append(Finding(kind="waits_on_live_producer", pid=p.pid, engine=engine, message=(
+                f"pid {p.pid} waits to read from {', '.join(f'pid {q}' for q in producers)}, which is alive, has "
+                f"written before and sleeps in a timer loop: a slow producer, not a stuck one. {v.summary}")))
+            continue
         if root is None:
             out.append(v)
             continue
@@ -152,10 +158,15 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     if verdict.kind not in (VerdictKind.HEALTHY, VerdictKind.SLOW_START) and not from_log:
         return verdict
     hang = stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None)
+    if hang is None and from_log and e is not None and not _log_names_gone(bundle, verdict):
+        return _live_despite_log(name, e, procs, bundle, relevant, verdict)
     if hang is None:
         return verdict
     hang.engine = verdict.engine
     hang.findings = [*hang.findings, *verdict.findings]
+    spin = spinners_on(bundle, {x.pid for x in hang.evidence})
+    if spin:
+        hang.summary += "; " + "; ".join(spin[:2])
     if from_log:
         hang.findings.append(Finding(kind="log_line", engine=verdict.engine, message=(
             f"the log says {verdict.kind.value}, but the processes it could be about are alive and their stacks "
@@ -174,6 +185,33 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             f"not slow_start: {verdict.summary}; the log did not grow during the window, and a stale line never "
             "outvotes a stuck wait")))
     return hang
+
+
+def _log_names_gone(bundle: Bundle, verdict: Verdict) -> bool:
+    """The log (or the verdict read from it) names a process that is no longer alive: the line may be about
+    it, and a crash or OOM of a process that is gone is a verdict."""
+    alive = {p.pid for p in bundle.processes if p.alive}
+    named = {int(m) for m in re.findall(r"(?:pid[= ]|[Pp]rocess |\(pid )(\d+)", verdict.summary)}
+    named |= {int(m) for e in bundle.engines for ln in e.log_tail
+              for m in re.findall(r"(?:\bpid[= ]|[Pp]rocess |\(pid )(\d+)", ln)}
+    return bool(named - alive) or not any(p.alive for p in bundle.processes)
+
+
+def _live_despite_log(name: str, e: EngineRecord, procs: list[ProcessEvidence], bundle: Bundle,
+                      relevant: list[Finding], verdict: Verdict) -> Verdict:
+    """A crash or OOM line in the log of processes that are all alive is a finding beside what their stacks
+    show: a thread waiting with no timeout on a lock a dead thread may have held, else the stacks' own verdict."""
+    note = Finding(kind="log_line", engine=verdict.engine, message=(
+        f"the log says {verdict.kind.value}, but every process it could be about is alive; a log line is the "
+        f"verdict only for a process that is gone: {verdict.summary}"))
+    line = verdict.summary.split(": ", 2)[-1]
+    held = lock_after_death(bundle, judgeable(procs, relevant), e.name, line)
+    if held is not None:
+        held.findings.append(note)
+        return held
+    out = _engine_verdict(name, e.model_copy(update={"error": None}), procs, bundle, relevant)
+    out.findings.append(note)
+    return out
 
 
 def _chained(verdict: Verdict, chain: Verdict | None) -> Verdict:

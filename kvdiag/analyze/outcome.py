@@ -24,10 +24,12 @@ from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import RUNNING_TICKS, ThreadView, WaitKind, classify_process
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, Key, item_of, where
 from kvdiag.analyze.rulekit import cited, wake_signals
+from kvdiag.defaults import LONG_SLEEP_S
 from kvdiag.model import (
     Bundle,
     Confidence,
     EvidenceItem,
+    FdInfo,
     Finding,
     ProcessEvidence,
     ThreadEvidence,
@@ -155,6 +157,24 @@ class Wait:
         return self.th.kernel_wait is None and self.th.waited_pid is None and _peers(self) is None
 
 
+def _self_pair(f: FdInfo, pid: int) -> bool:
+    """One end of a socketpair or pipe whose other end only its own process holds: a loop's wakeup pipe."""
+    peers = (f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids)
+    return f.kind in ("socket", "pipe") and not f.listening and bool(peers) and set(peers) == {pid}
+
+
+def _loop_on_itself(proc: ProcessEvidence, t: ThreadView) -> bool:
+    """An asyncio loop run to complete a coroutine (run_until_complete, asyncio.run), parked with no timeout,
+    whose selector holds nothing but its own wakeup pipe: no listening or connected socket, no timer, no child
+    watcher; and no signal handler that could deliver to it. Only another thread's call_soon_threadsafe can
+    wake it."""
+    if not t.asyncio_loop or not t.wait_forever or not t.blocked_fds or wake_signals(proc):
+        return False
+    if not any(f.kind == "python" and f.name.endswith("run_until_complete") for f in t.frames):
+        return False
+    return all(_self_pair(f, proc.pid) for f in t.blocked_fds)
+
+
 def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, machine: str | None = None) -> Wait:
     """New work, an outcome, running, or other (a GIL wait, a state no tool could read)."""
     def w(purpose: WaitPurpose, what: str) -> Wait:
@@ -183,6 +203,10 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
         return w(WaitPurpose.OTHER, "waits for the GIL")
     if t.kind is WaitKind.SLEEP:
         return w(WaitPurpose.NEW_WORK, f"a timed sleep ({_frames_text(t)}): a timer loop")
+    if t.kind is WaitKind.EVENT_WAIT and _loop_on_itself(proc, t):
+        return w(WaitPurpose.OUTCOME, f"an asyncio loop inside run_until_complete with nothing to wait on but its "
+                                      f"own wakeup pipe (no socket, no timer): its main coroutine awaits a future "
+                                      f"only another thread could set ({_frames_text(t)})")
     if t.kind is WaitKind.EVENT_WAIT:
         # A poll over several sources is a loop waiting for whatever comes (an executor's manager thread polls
         # its workers' results and its wakeup pipe alike), whatever its frames call it.
@@ -224,6 +248,22 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
     return w(WaitPurpose.OTHER, t.kind.value)
 
 
+def _long_sleep(x: Wait) -> bool:
+    """A main thread with so long left to sleep (its timespec, read from memory) that it completes nothing the
+    capture saw stuck: a keep-alive ``while True: sleep(3600)`` while the work runs on other threads. A worker
+    thread's long sleep is work in flight (a join waits for it to end), so it still counts."""
+    ms = x.th.wait_timeout_ms
+    return x.view.is_main and x.view.kind is WaitKind.SLEEP and ms is not None and ms >= LONG_SLEEP_S * 1000
+
+
+def _completer(x: Wait) -> bool:
+    """It runs, sleeps (not for long) or waits with a timeout, or waits on something nobody can name."""
+    if _long_sleep(x):
+        return False
+    return x.purpose in (WaitPurpose.RUNNING, WaitPurpose.OTHER) or x.view.kind is WaitKind.SLEEP or (
+        x.view.timed and x.view.kind is not WaitKind.GIL_WAIT)
+
+
 def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wait]:
     if not proc.alive or not proc.threads:
         return []
@@ -231,10 +271,7 @@ def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wai
            for th, t in zip(proc.threads, classify_process(proc, machine), strict=False)]
     for w in out:
         if w.purpose is WaitPurpose.OUTCOME and w.in_process:
-            w.may_be_completed = any(
-                x is not w and (x.purpose in (WaitPurpose.RUNNING, WaitPurpose.OTHER) or x.view.kind is WaitKind.SLEEP
-                                or (x.view.timed and x.view.kind is not WaitKind.GIL_WAIT))
-                for x in out)
+            w.may_be_completed = any(x is not w and _completer(x) for x in out)
     return out
 
 
@@ -335,13 +372,13 @@ class _Step:
     kind: VerdictKind
     cite: list[Wait]
     live: bool = False     # the chain ends at a process that may still act: not a hang
+    cycle: bool = False    # the chain came back to a process already on it
 
 
 def _may_act(ws: list[Wait]) -> bool:
     """A thread that runs, sleeps or waits with a timeout (a one-shot sleep ends and may finish the work; one
     window cannot tell it from a timer loop), or waits on something nobody can name."""
-    return any(x.purpose in (WaitPurpose.RUNNING, WaitPurpose.OTHER) or x.view.kind is WaitKind.SLEEP
-               or (x.view.timed and x.view.kind is not WaitKind.GIL_WAIT) for x in ws)
+    return any(_completer(x) for x in ws)
 
 
 class _Chain:
@@ -362,7 +399,8 @@ class _Chain:
         if not p.alive:
             return _Step(f"{self.label(pid)} is gone", VerdictKind.BLOCKED_IPC_READ, [])
         if pid in seen:
-            return _Step(f"and so back to {self.label(pid)}: a cycle, nobody moves", VerdictKind.BLOCKED_IPC_READ, [])
+            return _Step(f"and so back to {self.label(pid)}: a cycle, nobody moves", VerdictKind.UNKNOWN, [],
+                         cycle=True)
         ws = self.waits.get(pid, [])
         stuck = [w for w in ws if w.stuck]
         if _may_act(ws) and not stuck:
@@ -398,7 +436,7 @@ class _Chain:
                              VerdictKind.BLOCKED_IPC_READ, [w])
             nxt = self.doing(kw.holder_pids[0], seen, depth)
             return _Step(f"{who} waits in {w.what}; it is held open by {self.label(kw.holder_pids[0])}; {nxt.text}",
-                         nxt.kind, [w, *nxt.cite], nxt.live)
+                         nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
         if kw is not None:
             if not kw.holder_pids:
                 return _Step(f"{who} waits in {w.what}; /proc/locks names no holder (a lock taken and released "
@@ -406,10 +444,10 @@ class _Chain:
             holder = kw.holder_pids[0]
             nxt = self.doing(holder, seen, depth)
             return _Step(f"{who} waits in {w.what}, held by pid {holder}; {nxt.text}", nxt.kind, [w, *nxt.cite],
-                         nxt.live)
+                         nxt.live, nxt.cycle)
         if w.th.waited_pid is not None and w.th.waited_pid > 0:
             nxt = self.doing(w.th.waited_pid, seen, depth)
-            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
+            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
         peers = _peers(w)
         if peers is not None:
             others = [q for q in peers if q != w.proc.pid]
@@ -420,10 +458,11 @@ class _Chain:
             if w.th.write_fds:
                 only = "only " if len(others) == 1 else ""
                 return _Step(f"{who} waits in {w.what}, which {only}{', '.join(self.label(q) for q in others)} "
-                             f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
+                             f"reads; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
             return _Step(f"{who} waits in {w.what} from {self.label(others[0])}; {nxt.text}", nxt.kind,
-                         [w, *nxt.cite], nxt.live)
-        if w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds:
+                         [w, *nxt.cite], nxt.live, nxt.cycle)
+        if (w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds) and not \
+                _loop_on_itself(w.proc, w.view):
             # A read or write whose other end was not read: whoever holds it may still answer.
             return _Step(f"{who} waits in {w.what}; who holds the other end was not read", VerdictKind.UNKNOWN,
                          [w], live=True)
@@ -434,7 +473,7 @@ class _Chain:
         outside = [x for x in mine if x is not w and x.stuck and not x.in_process]
         if outside and depth < 6:
             nxt = self.step(outside[0], seen, depth + 1)
-            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live)
+            return _Step(f"{who} waits in {w.what}; {nxt.text}", nxt.kind, [w, *nxt.cite], nxt.live, nxt.cycle)
         forked = self.fork_of(w)
         if forked is not None:
             return _Step(f"{who} waits in {w.what}{_native_words(w)}: {forked}", VerdictKind.LOST_WAKEUP, [w])
@@ -446,11 +485,25 @@ class _Chain:
             also = "it has no other thread"
         # A condition nobody will signal is a lost wakeup; a plain lock nobody else holds (re-taken by its own
         # holder, or held by a thread we cannot name) stays unknown.
-        lost = w.view.kind is WaitKind.COND_WAIT or (
+        lost = w.view.kind is WaitKind.COND_WAIT or _loop_on_itself(w.proc, w.view) or (
             w.view.kind is WaitKind.PY_LOCK_WAIT and w.view.py_wait == "py_cond")
         kind = VerdictKind.LOST_WAKEUP if lost else VerdictKind.UNKNOWN
         return _Step(f"{who} waits in {w.what} for the outcome of work already started; no live thread can "
                      f"complete it: {also}", kind, [w])
+
+
+def _cycle_kind(cite: list[Wait]) -> VerdictKind:
+    """A cycle's kind by its edges: one through a read of a pipe or socket is a blocked read; one made only of
+    locks (file locks, lock waits) is a lock-order inversion; anything else (a waitpid, a join) names no
+    dedicated kind."""
+    if any(w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds or
+           (w.th.kernel_wait is not None and w.th.kernel_wait.what == "fifo_open") for w in cite):
+        return VerdictKind.BLOCKED_IPC_READ
+    locks = [w for w in cite if (w.th.kernel_wait is not None and w.th.kernel_wait.what != "fifo_open")
+             or w.view.kind in (WaitKind.PY_LOCK_WAIT, WaitKind.MUTEX_WAIT)]
+    if cite and len(locks) == len(cite):
+        return VerdictKind.LOCK_ORDER_INVERSION
+    return VerdictKind.UNKNOWN
 
 
 def _peers(w: Wait) -> list[int] | None:
@@ -465,7 +518,9 @@ def _peers(w: Wait) -> list[int] | None:
     out: list[int] = []
     read = False
     for f in w.th.blocked_fds:
-        if f.kind not in ("socket", "pipe") or f.listening:
+        # A loop's own wakeup pipe is no peer: who writes it is a thread of the same process.
+        if f.kind not in ("socket", "pipe") or f.listening or (
+                w.view.kind is WaitKind.EVENT_WAIT and _self_pair(f, w.proc.pid)):
             continue
         pids = (f.writer_pids if f.writer_pids is not None else f.peer_pids) if f.kind == "pipe" else f.peer_pids
         if pids is None:
@@ -521,8 +576,9 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     for w in stuck:
         receiver = any(x is not w and x.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT)
                        for x in waits.get(w.proc.pid, []))
+        # A thread that only naps and looks at shared memory that did not change waits itself: it posts nothing.
         if (w.view.shared_futex or (w.in_process and receiver)) and _may_act(
-                [x for x in everyone if x.proc.pid != w.proc.pid]):
+                [x for x in everyone if x.proc.pid != w.proc.pid and not _spinner(x.proc, x.th)]):
             w.may_be_completed = True
     stuck = [w for w in stuck if w.stuck]
     chain = _Chain(bundle, waits)
@@ -533,6 +589,8 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     if found is None:
         return None
     first, step = found
+    if step.cycle:
+        step.kind = _cycle_kind(step.cite)
     window = max((p.progress.window_s for p in scope if p.progress is not None), default=0.0)
     evidence: list[EvidenceItem] = []
     for i, w in enumerate(step.cite[:4]):
@@ -560,3 +618,38 @@ def stuck_outcome(bundle: Bundle, procs: list[ProcessEvidence], engine: str | No
     return Verdict(kind=step.kind, confidence=Confidence.MEDIUM if step.kind is not VerdictKind.UNKNOWN else
                    Confidence.LOW, engine=engine, evidence=evidence, summary=summary, confidence_reasons=reasons,
                    findings=findings)
+
+
+def lock_after_death(bundle: Bundle, procs: list[ProcessEvidence], engine: str | None, line: str) -> Verdict | None:
+    """A live process whose log ends with an exception (``line``) while one of its threads waits with no
+    timeout on a lock or condition that did not advance and none of its threads runs (the others sleep in timer
+    loops or wait): the thread that died may have held what it waits for. A hang whose waker cannot be named;
+    the exception is its finding, not its verdict."""
+    if not observed(procs):
+        return None
+    machine = bundle.host.machine
+    for p in procs:
+        ws = process_waits(p, machine)
+        if any(w.purpose is WaitPurpose.RUNNING for w in ws):
+            continue
+        held = [w for w in ws if w.purpose is WaitPurpose.OUTCOME and w.view.kind in _BLOCKING and not w.view.timed
+                and w.advanced is False and not w.woke and w.in_process]
+        if not held:
+            continue
+        w = sorted(held, key=lambda x: (not x.view.is_main, x.th.tid))[0]
+        who = f"pid {p.pid} thread {w.th.tid}" + (f" ({w.th.name})" if w.th.name else "")
+        rest = [x for x in ws if x is not w]
+        also = (f"its other {len(rest)} thread(s) only sleep in timer loops or wait" if rest else
+                "it has no other thread")
+        died = (f"a thread died with an exception ({line.strip()[:160]}); a lock it held may never be "
+                "released")
+        return Verdict(
+            kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW, engine=engine,
+            evidence=[_cite(w, f"waits: {w.what} (outcome; no timeout, did not advance)", engine, BLOCKED_KEYS)],
+            summary=(f"hang: {who} waits in {w.what} with no timeout and did not advance; {also}; the log says "
+                     f"{died}"),
+            confidence_reasons=["+ the wait has no timeout and did not advance over the window",
+                                "- who holds what it waits for could not be named: pystack --locals would show the "
+                                "lock's owner"],
+            findings=[Finding(kind="thread_died", pid=p.pid, engine=engine, message=died)])
+    return None

@@ -5,7 +5,7 @@ verdict (a silent peer that is itself hung, paused or healthy), never alone.
 from __future__ import annotations
 
 from kvdiag.analyze.access import judgeable
-from kvdiag.analyze.classify import classify_process
+from kvdiag.analyze.classify import WaitKind, classify_process
 from kvdiag.analyze.process import analyze_process
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES
 from kvdiag.model import Bundle, ProcessEvidence, ProcessRole, Verdict, VerdictKind
@@ -64,6 +64,33 @@ class PeerJudge:
             if q in self.by_pid and (root := self.hung_root(q, frozenset({proc.pid}))) is not None:
                 return root
         return None
+
+    def live_producers(self, proc: ProcessEvidence, verdict: Verdict) -> list[int]:
+        """The writers of the pipes a blocked-read verdict waits on, when every such pipe has one that is
+        alive, has written before and sleeps in a timer loop (or runs): a slow producer the window fell between
+        two writes of, not a silent peer. Empty when any pipe's writers are unknown, gone or stuck."""
+        if verdict.kind is not VerdictKind.BLOCKED_IPC_READ or not verdict.evidence:
+            return []
+        tid = verdict.evidence[0].tid
+        th = next((t for t in proc.threads if t.tid == tid), None)
+        pipes = [f for f in th.blocked_fds if f.kind == "pipe"] if th is not None else []
+        if th is None or not pipes or len(pipes) != len([f for f in th.blocked_fds if f.kind in ("pipe", "socket")]):
+            return []
+        out: list[int] = []
+        for f in pipes:
+            writers = [q for q in (f.writer_pids if f.writer_pids is not None else f.peer_pids) if q != proc.pid]
+            live = [q for q in writers if self._producing(q)]
+            if not live:
+                return []
+            out += [q for q in live if q not in out]
+        return out
+
+    def _producing(self, pid: int) -> bool:
+        p = self.by_pid.get(pid)
+        if p is None or not p.alive or not p.threads or p.progress is None or not p.progress.writes_total:
+            return False
+        return any(t.running or t.kind is WaitKind.SLEEP or (t.timed and t.kind is not WaitKind.GIL_WAIT)
+                   for t in classify_process(p, self.machine))
 
     def waits_on_own_engine(self, proc: ProcessEvidence, verdict: Verdict) -> list[int]:
         """The peers, when ``proc`` is a part of an engine (API server, EngineCore, worker) whose read

@@ -8,10 +8,11 @@ A peer is named by scanning ``/proc/*/fd`` once for the inodes wanted.
 
 from __future__ import annotations
 
+import stat
 from dataclasses import dataclass, field
 
 from kvdiag.model import FdInfo
-from kvdiag.osread.fds import held_inodes, inode_holders, link_inode, readlink
+from kvdiag.osread.fds import fd_stat, held_inodes, inode_holders, link_inode, readlink, scan_holders
 from kvdiag.osread.files import PROC
 from kvdiag.osread.net import TCP_LISTEN_HEX, TcpEntry, UnixNetEntry, tcp_table, unix_table
 from kvdiag.osread.process import read_comm
@@ -37,6 +38,16 @@ class _SocketTable:
         self.loaded = True
 
 
+def is_fifo(info: FdInfo) -> bool:
+    """A named pipe: a pipe whose fd links to a path, not to ``pipe:[inode]``."""
+    return info.kind == "pipe" and info.target.startswith("/")
+
+
+def pipe_link(info: FdInfo) -> str:
+    """What another process's fd links to when it holds the same pipe."""
+    return info.target if is_fifo(info) else f"pipe:[{info.inode}]"
+
+
 class FdResolver:
     """Describes fds of one target; host-wide tables are read lazily, once."""
 
@@ -50,8 +61,15 @@ class FdResolver:
         if any(i.kind == "socket" for i in infos) and not self._table.loaded:
             self._table.load(self.deadline, self.pid)
         wanted: set[int] = set()
+        fifos = {i.target for i in infos if is_fifo(i)}
+        fifo_scan = scan_holders(fifos, self.deadline, modes=False) if fifos else None
         for info in infos:
-            if info.kind == "socket" and info.inode is not None:
+            if fifo_scan is not None and is_fifo(info):
+                info.peer_pids = sorted({h.pid for h in fifo_scan.by_link.get(info.target, []) if h.pid != self.pid})
+                info.partial = fifo_scan.partial
+                if info.peer_pids:
+                    info.peer_comm = read_comm(info.peer_pids[0]) or None
+            elif info.kind == "socket" and info.inode is not None:
                 self._socket(info)
                 if info.peer_inode is not None:
                     wanted.add(info.peer_inode)
@@ -63,7 +81,7 @@ class FdResolver:
             if info.kind == "socket" and info.proto == "unix" and info.peer_inode is None:
                 info.partial = self._table.unix_peer_partial
             key = info.peer_inode if info.kind == "socket" else info.inode
-            if key is None:
+            if key is None or is_fifo(info):
                 continue
             info.partial = info.partial or scan_partial
             info.peer_pids = owners.get(key, [])
@@ -83,6 +101,10 @@ class FdResolver:
         if link.startswith("anon_inode:"):
             return FdInfo(fd=fd, kind="anon", target=link)
         if link.startswith("/"):
+            st = fd_stat(self.pid, fd)
+            if st is not None and stat.S_ISFIFO(st.st_mode):
+                # A named pipe is a pipe whose ends are reached by its path: held by whoever opened that path.
+                return FdInfo(fd=fd, kind="pipe", target=link, inode=st.st_ino, address=link)
             return FdInfo(fd=fd, kind="file", target=link, address=link)
         return FdInfo(fd=fd, kind="other", target=link)
 

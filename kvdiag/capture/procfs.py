@@ -331,7 +331,8 @@ class ProcBackend:
             io_delta={k: io_after[k] - w.io_before[k] for k in ("rchar", "wchar", "syscr", "syscw")
                       if k in io_after and k in w.io_before},
             log_growth={p: sizes_after[p] - w.sizes_before[p] for p in sizes_after if p in w.sizes_before},
-            gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [])
+            gil_holders=[gil.holder_tid, holder_after] if gil is not None and gil.precise else [],
+            writes_total=io_after.get("syscw"))
         xwaits.finish(shared, proc, threads, resolver, w.deadline)
         raw = self._write_raw(raw_dir, proc, gil, tally)
         run = ToolRun(tool=self.name, ok=True, duration_s=round(time.monotonic() - w.start, 3),
@@ -473,6 +474,8 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
                 timeout = int_timeout(args[idx])
             else:
                 timeout = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
+        elif nr in HOST_SYSCALLS.get("sleep", ()) and args:
+            timeout = _sleep_left_ms(nr, args, mem)
         else:
             continue
         timeouts[tid] = timeout
@@ -483,6 +486,28 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
         infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
     return {tid: ([infos[fd].model_copy() for fd in wanted.get(tid, []) if fd in infos], timeout)
             for tid, timeout in timeouts.items()}
+
+
+_TIMER_ABSTIME = 1
+_CLOCKS = {0: time.CLOCK_REALTIME, 1: time.CLOCK_MONOTONIC, 7: getattr(time, "CLOCK_BOOTTIME", time.CLOCK_MONOTONIC)}
+
+
+def _sleep_left_ms(nr: int, args: list[int], mem: TargetMemory) -> int | None:
+    """How long a thread in nanosleep/clock_nanosleep has left to sleep (its requested timespec read from its
+    memory; a relative request counts from the call, so it is an upper bound). None: not readable."""
+    clock = nr == max(HOST_SYSCALLS["sleep"])       # clock_nanosleep(clockid, flags, req, rem), not nanosleep(req, rem)
+    req = args[2] if clock and len(args) > 2 else args[0]
+    raw = mem.read(req, 16) if mem.ok and req else None
+    if raw is None or len(raw) < 16:
+        return None
+    sec, nsec = struct.unpack("<qq", raw)
+    ms = int(sec) * 1000 + int(nsec) // 1_000_000
+    if clock and args[1] & _TIMER_ABSTIME:
+        clk = _CLOCKS.get(args[0])
+        if clk is None:
+            return None
+        ms -= int(time.clock_gettime(clk) * 1000)
+    return max(ms, 0)
 
 
 def _state_findings(pid: int, proc: ProcessEvidence, threads: list[ThreadEvidence]) -> list[Finding]:

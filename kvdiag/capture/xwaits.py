@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from kvdiag.capture import vllmrings
-from kvdiag.capture.fds import FdResolver
+from kvdiag.capture.fds import FdResolver, pipe_link
 from kvdiag.model import FdInfo, ProcessEvidence, SharedMapping, ThreadEvidence
 from kvdiag.osread.children import children
 from kvdiag.osread.fds import scan_holders
@@ -96,9 +96,9 @@ def _pipe_ends(pid: int, infos: list[FdInfo], deadline: float | None) -> None:
     pipes = [f for f in infos if f.kind == "pipe" and f.inode is not None]
     if not pipes:
         return
-    scan = scan_holders({f"pipe:[{f.inode}]" for f in pipes}, deadline)
+    scan = scan_holders({pipe_link(f) for f in pipes}, deadline)
     for f in pipes:
-        holders = [h for h in scan.by_link.get(f"pipe:[{f.inode}]", []) if h.pid != pid]
+        holders = [h for h in scan.by_link.get(pipe_link(f), []) if h.pid != pid]
         f.reader_pids = sorted({h.pid for h in holders if "r" in h.mode or not h.mode})
         f.writer_pids = sorted({h.pid for h in holders if "w" in h.mode or not h.mode})
         f.partial = f.partial or scan.partial

@@ -103,6 +103,9 @@ class ProgressSample(_Model):
     # changed during the window: "dev:inode" -> changed. Not part of ``advanced`` (a spinning reader
     # of a ring that does not move changes nothing of its own).
     shared_changed: dict[str, bool] = Field(default_factory=dict)
+    # Write syscalls since the process started (/proc/PID/io syscw at the window's end; None: not read): a
+    # producer that has written before and sleeps in a timer loop now is slow, not silent for good.
+    writes_total: int | None = None
 
     @property
     def advanced(self) -> bool:
