@@ -110,7 +110,7 @@ def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdic
     ranked = sorted(by.items(), key=lambda kv: (severity(kv[1].kind), bool(partial) and kv[0].startswith(partial)))
     name, worst = ranked[0]
     overall = worst.model_copy(deep=True)
-    if len(ranked) > 1 and all(v.kind is VerdictKind.HEALTHY for _, v in ranked):
+    if whole and len(ranked) > 1 and all(v.kind is VerdictKind.HEALTHY for _, v in ranked):
         # Nothing heads a healthy run: every engine is named, none singled out.
         overall.engine = None
         overall.summary = f"all {len(ranked)} engines healthy: " + "; ".join(v.summary for _, v in ranked)
