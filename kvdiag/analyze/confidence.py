@@ -7,14 +7,15 @@ from __future__ import annotations
 from kvdiag.model import Bundle, Confidence, EnginePhase, EngineRecord, ProcessEvidence
 
 
-def healthy_confidence(e: EngineRecord | None, procs: list[ProcessEvidence],
-                       bundle: Bundle) -> tuple[Confidence, list[str]]:
+def healthy_confidence(e: EngineRecord | None, procs: list[ProcessEvidence], bundle: Bundle,
+                       basis: tuple[str, bool] | None = None) -> tuple[Confidence, list[str]]:
     """How sure a healthy verdict is, from evidence alone, and why.
 
     Whether a thread happened to be on a CPU when it was sampled is timing noise (an idle
     engine and a busy one are equally healthy), so it never counts. What counts: the engine
     answered its probe, tokens kept flowing under load, and captured stacks that show no hang
-    (lowered when a capture tool failed). Two independent witnesses: high; one: medium; none: low.
+    (lowered when a capture tool failed), but only with observed progress or every thread idle on new work
+    behind them (kvdiag.analyze.outcome.health_basis). Two independent witnesses: high; one: medium; none: low.
     """
     plus: list[str] = []
     minus: list[str] = []
@@ -27,8 +28,11 @@ def healthy_confidence(e: EngineRecord | None, procs: list[ProcessEvidence],
         failed = sorted({t.tool for p in procs for t in p.tools if not t.ok})
         if failed and not any(t.ok and t.tool != "proc" for p in procs for t in p.tools):
             minus.append(f"no stack tool succeeded ({', '.join(failed)})")
+        elif basis is not None and basis[1]:
+            plus.append(f"the stacks of {len(procs)} captured process(es) show no hang pattern, and {basis[0]}")
         else:
-            plus.append(f"the stacks of {len(procs)} captured process(es) show no hang pattern")
+            # Stacks alone are no witness of health: a hang that matches no pattern looks the same.
+            minus.append(basis[0] if basis is not None else "progress was not observed")
     else:
         minus.append("no stacks were captured")
     if e is None and not procs:

@@ -12,7 +12,14 @@ from kvdiag.analyze.classify import classify_process
 from kvdiag.analyze.confidence import healthy_confidence
 from kvdiag.analyze.enginelog import starting_verdict, telling_line
 from kvdiag.analyze.gpu import gpu_wait_progressed
-from kvdiag.analyze.outcome import lock_after_death, spinners_on, stuck_outcome
+from kvdiag.analyze.outcome import (
+    ends_by_itself,
+    health_basis,
+    lock_after_death,
+    progress_seen,
+    spinners_on,
+    stuck_outcome,
+)
 from kvdiag.analyze.peers import PeerJudge, servers_were_paused_too
 from kvdiag.analyze.process import analyze_process, process_findings
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES, severity
@@ -160,6 +167,8 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
     hang = stuck_outcome(bundle, judgeable(procs, relevant), e.name if e else None)
     if hang is None and from_log and e is not None and not _log_names_gone(bundle, verdict):
         return _live_despite_log(name, e, procs, bundle, relevant, verdict)
+    if hang is None and verdict.kind is VerdictKind.SLOW_START:
+        return _slow_start_earned(verdict, procs, bundle)
     if hang is None:
         return verdict
     hang.engine = verdict.engine
@@ -185,6 +194,28 @@ def engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEvidenc
             f"not slow_start: {verdict.summary}; the log did not grow during the window, and a stale line never "
             "outvotes a stuck wait")))
     return hang
+
+
+def _slow_start_earned(verdict: Verdict, procs: list[ProcessEvidence], bundle: Bundle) -> Verdict:
+    """``slow_start`` needs something that grows during the window (its log, CPU, I/O): a start-up line written
+    before the capture proves nothing. Observed and nothing moved, yet no wait was found stuck: ``unknown``,
+    saying what would decide."""
+    moved = progress_seen(procs, bundle.host.machine)
+    if moved:
+        verdict.confidence_reasons = [*verdict.confidence_reasons, f"+ still moving: {'; '.join(moved[:2])}"]
+    if moved is None or moved:
+        return verdict
+    if ends_by_itself(procs, bundle.host.machine):
+        verdict.confidence_reasons = [*verdict.confidence_reasons, "- nothing grew during the window; a thread in a "
+                                      "timed wait or a short sleep may still go on by itself"]
+        return verdict
+    return Verdict(kind=VerdictKind.UNKNOWN, confidence=Confidence.LOW, engine=verdict.engine,
+                   evidence=verdict.evidence, findings=[*verdict.findings, Finding(
+                       kind="stale_log", engine=verdict.engine,
+                       message=f"not slow_start: {verdict.summary}; nothing grew during the window")],
+                   summary=(f"{verdict.summary.split(':', 1)[0]}: stopped in start-up, not slow: nothing advanced "
+                            "during the window (no log growth, no CPU, no I/O in any captured process), yet no "
+                            "wait was found stuck; a longer window, or stacks with --locals, would decide"))
 
 
 def _log_names_gone(bundle: Bundle, verdict: Verdict) -> bool:
@@ -311,11 +342,11 @@ def _engine_verdict(name: str, e: EngineRecord | None, procs: list[ProcessEviden
                             summary=f"{name}: stalled in phase {e.phase.value}; {what}"))
     if e is not None and e.phase in _STARTING and not e.healthy:
         return done(starting_verdict(name, e))
-    conf, reasons = healthy_confidence(e, procs, bundle)
-    if procs:
-        detail = "threads are running" if _any_running(procs, machine) else "threads are idle in normal waits"
+    basis = health_basis(procs, machine) if procs else None
+    conf, reasons = healthy_confidence(e, procs, bundle, basis)
+    if procs and basis is not None:
         return done(Verdict(kind=VerdictKind.HEALTHY, confidence=conf, confidence_reasons=reasons,
-                            summary=f"{name}: no hang evidence ({detail})"))
+                            summary=f"{name}: no hang evidence; {basis[0]}"))
     state = "serving" if e is not None and (e.healthy or e.phase is EnginePhase.SERVING) else "no hang seen"
     return done(Verdict(kind=VerdictKind.HEALTHY, confidence=conf, confidence_reasons=reasons,
                         summary=f"{name}: {state}"))

@@ -40,10 +40,6 @@ from kvdiag.model import (
 )
 
 # Python frames (file tail, function) that wait for the next task or job: a worker's idle loop.
-_TASK_QUEUE_FRAMES = frozenset({
-    (("queue.py",), "get"), (("multiprocessing", "queues.py"), "get"), (("futures", "thread.py"), "_worker"),
-    (("multiprocessing", "pool.py"), "worker"), (("futures", "process.py"), "_process_worker"),
-})
 # What only a join or a result is: a main thread with a signal handler waiting on anything else (an Event its
 # SIGTERM handler sets) is a daemon waiting to be told.
 _RESULT_WORDS = ("join", "result", "waitpid", "AsyncResult", "pool map", "feeder", "Barrier")
@@ -100,7 +96,7 @@ def _outcome_words(t: ThreadView) -> str | None:
 
 
 def _task_queue(t: ThreadView) -> bool:
-    return any(v.py_frame_in(f, _TASK_QUEUE_FRAMES) for f in t.frames[:24])
+    return any(v.py_frame_in(f, v.TASK_QUEUE_FRAMES) for f in t.frames[:24])
 
 
 def _frames_text(t: ThreadView) -> str:
@@ -361,6 +357,45 @@ def observed(procs: list[ProcessEvidence]) -> bool:
     live = [p for p in procs if p.alive and p.threads]
     return bool(live) and all(p.progress is not None and all(t.observed is not None for t in p.threads)
                               for p in live)
+
+
+def progress_seen(procs: list[ProcessEvidence], machine: str | None = None) -> list[str] | None:
+    """What advanced in ``procs`` over the window, one phrase each (empty: nothing); None when the window did
+    not observe every live one."""
+    live = [p for p in procs if p.alive and p.threads]
+    if not observed(live):
+        return None
+    return _advanced(live, {p.pid: process_waits(p, machine) for p in live})
+
+
+def ends_by_itself(procs: list[ProcessEvidence], machine: str | None = None) -> bool:
+    """Some thread of ``procs`` sleeps (not for long) or waits with a timeout: quiet now, it may go on by
+    itself (a loader asleep between shards)."""
+    return any(not _long_sleep(w) and (w.view.kind is WaitKind.SLEEP or
+                                       (w.view.timed and w.view.kind is not WaitKind.GIL_WAIT))
+               for p in procs for w in process_waits(p, machine))
+
+
+def health_basis(procs: list[ProcessEvidence], machine: str | None = None) -> tuple[str, bool]:
+    """What a healthy verdict over ``procs`` rests on, in words, and whether it was earned: progress observed
+    in the window (a thread ran, a process did I/O or wrote its log), or every blocked thread waiting for new
+    work (an idle service). Neither: the stacks show no hang pattern, and that is all that is known."""
+    live = [p for p in procs if p.alive and p.threads]
+    moved = progress_seen(live, machine)
+    if moved is None:
+        # Where a sample happened to catch a thread (on a CPU or not) is timing, not progress.
+        return "the stacks show no hang pattern; progress was not observed (no window)", False
+    waits = {p.pid: process_waits(p, machine) for p in live}
+    if moved:
+        more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
+        return f"progress observed in the window: {'; '.join(moved[:3])}{more}", True
+    every = [w for ws in waits.values() for w in ws]
+    if every and all(w.purpose is WaitPurpose.NEW_WORK for w in every):
+        kinds = list(dict.fromkeys(w.what.split(" (", 1)[0] for w in every))
+        return (f"idle: all {len(every)} thread(s) wait for new work ({', '.join(kinds[:4])})", True)
+    waiting = [w for w in every if w.purpose is not WaitPurpose.NEW_WORK]
+    return (f"the stacks show no hang pattern, but nothing was seen to advance: {len(waiting)} thread(s) wait "
+            f"for something other than new work ({waiting[0].what}{', ...' if len(waiting) > 1 else ''})", False)
 
 
 # ------------------------------------------------------------------ the chain

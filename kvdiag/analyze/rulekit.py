@@ -150,13 +150,17 @@ def peer_phrase(info: FdInfo) -> str:
 
 def user_lock_frame(t: ThreadView) -> int | None:
     """Index of the innermost Python frame, when it is the application's own code acquiring a lock
-    (not threading.py's Condition/Event/join/queue machinery)."""
+    (not threading.py's Condition/Event/join/queue machinery, nor a pool worker taking its next task:
+    ``work_queue.get()`` of a SimpleQueue blocks on a lock from C, under the worker loop's own frame)."""
     if t.py_wait is not None:
         return None
     for i, f in enumerate(t.frames):
         if f.kind == "python":
             base = (f.file or "").rsplit("/", 1)[-1]
-            return None if base in ("threading.py", "queue.py", "connection.py", "synchronize.py") else i
+            if base in ("threading.py", "queue.py", "connection.py", "synchronize.py") or \
+                    v.py_frame_in(f, v.TASK_QUEUE_FRAMES):
+                return None
+            return i
     return None
 
 

@@ -174,6 +174,14 @@ def py_frame_in(frame: Frame, table: frozenset[tuple[tuple[str, ...], str]]) -> 
     return (parts, name) in table or ((parts[-1],) if parts else (), name) in table
 
 
+# A worker's loop taking its next task from a queue (the standard library's pools and queues): a wait here is
+# for new work, whatever lock the queue blocks on underneath.
+TASK_QUEUE_FRAMES = frozenset({
+    (("queue.py",), "get"), (("multiprocessing", "queues.py"), "get"), (("futures", "thread.py"), "_worker"),
+    (("multiprocessing", "pool.py"), "worker"), (("futures", "process.py"), "_process_worker"),
+})
+
+
 IDLE_PROCESS_MARKERS = ("multiprocessing.resource_tracker", "multiprocessing.forkserver",
                         "multiprocessing.semaphore_tracker")
 

@@ -48,4 +48,9 @@ def test_family_is_named_with_its_chain(kind: str, tmp_path: Path) -> None:
             assert any(w.stuck for w in waits), "the outcome-wait that stopped advancing is shown as stuck"
     else:
         assert not any(w.stuck for w in waits), [w for w in waits if w.stuck]
-        assert any(w.purpose in (WaitPurpose.NEW_WORK, WaitPurpose.RUNNING) for w in waits)
+        # Health is earned, and the verdict says from what: progress the window saw, or every thread idle on
+        # new work. Which of the two depends on where the sample caught the threads (both ends of the exchange
+        # may be in recv), so either is accepted; a verdict resting on the stacks alone is not.
+        assert "progress observed" in verdict.summary or "wait for new work" in verdict.summary, verdict.summary
+        if "progress observed" not in verdict.summary:
+            assert all(w.purpose in (WaitPurpose.NEW_WORK, WaitPurpose.RUNNING) for w in waits), waits

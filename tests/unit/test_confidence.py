@@ -25,8 +25,9 @@ def test_busy_and_idle_healthy_captures_get_the_same_confidence() -> None:
     assert busy.kind is idle.kind is VerdictKind.HEALTHY
     assert busy.confidence is idle.confidence
     for v in (busy, idle):  # the same reason (the two fixtures differ only in process count)
-        assert [r.split(" of ")[0] for r in v.confidence_reasons] == ["+ the stacks"]
-        assert "no hang pattern" in v.confidence_reasons[0]
+        # Captured before threads were watched over a window: the stacks alone earn no confidence.
+        assert v.confidence is Confidence.LOW
+        assert v.confidence_reasons == ["- the stacks show no hang pattern; progress was not observed (no window)"]
 
 
 def test_the_same_run_sampled_at_other_moments_keeps_its_confidence() -> None:
