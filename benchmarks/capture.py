@@ -259,7 +259,10 @@ marks = []
 def mark(name): marks.append((name, round(time.monotonic() - t0, 3)))
 import kvdiag.cli.main as main
 import kvdiag.cli.capture as cli
+import kvdiag.cli.common as common
+import kvdiag.runs.capture as rc
 import kvdiag.capture.bundle as cb
+import kvdiag.capture.orchestrate as orch
 import kvdiag.capture.staged as st
 mark("imports")
 def wrap(mod, name, label, begin=None):
@@ -270,15 +273,17 @@ def wrap(mod, name, label, begin=None):
         try:
             return f(*a, **k)
         finally:
-            mark(label)
+            if label:
+                mark(label)
     setattr(mod, name, g)
-wrap(cli, "capture_scope", "scope")
+wrap(rc, "capture_scope", "scope")
 wrap(cb, "peers_outside", "peers")
+wrap(orch, "_shared_window", "window(stage)")
 wrap(st, "capture_processes", "tools(stage)")
 wrap(cb, "collect_environment", "environment(beside)")
-wrap(cli, "diagnose", "verdict")
-wrap(cli, "capture_tree", "capture")
-wrap(cli, "finish", "written")
+wrap(common.EarlyVerdict, "__call__", "verdict")
+wrap(rc, "capture_tree", "capture")
+wrap(cli, "print_outcome", None, begin="written")
 sys.argv = ["kvdiag", *sys.argv[1:]]
 try:
     main.run()

@@ -9,14 +9,17 @@ raised into (an asyncio load, the watch's sentinel) asks for a callback with :fu
 
 from __future__ import annotations
 
-import asyncio
 import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from types import FrameType
+from typing import TYPE_CHECKING
 
 from kvdiag.errors import Interrupted, Terminated
+
+if TYPE_CHECKING:   # a type only: every command installs these handlers, few run an event loop
+    import asyncio
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGHUP)     # beside SIGINT, which Python raises as KeyboardInterrupt
 ALL_SIGNALS = (signal.SIGINT, *STOP_SIGNALS)

@@ -19,7 +19,7 @@ from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.environment.host import host_record
 from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole, TcpSocket
-from kvdiag.osread.net import process_tcp
+from kvdiag.osread.net import ProcessTcp, TcpEntry, process_tcp
 from kvdiag.osread.ptable import process_tree
 
 
@@ -75,6 +75,16 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
 
     followed, named = peers_outside(pids) if follow else ([], [])
     every = pids + [p.pid for p in followed]
+    # Each one's TCP sockets (what another host's capture is matched with): /proc only, beside the tools.
+    tcp_box: dict[int, ProcessTcp | None] = {}
+
+    def read_tcp() -> None:
+        shared: dict[str, tuple[list[TcpEntry], list[str]]] = {}
+        for pid in every:
+            tcp_box[pid] = process_tcp(pid, shared=shared)
+
+    tcp_thread = threading.Thread(target=read_tcp, name="kvdiag-tcp", daemon=True)
+    tcp_thread.start()
     # Each one's rank in a distributed job groups one job's ranks, here and in a merged bundle.
     ranks = {pid: read_rank(pid) for pid in every}
 
@@ -97,9 +107,10 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                                                bundle_dir=bundle_dir)
     findings += note_followed(evidence, followed, named)
     with_roles(evidence)
+    tcp_thread.join()   # bounded: a few /proc files per process
     for ev in evidence:
         if ev.alive:   # what another host's capture is matched with (kvdiag merge, capture --ray)
-            tcp = process_tcp(ev.pid)
+            tcp = tcp_box.get(ev.pid)
             if tcp is not None:
                 ev.netns, ev.net_addresses = tcp.netns, tcp.addresses
                 ev.tcp_sockets = [TcpSocket(fd=s.fd, inode=s.entry.inode, proto=s.entry.proto, local=s.entry.local,

@@ -78,6 +78,14 @@ def classify_title(cmdline: str, comm: str) -> ProcessRole:
     return ProcessRole.OTHER
 
 
+def multiprocessing_helper(pid: int) -> bool:
+    """A helper that Python's multiprocessing starts beside an engine (its resource tracker, forkserver):
+    it serves the engine's processes at their start and exit only, and its threads read as idle by design
+    whatever their stacks say, so a pausing stack tool learns nothing there that /proc does not."""
+    low = " ".join(read_cmdline(pid) or []).lower()
+    return any(m in low for m in _HELPER_MARKERS)
+
+
 def _ancestors(pid: int, root_pid: int) -> list[int]:
     """Parents of ``pid`` up to and including ``root_pid`` (empty when unreadable)."""
     chain = ancestors(pid)

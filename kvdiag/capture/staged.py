@@ -14,6 +14,8 @@ longer than the EngineCore's). So:
    the first stage left out (the pausing ones), and what those see is added to their first-stage
    evidence: their /proc progress window already ran in the first stage, beside the focus's, and is
    not opened a second time (on an idle vLLM tree that second window was a fifth of the capture).
+   A multiprocessing helper (the resource tracker) is left out of this stage: its threads read as idle
+   by design whatever their stacks say, and /proc and py-spy read it in the first stage.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from kvdiag.capture.base import CaptureBackend
+from kvdiag.capture.discover import multiprocessing_helper
 from kvdiag.capture.merge import add_tools
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, capture_processes, make_backends
 from kvdiag.capture.tools import PyspyBackend, PystackBackend, pyspy_nonblocking
@@ -50,6 +53,17 @@ def _pausing(backends: list[CaptureBackend], quiet: list[CaptureBackend]) -> lis
     quiet_names = {b.name for b in quiet}
     return [b for b in backends if b.name not in quiet_names
             or (isinstance(b, PyspyBackend) and b.native and not native_pystack)]
+
+
+def _skip_pausing(ev: ProcessEvidence, chosen: list[CaptureBackend], quiet: list[CaptureBackend], why: str) -> None:
+    """Record the pausing tools that stay off ``ev``'s process as skipped, with why."""
+    quiet_names = {b.name for b in quiet}
+    done = {t.tool for t in ev.tools}
+    for b in chosen:
+        if b.name not in quiet_names and b.name not in done:
+            ev.tools.append(ToolRun(tool=b.name, ok=False, skipped=True,
+                                    error=f"{b.name} skipped: {why}; /proc and py-spy (without pausing it) read "
+                                          "this process"))
 
 
 def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, timeout_s: float,
@@ -81,18 +95,19 @@ def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, 
     except Exception:  # noqa: BLE001 - a judge that fails decides nothing: the rest gets every tool
         why = None
     if why is not None:
-        quiet_names = {b.name for b in quiet}
         for ev in ev_rest:
-            done = {t.tool for t in ev.tools}
-            for b in chosen:
-                if b.name not in quiet_names and b.name not in done:
-                    ev.tools.append(ToolRun(tool=b.name, ok=False, skipped=True,
-                                            error=f"{b.name} skipped: {why}; /proc and py-spy (without pausing "
-                                                  "it) read this process"))
+            _skip_pausing(ev, chosen, quiet, why)
         return ev_core + ev_rest, f_core + f_rest
+    helpers = {e.pid for e in ev_rest if e.alive and multiprocessing_helper(e.pid)}
+    for ev in ev_rest:
+        if ev.pid in helpers:
+            _skip_pausing(ev, chosen, quiet, f"pid {ev.pid} is a multiprocessing helper, idle by design whatever "
+                                              "its stack")
     later = _pausing(make_backends(backends), quiet)
     offset = time.monotonic() - start
-    ev_more, f_more = capture_processes(rest, raw_dir, timeout_s=timeout_s, backends=later, bundle_dir=bundle_dir)
+    more_pids = [p for p in rest if p not in helpers]
+    ev_more, f_more = (capture_processes(more_pids, raw_dir, timeout_s=timeout_s, backends=later,
+                                         bundle_dir=bundle_dir) if more_pids else ([], []))
     more = {e.pid: e for e in ev_more}
     for e in ev_more:   # the tools' start, from the capture's start like the first stage's
         for run in e.tools:

@@ -10,7 +10,7 @@ from kvdiag.cli.common import EarlyVerdict, print_outcome
 from kvdiag.defaults import DEFAULT_TOOLS
 from kvdiag.errors import UsageError
 from kvdiag.runs.capture import capture_cluster_run, capture_run, checked_tools, scope_of, target_pid
-from kvdiag.runs.output import prepare_out_dir
+from kvdiag.runs.outdir import prepare_out_dir
 
 
 def capture_cmd(

@@ -11,11 +11,11 @@ import typer
 from rich.console import Console
 
 from kvdiag.model import Diagnosis
-from kvdiag.report.terminal import render_terminal
-from kvdiag.report.text import format_verdict
 
 if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light
     from kvdiag.runs.output import RunArtifacts
+
+# The renderers are imported where they print: a capture loads them beside its tools, not before them.
 
 
 def console() -> Console:
@@ -30,6 +30,8 @@ def result_console() -> Console:
 
 def print_summary(arts: RunArtifacts, con: Console | None = None) -> None:
     """The run's outcome on stdout (``con``: another console, e.g. in tests)."""
+    from kvdiag.report.terminal import render_terminal
+
     con = con or result_console()
     if arts.view is None:
         raise ValueError("a run's outcome is printed from the view its report files were written from")
@@ -51,6 +53,8 @@ class EarlyVerdict:
         self.text: str | None = None
 
     def __call__(self, diagnosis: Diagnosis) -> None:
+        from kvdiag.report.text import format_verdict
+
         if self.as_json:
             return
         self.text = format_verdict(diagnosis.verdict)
@@ -61,6 +65,8 @@ class EarlyVerdict:
 
 def print_outcome(arts: RunArtifacts, as_json: bool, said: str | None = None) -> int:
     """A capture's outcome on stdout; ``said``: the verdict already printed (its lines are not repeated)."""
+    from kvdiag.report.text import format_verdict
+
     verdict, by_engine, code, paths = arts.verdict, arts.verdicts_by_engine, arts.exit_code, arts.paths
     bundle_dir = arts.out_dir / "bundle"
     if as_json:

@@ -183,23 +183,30 @@ def namespace_addresses(proc_root: str = PROC) -> list[str]:
     return list(out)
 
 
-def process_tcp(pid: int, limit: int = 512) -> ProcessTcp | None:
+def process_tcp(pid: int, limit: int = 512,
+                shared: dict[str, tuple[list[TcpEntry], list[str]]] | None = None) -> ProcessTcp | None:
     """Every TCP socket ``pid`` holds (listening, connected, closing), each with its fd, and the connections
     queued unaccepted on its listeners, from the tables of its own network namespace (``/proc/PID/net``);
-    None when its fds cannot be read."""
+    None when its fds cannot be read. ``shared``: the tables already read, by namespace (the processes of
+    one tree share theirs, and the kernel walks every socket of the namespace to print them)."""
     links = fd_links(pid)
     if links is None:
         return None
     fds = {found[1]: fd for fd, link in links.items() if (found := link_inode(link)) is not None
            and found[0] == "socket"}
-    table = tcp_table(f"{PROC}/{pid}")
+    netns = read_link(f"{PROC}/{pid}/ns/net")
+    if shared is not None and netns is not None and netns in shared:
+        table, addresses = shared[netns]
+    else:
+        table, addresses = tcp_table(f"{PROC}/{pid}"), namespace_addresses(f"{PROC}/{pid}")
+        if shared is not None and netns is not None:
+            shared[netns] = (table, addresses)
     held = [HeldTcpSocket(fds[e.inode], e) for e in table if e.inode in fds]
     listening = {(e.proto, e.local_port) for e in table if e.listening and e.inode in fds}
     # A connection the kernel completed but no process accepted has no inode: it waits on the listener.
     queued = [HeldTcpSocket(None, e) for e in table if e.inode == 0 and not e.listening
               and e.state in ("01", "08") and (e.proto, e.local_port) in listening]
-    return ProcessTcp(netns=read_link(f"{PROC}/{pid}/ns/net"), sockets=(held + queued)[:limit],
-                      addresses=namespace_addresses(f"{PROC}/{pid}"))
+    return ProcessTcp(netns=netns, sockets=(held + queued)[:limit], addresses=addresses)
 
 
 def boot_id() -> str | None:

@@ -11,9 +11,8 @@ import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from kvdiag.analyze import analyze, diagnose
-from kvdiag.analyze.ranks import ranks_settled
 from kvdiag.capture.access import is_kernel_thread
 from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import make_backends
@@ -23,15 +22,16 @@ from kvdiag.environment.host import host_record
 from kvdiag.errors import UsageError
 from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
 from kvdiag.osread.stat import read_stat
-from kvdiag.redact import redact_bundle
-from kvdiag.report.html import compile_templates
-from kvdiag.runs.fleet.ray import capture_cluster
-from kvdiag.runs.output import RunArtifacts, finish
+
+if TYPE_CHECKING:   # the analysis and the reports load beside the capture (see _warm_up), not before it
+    from kvdiag.runs.output import RunArtifacts
 
 
 def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
     """Whether the EngineCore's evidence already names its hang (the rest of the tree then needs no pausing
     tool): the reason, else None. Judged with this host's syscall table, as the finished bundle is."""
+    from kvdiag.analyze import analyze
+
     v = analyze(Bundle(host=host_record(), processes=evidence, findings=findings))
     cores = {e.pid for e in evidence if e.role is ProcessRole.ENGINE_CORE}
     if v.kind.is_hang and any(item.pid in cores for item in v.evidence):
@@ -42,6 +42,8 @@ def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> st
 def ranks_decide(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
     """Whether the job's ranks, read without pausing them, already say where each is (the other ranks
     then need no pausing tool), or the engine core's evidence decides: the reason, else None."""
+    from kvdiag.analyze.ranks import ranks_settled
+
     return ranks_settled(Bundle(host=host_record(), processes=evidence, findings=findings)) or core_decides(
         evidence, findings)
 
@@ -132,6 +134,9 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
                 progress(f.message)
 
     def early(partial: Bundle) -> None:
+        from kvdiag.analyze import diagnose
+        from kvdiag.redact import redact_bundle
+
         say_paths(partial)
         if record is not None:
             record(partial)
@@ -139,8 +144,9 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
         if on_verdict is not None:
             on_verdict(known[0])
 
-    # The report's template compiles while the tools wait on their targets (it would otherwise follow them).
-    threading.Thread(target=_compile_report, name="kvdiag-report-template", daemon=True).start()
+    # The analysis, the reports and their template load while the /proc window is open and the tools wait on
+    # their targets: before the capture they would delay the window by a third of a second.
+    threading.Thread(target=_warm_up, name="kvdiag-warm-up", daemon=True).start()
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
     bundle = capture_tree(target, out_dir / "bundle", timeout_s=timeout_s, backends=tools, command=command,
                           pids=scope.pids + ranks, save=False, on_evidence=early,
@@ -149,20 +155,33 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
     say_paths(bundle)
     if not known and record is not None:
         record(bundle)
+    from kvdiag.runs.output import finish
+
     return finish(out_dir, bundle, verdict_t=verdict_t() if verdict_t is not None else None,
                   diagnosis=known[0] if known else None)
 
 
-def _compile_report() -> None:
+def _warm_up() -> None:
+    """Import what judges and renders the capture (and compile the report's template) in the background.
+    A failure here is raised again where the module is used, with its report."""
     try:
+        import kvdiag.analyze  # noqa: F401
+        import kvdiag.redact  # noqa: F401
+        import kvdiag.report.terminal  # noqa: F401
+        import kvdiag.runs.output  # noqa: F401
+        from kvdiag.report.html import compile_templates
+
         compile_templates()
-    except Exception:  # noqa: BLE001 - rendering compiles it again and reports what fails
+    except Exception:  # noqa: BLE001 - see the docstring
         pass
 
 
 def capture_cluster_run(address: str, out_dir: Path, *, select: str, patterns: list[str], timeout_s: float,
                         tools: list[str], progress: Callable[[str], None]) -> RunArtifacts:
     """``capture --ray``: the same capture on every node of a Ray cluster, merged into one bundle."""
+    from kvdiag.runs.fleet.ray import capture_cluster
+    from kvdiag.runs.output import finish
+
     bundle = capture_cluster(address, out_dir / "bundle", select=select, patterns=patterns, timeout_s=timeout_s,
                              backends=tools, progress=progress)
     return finish(out_dir, bundle)
