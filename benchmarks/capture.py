@@ -27,8 +27,10 @@ the pystack of its own round; the medians over the rounds are reported, with the
 engine: healthy). One more run per tree, with phase timestamps, says where the time goes: interpreter
 start and imports, the scope and peer check, the /proc progress window, the tools, the environment
 record, analysis, writing the bundle and reports. Target: median ratio <= 3x for both trees.
+``--baseline PYTHON`` adds an earlier kvdiag's ``capture --pid`` (its own environment's interpreter) to every
+round, divided by the same pystack: a before/after measured side by side on a shared machine.
 
-    python benchmarks/capture.py [--rounds 7] [--vllm [--busy N]] [--vllm-idle [--tp 1|2|both]]
+    python benchmarks/capture.py [--rounds 7] [--vllm [--busy N]] [--vllm-idle [--tp 1|2|both] [--baseline PY]]
 """
 
 from __future__ import annotations
@@ -304,14 +306,15 @@ def cli_phases(args: list[str], out: Path) -> list[tuple[str, float]]:
     return [(str(n), float(t)) for n, t in json.loads(line[7:])] if line else []
 
 
-def cli_once(args: list[str], out: Path) -> tuple[float, int, str]:
-    """``kvdiag capture ARGS`` as typed (a child process): (seconds until it exits, exit code, verdict kind)."""
+def cli_once(args: list[str], out: Path, python: str | None = None) -> tuple[float, int, str]:
+    """``kvdiag capture ARGS`` as typed (a child process): (seconds until it exits, exit code, verdict kind).
+    ``python``: another interpreter with its own kvdiag installed (the baseline), else this checkout's."""
     import subprocess
 
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": str(ROOT)} if python is None else dict(os.environ)
     start = time.monotonic()
-    run = subprocess.run([sys.executable, "-m", "kvdiag", "capture", *args, "--out", str(out)], capture_output=True,
-                         text=True, env=env, timeout=120, start_new_session=True, check=False)
+    run = subprocess.run([python or sys.executable, "-m", "kvdiag", "capture", *args, "--out", str(out)],
+                         capture_output=True, text=True, env=env, timeout=120, start_new_session=True, check=False)
     wall = time.monotonic() - start
     verdict = next((ln.split()[1] for ln in run.stdout.splitlines() if ln.startswith("verdict:")), "?")
     return wall, run.returncode, verdict
@@ -327,8 +330,9 @@ def _window_and_tools(out: Path) -> tuple[float, float]:
     return window, max(ends, default=0.0)
 
 
-def idle_tree_rounds(tp: int, rounds: int, tmp: Path) -> tuple[list[str], float]:
-    """The rounds on one idle tree; (the lines to print, the worst median ratio)."""
+def idle_tree_rounds(tp: int, rounds: int, tmp: Path, baseline: str | None = None) -> tuple[list[str], float]:
+    """The rounds on one idle tree; (the lines to print, the worst median ratio). ``baseline``: the
+    interpreter of an earlier kvdiag, whose ``capture --pid`` runs in the same rounds (a before/after)."""
     from kvdiag.capture.select import engine_cores_of
 
     lines: list[str] = []
@@ -339,7 +343,11 @@ def idle_tree_rounds(tp: int, rounds: int, tmp: Path) -> tuple[list[str], float]
         core = cores[0]
         tree = process_tree(api)
         forms = {"--pid": ["--pid", str(api)], "--engine-core-of": ["--engine-core-of", str(api)]}
+        if baseline:
+            forms["baseline --pid"] = forms["--pid"]
         cli_once(forms["--pid"], tmp / f"tp{tp}-warmup")   # page cache warm, like the tools' warm-up
+        if baseline:
+            cli_once(forms["--pid"], tmp / f"tp{tp}-warmup-baseline", baseline)
         walls: dict[str, list[float]] = {name: [] for name in forms}
         ratios: dict[str, list[float]] = {name: [] for name in forms}
         verdicts: dict[str, list[str]] = {name: [] for name in forms}
@@ -349,7 +357,8 @@ def idle_tree_rounds(tp: int, rounds: int, tmp: Path) -> tuple[list[str], float]
         lines.append(f"TP={tp}: {len(tree)} processes (API server {api}, EngineCore {core}); "
                      f"load average {os.getloadavg()[0]:.1f}")
         lines.append(f"{'round':>5} {'pystack_s':>9} {'--pid_s':>8} {'ratio':>6} {'--engine-core-of_s':>18} "
-                     f"{'ratio':>6} {'window_s':>8} {'tools_s':>7} {'load1':>5}")
+                     f"{'ratio':>6} {'window_s':>8} {'tools_s':>7} {'load1':>5}"
+                     + (f" {'baseline_s':>10} {'ratio':>6}" if baseline else ""))
         for i in range(rounds):
             steps = ["pystack", *forms]
             steps = steps[i % len(steps):] + steps[:i % len(steps)]   # rotate who goes first
@@ -358,7 +367,8 @@ def idle_tree_rounds(tp: int, rounds: int, tmp: Path) -> tuple[list[str], float]
                 if step == "pystack":
                     got[step] = (pystack_once(core), 0, "")
                 else:
-                    got[step] = cli_once(forms[step], tmp / f"tp{tp}-r{i}-{step.strip('-')}")
+                    got[step] = cli_once(forms[step], tmp / f"tp{tp}-r{i}-{step.strip('-').replace(' ', '-')}",
+                                         baseline if step.startswith("baseline") else None)
             one_pystack = got["pystack"][0]
             pystacks.append(one_pystack)
             for name in forms:
@@ -370,12 +380,15 @@ def idle_tree_rounds(tp: int, rounds: int, tmp: Path) -> tuple[list[str], float]
             spans.append(span)
             lines.append(f"{i:>5} {one_pystack:>9.3f} {got['--pid'][0]:>8.3f} {ratios['--pid'][-1]:>6.2f} "
                          f"{got['--engine-core-of'][0]:>18.3f} {ratios['--engine-core-of'][-1]:>6.2f} "
-                         f"{window:>8.3f} {span:>7.3f} {os.getloadavg()[0]:>5.1f}")
+                         f"{window:>8.3f} {span:>7.3f} {os.getloadavg()[0]:>5.1f}"
+                         + (f" {got['baseline --pid'][0]:>10.3f} {ratios['baseline --pid'][-1]:>6.2f}"
+                            if baseline else ""))
         phases = cli_phases(forms["--pid"], tmp / f"tp{tp}-phases")
     worst = 0.0
     for name in forms:
         med = statistics.median(ratios[name])
-        worst = max(worst, med)
+        if not name.startswith("baseline"):
+            worst = max(worst, med)
         lines.append(f"TP={tp} kvdiag capture {name} API_SERVER: median {statistics.median(walls[name]):.3f} s vs "
                      f"one pystack {statistics.median(pystacks):.3f} s: median ratio {med:.2f}x "
                      f"(spread {min(ratios[name]):.2f}..{max(ratios[name]):.2f}; target <= {TARGET_CLI_RATIO:g}x); "
@@ -392,13 +405,13 @@ def idle_tree_rounds(tp: int, rounds: int, tmp: Path) -> tuple[list[str], float]
     return lines, worst
 
 
-def main_idle(rounds: int, tps: list[int]) -> int:
+def main_idle(rounds: int, tps: list[int], baseline: str | None = None) -> int:
     load_start = os.getloadavg()[0]
     out: list[str] = []
     worst = 0.0
     with tempfile.TemporaryDirectory(prefix="kvdiag-bench-capture-") as tmp:
         for tp in tps:
-            lines, w = idle_tree_rounds(tp, rounds, Path(tmp))
+            lines, w = idle_tree_rounds(tp, rounds, Path(tmp), baseline)
             worst = max(worst, w)
             for line in lines:
                 print(line, flush=True)
@@ -532,9 +545,11 @@ def main() -> int:
     ap.add_argument("--vllm-idle", action="store_true",
                     help="kvdiag capture as typed vs one pystack on idle real vLLM CPU trees (vllm serve)")
     ap.add_argument("--tp", choices=("1", "2", "both"), default="both", help="with --vllm-idle: which trees")
+    ap.add_argument("--baseline", metavar="PYTHON", help="with --vllm-idle: also run `PYTHON -m kvdiag capture "
+                    "--pid` (an earlier kvdiag in its own environment) in the same rounds: a before/after")
     args = ap.parse_args()
     if args.vllm_idle:
-        return main_idle(args.rounds, [1, 2] if args.tp == "both" else [int(args.tp)])
+        return main_idle(args.rounds, [1, 2] if args.tp == "both" else [int(args.tp)], args.baseline)
     if args.vllm:
         return main_vllm(args.rounds, args.busy)
     par: list[float] = []

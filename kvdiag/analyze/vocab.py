@@ -200,6 +200,7 @@ def innermost_segment(frames: list[Frame]) -> list[Frame]:
     return out
 
 
+@functools.lru_cache(maxsize=32768)   # pure, and called for every frame of every thread with the same few vocabularies
 def matches(name: str, exact: frozenset[str], substr: tuple[str, ...] = ()) -> bool:
     n = norm(name)
     return n in exact or name in exact or any(s in name for s in substr)
@@ -214,6 +215,8 @@ def python_kind(frame: Frame) -> str | None:
 
 
 def _drop_brackets(text: str, opening: str, closing: str, keep: str) -> str:
+    if opening not in text:   # nothing to drop (a closing bracket alone is kept)
+        return text
     out: list[str] = []
     depth = 0
     for ch in text:
@@ -268,6 +271,7 @@ _BINDING_GLUE = ("nanobind::detail::", "nanobind::gil_scoped", "nanobind::cpp_fu
 _STL = ("std::", "__gnu_cxx::", "__cxxabiv1::", "__cxx11::")
 
 
+@functools.lru_cache(maxsize=8192)   # the same native frames recur in every thread of a process and every analysis
 def _qualified(name: str) -> str:
     """``std::__invoke_impl`` from ``bool std::__invoke_impl<bool, ...>(...)``: the name without its
     return type, template arguments and parameters."""
