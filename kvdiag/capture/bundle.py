@@ -28,7 +28,7 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
                  log_pids: dict[str, int] | None = None, command: str = "",
                  pids: Sequence[int] | None = None, save: bool = True, follow: bool = True,
                  on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None,
-                 focus: Sequence[int] | None = None) -> Bundle:
+                 focus: Sequence[int] | None = None, beside: Callable[[], None] | None = None) -> Bundle:
     """Capture ``root_pid`` and its descendants read-only into ``bundle_dir`` (bundle.json + raw/<pid>/).
 
     ``pids`` (default: the whole tree) narrows the capture to those processes of the tree
@@ -37,14 +37,14 @@ def capture_tree(root_pid: int, bundle_dir: Path, *, timeout_s: float = 10.0,
     pids = list(pids) if pids is not None else (process_tree(root_pid) or [root_pid])
     return capture_pids(pids, bundle_dir, roots=[root_pid], timeout_s=timeout_s, backends=backends,
                         log_pids=log_pids, command=command or f"capture --pid {root_pid}", save=save,
-                        on_evidence=on_evidence, decides=decides, follow=follow, focus=focus)
+                        on_evidence=on_evidence, decides=decides, follow=follow, focus=focus, beside=beside)
 
 
 def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] | None = None,
                  timeout_s: float = 10.0, backends: Sequence[str | CaptureBackend] | None = None,
                  log_pids: dict[str, int] | None = None, command: str = "", save: bool = True, follow: bool = True,
                  on_evidence: Callable[[Bundle], None] | None = None, decides: Decider | None = None,
-                 focus: Sequence[int] | None = None) -> Bundle:
+                 focus: Sequence[int] | None = None, beside: Callable[[], None] | None = None) -> Bundle:
     """Capture ``pids`` read-only into ``bundle_dir``: what ``kvdiag capture --pid`` does, for processes that
     need not form one tree (the selected workers of one node of a Ray cluster).
 
@@ -56,6 +56,8 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     tool only when that does not decide (:mod:`kvdiag.capture.staged`); None: every process, every tool.
     ``focus``: the processes that stage captures first (default: the engine cores).
     ``follow``: the processes outside ``pids`` that a blocked thread waits on are captured too (bounded).
+    ``beside``: run in a thread of its own while the tools run (from when the /proc windows have opened); not
+    waited for.
     """
     pids = list(pids)
     roots = list(roots) if roots else pids
@@ -67,15 +69,9 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     cores = [p for p in roles.get(ProcessRole.ENGINE_CORE, []) if p in pids]
     env_pid = cores[0] if cores else (pids[0] if pids else roots[0])
     env_box: list[EnvironmentRecord] = []
-    # Files and a few short children (the engine's own interpreter asked for its versions): beside the
-    # capture tools, not after them.
-    env_thread = threading.Thread(target=lambda: env_box.append(collect_environment(target_pid=env_pid)),
-                                  name="kvdiag-environment", daemon=True)
-    env_thread.start()
-
     followed, named = peers_outside(pids) if follow else ([], [])
     every = pids + [p.pid for p in followed]
-    # Each one's TCP sockets (what another host's capture is matched with): /proc only, beside the tools.
+    # Each one's TCP sockets (what another host's capture is matched with): /proc only.
     tcp_box: dict[int, ProcessTcp | None] = {}
 
     def read_tcp() -> None:
@@ -83,8 +79,18 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
         for pid in every:
             tcp_box[pid] = process_tcp(pid, shared=shared)
 
-    tcp_thread = threading.Thread(target=read_tcp, name="kvdiag-tcp", daemon=True)
-    tcp_thread.start()
+    # Beside the capture tools, not after them, and not before the /proc windows have opened (their first
+    # samples are read at once, not shared with these): the environment (files and a few short children: the
+    # engine's own interpreter asked for its versions), the TCP tables, and the caller's ``beside``.
+    works: list[Callable[[], None]] = [lambda: env_box.append(collect_environment(target_pid=env_pid)), read_tcp]
+    threads = [threading.Thread(target=w, name=f"kvdiag-beside-{i}", daemon=True)
+               for i, w in enumerate([*works, *([beside] if beside is not None else [])])]
+
+    def start_beside() -> None:
+        for t in threads:
+            if t.ident is None:
+                t.start()
+
     # Each one's rank in a distributed job groups one job's ranks, here and in a merged bundle.
     ranks = {pid: read_rank(pid) for pid in every}
 
@@ -101,13 +107,14 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
         judge = decides
         evidence, findings = capture_staged(every, first, raw_root(bundle_dir), timeout_s=timeout_s,
                                             backends=backends, bundle_dir=bundle_dir,
-                                            decides=lambda evs, fs: judge(with_roles(evs), fs))
+                                            decides=lambda evs, fs: judge(with_roles(evs), fs), on_open=start_beside)
     else:
         evidence, findings = capture_processes(every, raw_root(bundle_dir), timeout_s=timeout_s, backends=backends,
-                                               bundle_dir=bundle_dir)
+                                               bundle_dir=bundle_dir, on_open=start_beside)
+    start_beside()   # no window opened (every process gone): they run now
     findings += note_followed(evidence, followed, named)
     with_roles(evidence)
-    tcp_thread.join()   # bounded: a few /proc files per process
+    threads[1].join()   # the TCP tables: bounded, a few /proc files per process
     for ev in evidence:
         if ev.alive:   # what another host's capture is matched with (kvdiag merge, capture --ray)
             tcp = tcp_box.get(ev.pid)
@@ -134,7 +141,7 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
                     host=host_record(), processes=evidence, findings=findings, engines=engines)
     if on_evidence is not None:
         on_evidence(bundle)
-    env_thread.join()   # bounded: every child it starts has its own timeout
+    threads[0].join()   # the environment: bounded, every child it starts has its own timeout
     bundle.environment = env_box[0] if env_box else None
     if save:
         save_bundle(bundle, bundle_dir)

@@ -130,7 +130,7 @@ def _window_pyspy(backends: list[CaptureBackend], unavailable: dict[str, str],
     return _pyspy_without_pausing(backends)
 
 
-def _shared_window(jobs: list[ProcessJob]) -> None:
+def _shared_window(jobs: list[ProcessJob], on_open: Callable[[], None] | None = None) -> None:
     """One /proc progress window for every process at once (focus processes first), with the tools that
     never pause a target (py-spy --nonblocking) running inside it; the ptrace chains start once every window
     has closed (the focus processes' first). Nothing pauses any process of the capture while a window is
@@ -143,6 +143,8 @@ def _shared_window(jobs: list[ProcessJob]) -> None:
             if pb is not None and window is not None:
                 opened.append((job, pb, window))
             job.start_quiet(skip=pb)
+        if on_open is not None:
+            on_open()
         closing = {id(job) for job, _, _ in opened}
         for job in jobs:   # no /proc here: the chain may start at once
             if id(job) not in closing:
@@ -183,7 +185,7 @@ def _agent_path(job: ProcessJob, via: str, access: TargetAccess | None) -> Findi
 def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.0,
                       backends: Sequence[str | CaptureBackend] | None = None, *,
                       bundle_dir: Path | None = None, parallel: bool = True,
-                      focus: Sequence[int] | None = None,
+                      focus: Sequence[int] | None = None, on_open: Callable[[], None] | None = None,
                       ) -> tuple[list[ProcessEvidence], list[Finding]]:
     """Capture evidence from ``pids`` read-only; never raises for tool problems.
 
@@ -198,6 +200,9 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     machine to themselves; the other processes get /proc and a non-pausing py-spy at once, then (once
     the focus processes' pystack is done) pystack with Python frames and GIL flags only, and gdb.
     None: every process is a focus process.
+
+    ``on_open``: called once every window has opened (the first samples taken), before any closes: what the
+    caller runs beside the capture starts there, not while the first samples are read.
     """
     chosen = make_backends(backends)
     # "agent" among the backends reads every process through its agent; otherwise the agent stands in
@@ -246,7 +251,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
             if not parallel:
                 job.run_serially()
         if parallel:
-            _shared_window(jobs)
+            _shared_window(jobs, on_open)
             for job in jobs:
                 job.join(deadline + CAPTURE_SLACK_S - 1.0)
     except BaseException as exc:

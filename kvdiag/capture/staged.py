@@ -68,15 +68,18 @@ def _skip_pausing(ev: ProcessEvidence, chosen: list[CaptureBackend], quiet: list
 
 def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, timeout_s: float,
                    backends: Sequence[str | CaptureBackend] | None, bundle_dir: Path | None,
-                   decides: Decider) -> tuple[list[ProcessEvidence], list[Finding]]:
+                   decides: Decider, on_open: Callable[[], None] | None = None,
+                   ) -> tuple[list[ProcessEvidence], list[Finding]]:
     """Capture ``pids`` with the ``focus`` processes first (see the module); the evidence of every pid,
-    focus processes first, and the findings."""
+    focus processes first, and the findings. ``on_open``: once the focus processes' windows have opened
+    (see :func:`~kvdiag.capture.orchestrate.capture_processes`)."""
     chosen = make_backends(backends)
     core = [p for p in pids if p in set(focus)]
     rest = [p for p in pids if p not in set(focus)]
     quiet = _quiet(make_backends(backends))   # instances of their own: both stages run at once
     if not core or not rest:
-        return capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=chosen, bundle_dir=bundle_dir)
+        return capture_processes(pids, raw_dir, timeout_s=timeout_s, backends=chosen, bundle_dir=bundle_dir,
+                                 on_open=on_open)
     start = time.monotonic()
     box: list[tuple[list[ProcessEvidence], list[Finding]]] = []
     side = threading.Thread(target=lambda: box.append(capture_processes(
@@ -85,7 +88,7 @@ def capture_staged(pids: Sequence[int], focus: Sequence[int], raw_dir: Path, *, 
     side.start()
     try:
         ev_core, f_core = capture_processes(core, raw_dir, timeout_s=timeout_s, backends=chosen,
-                                            bundle_dir=bundle_dir)
+                                            bundle_dir=bundle_dir, on_open=on_open)
     finally:
         side.join(timeout_s + CAPTURE_SLACK_S)
     ev_rest, f_rest = box[0] if box else ([], [])

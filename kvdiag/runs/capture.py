@@ -8,7 +8,6 @@ soon as the evidence is in -> the tail every run shares (:func:`kvdiag.runs.outp
 from __future__ import annotations
 
 import os
-import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -145,13 +144,12 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
             on_verdict(known[0])
 
     # The analysis, the reports and their template load while the /proc window is open and the tools wait on
-    # their targets: before the capture they would delay the window by a third of a second.
-    threading.Thread(target=_warm_up, name="kvdiag-warm-up", daemon=True).start()
+    # their targets (``beside``): before the capture they would delay the window by a third of a second.
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
     bundle = capture_tree(target, out_dir / "bundle", timeout_s=timeout_s, backends=tools, command=command,
                           pids=scope.pids + ranks, save=False, on_evidence=early,
                           decides=ranks_decide if ranks else core_decides, focus=scope.pids if ranks else None,
-                          follow=follow and not kthread)
+                          follow=follow and not kthread, beside=_warm_up)
     say_paths(bundle)
     if not known and record is not None:
         record(bundle)
