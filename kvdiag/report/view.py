@@ -35,7 +35,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 MAX_WAIT_ROWS = 40
-_WAIT_WORDS = {"new_work": "new work", "outcome": "an outcome", "running": "(running)", "other": "?"}
+_WAIT_WORDS = {"new_work": "new work", "outcome": "an outcome", "running": "(running)", "other": "other"}
 
 
 def wait_word(w: ThreadWait) -> str:
