@@ -95,18 +95,20 @@ def test_capture_ray_names_the_rank_that_left_across_nodes(tmp_path: Path) -> No
         lock.close()
     v = json.loads(res.stdout)["verdict"]
     bundle = json.loads((tmp_path / "o" / "bundle" / "bundle.json").read_text())
-    print(v["summary"])
     assert res.returncode == 10 and v["kind"] == "collective_mismatch", v["summary"]
     # Each rank on its own node, its identity read from its environment there.
     ranks = {p["rank"]["rank"]: (p["node"], p["pid"]) for p in bundle["processes"] if p.get("rank")}
     assert set(ranks) == {0, 1} and [pid for _, pid in (ranks[0], ranks[1])] == job["ranks"], ranks
     node0, node1 = ranks[0][0], ranks[1][0]
     assert node0 != node1
-    assert v["summary"].startswith("rank 0 waits in all_reduce at ray_gloo.py"), v["summary"]
-    assert "rank 1 is in broadcast at ray_gloo.py" in v["summary"] and "mismatched_broadcast" in v["summary"]
+    # each rank named with its node, and the step both are at (their frames' `step` local)
+    assert v["summary"].startswith(f"rank 0 on {node0} waits in all_reduce (step 3) at ray_gloo.py"), v["summary"]
+    assert f"rank 1 on {node1} is in broadcast (step 3) at ray_gloo.py" in v["summary"]
+    assert "mismatched_broadcast" in v["summary"]
     # The chain: the waiting rank's collective on one node, to the rank that left on the other.
     edge = v["waits"]["edges"][0]
     assert edge["kind"] == "collective"
-    assert (edge["src"]["node"], edge["src"]["pid"]) == ranks[0] and (edge["dst"]["node"], edge["dst"]["pid"]) == ranks[1]
+    assert (edge["src"]["node"], edge["src"]["pid"]) == ranks[0]
+    assert (edge["dst"]["node"], edge["dst"]["pid"]) == ranks[1]
     cited = {(e["node"], e["pid"]) for e in v["evidence"]}
     assert {ranks[0], ranks[1]} <= cited
