@@ -31,7 +31,11 @@ else
   "$PYTHON" -m venv "$VENV"
   # kvdiag's own dependencies, as pyproject.toml lists them (kvdiag itself comes from the source tree)
   "$VENV/bin/python" - "$HERE/../pyproject.toml" > "$VENV/kvdiag-requirements.txt" <<'PY'
-import sys, tomllib
+import sys
+try:
+    import tomllib
+except ImportError:      # Python 3.10
+    import tomli as tomllib
 print("\n".join(tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]))
 PY
   "$VENV/bin/python" -m pip install -q "$TORCH" "$RAY" -r "$VENV/kvdiag-requirements.txt"
