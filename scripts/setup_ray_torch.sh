@@ -30,6 +30,7 @@ else
   mkdir -p "$(dirname "$VENV")"
   "$PYTHON" -m venv "$VENV"
   # kvdiag's own dependencies, as pyproject.toml lists them (kvdiag itself comes from the source tree)
+  "$VENV/bin/python" -c 'import tomllib' 2>/dev/null || "$VENV/bin/python" -m pip install -q tomli
   "$VENV/bin/python" - "$HERE/../pyproject.toml" > "$VENV/kvdiag-requirements.txt" <<'PY'
 import sys
 try:
