@@ -45,6 +45,7 @@ from kvdiag.capture.base import CaptureBackend, kill_active_tools
 from kvdiag.capture.job import ProcessJob, skip_reason
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, ProcWindow
+from kvdiag.capture.ranks import is_rank
 from kvdiag.capture.slots import ToolSlots
 from kvdiag.capture.tools import (
     GdbBackend,
@@ -104,6 +105,19 @@ def _minor(backends: list[CaptureBackend]) -> list[CaptureBackend]:
 def _pyspy_without_pausing(backends: list[CaptureBackend]) -> list[CaptureBackend]:
     """``backends`` with py-spy --native replaced by py-spy --nonblocking (Python frames, no pause)."""
     return [pyspy_nonblocking(b.binary) if isinstance(b, PyspyBackend) and b.native else b for b in backends]
+
+
+def _with_steps(backends: list[CaptureBackend]) -> list[CaptureBackend]:
+    """``backends`` with py-spy --nonblocking (a copy) also reading the frames' integer step counters
+    (``--locals``, every other local dropped): for a rank of a distributed job, the step it is at. It never
+    pauses the target."""
+    out: list[CaptureBackend] = []
+    for b in backends:
+        if isinstance(b, PyspyBackend) and not b.native:
+            b = copy.copy(b)
+            b.steps = True
+        out.append(b)
+    return out
 
 
 def _raised(backends: list[CaptureBackend]) -> list[CaptureBackend]:
@@ -233,6 +247,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 continue
             minor = focus_set is not None and pid not in focus_set
             mine = _raised(_minor(chosen) if minor else _window_pyspy(chosen, unavailable, accesses.get(pid)))
+            if is_rank(pid):
+                mine = _with_steps(mine)
             job = ProcessJob(pid, mine, unavailable, raw_dir, timeout_s,
                               deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
                               slots=slots, rank=int(minor), t0=start)

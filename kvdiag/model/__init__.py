@@ -81,6 +81,7 @@ from kvdiag.model.kinds import (
     VerdictKind,
 )
 from kvdiag.model.ranks import (
+    STEP_LOCALS,
     RankIdentity,
 )
 from kvdiag.model.report import (
@@ -209,6 +210,7 @@ __all__ = [
     "RingReading",
     "PtraceAccess",
     "RankIdentity",
+    "STEP_LOCALS",
     "RateLine",
     "RedactionSummary",
     "Report",
