@@ -11,6 +11,7 @@ from pathlib import Path
 
 import httpx
 
+from kvdiag.defaults import Clock
 from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
 from kvdiag.launch.process import EngineProcess, ProcessSet
@@ -31,8 +32,6 @@ from kvdiag.watch.probe import (
 )
 from kvdiag.watch.serving import RequestLoop
 from kvdiag.watch.stall import Observation, ServingStall, StallDetector
-
-Clock = Callable[[], float]
 
 
 class Outcome(str, Enum):

@@ -20,6 +20,7 @@ from rich.console import Console
 
 from kvdiag import interrupts
 from kvdiag.analyze.soak import flat_generation_span
+from kvdiag.defaults import Clock
 from kvdiag.errors import Interrupted
 from kvdiag.load.loadgen import LoadGenerator
 from kvdiag.load.progress import ProgressView
@@ -33,7 +34,6 @@ from kvdiag.watch.poller import MetricsPoller
 from kvdiag.watch.saturation import SaturationSampler
 from kvdiag.watch.stall import ServingStall
 
-Clock = Callable[[], float]
 _TICK_S = 0.25
 _SAMPLE_S = 0.5          # the client's counters, for the report's plots
 _MAX_SAMPLES = 4000

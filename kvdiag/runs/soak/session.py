@@ -15,7 +15,6 @@ verdict and report are written before anything is torn down.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
@@ -23,7 +22,7 @@ from rich.markup import escape
 
 from kvdiag.capture.bundle import capture_engine
 from kvdiag.capture.locate import is_local_host, local_server, url_host_port
-from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
+from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S, Clock
 from kvdiag.errors import EngineFailed, KvdiagError
 from kvdiag.load.loadgen import LoadGenerator
 from kvdiag.load.stats import SoakSummary
@@ -39,7 +38,6 @@ from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, request_mo
 from kvdiag.runs.soak.subject import Subject, served_model, server_answers
 from kvdiag.scenario.models import Scenario
 
-Clock = Callable[[], float]
 COMMAND = "soak"
 
 
