@@ -159,7 +159,7 @@ def test_one_outcome_everywhere_analyze_report_json_and_pages(ab_run: Path) -> N
     # The A/B's outcome (and ab's exit code), never the stock side's gil_cycle as the run's verdict.
     analyzed = run_kvdiag("analyze", str(ab_run), timeout=120)
     assert analyzed.returncode == 0, analyzed.stderr
-    assert analyzed.stdout.splitlines()[0] == "outcome: A/B separated (stock: gil_cycle, fixed: healthy)"
+    assert analyzed.stdout.splitlines()[0] == "outcome: A/B separated (stock: gil_cycle, fixed: healthy)  exit 0"
     rendered = run_kvdiag("report", str(ab_run), timeout=120)
     assert rendered.returncode == 0, rendered.stderr
     assert "A/B separated (stock: gil_cycle, fixed: healthy)  exit 0" in rendered.stdout
