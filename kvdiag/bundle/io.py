@@ -9,8 +9,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kvdiag.errors import BundleError
-from kvdiag.model import SCHEMA_VERSION, Bundle
-from kvdiag.redact import redact_bundle, redact_text, replace_file
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import SCHEMA_VERSION
+from kvdiag.redact.bundle import redact_bundle
+from kvdiag.redact.files import replace_file
+from kvdiag.redact.rules import redact_text
 
 BUNDLE_DIR = "bundle"            # inside a run's output folder
 BUNDLE_FILE = "bundle.json"

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvdiag import __version__
-from kvdiag.bundle import raw_root, save_bundle
+from kvdiag.bundle.io import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.follow import note_followed, peers_outside
@@ -18,7 +18,11 @@ from kvdiag.capture.ranks import read_rank
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.environment.host import host_record
-from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole, TcpSocket
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.environment import EnvironmentRecord
+from kvdiag.model.evidence import ProcessEvidence, TcpSocket
+from kvdiag.model.kinds import ProcessRole
+from kvdiag.model.run import Finding
 from kvdiag.osread.net import process_tcp
 from kvdiag.osread.ptable import process_tree
 
@@ -148,7 +152,7 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
                    backends: Sequence[str | CaptureBackend] | None = None,
                    log_pids: dict[str, int] | None = None) -> tuple[list[ProcessEvidence], list[Finding]]:
     """Capture one launched engine read-only into ``bundle_dir/raw/<pid>/`` (repro, ab): the same
-    raw layout as ``kvdiag capture`` (:func:`kvdiag.bundle.raw_dir`); bundle.json names each process's engine.
+    raw layout as ``kvdiag capture`` (:func:`kvdiag.bundle.io.raw_dir`); bundle.json names each process's engine.
 
     The engine's processes as :func:`engine_pids` names them.
     """

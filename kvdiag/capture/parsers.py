@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import Frame, GilState, ThreadEvidence
+from kvdiag.model.evidence import Frame, ThreadEvidence
+from kvdiag.model.kinds import GilState
 
 # ---------------------------------------------------------------- pystack
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.analyze import diagnose
-from kvdiag.bundle import load_run, resolve_bundle_file
+from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.bundle.io import load_run, resolve_bundle_file
 from kvdiag.cli.common import result_console
 from kvdiag.report import run_view
 from kvdiag.report.terminal import render_terminal

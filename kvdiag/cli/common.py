@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import typer
 from rich.console import Console
 
-from kvdiag.model import Diagnosis
+from kvdiag.model.verdict import Diagnosis
 from kvdiag.report.terminal import render_terminal, verdict_head
 
 if TYPE_CHECKING:   # only a type here: commands that never run engines (banner, doctor) stay light

@@ -13,7 +13,7 @@ from kvdiag.report.soakview import soak_lines
 from kvdiag.runs.output import prepare_out_dir
 from kvdiag.runs.soak.options import SoakOptions
 from kvdiag.runs.soak.session import SoakRun
-from kvdiag.scenario import load_scenario
+from kvdiag.scenario.loader import load_scenario
 
 
 class AllocatorChoice(str, Enum):

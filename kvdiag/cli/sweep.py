@@ -8,7 +8,7 @@ from pathlib import Path
 import typer
 
 from kvdiag import defaults as D
-from kvdiag.model import SweepReport
+from kvdiag.model.sweep import SweepReport
 from kvdiag.report.sweep import render_sweep_text
 from kvdiag.report.sweepview import sweep_view
 from kvdiag.runs.sweep.command import sweep_config

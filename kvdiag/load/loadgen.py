@@ -342,4 +342,4 @@ class LoadGenerator:
 
 
 # LoadConfig is the generator's configuration: importable from here, beside the generator it configures.
-__all__ = ["LoadConfig", "LoadGenerator"]
+__all__ = ["LoadGenerator"]

@@ -14,18 +14,19 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kvdiag.bundle import atomic_write_text
-from kvdiag.model import Bundle, Diagnosis, Finding, Report
-from kvdiag.redact import redact_bundle, redact_obj
+from kvdiag.bundle.io import atomic_write_text
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.report import Report
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Diagnosis
+from kvdiag.redact.bundle import redact_bundle
+from kvdiag.redact.rules import redact_obj
 from kvdiag.report.html import render_html
 from kvdiag.report.json import render_json, report_of
 from kvdiag.report.markdown import render_markdown
 from kvdiag.report.view import ReportView, build_view
 
-__all__ = [
-    "ReportView", "build_view", "render_html", "render_json", "render_markdown", "report_of",
-    "run_view", "write_view",
-]
+__all__ = ["run_view", "write_view"]
 
 REPORT_FILES = ("report.json", "report.html", "report.md")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag.model import EnvironmentRecord, KvcachedBuild
+from kvdiag.model.environment import EnvironmentRecord, KvcachedBuild
 
 
 def _mb(value: int | None) -> str:

@@ -24,8 +24,10 @@ from urllib.parse import quote
 import jinja2
 from markupsafe import Markup
 
-from kvdiag.model import Bundle, Report, VerdictKind
-from kvdiag.redact import redact_text
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.report import Report
+from kvdiag.redact.rules import redact_text
 from kvdiag.report.json import report_dict
 from kvdiag.report.view import ReportView, clean_text, page_href
 

@@ -12,18 +12,11 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.model import (
-    Bundle,
-    Diagnosis,
-    EngineJudgement,
-    EnginePids,
-    EngineRecord,
-    Finding,
-    Report,
-    ReportBanner,
-    ReportEngine,
-    Verdict,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.judged import EngineJudgement
+from kvdiag.model.report import EnginePids, Report, ReportBanner, ReportEngine
+from kvdiag.model.run import EngineRecord, Finding
+from kvdiag.model.verdict import Diagnosis, Verdict
 from kvdiag.report.view import ReportView
 
 

@@ -1,4 +1,4 @@
-"""The view a sweep's renderers read (:mod:`kvdiag.report.sweep`): the stored :class:`~kvdiag.model.SweepReport`
+"""The view a sweep's renderers read (:mod:`kvdiag.report.sweep`): the stored :class:`~kvdiag.model.sweep.SweepReport`
 and, made once from it, each cell as shown (label, colour, hover text, link, where the rule or the banner
 disagrees) and the phase diagram's panels. Nothing here judges: every outcome is the report's."""
 

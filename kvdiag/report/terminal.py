@@ -14,7 +14,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvdiag.model import Report, Verdict, VerdictKind
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.report import Report
+from kvdiag.model.verdict import Verdict
 from kvdiag.report.envtext import gpu_lines, package_summary
 from kvdiag.report.view import ReportView, wait_word
 

@@ -12,7 +12,8 @@ import threading
 from collections.abc import Callable
 from pathlib import Path
 
-from kvdiag.analyze import analyze, diagnose
+from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.analyze.overall import analyze
 from kvdiag.analyze.ranks import ranks_settled
 from kvdiag.capture.access import is_kernel_thread
 from kvdiag.capture.bundle import capture_tree
@@ -22,9 +23,13 @@ from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
 from kvdiag.defaults import Clock
 from kvdiag.environment.host import host_record
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import ProcessRole
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Diagnosis
 from kvdiag.osread.stat import read_stat
-from kvdiag.redact import redact_bundle
+from kvdiag.redact.bundle import redact_bundle
 from kvdiag.report.html import compile_templates
 from kvdiag.runs.fleet.ray import capture_cluster
 from kvdiag.runs.output import RunArtifacts, finish

@@ -10,14 +10,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdiag.analyze import diagnose
-from kvdiag.analyze.diagnosis import complete
+from kvdiag.analyze.diagnosis import complete, diagnose
 from kvdiag.analyze.soak import judged_soak, stall_to_verdict_s
-from kvdiag.bundle import write_bundle
+from kvdiag.bundle.io import write_bundle
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, Diagnosis, TimelineEvent, Verdict
-from kvdiag.redact import redact_bundle
-from kvdiag.report import ReportView, run_view, write_view
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.run import TimelineEvent
+from kvdiag.model.verdict import Diagnosis, Verdict
+from kvdiag.redact.bundle import redact_bundle
+from kvdiag.report import run_view, write_view
+from kvdiag.report.view import ReportView
 
 
 def default_out_dir(command: str) -> Path:

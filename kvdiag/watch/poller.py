@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import httpx
 
 from kvdiag.defaults import Clock
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 from kvdiag.watch.metrics import parse_metrics
 
 

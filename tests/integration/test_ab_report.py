@@ -13,7 +13,8 @@ from urllib.parse import unquote
 import pytest
 from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
-from kvdiag.model import ABComparison, Report
+from kvdiag.model.report import Report
+from kvdiag.model.verdict import ABComparison
 from kvdiag.report.view import ab_view
 
 pytestmark = pytest.mark.timeout(400)

@@ -11,10 +11,10 @@ import pytest
 from rich.console import Console
 
 import kvdiag.report.json as report_json
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 from kvdiag.cli.common import print_outcome
 from kvdiag.cli.main import main
-from kvdiag.model import Report
+from kvdiag.model.report import Report
 from kvdiag.runs.output import finish
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"

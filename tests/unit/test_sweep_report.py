@@ -9,7 +9,7 @@ from pathlib import Path
 
 import jsonschema
 
-from kvdiag.model import SweepAxis, SweepCell, SweepReport, SweepRun
+from kvdiag.model.sweep import SweepAxis, SweepCell, SweepReport, SweepRun
 from kvdiag.report.sweep import render_sweep_html
 from kvdiag.report.sweepview import sweep_view
 from kvdiag.runs.sweep.summarize import conclude
@@ -41,7 +41,7 @@ def test_the_schema_file_is_the_models_and_a_report_follows_it() -> None:
     schema = json.loads(SCHEMA.read_text())
     generated = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "kvdiag sweep report.json",
                  **SweepReport.model_json_schema()}
-    assert schema == generated, "regenerate schema/sweep.schema.json from kvdiag.model.SweepReport"
+    assert schema == generated, "regenerate schema/sweep.schema.json from kvdiag.model.sweep.SweepReport"
     report = _report()
     jsonschema.validate(json.loads(report.model_dump_json()), schema)
     assert report.exit_code == 10 and report.rule is not None and report.rule.fits

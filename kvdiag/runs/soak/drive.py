@@ -27,7 +27,8 @@ from kvdiag.load.progress import ProgressView
 from kvdiag.load.request import LoadConfig
 from kvdiag.load.stats import SoakSummary
 from kvdiag.logs.lines import feed_line
-from kvdiag.model import Finding, MetricsSnapshot, SoakSample
+from kvdiag.model.run import Finding, MetricsSnapshot
+from kvdiag.model.soakseries import SoakSample
 from kvdiag.runs.soak.options import SoakOptions
 from kvdiag.runs.soak.subject import Subject, healthy, server_pids
 from kvdiag.watch.poller import MetricsPoller

@@ -13,7 +13,7 @@ from typing import Any
 from kvdiag import __version__
 from kvdiag.bundle.io import atomic_write_text
 from kvdiag.errors import UsageError
-from kvdiag.model import SweepReport
+from kvdiag.model.sweep import SweepReport
 from kvdiag.report.sweep import SWEEP_RENDERERS, render_sweep_html
 from kvdiag.report.sweepview import sweep_view
 from kvdiag.runs.sweep.axes import Axis, cell_scenario, parse_vary, unique_labels

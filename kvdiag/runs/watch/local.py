@@ -60,4 +60,4 @@ class LocalEngine:
         return self.server_pid, core
 
 
-__all__ = ["LocalEngine", "Located", "sample_core"]
+__all__ = ["LocalEngine", "sample_core"]

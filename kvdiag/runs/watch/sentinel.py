@@ -19,7 +19,7 @@ from typing import Any
 
 from kvdiag.defaults import Clock
 from kvdiag.errors import ExitCode
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 from kvdiag.runs.watch.events import (
     ERROR,
     RECOVERED,

@@ -27,7 +27,10 @@ from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope
 from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S, WATCH_WINDOW_S, Clock
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, EnginePhase, EngineRecord, TimelineEvent, Verdict
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import EnginePhase
+from kvdiag.model.run import EngineRecord, TimelineEvent
+from kvdiag.model.verdict import Verdict
 from kvdiag.osread.stat import read_stat
 from kvdiag.runs.capture import capture_run
 from kvdiag.runs.fleet.ray import capture_cluster
