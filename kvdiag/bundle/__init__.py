@@ -6,6 +6,6 @@ Layout (one for every command; :mod:`kvdiag.bundle.io` names each part)::
     OUT/bundle/          bundle.json, scenario.yaml, logs/<engine>.log, raw/<pid>/<tool>.txt
     OUT/<label>/         a nested run (``kvdiag ab``: stock/, fixed/), each with its own bundle/
 
-:func:`~kvdiag.bundle.io.write_bundle` is the one writer of bundle.json: it redacts on the way in.
+:func:`~kvdiag.bundle.io.write_bundle` is the one writer of bundle.json (redacting: :mod:`kvdiag.redact`).
 :func:`~kvdiag.bundle.io.load_run` is the one loader: the bundle plus the nested runs it names.
 """

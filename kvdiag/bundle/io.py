@@ -98,7 +98,6 @@ def load_bundle(path: Path) -> tuple[Bundle, Path]:
     if version != SCHEMA_VERSION:
         raise BundleError(f"{file}: bundle schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
     try:
-        # Data entering this run from disk: a bundle written by an older kvdiag may hold secrets.
         return redact_bundle(Bundle.model_validate(data)), bundle_dir
     except ValidationError as exc:
         first = exc.errors()[0]

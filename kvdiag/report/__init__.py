@@ -2,9 +2,8 @@
 terminal summary.
 
 A run's report is built once (:func:`run_view`) into a :class:`ReportView`, and every renderer reads
-that view: they never run tools or analyzers, and never judge or match. What they render was redacted
-where it entered (:mod:`kvdiag.redact`): the bundle when it was written or loaded, the view's inputs
-once, raw files as they are read; every file is written atomically.
+that view: they never run tools or analyzers, never judge or match, and never redact (where redaction
+happens: :mod:`kvdiag.redact`); every file is written atomically.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ def run_view(bundle: Bundle, diagnosis: Diagnosis, *, out_dir: Path, bundle_dir:
     """The one view of a run's report: built once from ``bundle`` and the diagnosis stored with it, for
     report files written in ``out_dir`` (``bundle_path``: where the page finds the bundle folder;
     default ``bundle_dir`` relative to ``out_dir`` when it exists)."""
-    # The report stage's one redaction: its inputs, once (the bundle is normally redacted already, where
-    # its data entered it; a caller may hand anything). Renderers do not redact again.
+    # (kvdiag.redact says why the report's inputs are redacted here)
     bundle = redact_bundle(bundle)
     diagnosis, command = redact_obj((diagnosis, command))
     if bundle_path is None and bundle_dir is not None and bundle_dir.is_dir():

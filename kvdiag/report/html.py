@@ -1,6 +1,6 @@
 """report.html: one self-contained page (no network) rendered with jinja2.
 
-Everything shown comes from the report and the bundle (redacted where their data entered) and
+Everything shown comes from the report and the bundle (redacted: :mod:`kvdiag.redact`) and
 raw files inside the bundle folder. All text goes through jinja2's
 autoescape; the only unescaped insertions are this package's own CSS/JS and
 the report as JSON, escaped for a ``<script type="application/json">`` block.

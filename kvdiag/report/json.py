@@ -2,8 +2,7 @@
 
 The report is the user-facing contract (schema/report.schema.json, generated from the models by
 :mod:`kvdiag.report.schema`): every other renderer reads it through the view
-(:mod:`kvdiag.report.view`). Its inputs were redacted where they entered (the bundle writer or loader,
-the report stage).
+(:mod:`kvdiag.report.view`). Its inputs come redacted (:mod:`kvdiag.redact`).
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     capture that said its verdict before the environment record was in: the rules read no
     environment). Renderers read only the diagnosis stored in the bundle.
     """
-    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
+    red = redact_bundle(bundle)   # kvdiag.redact says why here
     if red.soak is not None:   # the soak's judgement, stored beside the readings it came from
         red.soak = judged_soak(red.soak, red.metrics)
     diag = diagnosis if diagnosis is not None else diagnose(red, runs)
