@@ -1,7 +1,7 @@
 """diagnose(bundle) -> Diagnosis: the whole run's conclusion as a pure function of its bundle.
 
 Three layers, each read only from the bundle (no I/O, no clock):
-- the per-engine verdicts and the overall verdict (:func:`kvdiag.analyze.analyze_by_engine`);
+- the per-engine verdicts and the overall verdict (:func:`kvdiag.analyze.overall.analyze_by_engine`);
 - the run-level judgement: an interrupted run, and what a soak's load phase said (a server
   that stopped answering, a load where every request failed, a load that never saturated the
   KV pool: :mod:`kvdiag.analyze.soak`);
@@ -22,18 +22,11 @@ from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.analyze.soak import judged_soak, saturation_verdict, served_verdict
 from kvdiag.analyze.xverdict import judge_across
 from kvdiag.errors import ExitCode
-from kvdiag.model import (
-    ABComparison,
-    ABEngine,
-    ABSide,
-    Bundle,
-    Confidence,
-    Diagnosis,
-    EngineRecord,
-    Verdict,
-    VerdictKind,
-    engine_health,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.health import engine_health
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import EngineRecord
+from kvdiag.model.verdict import ABComparison, ABEngine, ABSide, Diagnosis, Verdict
 
 AB_SIDES = ("stock", "fixed")
 

@@ -8,16 +8,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.kvcached.banner import assess_risk_for
-from kvdiag.model import (
-    ABComparison,
-    BannerRisk,
-    Bundle,
-    Diagnosis,
-    EngineJudgement,
-    EngineRecord,
-    Verdict,
-    engine_health,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.health import engine_health
+from kvdiag.model.judged import EngineJudgement
+from kvdiag.model.run import BannerRisk, EngineRecord
+from kvdiag.model.verdict import ABComparison, Diagnosis, Verdict
 
 
 def combined_risk(risks: list[BannerRisk]) -> BannerRisk | None:
@@ -49,7 +44,7 @@ def diagnosis_of(bundle: Bundle, verdict: Verdict, *, exit_code: int,
                  ab: ABComparison | None = None) -> Diagnosis:
     """A diagnosis from a caller that holds verdicts but no stored diagnosis (a hand-built bundle): the
     engines' judgements are the stored ones when ``bundle``'s diagnosis holds these verdicts, else
-    judged here, exactly as :func:`kvdiag.analyze.diagnose` stores them."""
+    judged here, exactly as :func:`kvdiag.analyze.diagnosis.diagnose` stores them."""
     by_engine = dict(verdicts_by_engine or {})
     stored = bundle.diagnosis
     engines = stored.engines if stored is not None and stored.verdicts_by_engine == by_engine else None

@@ -3,7 +3,7 @@
 In tensor, pipeline, data or expert parallelism every rank must call the same collectives in the same
 order. When one rank takes a rank-local branch (calls another collective, blocks before it, exits), every
 other rank waits in its collective forever, and each process on its own looks idle in a normal wait. So
-the processes that are ranks of one job (:class:`kvdiag.model.RankIdentity` from their environment, or
+the processes that are ranks of one job (:class:`kvdiag.model.ranks.RankIdentity` from their environment, or
 vLLM's worker titles under one parent) are grouped, and for each rank the collective it sits in (the
 torch.distributed call or vLLM's own: its shared-memory broadcast, custom all-reduce, pynccl, the group
 coordinator), the frame that called it, or, for a rank in none, where it is instead.
@@ -37,21 +37,13 @@ from kvdiag.analyze.fleet import is_merged
 from kvdiag.analyze.process import analyze_process
 from kvdiag.analyze.rulekit import WAIT_WORDS, severity
 from kvdiag.analyze.vllm_titles import process_title
-from kvdiag.model import (
-    STEP_LOCALS,
-    Bundle,
-    Confidence,
-    EvidenceItem,
-    Finding,
-    Frame,
-    NodeRef,
-    ProcessEvidence,
-    Verdict,
-    VerdictKind,
-    WaitChain,
-    WaitEdge,
-)
-from kvdiag.model.waits import EdgeEvidence, EdgeKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame, ProcessEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.ranks import STEP_LOCALS
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import EvidenceItem, Verdict
+from kvdiag.model.waits import EdgeEvidence, EdgeKind, NodeRef, WaitChain, WaitEdge
 
 # torch.distributed's collectives and point-to-point calls (distributed_c10d.py); the outermost one a rank
 # is in is the call it made (all_gather_object runs all_gather).

@@ -9,7 +9,9 @@ from kvdiag.analyze.classify import ThreadView, WaitKind
 from kvdiag.analyze.evidence import Key, cite_item
 from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.model import EvidenceItem, FdInfo, ProcessEvidence, ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.evidence import FdInfo, ProcessEvidence
+from kvdiag.model.kinds import ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.verdict import EvidenceItem
 
 # Worst first (the overall verdict is the worst engine's); each kind's rank is part of its one definition
 # (KIND_SPECS in kvdiag.model).

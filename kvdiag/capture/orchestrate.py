@@ -57,7 +57,8 @@ from kvdiag.capture.tools import (
 )
 from kvdiag.capture.untouched import observe, resume_if_left_stopped, verify_untouched
 from kvdiag.defaults import DEFAULT_TOOLS
-from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
+from kvdiag.model.evidence import ProcessEvidence, TargetAccess, ToolRun
+from kvdiag.model.run import Finding
 from kvdiag.osread.nvml import GpuSampler, gpu_present
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
@@ -202,7 +203,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     """Capture evidence from ``pids`` read-only; never raises for tool problems.
 
     ``backends``: names ("proc", "py-spy", "pystack", "gdb") or backend objects; default all.
-    Raw tool outputs go to ``raw_dir/<pid>/`` (:func:`kvdiag.bundle.raw_dir`, the one layout);
+    Raw tool outputs go to ``raw_dir/<pid>/`` (:func:`kvdiag.bundle.io.raw_dir`, the one layout);
     ToolRun.raw_path is relative to ``bundle_dir``
     when given (absolute otherwise). ``parallel=False`` runs everything one after the other
     (the benchmark's baseline). Returns within ``timeout_s + CAPTURE_SLACK_S`` seconds.

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import STEP_LOCALS, Frame, GilState, ThreadEvidence
+from kvdiag.model.evidence import Frame, ThreadEvidence
+from kvdiag.model.kinds import GilState
+from kvdiag.model.ranks import STEP_LOCALS
 
 # ---------------------------------------------------------------- pystack
 

@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from kvdiag.capture.discover import _title
-from kvdiag.model import RankIdentity
+from kvdiag.model.ranks import RankIdentity
 from kvdiag.osread.process import read_environ
 from kvdiag.osread.stat import all_stats, read_stat
 

@@ -29,8 +29,8 @@ from kvdiag.capture.base import (
     write_raw,
 )
 from kvdiag.capture.parsers import keep_lock_locals, keep_step_locals, parse_gdb, parse_pyspy, parse_pystack
-from kvdiag.model import ThreadEvidence, ToolRun
-from kvdiag.redact import Tally
+from kvdiag.model.evidence import ThreadEvidence, ToolRun
+from kvdiag.redact.rules import Tally
 
 
 class _ToolBackend:

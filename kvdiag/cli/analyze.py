@@ -7,9 +7,11 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.analyze import diagnose
-from kvdiag.bundle import load_run, resolve_bundle_file
-from kvdiag.report.text import format_verdict
+from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.bundle.io import load_run, resolve_bundle_file
+from kvdiag.cli.common import result_console
+from kvdiag.report import run_view
+from kvdiag.report.terminal import render_terminal
 
 
 def analyze_cmd(
@@ -40,13 +42,14 @@ def analyze_cmd(
                                "exit_code": diag.exit_code,
                                "agrees_with_run": agrees}, indent=2))
     else:
-        typer.echo(format_verdict(diag.verdict, diag.verdicts_by_engine, ab=diag.ab))
+        con = result_console()
+        render_terminal(run_view(run.bundle, diag, out_dir=run.out_dir), con, files=False)
         for note in diag.notes:
-            typer.echo(f"note: {note}")
+            con.print(f"note: {note}")
         if agrees is False and stored is not None:
-            typer.echo(f"note: the run itself said {stored.verdict.kind.value} (exit {stored.exit_code})")
-        typer.echo(f"bundle: {resolve_bundle_file(bundle)}")
-        typer.echo(f"exit code {diag.exit_code}")
+            con.print(f"note: the run itself said {stored.verdict.kind.value} (exit {stored.exit_code})")
+        con.print(f"bundle: {resolve_bundle_file(bundle)}")
+        con.print(f"exit code {diag.exit_code}")
     return diag.exit_code
 
 

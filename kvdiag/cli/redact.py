@@ -13,7 +13,7 @@ from pathlib import Path
 import typer
 
 from kvdiag.errors import ExitCode, UsageError
-from kvdiag.redact import scan_tree
+from kvdiag.redact.files import scan_tree
 
 
 def redact_cmd(

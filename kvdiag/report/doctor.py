@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
-from kvdiag.model import DoctorReport, EnvironmentRecord, RiskStatus
+from kvdiag.model.doctor import DoctorReport, RiskStatus
+from kvdiag.model.environment import EnvironmentRecord
 from kvdiag.report.envtext import environment_lines
 
 _STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",

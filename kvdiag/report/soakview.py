@@ -11,7 +11,9 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdiag.model import Bundle, MetricsSnapshot, Report, SoakStats, TimelineEvent
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.report import Report
+from kvdiag.model.run import MetricsSnapshot, SoakStats, TimelineEvent
 
 PLOT_W, PLOT_H = 370, 140   # three side by side on a laptop's first screen
 _LEFT, _RIGHT, _TOP, _BOTTOM = 52, 12, 12, 24

@@ -23,9 +23,11 @@ from kvdiag.kvcached.settings import DEFAULT_PAGE_SIZE_MB, read_settings
 from kvdiag.launch.engines import engine_env, launched_pool
 from kvdiag.launch.interpreters import EngineInterpreter, engine_interpreters
 from kvdiag.logs.lines import read_log_lines
-from kvdiag.model import BannerInfo, DoctorReport, RiskStatus
-from kvdiag.redact import redact_obj
-from kvdiag.scenario import EngineSpec, Scenario, load_scenario
+from kvdiag.model.doctor import DoctorReport, RiskStatus
+from kvdiag.model.run import BannerInfo
+from kvdiag.redact.rules import redact_obj
+from kvdiag.scenario.loader import load_scenario
+from kvdiag.scenario.models import EngineSpec, Scenario
 
 
 def _true(value: str | None) -> bool:

@@ -10,14 +10,16 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdiag.analyze import diagnose
-from kvdiag.analyze.diagnosis import complete
+from kvdiag.analyze.diagnosis import complete, diagnose
 from kvdiag.analyze.soak import judged_soak, stall_to_verdict_s
-from kvdiag.bundle import write_bundle
+from kvdiag.bundle.io import write_bundle
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, Diagnosis, TimelineEvent, Verdict
-from kvdiag.redact import redact_bundle
-from kvdiag.report import ReportView, run_view, write_view
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.run import TimelineEvent
+from kvdiag.model.verdict import Diagnosis, Verdict
+from kvdiag.redact.bundle import redact_bundle
+from kvdiag.report import run_view, write_view
+from kvdiag.report.view import ReportView
 
 
 def default_out_dir(command: str) -> Path:
@@ -61,7 +63,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     capture that said its verdict before the environment record was in: the rules read no
     environment). Renderers read only the diagnosis stored in the bundle.
     """
-    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
+    red = redact_bundle(bundle)   # kvdiag.redact says why here
     if red.soak is not None:   # the soak's judgement, stored beside the readings it came from
         red.soak = judged_soak(red.soak, red.metrics)
     diag = diagnosis if diagnosis is not None else diagnose(red, runs)

@@ -14,7 +14,8 @@ from kvdiag.capture.base import BackendResult
 from kvdiag.capture.discover import _log_role, classify_title, log_prefix_pids
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.parsers import parse_gdb, parse_gdb_frame, parse_pyspy, parse_pystack
-from kvdiag.model import GilState, ProcessRole, ThreadEvidence, ToolRun
+from kvdiag.model.evidence import ThreadEvidence, ToolRun
+from kvdiag.model.kinds import GilState, ProcessRole
 from kvdiag.osread.elfsym import elf_symbol
 from kvdiag.osread.syscall import futex_wait_of, parse_syscall
 from kvdiag.osread.tasks import parse_kernel_stack

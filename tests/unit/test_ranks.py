@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.analyze.ranks import judge_ranks, rank_groups
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 from kvdiag.capture.ranks import rank_from_environ
-from kvdiag.model import Bundle, EdgeKind, FleetRecord, NodeRecord, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.fleet import FleetRecord, NodeRecord
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.waits import EdgeKind
 from kvdiag.runs.fleet.merge import NodePart, merge_parts
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
