@@ -223,3 +223,24 @@ def test_a_healthy_two_engine_repro_names_both_engines(tmp_path: Path) -> None:
     assert isinstance(verdict, dict) and verdict["engine"] is None
     summary = verdict["summary"]
     assert summary.startswith("all 2 engines healthy") and "coder" in summary and "vlm" in summary, summary
+
+
+def test_a_gil_cycle_is_never_said_to_have_no_stuck_wait(tmp_path: Path) -> None:
+    """The first command of the README names a GIL cycle and printed "waits: 0 outcome-wait(s) stuck": the
+    main thread's wait on alloc_page was judged completable by another thread, the one the cycle blocks. The
+    cycle's cited thread, seen not to advance, is stuck in report.json and the report's thread table."""
+    with hk.running("gil_cycle", build_dir=tmp_path / "build", title="VLLM::EngineCore", bound_s=90) as h:
+        done = run_kvdiag("capture", "--pid", str(h.pid), "--out", str(tmp_path / "c"), timeout=120)
+    assert done.returncode == 10, done.stdout[-2000:] + done.stderr[-2000:]
+    report = read_report(tmp_path / "c")
+    verdict = report["verdict"]
+    assert isinstance(verdict, dict) and verdict["kind"] == "gil_cycle", verdict
+    cited = {(e["pid"], e["tid"]) for e in verdict["evidence"]}
+    waits = report["thread_waits"]
+    assert isinstance(waits, list)
+    holder = [w for w in waits if (w["pid"], w["tid"]) in cited and w["purpose"] == "outcome"]
+    assert holder and all(w["advanced"] is False and w["stuck"] for w in holder), waits
+    md = (tmp_path / "c" / "report.md").read_text()
+    assert f"| {holder[0]['pid']} | {holder[0]['tid']} | MainThread | an outcome, stuck |" in md, md
+    # a plain capture's process group is named after its pid: no "engine pid-N" in the sentence
+    assert "(the EngineCore)" in verdict["summary"] and "of engine pid-" not in verdict["summary"], verdict["summary"]
