@@ -50,6 +50,27 @@ def test_banner_off_is_no_risk(tmp_path: Path) -> None:
     assert rows and rows[0]["status"] == "ok", rows
 
 
+def test_doctor_says_what_its_logs_judged(tmp_path: Path) -> None:
+    """`doctor --log` was told "no scenario given: pass --scenario FILE (or --log LOG)", and a log without a
+    banner read "no known risk applies" as if it had been judged; the closing count named three checks
+    for four risks."""
+    bare, engine = tmp_path / "bare.log", tmp_path / "engine.log"
+    bare.write_text("INFO server started\n")
+    engine.write_text(SOAK_BANNER + "\n")
+    doctor = run_kvdiag("doctor", "--log", str(bare), "--log", str(engine))
+    assert doctor.returncode == 10, doctor.stdout[-2000:] + doctor.stderr
+    text = " ".join(doctor.stdout.split())    # the terminal's wrapping undone
+    assert "no scenario given" not in text and f"logs: {bare}, {engine}" in text
+    assert f"unknown prealloc_pool log {bare}" in text and "no `Init C++ PageAllocator` banner" in text
+    assert doctor.stdout.strip().splitlines()[-1] == "1 known risk(s) apply: prealloc_pool (exit 10)"
+    plan = run_kvdiag("doctor", "--scenario", "two-engine")
+    last = plan.stdout.strip().splitlines()[-1]
+    risks = sum(1 for ln in plan.stdout.splitlines() if ln.startswith("risk "))
+    named = last.split(": ", 1)[1].rsplit(" (exit", 1)[0].split(", ")
+    assert risks == sum(int(n.split(" ×")[1]) if " ×" in n else 1 for n in named), plan.stdout
+    assert last.startswith(f"{len(named)} known risk(s) apply: "), last
+
+
 def _umask_run(args: list[str], umask: int) -> subprocess.CompletedProcess[str]:
     code = (f"import os, runpy, sys; os.umask({umask:#o}); sys.argv = ['kvdiag', *{args!r}]; "
             "runpy.run_module('kvdiag', run_name='__main__')")
