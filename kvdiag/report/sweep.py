@@ -135,8 +135,10 @@ def _phase_panels(report: SweepReport) -> str:
         rows.append('<div class="ax"></div>' + "".join(f'<div class="ax">{_e(_show(v))}</div>' for v in xs))
         grid = (f'<div class="grid" style="grid-template-columns:auto repeat({len(xs)},minmax(4.5em,auto))">'
                 + "".join(rows) + "</div>")
-        out.append(f'<div class="panel"><div class="note">{_e(title)}</div>'
-                   f'<div class="note">rows ↑ {_e(y.label if y else "")}</div>{grid}'
+        # A one-axis grid has no rows to name, and a single panel no title ("all cells", "rows ↑" read as noise).
+        head = (f'<div class="note">{_e(title)}</div>' if rest else "") + (
+            f'<div class="note">rows ↑ {_e(y.label)}</div>' if y else "")
+        out.append(f'<div class="panel">{head}{grid}'
                    f'<div class="note">columns → {_e(x.label)}</div></div>')
     return "".join(out)
 
@@ -194,8 +196,9 @@ def render_sweep_html(report: SweepReport) -> str:
     parts = [f"<!doctype html><html lang=en><head><meta charset=utf-8>"
              f"<title>kvdiag {_e(report.command)}: {_e(report.scenario)}</title><style>{_CSS}</style></head><body>",
              bar,
-             f"<h1>kvdiag {_e(report.command)} — {_e(report.scenario)}</h1>",
-             f"<p>{_e(report.summary)}</p>"]
+             f"<h1>kvdiag {_e(report.command)} — {_e(report.scenario)}</h1>"]
+    if report.ab is None or report.ab.text != report.summary:   # ab's sentence is its summary: said once
+        parts.append(f"<p>{_e(report.summary)}</p>")
     if report.ab is not None:
         parts.append(f'<p class="rule{"" if report.ab.separated else " bad"}">{_e(report.ab.text)}</p>')
     if rule is not None:
