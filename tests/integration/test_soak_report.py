@@ -45,6 +45,7 @@ def test_the_stall_summary_counts_the_requests_in_flight(stalled: tuple[subproce
     soak = read_report(out)["soak"]
     assert isinstance(soak, dict) and soak["stalled"] and soak["in_flight_at_end"] == 16
     assert "16 in flight at the stall" in run.stdout.splitlines()[0]
+    assert run.stdout.count("stall detected → verdict: ") == 1, run.stdout    # said once, in the verdict block
     assert len(soak["series"]) >= 4 and soak["series"][-1]["in_flight"] == 16
     md = (out / "report.md").read_text()
     assert "| requests | 0 ok · 0 failed (16 in flight at the stall) |" in md or "in flight at the stall" in md
