@@ -155,3 +155,14 @@ def test_pinned_cli_libraries_are_the_installed_ones() -> None:
         assert name in pins and pins[name].specifier, f"{name} is not pinned in pyproject.toml"
         assert any(s.operator == "<" for s in pins[name].specifier), f"{name} has no upper bound"
         assert pins[name].specifier.contains(version(name)), (name, version(name), str(pins[name].specifier))
+
+
+def test_every_commands_line_in_the_help_says_what_it_does() -> None:
+    """`kvdiag --help` listed redact as "Exit 0 when nothing credential-shaped is left in FOLDER, 10 when
+    something is (file:line and kind" with a line break inside: a command's line says what it does."""
+    code, text = run("--help")
+    assert code == 0
+    listed = re.findall(r"^│ (\w+)\s{2,}(\S.*?)\s*│$", text.split("Commands", 1)[1], re.M)
+    assert {name for name, _ in listed} >= {"soak", "capture", "redact", "watch", "sweep"}, text
+    for name, line in listed:
+        assert not line.startswith("Exit"), (name, line)
