@@ -166,3 +166,15 @@ def test_every_commands_line_in_the_help_says_what_it_does() -> None:
     assert {name for name, _ in listed} >= {"soak", "capture", "redact", "watch", "sweep"}, text
     for name, line in listed:
         assert not line.startswith("Exit"), (name, line)
+
+
+def test_analyze_of_a_sweep_folder_names_a_run_to_pass(tmp_path: Path) -> None:
+    """`kvdiag analyze SWEEP_DIR` said "no bundle.json found; pass a run folder" of a folder kvdiag wrote."""
+    from kvdiag.runs.sweep.session import PLAN_FILE
+    sweep = tmp_path / "sweep"
+    (sweep / "cells" / "c1" / "run-0" / "bundle").mkdir(parents=True)
+    (sweep / PLAN_FILE).write_text("{}")
+    (sweep / "report.json").write_text("{}")
+    code, text = run("analyze", str(sweep))
+    assert code == 2, text
+    assert "holds one bundle per run" in text and f"kvdiag analyze {sweep / 'cells' / 'c1' / 'run-0'}" in text, text
