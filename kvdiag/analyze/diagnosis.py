@@ -59,8 +59,8 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
 def _cited_stuck(waits: list[ThreadWait], verdict: Verdict) -> list[ThreadWait]:
     """A named hang's cited threads that wait on an outcome and did not advance over the window are stuck: the
     rule that named the hang (a GIL or lock cycle) showed that no other thread of the process completes the
-    wait, which the per-thread judgement alone leaves open (it read "0 outcome-wait(s) stuck" beside a GIL
-    cycle). A thread not observed stays "not observed"."""
+    wait, which the per-thread judgement alone leaves open (a report beside a GIL cycle would count no stuck
+    wait). A thread not observed stays "not observed"."""
     if not verdict.kind.is_hang or verdict.kind is VerdictKind.UNKNOWN:
         return waits
     cited = {(e.node, e.pid, e.tid) for e in verdict.evidence}

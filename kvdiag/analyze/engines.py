@@ -22,8 +22,8 @@ from kvdiag.model import (
 
 def combined_risk(risks: list[BannerRisk]) -> BannerRisk | None:
     """All banners' risks as one: risky if any is, the fewest pages per layer, every reason once, and the risk
-    under load of the first banner that leaves one open (without it an engine column read "ok" for a banner
-    `kvdiag banner` calls RISK under load)."""
+    under load of the first banner that leaves one open (so an engine's banner column says what `kvdiag banner`
+    says of the same banner)."""
     if not risks:
         return None
     reasons: list[str] = []

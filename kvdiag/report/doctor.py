@@ -70,7 +70,7 @@ def render_doctor(report: DoctorReport, console: Console) -> None:
                                style="yellow"))
     risks = [c for c in report.checks if c.status is RiskStatus.RISK]
     if risks:
-        # One count per check, with how many subjects it applies to: "4 risks: a, b, c" read as a risk counted twice.
+        # One count per check, with how many subjects it applies to: the count matches the names listed.
         kinds = sorted({c.check for c in risks})
         each = [f"{k} ×{n}" if (n := sum(1 for c in risks if c.check == k)) > 1 else k for k in kinds]
         console.print(Text(f"{len(kinds)} known risk(s) apply: {', '.join(each)} (exit {report.exit_code})",
