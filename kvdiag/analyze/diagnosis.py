@@ -26,7 +26,7 @@ from kvdiag.model.bundle import Bundle
 from kvdiag.model.health import engine_health
 from kvdiag.model.kinds import Confidence, VerdictKind
 from kvdiag.model.run import EngineRecord
-from kvdiag.model.verdict import ABComparison, ABEngine, ABSide, Diagnosis, Verdict
+from kvdiag.model.verdict import ABComparison, ABEngine, ABSide, Diagnosis, ThreadWait, Verdict, WaitPurpose
 
 AB_SIDES = ("stock", "fixed")
 
@@ -43,8 +43,21 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
     with views_memo():
         diag = _conclude(bundle, runs)
         diag.engines = judge_engines(bundle, diag.verdicts_by_engine)
-        diag.thread_waits = thread_waits(bundle) or None
+        diag.thread_waits = _cited_stuck(thread_waits(bundle), diag.verdict) or None
     return diag
+
+
+def _cited_stuck(waits: list[ThreadWait], verdict: Verdict) -> list[ThreadWait]:
+    """A named hang's cited threads that wait on an outcome and did not advance over the window are stuck: the
+    rule that named the hang (a GIL or lock cycle) showed that no other thread of the process completes the
+    wait, which the per-thread judgement alone leaves open (a report beside a GIL cycle would count no stuck
+    wait). A thread not observed stays "not observed"."""
+    if not verdict.kind.is_hang or verdict.kind is VerdictKind.UNKNOWN:
+        return waits
+    cited = {(e.node, e.pid, e.tid) for e in verdict.evidence}
+    return [w.model_copy(update={"stuck": True})
+            if w.purpose is WaitPurpose.OUTCOME and w.advanced is False and (w.node, w.pid, w.tid) in cited else w
+            for w in waits]
 
 
 def complete(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:

@@ -16,14 +16,16 @@ from kvdiag.model.verdict import ABComparison, Diagnosis, Verdict
 
 
 def combined_risk(risks: list[BannerRisk]) -> BannerRisk | None:
-    """All banners' risks as one: risky if any is, the fewest pages per layer, every reason once."""
+    """All banners' risks as one: risky if any is, the fewest pages per layer, every reason once, and the risk
+    under load of the first banner that leaves one open (so an engine's banner column says what `kvdiag banner`
+    says of the same banner)."""
     if not risks:
         return None
     reasons: list[str] = []
     for risk in risks:
         reasons.extend(r for r in risk.reasons if r not in reasons)
     return BannerRisk(risky=any(r.risky for r in risks), pages_per_layer=min(r.pages_per_layer for r in risks),
-                      reasons=reasons)
+                      reasons=reasons, load_risk=next((r.load_risk for r in risks if r.load_risk), None))
 
 
 def judge_engine(rec: EngineRecord, verdict: Verdict | None) -> EngineJudgement:

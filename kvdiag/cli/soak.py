@@ -69,7 +69,7 @@ def soak(
     arts = SoakRun(opts, out_dir, con).run()
     result = result_console()
     if arts.bundle.soak is not None:
-        for line in soak_lines(arts.bundle.soak, arts.bundle.stall_to_verdict_s):
+        for line in soak_lines(arts.bundle.soak):   # the verdict block below says stall → verdict
             result.print(line, highlight=False, markup=False)
     return print_outcome(arts, con=result)
 

@@ -56,8 +56,10 @@ def _phase_panels(view: SweepView) -> str:
         rows.append('<div class="ax"></div>' + "".join(f'<div class="ax">{_e(v)}</div>' for v in panel.xs))
         grid = (f'<div class="grid" style="grid-template-columns:auto repeat({len(panel.xs)},minmax(4.5em,auto))">'
                 + "".join(rows) + "</div>")
-        out.append(f'<div class="panel"><div class="note">{_e(panel.title)}</div>'
-                   f'<div class="note">rows ↑ {_e(panel.y_label)}</div>{grid}'
+        # A one-axis grid has no rows to name, and a single panel no title ("all cells", "rows ↑" read as noise).
+        head = (f'<div class="note">{_e(panel.title)}</div>' if panel.title else "") + (
+            f'<div class="note">rows ↑ {_e(panel.y_label)}</div>' if panel.y_label else "")
+        out.append(f'<div class="panel">{head}{grid}'
                    f'<div class="note">columns → {_e(panel.x_label)}</div></div>')
     return "".join(out)
 
@@ -105,8 +107,9 @@ def render_sweep_html(view: SweepView) -> str:
     parts = [f"<!doctype html><html lang=en><head><meta charset=utf-8>"
              f"<title>kvdiag {_e(report.command)}: {_e(report.scenario)}</title><style>{_CSS}</style></head><body>",
              bar,
-             f"<h1>kvdiag {_e(report.command)} — {_e(report.scenario)}</h1>",
-             f"<p>{_e(report.summary)}</p>"]
+             f"<h1>kvdiag {_e(report.command)} — {_e(report.scenario)}</h1>"]
+    if report.ab is None or report.ab.text != report.summary:   # ab's sentence is its summary: said once
+        parts.append(f"<p>{_e(report.summary)}</p>")
     if report.ab is not None:
         parts.append(f'<p class="rule{"" if report.ab.separated else " bad"}">{_e(report.ab.text)}</p>')
     if rule is not None:

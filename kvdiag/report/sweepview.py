@@ -98,7 +98,8 @@ def cell_view(cell: SweepCell) -> CellView:
 
 @dataclass(frozen=True)
 class Panel:
-    """One grid of the phase diagram: x is the last axis, y the one before, the other axes fixed (``title``).
+    """One grid of the phase diagram: x is the last axis, y the one before, the other axes fixed (``title``; empty
+    for the one grid of a sweep of at most two axes; ``y_label`` empty for one axis).
     ``rows``: top row first, each its y value and one cell per x value (None: no such cell)."""
 
     title: str
@@ -131,7 +132,7 @@ def _panels(report: SweepReport, shown: dict[str, CellView]) -> list[Panel]:
                 params[x.label] = xv
                 cells.append(by_params.get(tuple((a.label, show(params.get(a.label))) for a in axes)))
             rows.append((show(yv) if y else "", cells))
-        panels.append(Panel(title=", ".join(f"{k}={show(v)}" for k, v in fixed.items()) or "all cells",
+        panels.append(Panel(title=", ".join(f"{k}={show(v)}" for k, v in fixed.items()),
                             x_label=x.label, y_label=y.label if y else "", xs=[show(v) for v in xs], rows=rows))
     return panels
 

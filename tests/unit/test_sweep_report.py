@@ -109,3 +109,26 @@ def test_the_sweep_page_has_the_run_reports_header_bar_with_its_exit_code() -> N
     page = render_sweep_html(sweep_view(_report()))
     bar = page.split('<header class="top">', 1)[1].split("</header>", 1)[0]
     assert "exit code: <b>10</b>" in bar and "command: <b>sweep</b>" in bar, bar
+
+
+def test_a_one_axis_grid_and_an_ab_page_say_each_thing_once() -> None:
+    """`ab --repeat`'s page printed its sentence twice, and a one-axis grid labelled "all cells" and an empty
+    "rows ↑"; a three-axis sweep keeps each panel's setting and both axes."""
+    axes = [SweepAxis(field="allocator", values=["stock", "fixed"], label="allocator")]
+    cells = [SweepCell(key=a, params={"allocator": a}, repeat=2, runs=[
+        SweepRun(index=i, outcome="hang" if a == "stock" else "healthy", exit_code=10 if a == "stock" else 0,
+                 verdict="gil_cycle" if a == "stock" else "healthy") for i in range(2)]) for a in ("stock", "fixed")]
+    ab = conclude(SweepReport(command="ab", axes=axes, repeat=2, finished=True, cells=cells))
+    assert ab.ab is not None
+    page = render_sweep_html(ab)
+    main = page.split("<main>", 1)[1]
+    assert main.count(html_escape(ab.ab.text)) == 1, main[:1500]
+    grid = main.split("<h2>Phase diagram</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "rows ↑" not in grid and "all cells" not in grid and "columns → allocator" in grid
+    three = render_sweep_html(_report()).split("<h2>Phase diagram</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "rows ↑ tag" in three and "columns → kv_per_layer_mb" in three and "min_reserved_pages=1" in three
+
+
+def html_escape(text: str) -> str:
+    import html
+    return html.escape(text, quote=True)
