@@ -61,11 +61,13 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind"))
 import blind_cases as blind  # noqa: E402
 import hanger_kit as hk  # noqa: E402
 
-from kvdiag.analyze import analyze  # noqa: E402
-from kvdiag.bundle import save_bundle  # noqa: E402
+from kvdiag.analyze.overall import analyze  # noqa: E402
+from kvdiag.bundle.io import save_bundle  # noqa: E402
 from kvdiag.capture.bundle import capture_tree  # noqa: E402
 from kvdiag.capture.merge import bundle_without_tool  # noqa: E402
-from kvdiag.model import Bundle, Verdict, VerdictKind  # noqa: E402
+from kvdiag.model.bundle import Bundle  # noqa: E402
+from kvdiag.model.kinds import VerdictKind  # noqa: E402
+from kvdiag.model.verdict import Verdict  # noqa: E402
 
 TOOLS = ("proc", "py-spy", "pystack", "gdb")
 MODES = ("all_tools", *(f"no_{t}" for t in TOOLS))

@@ -41,7 +41,7 @@ from kvdiag.agent.protocol import ENABLE_ENV  # noqa: E402
 
 def capture_one(pid: int, out: Path) -> dict[str, object]:
     """The capture `kvdiag capture --pid` makes (whole tree, all tools), analyzed: what the table needs."""
-    from kvdiag.analyze import analyze
+    from kvdiag.analyze.overall import analyze
     from kvdiag.capture.bundle import capture_tree
 
     bundle = capture_tree(pid, out, timeout_s=10.0, save=False)

@@ -52,9 +52,13 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
 
 import hanger_kit as hk  # noqa: E402
 
-from kvdiag.analyze import analyze  # noqa: E402
-from kvdiag.capture import capture_processes, find_engine_processes  # noqa: E402
-from kvdiag.model import Bundle, Finding, ProcessEvidence, ProcessRole  # noqa: E402
+from kvdiag.analyze.overall import analyze  # noqa: E402
+from kvdiag.capture.discover import find_engine_processes  # noqa: E402
+from kvdiag.capture.orchestrate import capture_processes  # noqa: E402
+from kvdiag.model.bundle import Bundle  # noqa: E402
+from kvdiag.model.evidence import ProcessEvidence  # noqa: E402
+from kvdiag.model.kinds import ProcessRole  # noqa: E402
+from kvdiag.model.run import Finding  # noqa: E402
 from kvdiag.osread.ptable import process_tree  # noqa: E402
 
 TARGET_PARALLEL_S = 3.0
@@ -81,7 +85,7 @@ def hung_vllm_tree() -> Iterator[tuple[list[int], dict[int, str]]]:
     from kvdiag.allocator import remove_device_files
     from kvdiag.launch.process import ProcessSet
     from kvdiag.runs.engines import Outcome, ScenarioRun
-    from kvdiag.scenario import load_scenario
+    from kvdiag.scenario.loader import load_scenario
 
     scen, _, _ = load_scenario(ROOT / "scenarios" / "two-engine-vllm-cpu.yaml")
     vlm = next(e for e in scen.engines if e.name == "vlm")

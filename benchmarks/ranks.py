@@ -28,10 +28,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvdiag.analyze import analyze  # noqa: E402
+from kvdiag.analyze.overall import analyze  # noqa: E402
 from kvdiag.analyze.ranks import ranks_settled  # noqa: E402
 from kvdiag.capture.bundle import capture_pids  # noqa: E402
-from kvdiag.model import Bundle, Finding, ProcessEvidence  # noqa: E402
+from kvdiag.model.bundle import Bundle  # noqa: E402
+from kvdiag.model.evidence import ProcessEvidence  # noqa: E402
+from kvdiag.model.run import Finding  # noqa: E402
 from kvdiag.ports import free_port  # noqa: E402
 
 JOB = ROOT / "tests" / "fixtures" / "ranks" / "gloo_job.py"

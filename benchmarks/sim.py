@@ -179,7 +179,7 @@ def _cpu_seconds(pid: int) -> float:
     total = 0.0
     pids = [pid]
     try:
-        from kvdiag.sim.harness import children
+        from kvdiag.osread.children import children
 
         pids += children(pid)
     except OSError:

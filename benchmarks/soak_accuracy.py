@@ -218,7 +218,8 @@ def _tap_transport(concurrency: int, sink: dict[str, list[float]]) -> Any:
 # client processes
 def client_kvdiag(url: str, concurrency: int, duration: float, max_tokens: int, start_at: float,
                   tap: bool) -> dict[str, Any]:
-    from kvdiag.load.loadgen import LoadConfig, LoadGenerator
+    from kvdiag.load.loadgen import LoadGenerator
+    from kvdiag.load.request import LoadConfig
 
     cfg = LoadConfig(base_url=url, concurrency=concurrency, max_tokens=max_tokens, prompt=PROMPT)
     sink: dict[str, list[float]] = {"ttft": [], "itl": [], "tokens": []}
@@ -426,7 +427,8 @@ def client_kvdiag_vllm(url: str, model: str, concurrency: int, num: int, input_l
     """kvdiag's LoadGenerator sending exactly ``num`` requests; its raw samples, for the parent to reduce."""
     import random
 
-    from kvdiag.load.loadgen import LoadConfig, LoadGenerator
+    from kvdiag.load.loadgen import LoadGenerator
+    from kvdiag.load.request import LoadConfig
     from kvdiag.load.stream import RequestStatus
 
     rnd = random.Random(seed)

@@ -1,7 +1,13 @@
 """Every default a run's behaviour depends on, defined once (scenario fields, CLI flags and
-analyzers import them from here)."""
+analyzers import them from here), and the time source every timed wait reads (:data:`Clock`)."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+
+# A time source, in seconds (``time.monotonic`` by default, ``time.time`` for wall-clock stamps); tests pass
+# their own to step time without sleeping.
+Clock = Callable[[], float]
 
 STALL_WINDOW_S = 5.0        # no progress this long = a stall (startup: from the first log line)
 STARTUP_TIMEOUT_S = 120.0   # per engine, to become ready

@@ -13,30 +13,12 @@ from collections.abc import Mapping
 from types import ModuleType
 from typing import Any, cast
 
-from kvdiag.allocator.protocol import (
-    ALLOCATOR_KINDS,
-    AllocatorKind,
-    BoolCallback,
-    MapCallback,
-    PageAllocator,
-)
+from kvdiag.allocator.protocol import ALLOCATOR_KINDS, PageAllocator
 from kvdiag.allocator.reference import ReferenceAllocator
 from kvdiag.errors import AllocatorError
 from kvdiag.kvcached.settings import read_settings
 
-__all__ = [
-    "ALLOCATOR_KINDS",
-    "AllocatorKind",
-    "BoolCallback",
-    "MapCallback",
-    "PageAllocator",
-    "ReferenceAllocator",
-    "device_file_paths",
-    "kvcached_env_kwargs",
-    "make_allocator",
-    "native_module",
-    "remove_device_files",
-]
+__all__ = ["device_file_paths", "kvcached_env_kwargs", "make_allocator", "native_module", "remove_device_files"]
 
 _BUILD_HINT = (
     "build it with `pip install --no-build-isolation -e .` from the kvdiag checkout "

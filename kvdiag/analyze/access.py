@@ -2,7 +2,7 @@
 
 A process kvdiag may not read (ptrace refused), one that exited before or
 during capture, a zombie, a process without a Python interpreter and a kernel
-thread each get their own outcome (:data:`kvdiag.model.NO_EVIDENCE_KINDS`),
+thread each get their own outcome (:data:`kvdiag.model.kinds.NO_EVIDENCE_KINDS`),
 never ``healthy`` and never a deadlock kind. What /proc still shows without
 ptrace (state, wchan per thread, CPU over the sampling window) is reported as
 partial evidence, never judged.
@@ -15,7 +15,10 @@ from collections.abc import Collection
 from dataclasses import dataclass
 
 from kvdiag.agent.protocol import AGENT_FIX
-from kvdiag.model import Confidence, Finding, ProcessEvidence, ThreadState, Verdict, VerdictKind
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import Confidence, ThreadState, VerdictKind
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Verdict
 
 # Tool errors that mean "the kernel refused", whatever the preflight thought.
 _PERMISSION_WORDS = ("permission denied", "operation not permitted", "eperm", "eacces",

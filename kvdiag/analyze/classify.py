@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from kvdiag.analyze import vocab as v
-from kvdiag.model import FdInfo, Frame, GilState, ProcessEvidence, ThreadEvidence, ThreadState
+from kvdiag.model.evidence import FdInfo, Frame, ProcessEvidence, ThreadEvidence
+from kvdiag.model.kinds import GilState, ThreadState
 from kvdiag.osread.syscall import syscalls_of
 
 # A thread that used at least this many CPU ticks over the sampling interval is running; a GIL

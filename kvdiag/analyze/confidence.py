@@ -4,7 +4,10 @@ a hang), never from timing noise, with its reasons stated.
 
 from __future__ import annotations
 
-from kvdiag.model import Bundle, Confidence, EnginePhase, EngineRecord, ProcessEvidence
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import Confidence, EnginePhase
+from kvdiag.model.run import EngineRecord
 
 
 def healthy_confidence(e: EngineRecord | None, procs: list[ProcessEvidence], bundle: Bundle,

@@ -1,7 +1,7 @@
 """diagnose(bundle) -> Diagnosis: the whole run's conclusion as a pure function of its bundle.
 
 Three layers, each read only from the bundle (no I/O, no clock):
-- the per-engine verdicts and the overall verdict (:func:`kvdiag.analyze.analyze_by_engine`);
+- the per-engine verdicts and the overall verdict (:func:`kvdiag.analyze.overall.analyze_by_engine`);
 - the run-level judgement: an interrupted run, and what a soak's load phase said (a server
   that stopped answering, a load where every request failed, a load that never saturated the
   KV pool: :mod:`kvdiag.analyze.soak`);
@@ -22,18 +22,11 @@ from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.analyze.soak import judged_soak, saturation_verdict, served_verdict
 from kvdiag.analyze.xverdict import judge_across
 from kvdiag.errors import ExitCode
-from kvdiag.model import (
-    ABComparison,
-    ABEngine,
-    ABSide,
-    Bundle,
-    Confidence,
-    Diagnosis,
-    EngineRecord,
-    Verdict,
-    VerdictKind,
-    engine_health,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.health import engine_health
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import EngineRecord
+from kvdiag.model.verdict import ABComparison, ABEngine, ABSide, Diagnosis, ThreadWait, Verdict, WaitPurpose
 
 AB_SIDES = ("stock", "fixed")
 
@@ -50,8 +43,21 @@ def diagnose(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagno
     with views_memo():
         diag = _conclude(bundle, runs)
         diag.engines = judge_engines(bundle, diag.verdicts_by_engine)
-        diag.thread_waits = thread_waits(bundle) or None
+        diag.thread_waits = _cited_stuck(thread_waits(bundle), diag.verdict) or None
     return diag
+
+
+def _cited_stuck(waits: list[ThreadWait], verdict: Verdict) -> list[ThreadWait]:
+    """A named hang's cited threads that wait on an outcome and did not advance over the window are stuck: the
+    rule that named the hang (a GIL or lock cycle) showed that no other thread of the process completes the
+    wait, which the per-thread judgement alone leaves open (a report beside a GIL cycle would count no stuck
+    wait). A thread not observed stays "not observed"."""
+    if not verdict.kind.is_hang or verdict.kind is VerdictKind.UNKNOWN:
+        return waits
+    cited = {(e.node, e.pid, e.tid) for e in verdict.evidence}
+    return [w.model_copy(update={"stuck": True})
+            if w.purpose is WaitPurpose.OUTCOME and w.advanced is False and (w.node, w.pid, w.tid) in cited else w
+            for w in waits]
 
 
 def complete(bundle: Bundle, runs: Mapping[str, Bundle] | None = None) -> Diagnosis:

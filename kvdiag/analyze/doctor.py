@@ -28,7 +28,9 @@ from kvdiag.kvcached.defects import (
     GIL_HOLDING_ALLOC_PAGE,
     HEADROOM_UNDERFLOW,
 )
-from kvdiag.model import BannerInfo, DefectStatus, DoctorCheck, EnvironmentRecord, KvcachedBuild, RiskStatus
+from kvdiag.model.doctor import DoctorCheck, RiskStatus
+from kvdiag.model.environment import DefectStatus, EnvironmentRecord, KvcachedBuild
+from kvdiag.model.run import BannerInfo
 
 DEFAULT_KVCACHED_UTIL = 0.95
 _GIL = GIL_HOLDING_ALLOC_PAGE.ticket

@@ -11,7 +11,9 @@ from __future__ import annotations
 import re
 
 from kvdiag.defaults import STALL_WINDOW_S
-from kvdiag.model import Confidence, EnginePhase, EngineRecord, Verdict, VerdictKind
+from kvdiag.model.kinds import Confidence, EnginePhase, VerdictKind
+from kvdiag.model.run import EngineRecord
+from kvdiag.model.verdict import Verdict
 
 TELLING = re.compile(r"\b[\w.]*(Error|Exception)\b: |Fatal Python error|killed by signal|died unexpectedly|"
                      r"Killed process|initialization failed|Segmentation fault|Aborted|terminate called")

@@ -8,27 +8,24 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from kvdiag.kvcached.banner import assess_risk_for
-from kvdiag.model import (
-    ABComparison,
-    BannerRisk,
-    Bundle,
-    Diagnosis,
-    EngineJudgement,
-    EngineRecord,
-    Verdict,
-    engine_health,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.health import engine_health
+from kvdiag.model.judged import EngineJudgement
+from kvdiag.model.run import BannerRisk, EngineRecord
+from kvdiag.model.verdict import ABComparison, Diagnosis, Verdict
 
 
 def combined_risk(risks: list[BannerRisk]) -> BannerRisk | None:
-    """All banners' risks as one: risky if any is, the fewest pages per layer, every reason once."""
+    """All banners' risks as one: risky if any is, the fewest pages per layer, every reason once, and the risk
+    under load of the first banner that leaves one open (so an engine's banner column says what `kvdiag banner`
+    says of the same banner)."""
     if not risks:
         return None
     reasons: list[str] = []
     for risk in risks:
         reasons.extend(r for r in risk.reasons if r not in reasons)
     return BannerRisk(risky=any(r.risky for r in risks), pages_per_layer=min(r.pages_per_layer for r in risks),
-                      reasons=reasons)
+                      reasons=reasons, load_risk=next((r.load_risk for r in risks if r.load_risk), None))
 
 
 def judge_engine(rec: EngineRecord, verdict: Verdict | None) -> EngineJudgement:
@@ -49,7 +46,7 @@ def diagnosis_of(bundle: Bundle, verdict: Verdict, *, exit_code: int,
                  ab: ABComparison | None = None) -> Diagnosis:
     """A diagnosis from a caller that holds verdicts but no stored diagnosis (a hand-built bundle): the
     engines' judgements are the stored ones when ``bundle``'s diagnosis holds these verdicts, else
-    judged here, exactly as :func:`kvdiag.analyze.diagnose` stores them."""
+    judged here, exactly as :func:`kvdiag.analyze.diagnosis.diagnose` stores them."""
     by_engine = dict(verdicts_by_engine or {})
     stored = bundle.diagnosis
     engines = stored.engines if stored is not None and stored.verdicts_by_engine == by_engine else None

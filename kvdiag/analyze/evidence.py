@@ -14,7 +14,9 @@ from enum import Enum
 
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView
-from kvdiag.model import EvidenceItem, Frame, FrameRef
+from kvdiag.model.evidence import Frame
+from kvdiag.model.verdict import EvidenceItem
+from kvdiag.model.waits import FrameRef
 
 CITE_LIMIT = 12
 

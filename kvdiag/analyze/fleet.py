@@ -21,23 +21,13 @@ from kvdiag.analyze.rulekit import severity
 from kvdiag.analyze.tcp_match import TcpIndex, split_connection
 from kvdiag.analyze.xproc import CrossProcess
 from kvdiag.analyze.xverdict import judge_graph
-from kvdiag.model import (
-    Bundle,
-    Confidence,
-    EdgeEvidence,
-    EdgeKind,
-    EvidenceItem,
-    Finding,
-    FrameRef,
-    NodeRef,
-    ProcessEvidence,
-    RayActorRecord,
-    RayTaskRecord,
-    Verdict,
-    VerdictKind,
-    WaitChain,
-    WaitEdge,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.fleet import RayActorRecord, RayTaskRecord
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import EvidenceItem, Verdict
+from kvdiag.model.waits import EdgeEvidence, EdgeKind, FrameRef, NodeRef, WaitChain, WaitEdge
 
 # Where a Ray worker blocks for an object: ray.get (and the get_objects it calls) in Ray's worker module.
 _RAY_GET_FILES = ("ray/_private/worker.py",)

@@ -23,7 +23,10 @@ from kvdiag.analyze.rulekit import (
     waiter_role,
 )
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.model import Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Verdict
 
 
 def _gil_waiters(views: list[ThreadView], holder: ThreadView) -> list[ThreadView]:

@@ -32,20 +32,11 @@ from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind
 from kvdiag.analyze.evidence import frame_rows, item_of
 from kvdiag.defaults import STALL_WINDOW_S
-from kvdiag.model import (
-    Confidence,
-    EngineRecord,
-    EvidenceItem,
-    Finding,
-    Frame,
-    GpuDeviceReading,
-    GpuReadings,
-    ProcessEvidence,
-    ProcessRole,
-    ThreadEvidence,
-    Verdict,
-    VerdictKind,
-)
+from kvdiag.model.evidence import Frame, ProcessEvidence, ThreadEvidence
+from kvdiag.model.gpu import GpuDeviceReading, GpuReadings
+from kvdiag.model.kinds import Confidence, ProcessRole, VerdictKind
+from kvdiag.model.run import EngineRecord, Finding
+from kvdiag.model.verdict import EvidenceItem, Verdict
 
 BUSY_PCT = 50       # a kernel that spins forever reads 100; an engine between steps reads near 0
 IDLE_PCT = 5

@@ -16,7 +16,9 @@ from kvdiag.analyze.rulekit import (
     possible_signallers,
     proc_missing,
 )
-from kvdiag.model import Confidence, FdInfo, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.model.evidence import FdInfo, ProcessEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.verdict import Verdict
 
 
 def _awaits_orders(t: ThreadView, proc: ProcessEvidence) -> bool:

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvdiag.kvcached.defects import GIL_HOLDING_ALLOC_PAGE, UNBOUNDED_IPC_READ, KvcachedDefect
-from kvdiag.model import KnownDefect, Verdict, VerdictKind
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.verdict import KnownDefect, Verdict
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,9 @@ from kvdiag.analyze.rulekit import (
 )
 from kvdiag.analyze.runtime import may_release_python_lock
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.model import Confidence, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.verdict import Verdict
 
 _ACQUIRE_LINE = re.compile(r"^\s*(?:async\s+)?with\s+([A-Za-z_]\w*)\s*(?:[:,]|as\b)|\b([A-Za-z_]\w*)\.acquire\(")
 

@@ -25,19 +25,11 @@ from kvdiag.analyze.classify import RUNNING_TICKS, ThreadView, WaitKind, classif
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, Key, item_of, where
 from kvdiag.analyze.rulekit import cited, wake_signals
 from kvdiag.defaults import LONG_SLEEP_S
-from kvdiag.model import (
-    Bundle,
-    Confidence,
-    EvidenceItem,
-    FdInfo,
-    Finding,
-    ProcessEvidence,
-    ThreadEvidence,
-    ThreadWait,
-    Verdict,
-    VerdictKind,
-    WaitPurpose,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import FdInfo, ProcessEvidence, ThreadEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import EvidenceItem, ThreadWait, Verdict, WaitPurpose
 
 # Python frames (file tail, function) that wait for the next task or job: a worker's idle loop.
 # What only a join or a result is: a main thread with a signal handler waiting on anything else (an Event its

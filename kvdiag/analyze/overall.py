@@ -9,7 +9,11 @@ from kvdiag.analyze.ranks import join_chain, judge_ranks, rank_pids
 from kvdiag.analyze.rulekit import severity
 from kvdiag.analyze.signature import sign
 from kvdiag.analyze.xverdict import judge_across, merge_across
-from kvdiag.model import Bundle, Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Verdict
 
 
 def _groups(bundle: Bundle) -> list[tuple[str, list[ProcessEvidence]]]:

@@ -8,7 +8,10 @@ from kvdiag.analyze.access import judgeable
 from kvdiag.analyze.classify import WaitKind, classify_process
 from kvdiag.analyze.process import analyze_process
 from kvdiag.analyze.rulekit import STACKS_ONLY, TARGET_STATES
-from kvdiag.model import Bundle, ProcessEvidence, ProcessRole, Verdict, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import ProcessRole, VerdictKind
+from kvdiag.model.verdict import Verdict
 
 
 def read_peers(proc: ProcessEvidence, verdict: Verdict) -> list[int]:

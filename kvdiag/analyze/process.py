@@ -13,7 +13,10 @@ from kvdiag.analyze.gpu import rule_gpu_idle_wait, rule_gpu_kernel_hang
 from kvdiag.analyze.io_rules import rule_blocked_read, rule_unresolved_wait
 from kvdiag.analyze.lock_rules import rule_lock_inversion, rule_lost_wakeup, rule_nothing_can_move, rule_stuck_unknown
 from kvdiag.analyze.rulekit import cited, place
-from kvdiag.model import Confidence, Finding, ProcessEvidence, Verdict, VerdictKind
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Verdict
 
 
 def rule_target_state(proc: ProcessEvidence, views: list[ThreadView], engine: str | None) -> Verdict | None:

@@ -3,19 +3,23 @@
 In tensor, pipeline, data or expert parallelism every rank must call the same collectives in the same
 order. When one rank takes a rank-local branch (calls another collective, blocks before it, exits), every
 other rank waits in its collective forever, and each process on its own looks idle in a normal wait. So
-the processes that are ranks of one job (:class:`kvdiag.model.RankIdentity` from their environment, or
+the processes that are ranks of one job (:class:`kvdiag.model.ranks.RankIdentity` from their environment, or
 vLLM's worker titles under one parent) are grouped, and for each rank the collective it sits in (the
 torch.distributed call or vLLM's own: its shared-memory broadcast, custom all-reduce, pynccl, the group
 coordinator), the frame that called it, or, for a rank in none, where it is instead.
 
 - ranks advancing (their sockets moved during the window) or all in the same collective at the same call
-  site: nothing to say here (the process rules judge them);
-- ranks in different collectives or at different call sites: ``collective_mismatch``, naming the rank(s)
-  that left and where;
+  site (and step, where every one's step was read): nothing to say here (the process rules judge them);
+- ranks in different collectives, at different call sites or at different steps: ``collective_mismatch``,
+  naming the rank(s) that left and where;
 - a rank that never arrived: ``collective_mismatch`` naming where it is (blocked elsewhere, exited), or,
   when its own process shows a hang, that hang as the root with the chain from the waiting ranks;
 - a rank in a long compute (its CPU advancing) or a wait that ends by itself (a sleep, a timed wait): slow,
   not hung (``slow_start``), never a deadlock.
+
+A rank's step is the integer step counter (``step``, ``seq``, ...) that capture read from the frames
+between its collective and the outermost frame (py-spy --locals, every other local dropped), innermost
+first; ranks on more than one node are named with their node.
 
 Pure: reads the bundle only.
 """
@@ -33,20 +37,13 @@ from kvdiag.analyze.fleet import is_merged
 from kvdiag.analyze.process import analyze_process
 from kvdiag.analyze.rulekit import WAIT_WORDS, severity
 from kvdiag.analyze.vllm_titles import process_title
-from kvdiag.model import (
-    Bundle,
-    Confidence,
-    EvidenceItem,
-    Finding,
-    Frame,
-    NodeRef,
-    ProcessEvidence,
-    Verdict,
-    VerdictKind,
-    WaitChain,
-    WaitEdge,
-)
-from kvdiag.model.waits import EdgeEvidence, EdgeKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame, ProcessEvidence
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.ranks import STEP_LOCALS
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import EvidenceItem, Verdict
+from kvdiag.model.waits import EdgeEvidence, EdgeKind, NodeRef, WaitChain, WaitEdge
 
 # torch.distributed's collectives and point-to-point calls (distributed_c10d.py); the outermost one a rank
 # is in is the call it made (all_gather_object runs all_gather).
@@ -92,15 +89,19 @@ class RankState:
     sampled: bool = False            # /proc's progress window read it (CPU and I/O over the window)
     advanced: bool = False           # its I/O advanced during the window (sockets, pipes)
     exited: bool = False
+    step: int | None = None          # the step counter read from its frames (None: none read)
+    by_step: bool = False            # every rank of its group in a collective had its step read: they must agree
+    node: str | None = None          # its node, where the group's ranks are on more than one
 
     @property
     def name(self) -> str:
-        return self.label if self.label.startswith("pid ") else f"rank {self.label}"
+        name = self.label if self.label.startswith("pid ") else f"rank {self.label}"
+        return f"{name} on {self.node}" if self.node else name
 
     @property
-    def key(self) -> tuple[str, str] | None:
-        """Where it is, as the ranks of one step must agree: the collective and its call site."""
-        return None if self.op is None else (self.op, self.site or "")
+    def key(self) -> tuple[str, str, int | None] | None:
+        """Where it is, as the ranks of one step must agree: the collective, its call site (and its step)."""
+        return None if self.op is None else (self.op, self.site or "", self.step if self.by_step else None)
 
 
 @dataclass
@@ -182,6 +183,26 @@ def _collective(t: ThreadView, backend: str | None) -> tuple[str, str, int, int 
     return op, via, index, caller
 
 
+def _step(proc: ProcessEvidence, t: ThreadView, start: int) -> int | None:
+    """The step counter of thread ``t`` read from its frames from ``start`` outwards (any tool's frames of
+    the same function: the counters come from py-spy, the frames shown may be pystack's)."""
+    ev = next((x for x in proc.threads if x.tid == t.tid), None)
+    stacks = [t.frames, *(ev.frames_by_tool.values() if ev is not None else ())]
+    names = {(f.name.rsplit(".", 1)[-1], _short_file(f.file)) for f in t.frames[start:] if f.kind == "python"}
+    for frames in stacks:
+        for f in frames:
+            if f.counters and f.kind == "python" and not _library_frame(f) \
+                    and (f.name.rsplit(".", 1)[-1], _short_file(f.file)) in names:
+                value: int | None = next((f.counters[n] for n in STEP_LOCALS if n in f.counters), None)
+                if value is not None:
+                    return value
+    return None
+
+
+def _step_text(r: RankState) -> str:
+    return f" (step {r.step})" if r.step is not None else ""
+
+
 def _site(f: Frame) -> str:
     return f"{_short_file(f.file)}:{f.line if f.line is not None else '?'} in {f.name}"
 
@@ -226,6 +247,7 @@ def _state(label: str, order: int, proc: ProcessEvidence, machine: str | None) -
             st.op, st.via, st.op_index, st.site_index = hit
             st.thread = t
             st.site = _site(t.frames[st.site_index]) if st.site_index is not None else None
+            st.step = _step(proc, t, st.op_index)
             return st
     main = next((t for t in views if t.is_main), views[0] if views else None)
     st.thread = main
@@ -234,6 +256,7 @@ def _state(label: str, order: int, proc: ProcessEvidence, machine: str | None) -
     else:
         st.where = _elsewhere(main, st.computing)
         st.site_index = _python_site(main)[1]
+        st.step = _step(proc, main, 0)
         st.timed = main.kind is WaitKind.SLEEP or main.timed
     return st
 
@@ -301,6 +324,13 @@ def rank_groups(bundle: Bundle) -> list[RankGroup]:
                                          where=("not captured (it runs on another host, or exited)"
                                                 if group.spans_hosts else "exited (no process of it is left)")))
         group.ranks.sort(key=lambda r: r.order)
+        in_op = [r for r in group.ranks if r.op is not None]
+        nodes = {r.proc.node for r in group.ranks if r.proc is not None}
+        for r in group.ranks:
+            # Steps are compared only where every rank's was read inside /proc's window (one step apart in a
+            # loop that runs is two readings at two moments; the window says whether it runs).
+            r.by_step = bool(in_op) and all(x.step is not None and x.sampled for x in in_op)
+            r.node = r.proc.node if len(nodes) > 1 and r.proc is not None else None
         if len(group.ranks) >= 2:
             out.append(group)
     return out
@@ -309,15 +339,19 @@ def rank_groups(bundle: Bundle) -> list[RankGroup]:
 def _names(ranks: Sequence[RankState]) -> str:
     if len(ranks) == 1:
         return ranks[0].name
+    nodes = list(dict.fromkeys(r.node for r in ranks if r.node))
+    where = f" on {','.join(nodes)}" if nodes else ""
     if all(r.label.startswith("pid ") for r in ranks):
-        return "pids " + ",".join(r.label.removeprefix("pid ") for r in ranks)
-    return "ranks " + ",".join(r.label for r in ranks)
+        return "pids " + ",".join(r.label.removeprefix("pid ") for r in ranks) + where
+    return "ranks " + ",".join(r.label for r in ranks) + where
 
 
 def _wait_text(ranks: Sequence[RankState]) -> str:
     r = ranks[0]
     verb = "waits" if len(ranks) == 1 else "wait"
-    return f"{_names(ranks)} {verb} in {r.op} at {r.site or '?'}"
+    steps = {x.step for x in ranks}
+    step = _step_text(r) if len(steps) == 1 else ""
+    return f"{_names(ranks)} {verb} in {r.op}{step} at {r.site or '?'}"
 
 
 def _item(r: RankState, role: str, engine: str | None) -> EvidenceItem | None:
@@ -351,7 +385,7 @@ def _ref(r: RankState) -> NodeRef:
 def _majority(ranks: Sequence[RankState]) -> list[RankState]:
     """The ranks that agree (the largest set in one collective at one call site; of equal sets, the one
     holding the lowest rank): the others left."""
-    by_key: dict[tuple[str, str], list[RankState]] = {}
+    by_key: dict[tuple[str, str, int | None], list[RankState]] = {}
     for r in ranks:
         if r.key is not None:
             by_key.setdefault(r.key, []).append(r)
@@ -384,7 +418,7 @@ def judge_group(group: RankGroup, machine: str | None = None) -> Verdict | None:
         return None
     for r in left:
         if r.key is not None:
-            parts.append(f"{r.name} is in {r.op} at {r.site or '?'}")
+            parts.append(f"{r.name} is in {r.op}{_step_text(r)} at {r.site or '?'}")
             role = f"{r.name} in {r.op} ({r.via}): left the group's collective"
         else:
             parts.append(f"{r.name} {'is' if r in slow else 'never arrived: it is'} {r.where}")

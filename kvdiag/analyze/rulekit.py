@@ -4,12 +4,16 @@ thread's wait is called, which thread holds what, and who could still signal a w
 
 from __future__ import annotations
 
+import re
+
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.classify import ThreadView, WaitKind
 from kvdiag.analyze.evidence import Key, cite_item
 from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.model import EvidenceItem, FdInfo, ProcessEvidence, ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.evidence import FdInfo, ProcessEvidence
+from kvdiag.model.kinds import ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.verdict import EvidenceItem
 
 # Worst first (the overall verdict is the worst engine's); each kind's rank is part of its one definition
 # (KIND_SPECS in kvdiag.model).
@@ -46,7 +50,12 @@ def place(proc: ProcessEvidence) -> str:
         return f"pid {proc.pid}{at}"
     if proc.role is ProcessRole.WORKER and (title := process_title(proc)) and title != "Worker":
         role = title   # which rank a tensor-parallel worker is (Worker_TP1), not just "a Worker"
-    return f"pid {proc.pid}{at} ({role}{' of engine ' + proc.engine if proc.engine else ''})"
+    # A group kvdiag named after a pid ("pid-123", "node/pid-123") is no engine the user knows by that name.
+    named = proc.engine is not None and _PID_GROUP.fullmatch(proc.engine) is None
+    return f"pid {proc.pid}{at} ({role}{' of engine ' + str(proc.engine) if named else ''})"
+
+
+_PID_GROUP = re.compile(r"(?:.*/)?pid-\d+")
 
 
 def severity(kind: VerdictKind) -> int:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from kvdiag.defaults import KV_FULL
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 
 CLIENT_IN_FLIGHT_SHORT = 0.9     # client kept fewer than this share of its streams in flight
 CLIENT_CPU_BOUND = 0.85          # kvdiag's load loop used this share of one core or more

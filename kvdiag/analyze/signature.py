@@ -22,7 +22,9 @@ from collections.abc import Iterable, Sequence
 
 from kvdiag.analyze import vocab as v
 from kvdiag.analyze.known import match_known
-from kvdiag.model import Bundle, EvidenceItem, Frame, Verdict
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame
+from kvdiag.model.verdict import EvidenceItem, Verdict
 
 FRAMES_PER_THREAD = 4
 SCHEME = "kvdiag-signature-1"

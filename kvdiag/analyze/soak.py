@@ -17,7 +17,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Sequence
 
 from kvdiag.analyze.saturation import StoredReadings, judge
-from kvdiag.model import Confidence, MetricsSnapshot, SoakStats, TimelineEvent, Verdict, VerdictKind
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.run import MetricsSnapshot, SoakStats, TimelineEvent
+from kvdiag.model.verdict import Verdict
 
 
 def judged_soak(soak: SoakStats, metrics: Iterable[MetricsSnapshot]) -> SoakStats:

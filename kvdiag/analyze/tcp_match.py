@@ -16,7 +16,8 @@ from __future__ import annotations
 import ipaddress
 from dataclasses import dataclass, field
 
-from kvdiag.model import Bundle, ProcessEvidence
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
 
 Addr = tuple[str, int]
 PKey = tuple[str | None, int]

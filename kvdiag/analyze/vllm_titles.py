@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import ProcessEvidence
+from kvdiag.model.evidence import ProcessEvidence
 
 _RANK = re.compile(r"_TP(\d+)")
 

@@ -9,7 +9,7 @@ segments ``/dev/shm/vllm_dist_*-cpushm_<rank>``) and spin there at 100 % until e
 
 So a thread in one of these loops is never "running" nor "idle by design": it waits on the other side of
 its ring or collective, and it progresses only when that ring's flags (read from the segment at both ends
-of the capture window, :class:`kvdiag.model.RingReading`) or the collective's segments change:
+of the capture window, :class:`kvdiag.model.rings.RingReading`) or the collective's segments change:
 
 - the EngineCore in ``collective_rpc``'s ``get_response`` → the workers whose response ring has nothing
   unread for it (rank 0 first: the one that answers an ``execute_model``), a reply it waits for;
@@ -29,7 +29,10 @@ from dataclasses import dataclass, field
 
 from kvdiag.analyze.classify import ThreadView
 from kvdiag.analyze.vllm_titles import process_title, worker_rank
-from kvdiag.model import EdgeKind, ProcessEvidence, ProcessRole, RingReading, SharedMapping
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import ProcessRole
+from kvdiag.model.rings import RingReading
+from kvdiag.model.waits import EdgeKind, SharedMapping
 
 _RING_FILE = "shm_broadcast"
 _READ_FNS = ("acquire_read", "dequeue")

@@ -13,7 +13,7 @@ import os
 import re
 import sys
 
-from kvdiag.model import Frame
+from kvdiag.model.evidence import Frame
 from kvdiag.osread.syscall import FUTEX_WCHANS
 
 _SUFFIX = re.compile(r"(@@?GLIBC[\w.]*|\.constprop\.\d+|\.isra\.\d+|\.part\.\d+|\.cold)+$")

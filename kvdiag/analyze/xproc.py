@@ -1,6 +1,6 @@
 """One wait-for graph over every captured thread of every captured process, and the chain to its root.
 
-Pure: reads the bundle only. Each thread's waits become typed edges (kvdiag.model.WaitEdge) with the
+Pure: reads the bundle only. Each thread's waits become typed edges (kvdiag.model.waits.WaitEdge) with the
 evidence that proves them: a read on a socket or pipe leads to the peer (a pipe's writers), a write
 blocked on a full pipe or socket to its readers, wait4/waitpid to the child, a futex in a MAP_SHARED
 file mapping to every other process mapping that file, a ZMQ call (the thread parks on the socket's
@@ -30,22 +30,19 @@ from kvdiag.analyze.rulekit import peer_phrase
 from kvdiag.analyze.tcp_match import TcpIndex, TcpMatch, split_connection
 from kvdiag.analyze.vllm_titles import process_title
 from kvdiag.analyze.vllm_waits import shared_progress, vllm_wait
-from kvdiag.model import (
-    Bundle,
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import FdInfo, ProcessEvidence
+from kvdiag.model.kinds import EnginePhase, VerdictKind
+from kvdiag.model.verdict import Verdict, WaitPurpose
+from kvdiag.model.waits import (
     EdgeEvidence,
     EdgeKind,
-    EnginePhase,
-    FdInfo,
     FrameRef,
     NodeRef,
-    ProcessEvidence,
     SharedMapping,
-    Verdict,
-    VerdictKind,
     WaitEdge,
     WaitGraphRecord,
     WaitNode,
-    WaitPurpose,
 )
 
 _ZMQ_SEND = ("zmq_msg_send", "zmq_send", "zmq_sendmsg", "zmq_sendiov")

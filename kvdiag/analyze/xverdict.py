@@ -14,16 +14,10 @@ from kvdiag.analyze.classify import WaitKind
 from kvdiag.analyze.evidence import BLOCKED_KEYS, CONTEXT_KEYS, cite_item, where
 from kvdiag.analyze.tcp_match import fmt, split_connection
 from kvdiag.analyze.xproc import Chain, CrossProcess, Dep, pkey
-from kvdiag.model import (
-    Bundle,
-    Confidence,
-    EdgeKind,
-    EvidenceItem,
-    Verdict,
-    VerdictKind,
-    WaitChain,
-    WaitGraphRecord,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import Confidence, VerdictKind
+from kvdiag.model.verdict import EvidenceItem, Verdict
+from kvdiag.model.waits import EdgeKind, WaitChain, WaitGraphRecord
 
 # How each kind of edge reads in the chain's text.
 _WORDS = {

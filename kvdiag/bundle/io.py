@@ -9,8 +9,11 @@ from pathlib import Path
 from pydantic import ValidationError
 
 from kvdiag.errors import BundleError
-from kvdiag.model import SCHEMA_VERSION, Bundle
-from kvdiag.redact import redact_bundle, redact_text, replace_file
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import SCHEMA_VERSION
+from kvdiag.redact.bundle import redact_bundle
+from kvdiag.redact.files import replace_file
+from kvdiag.redact.rules import redact_text
 
 BUNDLE_DIR = "bundle"            # inside a run's output folder
 BUNDLE_FILE = "bundle.json"
@@ -95,7 +98,6 @@ def load_bundle(path: Path) -> tuple[Bundle, Path]:
     if version != SCHEMA_VERSION:
         raise BundleError(f"{file}: bundle schema_version {version!r} is not supported (expected {SCHEMA_VERSION})")
     try:
-        # Data entering this run from disk: a bundle written by an older kvdiag may hold secrets.
         return redact_bundle(Bundle.model_validate(data)), bundle_dir
     except ValidationError as exc:
         first = exc.errors()[0]

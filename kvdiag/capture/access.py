@@ -14,7 +14,7 @@ Public API (small, for ``kvdiag doctor`` and the capture orchestrator):
 
 - :func:`host_ptrace_facts` — the host-wide facts (scope, capability, container, seccomp), which are
   the environment record's (:mod:`kvdiag.environment.ptrace`);
-- :func:`check_target` — everything about one pid, as a :class:`~kvdiag.model.TargetAccess`.
+- :func:`check_target` — everything about one pid, as a :class:`~kvdiag.model.evidence.TargetAccess`.
 """
 
 from __future__ import annotations
@@ -25,7 +25,8 @@ import re
 import signal
 
 from kvdiag.environment.ptrace import probe_ptrace
-from kvdiag.model import PtraceAccess, TargetAccess
+from kvdiag.model.environment import PtraceAccess
+from kvdiag.model.evidence import TargetAccess
 from kvdiag.osread.elfsym import find_runtime_symbol
 from kvdiag.osread.maps import read_maps
 from kvdiag.osread.mem import mem_open_error

@@ -3,7 +3,7 @@
 A process started with ``KVDIAG_AGENT=1`` (:mod:`kvdiag.agent`) carries a signal handler that, asked,
 writes every thread's Python stack, native return addresses and GIL state into its private directory.
 This module finds an armed process, asks it for one dump and turns that into the same
-:class:`~kvdiag.model.ThreadEvidence` the pystack backend produces (GIL flags, Python and native
+:class:`~kvdiag.model.evidence.ThreadEvidence` the pystack backend produces (GIL flags, Python and native
 frames), so the analyzers judge it unchanged. The orchestrator picks this path for a process where
 ptrace is refused (:func:`choose_path`), or everywhere with ``--via agent``.
 
@@ -39,12 +39,14 @@ from kvdiag.agent.protocol import (
 )
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.symbols import Symbolizer
-from kvdiag.model import Frame, GilState, TargetAccess, ThreadEvidence, ToolRun
+from kvdiag.model.evidence import Frame, TargetAccess, ThreadEvidence, ToolRun
+from kvdiag.model.kinds import GilState
 from kvdiag.osread.files import read_text
 from kvdiag.osread.maps import Mapping, parse_line
 from kvdiag.osread.process import read_environ
 from kvdiag.osread.status import read_status
-from kvdiag.redact import Tally, write_redacted
+from kvdiag.redact.files import write_redacted
+from kvdiag.redact.rules import Tally
 
 AGENT = "agent"
 VIA_CHOICES = ("auto", "ptrace", "agent")

@@ -1,8 +1,8 @@
 """The capture-backend protocol and the bounded subprocess runner every tool goes through.
 
 A backend reads one process and returns what it saw as partial
-:class:`~kvdiag.model.ThreadEvidence` records (only the fields that tool
-knows), the :class:`~kvdiag.model.ToolRun` that describes the attempt, and
+:class:`~kvdiag.model.evidence.ThreadEvidence` records (only the fields that tool
+knows), the :class:`~kvdiag.model.evidence.ToolRun` that describes the attempt, and
 findings. The orchestrator (:mod:`kvdiag.capture.orchestrate`) merges the
 per-tool threads. Backends never raise for a missing tool, a timeout or a
 dead target: they report it.
@@ -22,8 +22,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol, runtime_checkable
 
-from kvdiag.model import Finding, ProcessEvidence, ThreadEvidence, ToolRun
-from kvdiag.redact import Tally, write_redacted
+from kvdiag.model.evidence import ProcessEvidence, ThreadEvidence, ToolRun
+from kvdiag.model.run import Finding
+from kvdiag.redact.files import write_redacted
+from kvdiag.redact.rules import Tally
 
 # After SIGTERM a tool gets this long to detach cleanly (gdb detaches on SIGTERM) before SIGKILL.
 KILL_GRACE_S = 0.5

@@ -8,7 +8,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvdiag import __version__
-from kvdiag.bundle import raw_root, save_bundle
+from kvdiag.bundle.io import raw_root, save_bundle
 from kvdiag.capture.base import CaptureBackend
 from kvdiag.capture.discover import find_engine_processes
 from kvdiag.capture.follow import note_followed, peers_outside
@@ -18,7 +18,11 @@ from kvdiag.capture.ranks import read_rank
 from kvdiag.capture.staged import Decider, capture_staged
 from kvdiag.environment import collect_environment
 from kvdiag.environment.host import host_record
-from kvdiag.model import Bundle, EnvironmentRecord, Finding, ProcessEvidence, ProcessRole, TcpSocket
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.environment import EnvironmentRecord
+from kvdiag.model.evidence import ProcessEvidence, TcpSocket
+from kvdiag.model.kinds import ProcessRole
+from kvdiag.model.run import Finding
 from kvdiag.osread.net import ProcessTcp, TcpEntry, process_tcp
 from kvdiag.osread.ptable import process_tree
 
@@ -148,25 +152,32 @@ def capture_pids(pids: Sequence[int], bundle_dir: Path, *, roots: Sequence[int] 
     return bundle
 
 
-def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: float,
-                   backends: Sequence[str | CaptureBackend] | None = None,
-                   log_pids: dict[str, int] | None = None) -> tuple[list[ProcessEvidence], list[Finding]]:
-    """Capture one launched engine read-only into ``bundle_dir/raw/<pid>/`` (repro, ab, soak): the same
-    raw layout as ``kvdiag capture`` (:func:`kvdiag.bundle.raw_dir`); bundle.json names each process's engine.
-
-    The engine's known processes (EngineCore first, then the API server and workers); when no
-    role is known (a command engine that is not vLLM-shaped), its whole process tree.
-    """
-    roles = find_engine_processes(root_pid, log_pids)
+def engine_pids(root_pid: int, log_pids: dict[str, int] | None = None,
+                roles: dict[ProcessRole, list[int]] | None = None) -> list[int]:
+    """An engine's known processes, EngineCore first, then its API server and workers; when no EngineCore is
+    known (a command engine that is not vLLM-shaped), its whole process tree (``[root_pid]`` at least)."""
+    roles = roles if roles is not None else find_engine_processes(root_pid, log_pids)
     order: tuple[ProcessRole, ...] = (ProcessRole.ENGINE_CORE, ProcessRole.API_SERVER, ProcessRole.WORKER)
     if not roles.get(ProcessRole.ENGINE_CORE):
         order += (ProcessRole.OTHER,)
     pids: list[int] = []
     for role in order:
         pids += [pid for pid in roles.get(role, []) if pid not in pids]
+    return pids or [root_pid]
+
+
+def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: float,
+                   backends: Sequence[str | CaptureBackend] | None = None,
+                   log_pids: dict[str, int] | None = None) -> tuple[list[ProcessEvidence], list[Finding]]:
+    """Capture one launched engine read-only into ``bundle_dir/raw/<pid>/`` (repro, ab): the same
+    raw layout as ``kvdiag capture`` (:func:`kvdiag.bundle.io.raw_dir`); bundle.json names each process's engine.
+
+    The engine's processes as :func:`engine_pids` names them.
+    """
+    roles = find_engine_processes(root_pid, log_pids)
     # The EngineCore is where a vLLM engine's hangs live: its verdict-critical evidence comes first.
-    evidence, findings = capture_processes(pids or [root_pid], raw_root(bundle_dir), timeout_s=timeout_s,
-                                           backends=backends, bundle_dir=bundle_dir,
+    evidence, findings = capture_processes(engine_pids(root_pid, log_pids, roles), raw_root(bundle_dir),
+                                           timeout_s=timeout_s, backends=backends, bundle_dir=bundle_dir,
                                            focus=roles.get(ProcessRole.ENGINE_CORE))
     for ev in evidence:
         ev.engine = name
@@ -178,4 +189,4 @@ def capture_engine(name: str, root_pid: int, bundle_dir: Path, *, timeout_s: flo
     return evidence, findings
 
 
-__all__ = ["capture_engine", "capture_pids", "capture_tree"]
+__all__ = ["capture_engine", "capture_pids", "capture_tree", "engine_pids"]

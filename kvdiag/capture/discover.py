@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import ProcessRole
+from kvdiag.model.kinds import ProcessRole
 from kvdiag.osread.process import read_cmdline, read_comm
 from kvdiag.osread.ptable import ancestors, process_tree
 

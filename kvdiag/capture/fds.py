@@ -11,7 +11,7 @@ from __future__ import annotations
 import stat
 from dataclasses import dataclass, field
 
-from kvdiag.model import FdInfo
+from kvdiag.model.evidence import FdInfo
 from kvdiag.osread.fds import fd_stat, held_inodes, inode_holders, link_inode, readlink, scan_holders
 from kvdiag.osread.files import PROC
 from kvdiag.osread.net import TCP_LISTEN_HEX, TcpEntry, UnixNetEntry, tcp_table, unix_table

@@ -14,7 +14,9 @@ from collections.abc import Sequence
 
 from kvdiag.capture.access import check_target, is_kernel_thread
 from kvdiag.capture.fds import FdResolver
-from kvdiag.model import Finding, PeerProcess, ProcessEvidence
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.run import Finding
+from kvdiag.model.waits import PeerProcess
 from kvdiag.osread.fds import epoll_targets
 from kvdiag.osread.syscall import HOST_SYSCALLS, parse_syscall
 from kvdiag.osread.tasks import list_tids, read_syscall

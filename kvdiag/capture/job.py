@@ -15,14 +15,15 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from kvdiag.bundle import raw_dir as bundle_raw_dir
+from kvdiag.bundle.io import raw_dir as bundle_raw_dir
 from kvdiag.capture.agent import AgentBackend, askable, attach_refused
 from kvdiag.capture.base import BackendResult, CaptureBackend
 from kvdiag.capture.procfs import ProcBackend, ProcWindow
 from kvdiag.capture.slots import ToolSlots
 from kvdiag.capture.tools import GdbBackend, PystackBackend
 from kvdiag.capture.untouched import Before, resume_if_left_stopped
-from kvdiag.model import Finding, TargetAccess, ToolRun
+from kvdiag.model.evidence import TargetAccess, ToolRun
+from kvdiag.model.run import Finding
 
 # Order of the ptrace chain, whatever order the tools were named in: verdict-critical evidence first.
 _CHAIN_ORDER = {"agent": 0, "pystack": 0, "py-spy": 1, "gdb": 2, "gdb-full": 3}

@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import stat
 
-from kvdiag.model import KernelWait
+from kvdiag.model.evidence import KernelWait
 from kvdiag.osread.fds import fd_stat, readlink, scan_holders
 from kvdiag.osread.files import PROC
 from kvdiag.osread.locks import FileLock, read_locks

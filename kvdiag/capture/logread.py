@@ -12,7 +12,8 @@ import time
 
 from kvdiag.capture.procfs import log_files
 from kvdiag.logs.lines import LogState, feed_line
-from kvdiag.model import EnginePhase, EngineRecord
+from kvdiag.model.kinds import EnginePhase
+from kvdiag.model.run import EngineRecord
 
 TAIL_BYTES = 256 * 1024
 TAIL_LINES = 200

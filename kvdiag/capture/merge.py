@@ -10,7 +10,10 @@ inference, then py-spy's ``+gil`` marker).
 from __future__ import annotations
 
 from kvdiag.capture.base import BackendResult
-from kvdiag.model import Bundle, Finding, Frame, GilState, ProcessEvidence, ThreadEvidence
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame, ProcessEvidence, ThreadEvidence
+from kvdiag.model.kinds import GilState
+from kvdiag.model.run import Finding
 
 # Which tool's GIL reading to trust first.
 _GIL_PRECEDENCE = ("pystack", "agent", "proc", "py-spy", "gdb")

@@ -45,6 +45,7 @@ from kvdiag.capture.base import CaptureBackend, kill_active_tools
 from kvdiag.capture.job import ProcessJob, skip_reason
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.procfs import ProcBackend, ProcWindow
+from kvdiag.capture.ranks import is_rank
 from kvdiag.capture.slots import ToolSlots
 from kvdiag.capture.tools import (
     GdbBackend,
@@ -56,7 +57,8 @@ from kvdiag.capture.tools import (
 )
 from kvdiag.capture.untouched import observe, resume_if_left_stopped, verify_untouched
 from kvdiag.defaults import DEFAULT_TOOLS
-from kvdiag.model import Finding, ProcessEvidence, TargetAccess, ToolRun
+from kvdiag.model.evidence import ProcessEvidence, TargetAccess, ToolRun
+from kvdiag.model.run import Finding
 from kvdiag.osread.nvml import GpuSampler, gpu_present
 
 CAPTURE_SLACK_S = 3.0           # kill grace + verification on top of timeout_s
@@ -104,6 +106,19 @@ def _minor(backends: list[CaptureBackend]) -> list[CaptureBackend]:
 def _pyspy_without_pausing(backends: list[CaptureBackend]) -> list[CaptureBackend]:
     """``backends`` with py-spy --native replaced by py-spy --nonblocking (Python frames, no pause)."""
     return [pyspy_nonblocking(b.binary) if isinstance(b, PyspyBackend) and b.native else b for b in backends]
+
+
+def _with_steps(backends: list[CaptureBackend]) -> list[CaptureBackend]:
+    """``backends`` with py-spy --nonblocking (a copy) also reading the frames' integer step counters
+    (``--locals``, every other local dropped): for a rank of a distributed job, the step it is at. It never
+    pauses the target."""
+    out: list[CaptureBackend] = []
+    for b in backends:
+        if isinstance(b, PyspyBackend) and not b.native:
+            b = copy.copy(b)
+            b.steps = True
+        out.append(b)
+    return out
 
 
 def _raised(backends: list[CaptureBackend]) -> list[CaptureBackend]:
@@ -190,7 +205,7 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
     """Capture evidence from ``pids`` read-only; never raises for tool problems.
 
     ``backends``: names ("proc", "py-spy", "pystack", "gdb") or backend objects; default all.
-    Raw tool outputs go to ``raw_dir/<pid>/`` (:func:`kvdiag.bundle.raw_dir`, the one layout);
+    Raw tool outputs go to ``raw_dir/<pid>/`` (:func:`kvdiag.bundle.io.raw_dir`, the one layout);
     ToolRun.raw_path is relative to ``bundle_dir``
     when given (absolute otherwise). ``parallel=False`` runs everything one after the other
     (the benchmark's baseline). Returns within ``timeout_s + CAPTURE_SLACK_S`` seconds.
@@ -238,6 +253,8 @@ def capture_processes(pids: Sequence[int], raw_dir: Path, timeout_s: float = 10.
                 continue
             minor = focus_set is not None and pid not in focus_set
             mine = _raised(_minor(chosen) if minor else _window_pyspy(chosen, unavailable, accesses.get(pid)))
+            if is_rank(pid):
+                mine = _with_steps(mine)
             job = ProcessJob(pid, mine, unavailable, raw_dir, timeout_s,
                               deadline if parallel else time.monotonic() + timeout_s, accesses.get(pid),
                               slots=slots, rank=int(minor), t0=start)

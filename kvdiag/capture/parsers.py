@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import re
 
-from kvdiag.model import Frame, GilState, ThreadEvidence
+from kvdiag.model.evidence import Frame, ThreadEvidence
+from kvdiag.model.kinds import GilState
+from kvdiag.model.ranks import STEP_LOCALS
 
 # ---------------------------------------------------------------- pystack
 
@@ -159,8 +161,32 @@ _PYSPY_VERSION = re.compile(r"^Python v(\d+\.\d+(?:\.\d+)?)")
 _PY_LOCATION = re.compile(r"(\.pyw?|\.pyx):(\d+)$|^<[^>]*>:(\d+)$")
 
 
+# Of ``py-spy dump --locals`` only the integer step counters (kvdiag.model.STEP_LOCALS) are kept.
+_PYSPY_STEP = re.compile(r"^\s{8,}(" + "|".join(STEP_LOCALS) + r"): (-?\d{1,18})\s*$")
+_PYSPY_FRAME_LINE = re.compile(r"^ {4}\S")
+
+
+def keep_step_locals(text: str) -> str:
+    """``py-spy dump --locals`` output with every local dropped but the integer step counters
+    (:data:`kvdiag.model.STEP_LOCALS`): the values of other locals (tokens, prompts, user data) never reach the bundle.
+    Kept: the headers before the first thread, thread headers, frame lines (four spaces in) and those counters;
+    every other line (an Arguments:/Locals: header, a value, a value's continuation) goes."""
+    out: list[str] = []
+    seen_thread = False
+    for line in text.splitlines():
+        if _PYSPY_HEAD.match(line):
+            seen_thread = True
+            out.append(line)
+        elif not seen_thread or _PYSPY_STEP.match(line):
+            out.append(line)
+        elif _PYSPY_FRAME_LINE.match(line) and _PYSPY_FRAME.match(line):
+            out.append(line)
+    return "\n".join(out) + ("\n" if text.endswith("\n") else "")
+
+
 def parse_pyspy(text: str) -> tuple[list[ThreadEvidence], str | None]:
-    """Threads from ``py-spy dump`` output (with or without ``--native``).
+    """Threads from ``py-spy dump`` output (with or without ``--native``; with ``--locals`` once
+    :func:`keep_step_locals` kept only the step counters, which go to their frame's ``counters``).
 
     The status word goes into ``name`` only when py-spy gave no thread name; ``active+gil``
     marks the GIL holder. Hexadecimal thread ids (old py-spy) cannot be mapped to a TID and
@@ -185,6 +211,11 @@ def parse_pyspy(text: str) -> tuple[list[ThreadEvidence], str | None]:
             threads.append(current)
             continue
         if current is None or not line.startswith(" "):
+            continue
+        step = _PYSPY_STEP.match(line)
+        if step is not None:
+            if current.frames and current.frames[-1].kind == "python":
+                current.frames[-1].counters[step.group(1)] = int(step.group(2))
             continue
         fm = _PYSPY_FRAME.match(line)
         if fm:

@@ -26,18 +26,17 @@ from pathlib import Path
 from kvdiag.capture import kwaits, xwaits
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.fds import FdResolver
-from kvdiag.model import (
+from kvdiag.model.evidence import (
     FdInfo,
-    Finding,
-    GilState,
     KernelWait,
     ProcessEvidence,
     ProgressSample,
     ThreadEvidence,
     ThreadObservation,
-    ThreadState,
     ToolRun,
 )
+from kvdiag.model.kinds import GilState, ThreadState
+from kvdiag.model.run import Finding
 from kvdiag.osread.elfsym import RuntimeSymbol, find_runtime_symbol
 from kvdiag.osread.fds import epoll_targets, fd_stat, readlink
 from kvdiag.osread.mem import TargetMemory
@@ -56,7 +55,8 @@ from kvdiag.osread.syscall import (
     parse_syscall,
 )
 from kvdiag.osread.tasks import TaskReading, read_syscall, read_wchan, snapshot
-from kvdiag.redact import Tally, redact_argv, write_redacted
+from kvdiag.redact.files import write_redacted
+from kvdiag.redact.rules import Tally, redact_argv
 
 # Offset of the GIL struct inside _PyRuntime, per CPython version, read from debug builds with gdb
 # (``p (char*)&_PyRuntime.ceval.gil - (char*)&_PyRuntime``); other versions are located by scanning.

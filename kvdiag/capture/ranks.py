@@ -10,7 +10,7 @@ import os
 from collections.abc import Iterable, Mapping
 
 from kvdiag.capture.discover import _title
-from kvdiag.model import RankIdentity
+from kvdiag.model.ranks import RankIdentity
 from kvdiag.osread.process import read_environ
 from kvdiag.osread.stat import all_stats, read_stat
 
@@ -50,6 +50,11 @@ def _vllm_worker(pid: int) -> bool:
     return cmdline.startswith("VLLM::Worker") or comm.startswith("VLLM::Worker")
 
 
+def is_rank(pid: int) -> bool:
+    """Whether ``pid`` is a rank of a distributed job: a rank in its environment, or a vLLM worker's title."""
+    return read_rank(pid) is not None or _vllm_worker(pid)
+
+
 def job_ranks(pids: Iterable[int], *, me: int | None = None) -> list[int]:
     """The processes on this host that are ranks of the same job as one of ``pids`` but not among them:
     the same rendezvous (master address and port, world size, or elastic run id) in their environment, or
@@ -74,4 +79,4 @@ def job_ranks(pids: Iterable[int], *, me: int | None = None) -> list[int]:
     return out
 
 
-__all__ = ["MAX_JOB_RANKS", "job_ranks", "rank_from_environ", "read_rank"]
+__all__ = ["MAX_JOB_RANKS", "is_rank", "job_ranks", "rank_from_environ", "read_rank"]

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from kvdiag.capture.discover import _title, classify_title
-from kvdiag.model import ProcessRole
+from kvdiag.model.kinds import ProcessRole
 from kvdiag.osread.ptable import ancestors, process_tree
 from kvdiag.osread.status import read_status
 

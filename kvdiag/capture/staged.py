@@ -30,7 +30,8 @@ from kvdiag.capture.discover import multiprocessing_helper
 from kvdiag.capture.merge import add_tools
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, capture_processes, make_backends
 from kvdiag.capture.tools import PyspyBackend, PystackBackend, pyspy_nonblocking
-from kvdiag.model import Finding, ProcessEvidence, ToolRun
+from kvdiag.model.evidence import ProcessEvidence, ToolRun
+from kvdiag.model.run import Finding
 
 Decider = Callable[[list[ProcessEvidence], list[Finding]], "str | None"]
 

@@ -28,9 +28,9 @@ from kvdiag.capture.base import (
     run_tool,
     write_raw,
 )
-from kvdiag.capture.parsers import keep_lock_locals, parse_gdb, parse_pyspy, parse_pystack
-from kvdiag.model import ThreadEvidence, ToolRun
-from kvdiag.redact import Tally
+from kvdiag.capture.parsers import keep_lock_locals, keep_step_locals, parse_gdb, parse_pyspy, parse_pystack
+from kvdiag.model.evidence import ThreadEvidence, ToolRun
+from kvdiag.redact.rules import Tally
 
 
 class _ToolBackend:
@@ -119,14 +119,20 @@ def pystack_lock_locals(binary: str | None = None) -> PystackBackend:
 class PyspyBackend(_ToolBackend):
     tool = "py-spy"
 
-    def __init__(self, binary: str | None = None, native: bool = True) -> None:
+    def __init__(self, binary: str | None = None, native: bool = True, steps: bool = False) -> None:
         super().__init__(binary)
         self.native = native
         # --native needs the target paused (ptrace); --nonblocking never pauses it.
         self.stops_target = native
+        # --locals, of which only integer step counters are kept: the step a distributed rank is at.
+        self.steps = steps
 
     def argv(self, exe: str, pid: int) -> list[str]:
-        return [exe, "dump", "--pid", str(pid), "--native" if self.native else "--nonblocking"]
+        return [exe, "dump", "--pid", str(pid), "--native" if self.native else "--nonblocking",
+                *(["--locals"] if self.steps else [])]
+
+    def filter_output(self, text: str) -> str:
+        return keep_step_locals(text) if self.steps else text
 
     def parse(self, text: str) -> tuple[list[ThreadEvidence], str | None]:
         return parse_pyspy(text)
@@ -135,6 +141,7 @@ class PyspyBackend(_ToolBackend):
 def pyspy_nonblocking(binary: str | None = None) -> PyspyBackend:
     """py-spy without pausing the target (Python frames only)."""
     return PyspyBackend(binary, native=False)
+
 
 
 # Shared libraries whose symbols gdb loads by default (regexes for gdb's `sharedlibrary`): the

@@ -9,7 +9,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kvdiag.model import Finding
+from kvdiag.model.run import Finding
 from kvdiag.osread.stat import read_stat
 from kvdiag.osread.status import read_status
 from kvdiag.osread.tasks import list_tids

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvdiag.model import RingReading, SharedMapping
+from kvdiag.model.rings import RingReading
+from kvdiag.model.waits import SharedMapping
 from kvdiag.osread.shmring import read_ring_flags, ring_geometry, segment_size
 
 _RING_PREFIX = "/dev/shm/psm_"

@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 
 from kvdiag.capture import vllmrings
 from kvdiag.capture.fds import FdResolver, pipe_link
-from kvdiag.model import FdInfo, ProcessEvidence, SharedMapping, ThreadEvidence
+from kvdiag.model.evidence import FdInfo, ProcessEvidence, ThreadEvidence
+from kvdiag.model.waits import SharedMapping
 from kvdiag.osread.children import children
 from kvdiag.osread.fds import scan_holders
 from kvdiag.osread.maps import mapping_at, read_head, shared_file_mappings

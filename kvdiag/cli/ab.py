@@ -6,9 +6,10 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console, result_console
+from kvdiag.cli.common import console, print_outcome
 from kvdiag.cli.sweep import print_result
-from kvdiag.runs.output import RunArtifacts, prepare_out_dir
+from kvdiag.runs.outdir import prepare_out_dir
+from kvdiag.runs.output import RunArtifacts
 from kvdiag.runs.repro import launchable, run_ab
 from kvdiag.runs.sweep.command import ab_repeat_config
 from kvdiag.runs.sweep.execute import stderr_progress
@@ -43,15 +44,7 @@ def ab_cmd(
     def said(side: str, arts: RunArtifacts) -> None:
         con.print(f"{side}: {arts.verdict.kind.value} — {arts.verdict.summary}")
 
-    arts = run_ab(scen, name, text, out_dir, con, on_side=said)
-    result = result_console()
-    ab = arts.bundle.diagnosis.ab if arts.bundle.diagnosis is not None else None
-    if ab is not None:
-        result.print(f"outcome: {ab.headline()}")
-    result.print(arts.verdict.summary)
-    result.print(f"  report: {out_dir / 'report.html'}")
-    result.print(f"exit code {arts.exit_code}")
-    return arts.exit_code
+    return print_outcome(run_ab(scen, name, text, out_dir, con, on_side=said))
 
 
 def register(app: typer.Typer) -> None:

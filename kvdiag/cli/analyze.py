@@ -7,9 +7,13 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.analyze import diagnose
-from kvdiag.bundle import load_run, resolve_bundle_file
-from kvdiag.report.text import format_verdict
+from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.bundle.io import load_run, resolve_bundle_file
+from kvdiag.cli.common import result_console
+from kvdiag.errors import UsageError
+from kvdiag.report import run_view
+from kvdiag.report.terminal import render_terminal
+from kvdiag.runs.sweep.session import is_sweep_folder
 
 
 def analyze_cmd(
@@ -26,6 +30,11 @@ def analyze_cmd(
     3 no access, 5 nothing to judge, 6 inconclusive; 2 no readable bundle (an A/B folder: as
     kvdiag ab; a soak: 6 also when the KV cache never got near full; an interrupted run: 130).
     """
+    if is_sweep_folder(bundle):   # many runs, each with its own bundle: say which to pass
+        first = next((d for d in sorted(bundle.glob("cells/*/run-*")) if d.is_dir()), None)
+        raise UsageError(f"{bundle}: a sweep's (or ab --repeat's) folder holds one bundle per run, not one to analyze",
+                         hint=(f"analyze one run, e.g. kvdiag analyze {first}; " if first else "")
+                         + f"kvdiag report {bundle} re-renders its page")
     run = load_run(bundle)
     diag = diagnose(run.bundle, run.run_bundles)
     stored = run.bundle.diagnosis
@@ -40,13 +49,14 @@ def analyze_cmd(
                                "exit_code": diag.exit_code,
                                "agrees_with_run": agrees}, indent=2))
     else:
-        typer.echo(format_verdict(diag.verdict, diag.verdicts_by_engine, ab=diag.ab))
+        con = result_console()
+        render_terminal(run_view(run.bundle, diag, out_dir=run.out_dir), con, files=False)
         for note in diag.notes:
-            typer.echo(f"note: {note}")
+            con.print(f"note: {note}")
         if agrees is False and stored is not None:
-            typer.echo(f"note: the run itself said {stored.verdict.kind.value} (exit {stored.exit_code})")
-        typer.echo(f"bundle: {resolve_bundle_file(bundle)}")
-        typer.echo(f"exit code {diag.exit_code}")
+            con.print(f"note: the run itself said {stored.verdict.kind.value} (exit {stored.exit_code})")
+        con.print(f"bundle: {resolve_bundle_file(bundle)}")
+        con.print(f"exit code {diag.exit_code}")
     return diag.exit_code
 
 

@@ -26,8 +26,8 @@ def main(argv: list[str] | None = None) -> int:
             raise
         if isinstance(exc, Interrupted) and exc.partial is not None:
             # Imported here: only a run that wrote a report gets here, and `banner` or `doctor` stay light.
-            from kvdiag.cli.common import print_summary
-            print_summary(exc.partial)   # type: ignore[arg-type]
+            from kvdiag.cli.common import print_outcome
+            print_outcome(exc.partial)   # type: ignore[arg-type]
         typer.echo(f"kvdiag: error: {exc.message}", err=True)
         if exc.hint:
             typer.echo(f"  hint: {exc.hint}", err=True)

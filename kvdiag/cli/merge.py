@@ -8,9 +8,10 @@ import typer
 
 from kvdiag.cli.common import print_outcome
 from kvdiag.errors import BundleError, UsageError
-from kvdiag.model import FleetRecord
+from kvdiag.model.fleet import FleetRecord
 from kvdiag.runs.fleet.merge import NodePart, load_node_folder, merge_parts, missing_node, same_host_twice
-from kvdiag.runs.output import finish, prepare_out_dir
+from kvdiag.runs.outdir import prepare_out_dir
+from kvdiag.runs.output import finish
 
 
 def merge_cmd(

@@ -13,15 +13,18 @@ from pathlib import Path
 import typer
 
 from kvdiag.errors import ExitCode, UsageError
-from kvdiag.redact import scan_tree
+from kvdiag.redact.files import scan_tree
 
 
 def redact_cmd(
     folder: Path = typer.Argument(..., help="Output folder (or any folder) to scan."),
     as_json: bool = typer.Option(False, "--json", help="Print the findings as JSON."),
 ) -> int:
-    """Exit 0 when nothing credential-shaped is left in FOLDER, 10 when something is (file:line and kind
-    are printed, never the value)."""
+    """Check an output folder for secrets before attaching it anywhere.
+
+    Prints file:line and kind of each credential-shaped value left, never the value.
+
+    Exit codes: 0 nothing credential-shaped is left, 10 something is, 2 no such folder."""
     if not folder.exists():
         raise UsageError(f"{folder}: no such folder")
     if not folder.is_dir():

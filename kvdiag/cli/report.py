@@ -8,10 +8,11 @@ from pathlib import Path
 import typer
 
 from kvdiag.analyze.diagnosis import complete
-from kvdiag.bundle import atomic_write_text, load_run
+from kvdiag.bundle.io import atomic_write_text, load_run
 from kvdiag.cli.common import result_console
 from kvdiag.errors import ExitCode, UsageError
-from kvdiag.report import render_html, run_view, write_view
+from kvdiag.report import run_view, write_view
+from kvdiag.report.html import render_html
 from kvdiag.report.terminal import render_terminal
 from kvdiag.runs.sweep.session import is_sweep_folder, rerender_sweep
 

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console, print_summary
-from kvdiag.runs.output import prepare_out_dir
+from kvdiag.cli.common import console, print_outcome
+from kvdiag.runs.outdir import prepare_out_dir
 from kvdiag.runs.repro import launchable, run_scenario
 
 
@@ -42,8 +42,7 @@ def two_engine(
     con.print(f"kvdiag repro two-engine: scenario {name}, output {out_dir}")
     arts = run_scenario(scen, name, text, out_dir, "repro two-engine", con,
                         allocator=allocator.value if allocator else None)
-    print_summary(arts)
-    return arts.exit_code
+    return print_outcome(arts)
 
 
 def register(app: typer.Typer) -> None:

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import typer
 
-from kvdiag.cli.common import console, print_summary, result_console
+from kvdiag.cli.common import console, print_outcome, result_console
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.report.soakview import soak_lines
-from kvdiag.runs.output import prepare_out_dir
+from kvdiag.runs.outdir import prepare_out_dir
 from kvdiag.runs.soak.options import SoakOptions
 from kvdiag.runs.soak.session import SoakRun
-from kvdiag.scenario import load_scenario
+from kvdiag.scenario.loader import load_scenario
 
 
 class AllocatorChoice(str, Enum):
@@ -69,10 +69,9 @@ def soak(
     arts = SoakRun(opts, out_dir, con).run()
     result = result_console()
     if arts.bundle.soak is not None:
-        for line in soak_lines(arts.bundle.soak, arts.bundle.stall_to_verdict_s):
+        for line in soak_lines(arts.bundle.soak):   # the verdict block below says stall → verdict
             result.print(line, highlight=False, markup=False)
-    print_summary(arts, result)
-    return arts.exit_code
+    return print_outcome(arts, con=result)
 
 
 def register(app: typer.Typer) -> None:

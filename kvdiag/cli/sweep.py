@@ -8,10 +8,12 @@ from pathlib import Path
 import typer
 
 from kvdiag import defaults as D
-from kvdiag.model import SweepReport
+from kvdiag.model.sweep import SweepReport
+from kvdiag.report.sweep import render_sweep_text
+from kvdiag.report.sweepview import sweep_view
 from kvdiag.runs.sweep.command import sweep_config
 from kvdiag.runs.sweep.execute import stderr_progress
-from kvdiag.runs.sweep.session import run_sweep, summary_text
+from kvdiag.runs.sweep.session import run_sweep
 
 
 def sweep_cmd(
@@ -55,7 +57,7 @@ def sweep_cmd(
 
 def print_result(report: SweepReport, out_dir: Path) -> int:
     """Verdict and paths on stdout (progress went to stderr)."""
-    typer.echo(summary_text(report))
+    typer.echo(render_sweep_text(sweep_view(report)))
     typer.echo(f"  report.html: {out_dir / 'report.html'}")
     typer.echo(f"  report.json: {out_dir / 'report.json'}")
     if report.interrupted:

@@ -25,13 +25,12 @@ from kvdiag.environment.interpreter import engines_packages, pid_packages
 from kvdiag.environment.ptrace import probe_ptrace
 from kvdiag.kvcached.build import installed_kvcached
 from kvdiag.kvcached.runtime import collect_runtime
-from kvdiag.model import EnvironmentRecord, GpuInfo, InterpreterPackages
+from kvdiag.model.environment import EnvironmentRecord, GpuInfo, InterpreterPackages
 from kvdiag.osread.gpu import read_gpus
 from kvdiag.osread.host import cgroup_limits, memory_total_mb, usable_cpus
 from kvdiag.osread.process import read_environ
 
-__all__ = ["add_engine_packages", "collect_environment", "engine_version", "installed_kvcached",
-           "probe_ptrace"]
+__all__ = ["add_engine_packages", "collect_environment", "engine_version"]
 
 T = TypeVar("T")
 

@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from importlib import metadata
 from pathlib import Path
 
-from kvdiag.model import HostRecord
+from kvdiag.model.environment import HostRecord
 from kvdiag.osread.net import boot_id
-from kvdiag.redact import REDACTED, is_secret_name, redact_text
+from kvdiag.redact.rules import REDACTED, is_secret_name, redact_text
 
 # The distributions a kvcached/vLLM bug report needs, by their PyPI names.
 PACKAGES = ("vllm", "kvcached", "torch", "cuda-python", "flashinfer-python", "sglang", "pystack", "py-spy")

@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING
 
 from kvdiag.environment.host import PACKAGES
 from kvdiag.kvcached.build import build_at, site_kvcached
-from kvdiag.model import InterpreterPackages
+from kvdiag.model.environment import InterpreterPackages
 from kvdiag.osread.child import ChildTimeout, run_bounded
 from kvdiag.osread.maps import mapped_files
 from kvdiag.osread.process import read_cmdline, read_cwd, read_environ, read_exe
 
 if TYPE_CHECKING:
-    from kvdiag.model import InterpreterPackages
+    from kvdiag.model.environment import InterpreterPackages
 
 QUERY_TIMEOUT_S = 5.0
 # Runs in the engine's interpreter: standard library only, any Python >= 3.8.

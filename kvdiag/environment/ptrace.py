@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from kvdiag.model import PtraceAccess
+from kvdiag.model.environment import PtraceAccess
 from kvdiag.osread.files import read_text
 from kvdiag.osread.host import yama_ptrace_scope
 from kvdiag.osread.process import read_environ

@@ -9,7 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable
 
-from kvdiag.model import BannerInfo, BannerRisk
+from kvdiag.model.run import BannerInfo, BannerRisk
 
 BANNER_MARKER = "Init C++ PageAllocator:"
 

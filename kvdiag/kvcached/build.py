@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Literal
 
 from kvdiag.kvcached.defects import BY_KEY, GIL_HOLDING_ALLOC_PAGE, HEADROOM_UNDERFLOW, UNBOUNDED_IPC_READ
-from kvdiag.model import DefectCheck, DefectStatus, KvcachedBuild
+from kvdiag.model.environment import DefectCheck, DefectStatus, KvcachedBuild
 from kvdiag.osread.files import read_text as _read
 
 GIL_DEFECT = GIL_HOLDING_ALLOC_PAGE.key

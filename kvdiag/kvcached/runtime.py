@@ -17,7 +17,7 @@ from __future__ import annotations
 import struct
 from pathlib import Path
 
-from kvdiag.model import IpcSocket, KvcachedRuntime, ShmSegment
+from kvdiag.model.environment import IpcSocket, KvcachedRuntime, ShmSegment
 from kvdiag.osread.fds import fd_links, link_inode
 from kvdiag.osread.maps import read_maps
 from kvdiag.osread.net import unix_table

@@ -11,8 +11,8 @@ import os
 
 from kvdiag.errors import ScenarioError, ToolMissing
 from kvdiag.launch.vllm import expand, find_vllm
-from kvdiag.scenario import Scenario
 from kvdiag.scenario.loader import field_line
+from kvdiag.scenario.models import Scenario
 
 # A model named like a path (not a hub id such as `facebook/opt-125m`): it must exist on this host.
 _PATH_PREFIXES = ("/", "~", "./", "../", "$")

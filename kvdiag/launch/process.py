@@ -17,15 +17,8 @@ from types import TracebackType
 
 from kvdiag import interrupts
 from kvdiag.errors import EngineFailed
-from kvdiag.launch.owned import OwnedFiles, process_trees, run_processes
-from kvdiag.launch.reaper import (
-    RUN_ID_ENV,
-    group_is_ours,
-    kill_groups,
-    leader_start,
-    sweep_shm,
-    vllm_dist_idents,
-)
+from kvdiag.launch.owned import RUN_ID_ENV, OwnedFiles, process_trees, run_processes, sweep_shm, vllm_dist_idents
+from kvdiag.launch.reaper import group_is_ours, kill_groups, leader_start
 from kvdiag.osread.holders import FileId
 from kvdiag.pymodule import module_argv
 

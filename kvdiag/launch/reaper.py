@@ -27,23 +27,12 @@ import tempfile
 import time
 from collections.abc import Mapping
 
-from kvdiag.launch.owned import (
-    RUN_ID_ENV,
-    SHM_DIR,
-    SHM_PREFIXES,
-    VLLM_DIST_PREFIX,
-    OwnedFiles,
-    ShmSweep,
-    run_processes,
-    sweep_shm,
-    vllm_dist_idents,
-)
+from kvdiag.launch.owned import RUN_ID_ENV, OwnedFiles, run_processes, sweep_shm, vllm_dist_idents
 from kvdiag.osread.process import read_environ
 from kvdiag.osread.ptable import alive, group_alive
 from kvdiag.osread.stat import all_pids, all_stats, read_stat
 
-__all__ = ["RUN_ID_ENV", "SHM_DIR", "SHM_PREFIXES", "VLLM_DIST_PREFIX", "ShmSweep", "group_is_ours",
-           "kill_groups", "leader_start", "pids_with_marker", "sweep_shm", "vllm_dist_idents"]
+__all__ = ["group_is_ours", "kill_groups", "leader_start", "pids_with_marker"]
 
 
 def pids_with_marker(run_id: str) -> list[int]:

@@ -37,16 +37,14 @@ import asyncio
 import json
 import time
 from collections import deque
-from collections.abc import Callable
 
 import httpx
 
+from kvdiag.defaults import Clock
 from kvdiag.load.rawhttp import RawConnection, RawHTTPError, RawTimeout, ReadDeadlines, plain_http
 from kvdiag.load.request import LoadConfig, stream_over_httpx, stream_over_raw
 from kvdiag.load.stats import LatencySummary, SampleReservoir, SoakSummary
 from kvdiag.load.stream import RequestRecord, RequestStatus, StreamReader
-
-Clock = Callable[[], float]
 
 
 class LoadGenerator:
@@ -344,4 +342,4 @@ class LoadGenerator:
 
 
 # LoadConfig is the generator's configuration: importable from here, beside the generator it configures.
-__all__ = ["LoadConfig", "LoadGenerator"]
+__all__ = ["LoadGenerator"]

@@ -9,7 +9,7 @@ from rich.live import Live
 from rich.text import Text
 
 from kvdiag.load.loadgen import LoadGenerator
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 
 
 class ProgressView:

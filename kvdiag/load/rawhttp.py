@@ -19,7 +19,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from urllib.parse import urlsplit
 
-Clock = Callable[[], float]
+from kvdiag.defaults import Clock
 
 
 class RawHTTPError(Exception):

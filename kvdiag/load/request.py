@@ -14,12 +14,12 @@ import importlib
 import importlib.util
 import json
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
 
+from kvdiag.defaults import Clock
 from kvdiag.load.rawhttp import RawConnection, RawHTTPError, RawTimeout
 from kvdiag.load.sse import SSEProtocolError
 from kvdiag.load.stream import RequestRecord, RequestStatus, ServerStreamError, StreamReader
@@ -35,8 +35,6 @@ for _mod in ("anyio", "anyio._backends._asyncio", "anyio.streams.tls", "httpcore
 # sys.path again (~0.2 ms). A None entry makes the failing import instant (same ImportError).
 if "sniffio" not in sys.modules and importlib.util.find_spec("sniffio") is None:
     sys.modules["sniffio"] = None  # type: ignore[assignment]
-Clock = Callable[[], float]
-
 DEFAULT_PROMPT = ("You are a GPU memory allocator. Describe, step by step and at length, how a KV cache "
                   "page moves between the free list, the reserved list and a running request.")
 

@@ -1,4 +1,4 @@
-"""Latency samples, percentiles and the soak's summary (→ :class:`kvdiag.model.SoakStats`)."""
+"""Latency samples, percentiles and the soak's summary (→ :class:`kvdiag.model.run.SoakStats`)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvdiag.model import SoakStats
+from kvdiag.model.run import SoakStats
 
 
 def percentile(sorted_values: Sequence[float], q: float) -> float | None:

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from kvdiag.errors import UsageError
 from kvdiag.kvcached.banner import BANNER_MARKER, parse_banner
-from kvdiag.model import BannerInfo, EnginePhase
+from kvdiag.model.kinds import EnginePhase
+from kvdiag.model.run import BannerInfo
 
 # Characters of one log line kept where a line is quoted (events, reports); a banner is about 300.
 MAX_LINE = 2000

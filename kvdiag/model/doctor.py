@@ -35,6 +35,7 @@ class DoctorReport(_Model):
     schema_version: str = SCHEMA_VERSION
     kvdiag_version: str = ""
     scenario: str | None = None
+    logs: list[str] = Field(default_factory=list, description="The logs (--log) whose banners were judged.")
     environment: EnvironmentRecord
     checks: list[DoctorCheck] = Field(default_factory=list)
     risky: bool = False

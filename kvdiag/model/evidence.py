@@ -23,8 +23,11 @@ class Frame(_Model):
     library: str | None = None      # shared object for native frames
     source: str | None = None       # the source line pystack prints under Python frames
     # Lock-typed locals of a Python frame (pystack-locals): name -> address of the threading.Lock/RLock.
-    # Nothing else of a frame's locals is ever kept.
     locks: dict[str, int] = Field(default_factory=dict)
+    # Integer locals that count a loop's steps (``step``, ``seq``, ...: kvdiag.capture.parsers.STEP_LOCALS),
+    # read by py-spy --locals for a rank of a distributed job: name -> value. Nothing else of a frame's
+    # locals is ever kept.
+    counters: dict[str, int] = Field(default_factory=dict)
 
 
 class ToolRun(_Model):

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 from kvdiag.model.kinds import _Model
 
+# Integer locals that count a loop's steps: the step or sequence number a distributed rank is at. Capture keeps
+# only these names, and only integer values, of a rank's locals (Frame.counters); in this order one is
+# preferred when a frame has several.
+STEP_LOCALS = ("step", "global_step", "step_id", "step_idx", "step_num", "iteration", "iter_num", "seq",
+               "seq_num", "seq_no", "batch_idx", "micro_step")
+
 
 class RankIdentity(_Model):
     """A process's rank, read from its environment (torchrun, torch.distributed's env:// init, Ray's and

@@ -24,7 +24,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvdiag.model import GpuInfo
+    from kvdiag.model.environment import GpuInfo
 
 QUERY_TIMEOUT_S = 20.0
 # The child runs this file as a script: standard library only, so it starts fast (no pydantic).
@@ -157,7 +157,7 @@ def read_gpus(timeout_s: float = QUERY_TIMEOUT_S) -> tuple[str | None, str | Non
         data = json.loads(out.strip().splitlines()[-1])
     except (ValueError, IndexError):
         return None, None, [], f"GPU query failed (exit {code}): {err.strip()[-200:]}"
-    from kvdiag.model import GpuInfo
+    from kvdiag.model.environment import GpuInfo
 
     gpus = [GpuInfo.model_validate(g) for g in data.get("gpus", [])]
     return data.get("driver"), data.get("runtime"), gpus, str(data.get("note", ""))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvdiag.model import SharedMapping
+from kvdiag.model.waits import SharedMapping
 from kvdiag.osread.files import PROC, read_text
 from kvdiag.osread.mem import TargetMemory
 

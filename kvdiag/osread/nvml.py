@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from kvdiag.model import GpuReadings
+    from kvdiag.model.gpu import GpuReadings
 
 SAMPLES = 3                 # at least two instants: "busy over the window", not "busy once"
 INTERVAL_S = 0.5
@@ -171,7 +171,7 @@ def sample(count: int = SAMPLES, interval_s: float = INTERVAL_S) -> None:
 
 def parse_lines(text: str, note: str = "") -> GpuReadings:
     """The child's JSON lines as :class:`GpuReadings` (lines cut off by a kill are skipped)."""
-    from kvdiag.model import GpuReadings, GpuSnapshot  # here: this file also runs as a standard-library script
+    from kvdiag.model.gpu import GpuReadings, GpuSnapshot  # here: this file also runs as a standard-library script
 
     snaps: list[GpuSnapshot] = []
     errors: list[str] = []
@@ -208,7 +208,7 @@ class GpuSampler:
 
     def result(self, wait_s: float | None = None) -> GpuReadings:
         """What the child printed, waiting at most ``wait_s`` (default: what is left of its bound)."""
-        from kvdiag.model import GpuReadings
+        from kvdiag.model.gpu import GpuReadings
 
         if self._proc is None:
             return GpuReadings(note=self._error)

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from kvdiag.model import RingGeometry, SharedMapping
+from kvdiag.model.rings import RingGeometry
+from kvdiag.model.waits import SharedMapping
 
 MIB = 1024 * 1024
 # vLLM's MessageQueue sizes: chunks are whole MiB (24 MiB for the EngineCore/worker queues, 16 MiB for the

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping
 
-from kvdiag.model import Bundle, RedactionSummary
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import RedactionSummary
 from kvdiag.redact.rules import Tally, redact_obj
 
 BUNDLE_JSON = "bundle.json"

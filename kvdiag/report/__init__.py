@@ -2,9 +2,8 @@
 terminal summary.
 
 A run's report is built once (:func:`run_view`) into a :class:`ReportView`, and every renderer reads
-that view: they never run tools or analyzers, and never judge or match. What they render was redacted
-where it entered (:mod:`kvdiag.redact`): the bundle when it was written or loaded, the view's inputs
-once, raw files as they are read; every file is written atomically.
+that view: they never run tools or analyzers, never judge or match, and never redact (where redaction
+happens: :mod:`kvdiag.redact`); every file is written atomically.
 """
 
 from __future__ import annotations
@@ -14,18 +13,19 @@ import os
 from collections.abc import Callable
 from pathlib import Path
 
-from kvdiag.bundle import atomic_write_text
-from kvdiag.model import Bundle, Diagnosis, Finding, Report
-from kvdiag.redact import redact_bundle, redact_obj
+from kvdiag.bundle.io import atomic_write_text
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.report import Report
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Diagnosis
+from kvdiag.redact.bundle import redact_bundle
+from kvdiag.redact.rules import redact_obj
 from kvdiag.report.html import render_html
 from kvdiag.report.json import render_json, report_of
 from kvdiag.report.markdown import render_markdown
 from kvdiag.report.view import ReportView, build_view
 
-__all__ = [
-    "ReportView", "build_view", "render_html", "render_json", "render_markdown", "report_of",
-    "run_view", "write_view",
-]
+__all__ = ["run_view", "write_view"]
 
 REPORT_FILES = ("report.json", "report.html", "report.md")
 
@@ -51,8 +51,7 @@ def run_view(bundle: Bundle, diagnosis: Diagnosis, *, out_dir: Path, bundle_dir:
     """The one view of a run's report: built once from ``bundle`` and the diagnosis stored with it, for
     report files written in ``out_dir`` (``bundle_path``: where the page finds the bundle folder;
     default ``bundle_dir`` relative to ``out_dir`` when it exists)."""
-    # The report stage's one redaction: its inputs, once (the bundle is normally redacted already, where
-    # its data entered it; a caller may hand anything). Renderers do not redact again.
+    # (kvdiag.redact says why the report's inputs are redacted here)
     bundle = redact_bundle(bundle)
     diagnosis, command = redact_obj((diagnosis, command))
     if bundle_path is None and bundle_dir is not None and bundle_dir.is_dir():

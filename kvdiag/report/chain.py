@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from kvdiag.model import Verdict
+from kvdiag.model.verdict import Verdict
 
 _KIND_TEXT = {
     "socket_read": "reads a socket from", "pipe_read": "reads a pipe from",

@@ -6,7 +6,8 @@ from rich.console import Console
 from rich.padding import Padding
 from rich.text import Text
 
-from kvdiag.model import DoctorReport, EnvironmentRecord, RiskStatus
+from kvdiag.model.doctor import DoctorReport, RiskStatus
+from kvdiag.model.environment import EnvironmentRecord
 from kvdiag.report.envtext import environment_lines
 
 _STATUS_STYLE = {RiskStatus.RISK: "bold red", RiskStatus.WARN: "yellow", RiskStatus.OK: "green",
@@ -42,7 +43,9 @@ def render_doctor(report: DoctorReport, console: Console) -> None:
         console.print(Text(line, style="bold"))
     if report.scenario:
         console.print(Text(f"scenario: {report.scenario}"))
-    else:
+    if report.logs:
+        console.print(Text(f"log{'s' if len(report.logs) > 1 else ''}: {', '.join(report.logs)}"))
+    if not report.scenario and not report.logs:
         console.print(Text("no scenario given: pass --scenario FILE (or --log LOG) to check a planned setup",
                            style="dim"))
     console.print(Text("environment", style="bold"))
@@ -68,8 +71,10 @@ def render_doctor(report: DoctorReport, console: Console) -> None:
                                style="yellow"))
     risks = [c for c in report.checks if c.status is RiskStatus.RISK]
     if risks:
-        console.print(Text(f"{len(risks)} known risk(s) apply: "
-                           f"{', '.join(sorted({c.check for c in risks}))} (exit {report.exit_code})",
+        # One count per check, with how many subjects it applies to: the count matches the names listed.
+        kinds = sorted({c.check for c in risks})
+        each = [f"{k} ×{n}" if (n := sum(1 for c in risks if c.check == k)) > 1 else k for k in kinds]
+        console.print(Text(f"{len(kinds)} known risk(s) apply: {', '.join(each)} (exit {report.exit_code})",
                            style="bold red"))
     else:
         console.print(Text(f"no known risk applies (exit {report.exit_code})", style="bold green"))

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvdiag.model import EnvironmentRecord, KvcachedBuild
+from kvdiag.model.environment import EnvironmentRecord, KvcachedBuild
 
 
 def _mb(value: int | None) -> str:
@@ -45,7 +45,7 @@ def kvcached_lines(build: KvcachedBuild, whose: str) -> list[str]:
 
 
 def environment_lines(env: EnvironmentRecord) -> list[str]:
-    """One fact per line, redacted already (the record is redacted when collected)."""
+    """One fact per line of the (redacted) record."""
     pkgs = ", ".join(f"{k} {v}" if v else f"{k} —" for k, v in env.packages.items())
     whose = f"kvdiag's Python {env.packages_python}".rstrip() if env.engine_packages else "kvdiag's Python"
     lines = [f"OS: {env.os}, kernel {env.kernel} ({env.machine})", f"Python: {env.python} (kvdiag's)"]

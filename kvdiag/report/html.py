@@ -1,6 +1,6 @@
 """report.html: one self-contained page (no network) rendered with jinja2.
 
-Everything shown comes from the report and the bundle (redacted where their data entered) and
+Everything shown comes from the report and the bundle (redacted: :mod:`kvdiag.redact`) and
 raw files inside the bundle folder. All text goes through jinja2's
 autoescape; the only unescaped insertions are this package's own CSS/JS and
 the report as JSON, escaped for a ``<script type="application/json">`` block.
@@ -24,8 +24,10 @@ from urllib.parse import quote
 import jinja2
 from markupsafe import Markup
 
-from kvdiag.model import Bundle, Report, VerdictKind
-from kvdiag.redact import redact_text
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.report import Report
+from kvdiag.redact.rules import redact_text
 from kvdiag.report.json import report_dict
 from kvdiag.report.view import ReportView, clean_text, page_href
 

@@ -2,8 +2,7 @@
 
 The report is the user-facing contract (schema/report.schema.json, generated from the models by
 :mod:`kvdiag.report.schema`): every other renderer reads it through the view
-(:mod:`kvdiag.report.view`). Its inputs were redacted where they entered (the bundle writer or loader,
-the report stage).
+(:mod:`kvdiag.report.view`). Its inputs come redacted (:mod:`kvdiag.redact`).
 """
 
 from __future__ import annotations
@@ -12,18 +11,11 @@ import json
 from typing import Any
 
 from kvdiag import __version__
-from kvdiag.model import (
-    Bundle,
-    Diagnosis,
-    EngineJudgement,
-    EnginePids,
-    EngineRecord,
-    Finding,
-    Report,
-    ReportBanner,
-    ReportEngine,
-    Verdict,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.judged import EngineJudgement
+from kvdiag.model.report import EnginePids, Report, ReportBanner, ReportEngine
+from kvdiag.model.run import EngineRecord, Finding
+from kvdiag.model.verdict import Diagnosis, Verdict
 from kvdiag.report.view import ReportView
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import re
 
 from kvdiag.logs.lines import MAX_LINE
-from kvdiag.model import ReportEngine
+from kvdiag.model.report import ReportEngine
 from kvdiag.report.envtext import environment_lines
 from kvdiag.report.view import MAX_WAIT_ROWS, EvidenceLines, ReportView, clean_text, wait_word
 

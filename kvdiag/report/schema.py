@@ -16,7 +16,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvdiag.model import SCHEMA_VERSION, Report
+from kvdiag.model.kinds import SCHEMA_VERSION
+from kvdiag.model.report import Report
 
 SCHEMA_FILE = Path(__file__).resolve().parents[2] / "schema" / "report.schema.json"
 

@@ -11,10 +11,15 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from kvdiag.model import Bundle, MetricsSnapshot, Report, SoakStats, TimelineEvent
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.report import Report
+from kvdiag.model.run import MetricsSnapshot, SoakStats, TimelineEvent
 
 PLOT_W, PLOT_H = 370, 140   # three side by side on a laptop's first screen
 _LEFT, _RIGHT, _TOP, _BOTTOM = 52, 12, 12, 24
+# The labels are 11 px sans-serif; a glyph is at most this wide on average (digits and lower case), so a label's
+# box estimated with it holds the rendered text: marks' labels are laid out in rows without overlapping.
+_CHAR_W, _ROW_H, _FIRST_ROW, _ROWS = 6.6, 14, 22, 4
 
 
 @dataclass
@@ -37,7 +42,8 @@ class Mark:
     x: float
     label: str
     cls: str
-    anchor: str = "start"            # where its label sits: right of the line, or left near the right edge
+    anchor: str = "start"            # where its label sits: right of the line ("start") or left of it ("end")
+    y: float = _FIRST_ROW            # the label's baseline: one row per label that would overlap another
 
 
 @dataclass
@@ -139,7 +145,7 @@ def _plot(key: str, title: str, unit: str, series: Sequence[tuple[str, str, Sequ
           t0: float, t1: float, marks: Sequence[tuple[float, str, str]], y_max: float | None = None,
           fmt: str = "{:g}") -> Plot:
     plot = Plot(key=key, title=title, unit=unit)
-    points = [p for _, _, pts in series for p in pts]
+    points = [p for _, _, pts in series for p in pts if t0 <= p[0] <= t1]
     if not points or t1 <= t0:
         plot.empty = "no samples"
         return plot
@@ -153,6 +159,8 @@ def _plot(key: str, title: str, unit: str, series: Sequence[tuple[str, str, Sequ
         return _TOP + h - max(0.0, min(v, top)) / top * h
 
     for label, cls, pts in series:
+        # A point outside the span (an engine's start-up before the load) would be drawn over the axis labels.
+        pts = [(t, v) for t, v in pts if t0 <= t <= t1]
         if pts:
             d = " ".join(f"{'M' if i == 0 else 'L'} {x(t):.1f} {y(v):.1f}" for i, (t, v) in enumerate(pts))
             plot.lines.append(Line(d=d, label=label, cls=cls))
@@ -161,9 +169,26 @@ def _plot(key: str, title: str, unit: str, series: Sequence[tuple[str, str, Sequ
     span = t1 - t0
     step = next((s for s in (1, 2, 5, 10, 15, 30, 60, 120, 300, 600) if span / s <= 6), 1200)
     plot.x_ticks = [(x(t0 + k), f"{k:g} s") for k in range(0, int(span) + 1, step)]
-    plot.marks = [Mark(x=x(t), label=label, cls=cls, anchor="end" if x(t) > PLOT_W * 0.7 else "start")
-                  for t, label, cls in marks if t0 <= t <= t1]
+    plot.marks = _placed([Mark(x=x(t), label=label, cls=cls) for t, label, cls in marks if t0 <= t <= t1])
     return plot
+
+
+def _placed(marks: list[Mark]) -> list[Mark]:
+    """Each mark's label put beside its line where it overlaps no other label: right of the line, else left,
+    in the first row where it fits (the last row when none does), never past the plot's edges."""
+    rows: list[list[tuple[float, float]]] = [[] for _ in range(_ROWS)]
+    lo, hi = _LEFT, PLOT_W - _RIGHT
+    for m in sorted(marks, key=lambda m: m.x):
+        w = len(m.label) * _CHAR_W
+        sides = [("start", m.x + 3, m.x + 3 + w), ("end", m.x - 3 - w, m.x - 3)]
+        sides = [s for s in sides if s[1] >= lo - 3 and s[2] <= hi] or [min(
+            sides, key=lambda s: max(lo - s[1], s[2] - hi))]
+        spot = next(((row, side) for row in range(_ROWS) for side in sides
+                     if all(side[2] + 4 <= a or b + 4 <= side[1] for a, b in rows[row])), (_ROWS - 1, sides[0]))
+        row, (m.anchor, left, right) = spot
+        rows[row].append((left, right))
+        m.y = _FIRST_ROW + _ROW_H * row
+    return marks
 
 
 def _gauge(metrics: Sequence[MetricsSnapshot], attr: str, scale: float = 1.0) -> list[tuple[float, float]]:
@@ -230,8 +255,9 @@ def soak_view(report: Report, bundle: Bundle | None) -> SoakView | None:
     in_flight = [(p.t, float(p.in_flight)) for p in s.series if p.t >= t0]
     plots = [
         _plot("tokens", "tokens per second (client)", "tok/s", [("tokens/s", "ok", rate)], t0, t1, marks),
-        _plot("kv", "KV cache usage (server)", "%", [("KV usage", "info", _gauge(metrics, "kv_cache_usage", 100.0))],
-              t0, t1, marks, y_max=100.0, fmt="{:.0f} %"),
+        _plot("kv", "KV cache usage (server)", "% of pool",
+              [("KV usage", "info", _gauge(metrics, "kv_cache_usage", 100.0))], t0, t1, marks, y_max=100.0,
+              fmt="{:.0f} %"),
         _plot("requests", "requests", "requests",
               [("running (server)", "ok", _gauge(metrics, "running")),
                ("waiting (server)", "warn", _gauge(metrics, "waiting")),
@@ -265,8 +291,9 @@ def watch_view(report: Report, bundle: Bundle | None) -> SoakView | None:
     plots = [
         _plot("tokens", "tokens per second (server)", "tok/s",
               [("tokens/s", "ok", _counter_rate(metrics, "generation_tokens"))], t0, t1, marks),
-        _plot("kv", "KV cache usage (server)", "%", [("KV usage", "info", _gauge(metrics, "kv_cache_usage", 100.0))],
-              t0, t1, marks, y_max=100.0, fmt="{:.0f} %"),
+        _plot("kv", "KV cache usage (server)", "% of pool",
+              [("KV usage", "info", _gauge(metrics, "kv_cache_usage", 100.0))], t0, t1, marks, y_max=100.0,
+              fmt="{:.0f} %"),
         _plot("requests", "requests (server)", "requests",
               [("running", "ok", _gauge(metrics, "running")), ("waiting", "warn", _gauge(metrics, "waiting"))],
               t0, t1, marks),

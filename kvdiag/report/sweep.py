@@ -1,19 +1,13 @@
-"""Render a sweep's report (kvdiag.model.SweepReport): one self-contained HTML file (table and phase
-diagram, no network, every text escaped) and the terminal summary. Renders only what the report holds."""
+"""Render a sweep's report from its view (:class:`~kvdiag.report.sweepview.SweepView`), each renderer
+``(view) -> str``: report.json, one self-contained HTML page (table and phase diagram, no network, every text
+escaped) and the terminal summary. Renders only what the report holds."""
 
 from __future__ import annotations
 
 import html
-import itertools
-from collections.abc import Sequence
+from collections.abc import Callable
 
-from kvdiag.model import Scalar, SweepCell, SweepReport
-from kvdiag.model.scalar import show_scalar
-
-_HANG_COLOURS = {"gil_cycle": "#c62828", "decode_stall": "#ad1457", "lock_order_inversion": "#6a1b9a",
-                 "lost_wakeup": "#4527a0", "blocked_ipc_read": "#d84315", "gil_held_blocked": "#b71c1c"}
-_OUTCOME_COLOURS = {"healthy": "#2e7d32", "crash": "#6d4c41", "inconclusive": "#9e9e9e", "error": "#424242",
-                    "pending": "#eeeeee"}
+from kvdiag.report.sweepview import SweepView, pct, show
 
 _CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,sans-serif;margin:0;color:#222}
@@ -40,133 +34,51 @@ def _e(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def _show(v: Scalar | None) -> str:
-    return "—" if v is None else show_scalar(v)
-
-
-def _pct(p: float) -> str:
-    v = p * 100
-    return f"{v:.0f} %" if v == 0 or v >= 10 else f"{v:.1f} %"
-
-
-def cell_colour(cell: SweepCell) -> str:
-    """Colour by outcome and, for hangs, by the verdict kind seen most."""
-    if cell.outcome in ("hang", "mixed"):
-        kind = max(((k, n) for k, n in cell.kinds.items() if k in _HANG_COLOURS), key=lambda kn: kn[1],
-                   default=("", 0))[0]
-        colour = _HANG_COLOURS.get(kind, "#e53935")
-        if cell.outcome == "mixed":
-            return "#ef6c00"
-        return colour
-    return _OUTCOME_COLOURS.get(cell.outcome, "#9e9e9e")
-
-
-def _cell_label(cell: SweepCell) -> str:
-    if cell.repeat > 1 or len(cell.runs) > 1:
-        return f"{cell.hangs}/{len(cell.runs)}"
-    return {"hang": "hang", "healthy": "ok", "crash": "crash", "error": "err", "inconclusive": "?",
-            "pending": ""}.get(cell.outcome, cell.outcome)
-
-
-def _disagrees(cell: SweepCell) -> list[str]:
-    out: list[str] = []
-    hung = cell.outcome == "hang"
-    if cell.outcome in ("hang", "healthy"):
-        if cell.rule_predicts_hang is not None and cell.rule_predicts_hang != hung:
-            out.append("the rule gets this cell wrong")
-        if cell.banner_predicts_hang is not None and cell.banner_predicts_hang != hung:
-            out.append("the banner's static rule disagrees")
-        if cell.banner_predicts_hang is None and hung:
-            out.append("hung without a banner to judge")
-    return out
-
-
-def _title(cell: SweepCell) -> str:
-    parts = [", ".join(f"{k}={_show(v)}" for k, v in cell.params.items()),
-             f"outcome: {cell.outcome} ({cell.hangs}/{len(cell.runs)} hung)"]
-    if cell.kinds:
-        parts.append("verdicts: " + ", ".join(f"{k}×{n}" for k, n in cell.kinds.items()))
-    if cell.signatures:
-        parts.append("signatures: " + ", ".join(cell.signatures))
-    parts += _disagrees(cell)
-    return "\n".join(parts)
-
-
-def _link(cell: SweepCell) -> str | None:
-    return f"{cell.runs[0].path}/report.html" if cell.runs and cell.runs[0].path else None
-
-
-def _phase_panels(report: SweepReport) -> str:
+def _phase_panels(view: SweepView) -> str:
     """One CSS grid per setting of the axes beyond the first two: x = the last axis, y = the one before."""
-    axes = report.axes
-    if not axes or not report.cells:
+    if not view.panels:
         return "<p>no cells</p>"
-    by_params = {tuple((k, _show(v)) for k, v in c.params.items()): c for c in report.cells}
-    x = axes[-1]
-    y = axes[-2] if len(axes) >= 2 else None
-    rest = axes[:-2] if len(axes) >= 2 else []
-    xs = sorted({c.params.get(x.label) for c in report.cells}, key=_order)
-    ys = sorted({c.params.get(y.label) for c in report.cells}, key=_order) if y else [None]
     out: list[str] = []
-    combos = list(itertools.product(*(a.values for a in rest))) or [()]
-    for combo in combos:
-        fixed = dict(zip([a.label for a in rest], combo, strict=True))
-        title = ", ".join(f"{k}={_show(v)}" for k, v in fixed.items()) or "all cells"
+    for panel in view.panels:
         rows: list[str] = []
-        for yv in reversed(ys):
-            rows.append(f'<div class="ax">{_e(_show(yv)) if y else ""}</div>')
-            for xv in xs:
-                params = dict(fixed)
-                if y is not None:
-                    params[y.label] = yv  # type: ignore[assignment]
-                params[x.label] = xv  # type: ignore[assignment]
-                key = tuple((a.label, _show(params.get(a.label))) for a in axes)
-                cell = by_params.get(key)
+        for y, cells in panel.rows:
+            rows.append(f'<div class="ax">{_e(y)}</div>')
+            for cell in cells:
                 if cell is None:
                     rows.append('<div class="c" style="background:#f5f5f5"></div>')
                     continue
-                off = " off" if _disagrees(cell) else ""
-                link = _link(cell)
-                tag = "a" if link else "div"
-                href = f' href="{_e(link)}"' if link else ""
+                off = " off" if cell.disagrees else ""
+                tag = "a" if cell.link else "div"
+                href = f' href="{_e(cell.link)}"' if cell.link else ""
                 mark = "!" if off else ""
-                rows.append(f'<{tag} class="c{off}"{href} style="background:{cell_colour(cell)}" '
-                            f'title="{_e(_title(cell))}">{_e(_cell_label(cell))}{mark}</{tag}>')
-        rows.append('<div class="ax"></div>' + "".join(f'<div class="ax">{_e(_show(v))}</div>' for v in xs))
-        grid = (f'<div class="grid" style="grid-template-columns:auto repeat({len(xs)},minmax(4.5em,auto))">'
+                rows.append(f'<{tag} class="c{off}"{href} style="background:{cell.colour}" '
+                            f'title="{_e(cell.title)}">{_e(cell.label)}{mark}</{tag}>')
+        rows.append('<div class="ax"></div>' + "".join(f'<div class="ax">{_e(v)}</div>' for v in panel.xs))
+        grid = (f'<div class="grid" style="grid-template-columns:auto repeat({len(panel.xs)},minmax(4.5em,auto))">'
                 + "".join(rows) + "</div>")
-        out.append(f'<div class="panel"><div class="note">{_e(title)}</div>'
-                   f'<div class="note">rows ↑ {_e(y.label if y else "")}</div>{grid}'
-                   f'<div class="note">columns → {_e(x.label)}</div></div>')
+        # A one-axis grid has no rows to name, and a single panel no title ("all cells", "rows ↑" read as noise).
+        head = (f'<div class="note">{_e(panel.title)}</div>' if panel.title else "") + (
+            f'<div class="note">rows ↑ {_e(panel.y_label)}</div>' if panel.y_label else "")
+        out.append(f'<div class="panel">{head}{grid}'
+                   f'<div class="note">columns → {_e(panel.x_label)}</div></div>')
     return "".join(out)
 
 
-def _order(v: Scalar | None) -> tuple[int, float, str]:
-    if isinstance(v, bool):
-        return (0, float(v), "")
-    if isinstance(v, (int, float)):
-        return (1, float(v), "")
-    return (2, 0.0, str(v))
-
-
-def _legend(cells: Sequence[SweepCell]) -> str:
-    seen = {(c.outcome, cell_colour(c), next(iter(c.kinds), "")) for c in cells}
-    items = sorted(seen)
-    spans = "".join(f'<span style="background:{col}">{_e(kind if out == "hang" else out)}</span>'
-                    for out, col, kind in items)
+def _legend(view: SweepView) -> str:
+    spans = "".join(f'<span style="background:{col}">{_e(word)}</span>' for word, col in view.legend)
     return (f'<p class="legend">{spans} <span style="background:#fff;color:#222;outline:3px solid #ffb300">'
             f'! rule or banner disagrees</span></p>')
 
 
-def _table(report: SweepReport) -> str:
-    labels = [a.label for a in report.axes]
+def _table(view: SweepView) -> str:
+    labels = [a.label for a in view.report.axes]
     head = "".join(f"<th>{_e(lbl)}</th>" for lbl in labels)
     head += ("<th>outcome</th><th>hung</th><th>95 % CI</th><th>verdicts</th><th>signature</th>"
              "<th>time to hang (median, max)</th><th>time to healthy (median, max)</th><th>banner</th>"
              "<th>rule</th><th>runs</th>")
     rows: list[str] = []
-    for c in sorted(report.cells, key=lambda c: [_order(c.params.get(lbl)) for lbl in labels]):
-        iv = f"{_pct(c.interval.low)}–{_pct(c.interval.high)}" if c.interval else "—"
+    for c in (cv.cell for cv in view.cells):
+        iv = f"{pct(c.interval.low)}–{pct(c.interval.high)}" if c.interval else "—"
         tth = f"{c.time_to_hang.median:.2f}s, {c.time_to_hang.max:.2f}s" if c.time_to_hang else "—"
         tok = f"{c.time_to_healthy.median:.2f}s, {c.time_to_healthy.max:.2f}s" if c.time_to_healthy else "—"
         banner = {True: "risk", False: "no risk", None: "—"}[c.banner_predicts_hang]
@@ -174,7 +86,7 @@ def _table(report: SweepReport) -> str:
         links = " ".join(f'<a href="{_e(r.path)}/report.html">{r.index + 1}</a>' for r in c.runs if r.path)
         notes = f'<div class="note">{_e("; ".join(c.notes))}</div>' if c.notes else ""
         rows.append(
-            f'<tr class="{_e(c.outcome)}">' + "".join(f"<td>{_e(_show(c.params.get(lbl)))}</td>" for lbl in labels)
+            f'<tr class="{_e(c.outcome)}">' + "".join(f"<td>{_e(show(c.params.get(lbl)))}</td>" for lbl in labels)
             + f'<td class="o">{_e(c.outcome)}{notes}</td><td>{c.hangs}/{len(c.runs)}</td><td>{_e(iv)}</td>'
             f'<td>{_e(", ".join(f"{k}×{n}" for k, n in c.kinds.items()))}</td>'
             f'<td>{_e(", ".join(c.signatures) or "—")}</td><td>{_e(tth)}</td><td>{_e(tok)}</td>'
@@ -182,7 +94,8 @@ def _table(report: SweepReport) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(rows)}</tbody></table>"
 
 
-def render_sweep_html(report: SweepReport) -> str:
+def render_sweep_html(view: SweepView) -> str:
+    report = view.report
     rule = report.rule
     check = report.banner_check
     # The same header bar as every run report: version, command, when, and the exit code first.
@@ -194,8 +107,9 @@ def render_sweep_html(report: SweepReport) -> str:
     parts = [f"<!doctype html><html lang=en><head><meta charset=utf-8>"
              f"<title>kvdiag {_e(report.command)}: {_e(report.scenario)}</title><style>{_CSS}</style></head><body>",
              bar,
-             f"<h1>kvdiag {_e(report.command)} — {_e(report.scenario)}</h1>",
-             f"<p>{_e(report.summary)}</p>"]
+             f"<h1>kvdiag {_e(report.command)} — {_e(report.scenario)}</h1>"]
+    if report.ab is None or report.ab.text != report.summary:   # ab's sentence is its summary: said once
+        parts.append(f"<p>{_e(report.summary)}</p>")
     if report.ab is not None:
         parts.append(f'<p class="rule{"" if report.ab.separated else " bad"}">{_e(report.ab.text)}</p>')
     if rule is not None:
@@ -220,13 +134,13 @@ def render_sweep_html(report: SweepReport) -> str:
                      f'<p class="note">static rule: {_e(check.rule)}</p>')
         if check.disagreements:
             items = "".join(
-                f"<li>{_e(', '.join(f'{k}={_show(v)}' for k, v in d.params.items()))}: observed "
+                f"<li>{_e(', '.join(f'{k}={show(v)}' for k, v in d.params.items()))}: observed "
                 f"{_e(d.observed)}, banner: {_e(d.banner)}{(' — ' + _e(d.reasons[0])) if d.reasons else ''}</li>"
                 for d in check.disagreements)
             parts.append(f"<ul>{items}</ul>")
-    parts.append("<h2>Phase diagram</h2>" + _legend(report.cells) + _phase_panels(report))
-    parts.append("<h2>Cells</h2>" + _table(report))
-    axes = "".join(f"<li><code>{_e(a.field)}</code> = {_e(', '.join(_show(v) for v in a.values))}"
+    parts.append("<h2>Phase diagram</h2>" + _legend(view) + _phase_panels(view))
+    parts.append("<h2>Cells</h2>" + _table(view))
+    axes = "".join(f"<li><code>{_e(a.field)}</code> = {_e(', '.join(show(v) for v in a.values))}"
                    f"{' (bisected)' if a.bisect else ''}</li>" for a in report.axes)
     left = (f"<p class=note>engines left out of every cell (--engines): {_e(', '.join(report.engines_left_out))}</p>"
             if report.engines_left_out else "")
@@ -238,8 +152,9 @@ def render_sweep_html(report: SweepReport) -> str:
     return "".join(parts)
 
 
-def render_sweep_text(report: SweepReport) -> str:
+def render_sweep_text(view: SweepView) -> str:
     """What the terminal shows at the end: the verdict lines (paths are added by the command)."""
+    report = view.report
     lines = [report.summary]
     if report.rule is not None and report.rule.context:
         lines.append(f"  in every cell: {', '.join(report.rule.context)}")
@@ -252,7 +167,17 @@ def render_sweep_text(report: SweepReport) -> str:
         lines.append(f"  banner check: {report.banner_check.text}")
     for c in report.cells:
         if report.repeat > 1 and c.interval is not None and c.runs:
-            values = ", ".join(f"{k}={_show(v)}" for k, v in c.params.items())
-            lines.append(f"  {values}: {c.hangs}/{len(c.runs)} hung (95 % CI {_pct(c.interval.low)}–"
-                         f"{_pct(c.interval.high)}), {', '.join(f'{k}×{n}' for k, n in c.kinds.items())}")
+            values = ", ".join(f"{k}={show(v)}" for k, v in c.params.items())
+            lines.append(f"  {values}: {c.hangs}/{len(c.runs)} hung (95 % CI {pct(c.interval.low)}–"
+                         f"{pct(c.interval.high)}), {', '.join(f'{k}×{n}' for k, n in c.kinds.items())}")
     return "\n".join(lines)
+
+
+def render_sweep_json(view: SweepView) -> str:
+    """report.json: the stored report itself (what ``kvdiag report`` re-renders the page from)."""
+    return view.report.model_dump_json(indent=1) + "\n"
+
+
+# A sweep's report files and their renderers, each ``(view) -> str``.
+SWEEP_RENDERERS: dict[str, Callable[[SweepView], str]] = {"report.json": render_sweep_json,
+                                                          "report.html": render_sweep_html}

@@ -1,4 +1,5 @@
-"""A rich summary for the terminal: verdict first, then evidence, engines and where the files are.
+"""The one terminal rendering of a run's report, for every command: verdict first, then evidence, engines
+and where the files are.
 
 All data is passed to rich as :class:`~rich.text.Text` (never as markup), so
 log text such as ``[bold]`` or ``[link=...]`` prints literally.
@@ -13,11 +14,13 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-from kvdiag.model import VerdictKind
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.report import Report
+from kvdiag.model.verdict import Verdict
 from kvdiag.report.envtext import gpu_lines, package_summary
 from kvdiag.report.view import ReportView, wait_word
 
-KEY_FRAMES = 8
+KEY_FRAMES = 12   # frames shown per cited thread besides the ones the verdict rests on
 _DISPLAY_STYLE = {"ok": "bold green", "warn": "bold yellow", "bad": "bold red", "fail": "bold magenta",
                   "unk": "bold cyan"}
 # One definition per kind (KIND_SPECS in kvdiag.model): its display class picks the style.
@@ -28,35 +31,45 @@ def _kind_style(kind: str) -> str:
     return _KIND_STYLE.get(kind, "bold red")
 
 
+def verdict_head(v: Verdict) -> list[Text]:
+    """The verdict's first two lines (kind, confidence, engine; its summary): what ``kvdiag capture`` says
+    as soon as the evidence is in, and what the full rendering opens with."""
+    head = Text()
+    head.append("verdict: ", style="bold")
+    head.append(v.kind.value, style=_kind_style(v.kind.value))
+    head.append(f"  ({v.confidence.value} confidence)", style="dim")
+    if v.engine:
+        head.append("  engine ", style="dim")
+        head.append(v.engine, style="bold")
+    return [head, Text(v.summary)]
+
+
+def _head(report: Report) -> list[Text]:
+    if report.ab is None:
+        return verdict_head(report.verdict)
+    # An A/B's one outcome is the comparison; the stock side's verdict is its evidence.
+    head = Text()
+    head.append("outcome: ", style="bold")
+    head.append(report.ab.headline(), style="bold green" if report.ab.separated else "bold red")
+    head.append(f"  exit {report.exit_code}", style="dim")
+    return [head, Text(report.verdict.summary)]
+
+
 def render_terminal(view: ReportView, console: Console, paths: Mapping[str, Path] | None = None,
-                    *, files: bool = True) -> None:
+                    *, files: bool = True, said: str | None = None) -> None:
     """Print the verdict, cited threads with their key frames, engines, findings and (``files``) where the
-    report files are."""
+    report files are. ``said``: the head already printed (:func:`verdict_head`), not repeated when the same."""
     report = view.report
     v = report.verdict
     kind = v.kind.value
-    head = Text()
-    if report.ab is not None:
-        # An A/B's one outcome is the comparison; the stock side's verdict is its evidence.
-        style = "bold green" if report.ab.separated else "bold red"
-        head.append(report.ab.headline(), style=style)
-        head.append(f"  exit {report.exit_code}", style="dim")
-    else:
-        style = _kind_style(kind)
-        head.append("verdict: ", style="bold")
-        head.append(kind, style=style)
-        head.append(f"  ({v.confidence.value} confidence)", style="dim")
-        if v.engine:
-            head.append("  engine ", style="dim")
-            head.append(v.engine, style="bold")
-    # Plain lines, not a Panel: callers print with soft_wrap, which would crop text inside a box.
-    console.rule(Text("kvdiag", style="bold"), style=style.split()[-1])
-    console.print(head)
+    head = _head(report)
+    if said is None or said != "\n".join(t.plain for t in head):
+        for line in head:
+            console.print(line)
     if report.simulated_engines:
         console.print(Text(f"simulated engines: {', '.join(report.simulated_engines)} (kvdiag's simulated "
                            "vLLM-shaped engine, not a real vLLM)", style="yellow"))
-    console.print(Text(v.summary))
-    if report.ab is not None and v.evidence:
+    if report.ab is not None:
         console.print(Text(f"the stock side's verdict: {kind} ({v.confidence.value} confidence)", style="bold"))
     if v.confidence_reasons:
         console.print(Text(f"confidence {v.confidence.value}: " + "; ".join(v.confidence_reasons), style="dim"))
@@ -75,11 +88,16 @@ def render_terminal(view: ReportView, console: Console, paths: Mapping[str, Path
         cycle = list(v.cycle)
         if cycle[0] != cycle[-1]:
             cycle.append(cycle[0])
-        console.print(Text("cycle: " + " → ".join(cycle), style="red" if v.kind.is_hang else ""))
+        console.print(Text("wait-for cycle: " + " → ".join(cycle), style="red" if v.kind.is_hang else ""))
 
+    if view.evidence:
+        console.print(Text("evidence (→ the frames the verdict rests on):" if view.has_key_frames else "evidence:",
+                           style="bold"))
     for ev in view.evidence:
         item = ev.item
         title = Text()
+        if item.node:
+            title.append(f"node {item.node} ", style="bold")
         title.append(f"pid {item.pid} tid {item.tid}", style="bold")
         if item.engine:
             title.append(f" [{item.engine}]", style="dim")
@@ -123,6 +141,14 @@ def render_terminal(view: ReportView, console: Console, paths: Mapping[str, Path
                 line = Text(f"  {e.name} last log line: ", style="dim")
                 line.append(e.last_log_line, style="")
                 console.print(line)
+
+    if len(report.verdicts_by_engine) > 1:
+        console.print(Text("per engine:", style="bold"))
+        for name, ev_ in report.verdicts_by_engine.items():
+            line = Text(f"  {name}: ")
+            line.append(ev_.kind.value, style=_kind_style(ev_.kind.value))
+            line.append(f": {ev_.summary}")
+            console.print(line)
 
     waits = [w for w in report.thread_waits if w.purpose.value != "running"]
     if waits:

@@ -2,7 +2,7 @@
 the diagnosis stored them) and the captured stacks with the frames the evidence cites.
 
 Built once per rendering from a bundle and its stored diagnosis. A cited frame is found by its reference
-(:class:`~kvdiag.model.FrameRef`: pid, tid, frame index), never by its text; evidence written before
+(:class:`~kvdiag.model.waits.FrameRef`: pid, tid, frame index), never by its text; evidence written before
 references were kept is shown as it was, with no frame of the stacks highlighted. Nothing here judges.
 """
 
@@ -16,17 +16,11 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 from urllib.parse import quote
 
-from kvdiag.model import (
-    Bundle,
-    EnginePhase,
-    EvidenceItem,
-    Frame,
-    ProcessEvidence,
-    ProcessRole,
-    Report,
-    ThreadEvidence,
-    ThreadWait,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame, ProcessEvidence, ThreadEvidence
+from kvdiag.model.kinds import EnginePhase, ProcessRole
+from kvdiag.model.report import Report
+from kvdiag.model.verdict import EvidenceItem, ThreadWait
 from kvdiag.report.chain import ChainView, chain_view
 from kvdiag.report.soakview import SoakView, soak_view, watch_view
 
@@ -35,7 +29,7 @@ _CONTROL = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
 
 
 MAX_WAIT_ROWS = 40
-_WAIT_WORDS = {"new_work": "new work", "outcome": "an outcome", "running": "(running)", "other": "?"}
+_WAIT_WORDS = {"new_work": "new work", "outcome": "an outcome", "running": "(running)", "other": "other"}
 
 
 def wait_word(w: ThreadWait) -> str:

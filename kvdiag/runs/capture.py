@@ -17,9 +17,14 @@ from kvdiag.capture.bundle import capture_tree
 from kvdiag.capture.orchestrate import make_backends
 from kvdiag.capture.ranks import job_ranks
 from kvdiag.capture.select import Scope, capture_scope, engine_cores_of
+from kvdiag.defaults import Clock
 from kvdiag.environment.host import host_record
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, Diagnosis, Finding, ProcessEvidence, ProcessRole
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import ProcessRole
+from kvdiag.model.run import Finding
+from kvdiag.model.verdict import Diagnosis
 from kvdiag.osread.stat import read_stat
 
 if TYPE_CHECKING:   # the analysis and the reports load beside the capture (see _warm_up), not before it
@@ -29,7 +34,7 @@ if TYPE_CHECKING:   # the analysis and the reports load beside the capture (see 
 def core_decides(evidence: list[ProcessEvidence], findings: list[Finding]) -> str | None:
     """Whether the EngineCore's evidence already names its hang (the rest of the tree then needs no pausing
     tool): the reason, else None. Judged with this host's syscall table, as the finished bundle is."""
-    from kvdiag.analyze import analyze
+    from kvdiag.analyze.overall import analyze
 
     v = analyze(Bundle(host=host_record(), processes=evidence, findings=findings))
     cores = {e.pid for e in evidence if e.role is ProcessRole.ENGINE_CORE}
@@ -106,14 +111,13 @@ def scope_of(target: int, all_descendants: bool = False) -> Scope:
 def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, tools: list[str], command: str,
                 follow: bool = True, record: Callable[[Bundle], None] | None = None,
                 on_verdict: Callable[[Diagnosis], None] | None = None,
-                verdict_t: Callable[[], float] | None = None,
+                verdict_t: Clock | None = None,
                 progress: Callable[[str], None] | None = None) -> RunArtifacts:
     """Capture ``target``'s ``scope`` read-only into ``out_dir/bundle``, analyzed and rendered.
 
     ``record``: what the caller saw, added to the bundle before it is judged (the watch's metrics).
     ``on_verdict``: the diagnosis as soon as the evidence is in, before the environment and the reports.
     ``verdict_t``: the run time of the verdict, for its timeline (the watch's stall-to-verdict)."""
-    known: list[Diagnosis] = []
     kthread = scope.pids == [target] and is_kernel_thread(target)
     # One rank of a distributed job is judged with its group: the job's other ranks on this host come too.
     ranks = [] if kthread else job_ranks(scope.pids)
@@ -122,7 +126,26 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
         progress(f"pid {target} is a kernel thread: capture refused; recording what /proc shows" if kthread else
                  f"capturing pid {target} and its children{also} with {', '.join(tools)} "
                  f"(read-only; the tools stop after --timeout {timeout_s:g} s)")
+    bundle, known = capture_evidence(target, scope.pids, out_dir / "bundle", timeout_s=timeout_s, tools=tools,
+                                     command=command, follow=follow and not kthread, ranks=ranks, record=record,
+                                     on_verdict=on_verdict, progress=progress)
+    from kvdiag.runs.output import finish
 
+    return finish(out_dir, bundle, verdict_t=verdict_t() if verdict_t is not None else None, diagnosis=known)
+
+
+def capture_evidence(target: int, pids: list[int], bundle_dir: Path, *, timeout_s: float, tools: list[str],
+                     command: str, follow: bool = True, ranks: list[int] | None = None,
+                     log_pids: dict[str, int] | None = None, record: Callable[[Bundle], None] | None = None,
+                     on_verdict: Callable[[Diagnosis], None] | None = None,
+                     progress: Callable[[str], None] | None = None) -> tuple[Bundle, Diagnosis | None]:
+    """The capture every run of a running engine shares (capture, watch, soak): ``pids`` of ``target``'s tree
+    (and the job's other ``ranks``) read-only into ``bundle_dir``, the EngineCore first and the rest with every
+    tool only when its evidence does not decide; the bundle (not saved) and the diagnosis of its evidence,
+    made as soon as the evidence was in (None when the capture ended before that).
+
+    ``log_pids``: the engine's processes as its log named them (a launched engine), else found from the tree."""
+    known: list[Diagnosis] = []
     said_paths: set[str] = set()
 
     def say_paths(b: Bundle) -> None:
@@ -133,8 +156,8 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
                 progress(f.message)
 
     def early(partial: Bundle) -> None:
-        from kvdiag.analyze import diagnose
-        from kvdiag.redact import redact_bundle
+        from kvdiag.analyze.diagnosis import diagnose
+        from kvdiag.redact.bundle import redact_bundle
 
         say_paths(partial)
         if record is not None:
@@ -146,25 +169,22 @@ def capture_run(target: int, scope: Scope, out_dir: Path, *, timeout_s: float, t
     # The analysis, the reports and their template load while the /proc window is open and the tools wait on
     # their targets (``beside``): before the capture they would delay the window by a third of a second.
     # Ctrl-C and SIGTERM raise here (kvdiag.interrupts): the capture kills its tools on the way out.
-    bundle = capture_tree(target, out_dir / "bundle", timeout_s=timeout_s, backends=tools, command=command,
-                          pids=scope.pids + ranks, save=False, on_evidence=early,
-                          decides=ranks_decide if ranks else core_decides, focus=scope.pids if ranks else None,
-                          follow=follow and not kthread, beside=_warm_up)
+    bundle = capture_tree(target, bundle_dir, timeout_s=timeout_s, backends=tools, command=command,
+                          pids=pids + (ranks or []), log_pids=log_pids, save=False, on_evidence=early,
+                          decides=ranks_decide if ranks else core_decides, focus=pids if ranks else None,
+                          follow=follow, beside=_warm_up)
     say_paths(bundle)
     if not known and record is not None:
         record(bundle)
-    from kvdiag.runs.output import finish
-
-    return finish(out_dir, bundle, verdict_t=verdict_t() if verdict_t is not None else None,
-                  diagnosis=known[0] if known else None)
+    return bundle, known[0] if known else None
 
 
 def _warm_up() -> None:
     """Import what judges and renders the capture (and compile the report's template) in the background.
     A failure here is raised again where the module is used, with its report."""
     try:
-        import kvdiag.analyze  # noqa: F401
-        import kvdiag.redact  # noqa: F401
+        import kvdiag.analyze.diagnosis  # noqa: F401
+        import kvdiag.redact.bundle  # noqa: F401
         import kvdiag.report.terminal  # noqa: F401
         import kvdiag.runs.output  # noqa: F401
         from kvdiag.report.html import compile_templates

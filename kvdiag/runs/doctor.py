@@ -23,9 +23,11 @@ from kvdiag.kvcached.settings import DEFAULT_PAGE_SIZE_MB, read_settings
 from kvdiag.launch.engines import engine_env, launched_pool
 from kvdiag.launch.interpreters import EngineInterpreter, engine_interpreters
 from kvdiag.logs.lines import read_log_lines
-from kvdiag.model import BannerInfo, DoctorReport, RiskStatus
-from kvdiag.redact import redact_obj
-from kvdiag.scenario import EngineSpec, Scenario, load_scenario
+from kvdiag.model.doctor import DoctorCheck, DoctorReport, RiskStatus
+from kvdiag.model.run import BannerInfo
+from kvdiag.redact.rules import redact_obj
+from kvdiag.scenario.loader import load_scenario
+from kvdiag.scenario.models import EngineSpec, Scenario
 
 
 def _true(value: str | None) -> bool:
@@ -123,13 +125,21 @@ def doctor_report(scenario: str | None, logs: list[Path]) -> DoctorReport:
         plans = engine_plans(scen, dict(os.environ))
         interpreters = engine_interpreters(scen)
     banners: list[BannerInfo] = []
+    bare: list[DoctorCheck] = []
     for log in logs:
-        banners += parse_banners(read_log_lines(log), str(log))
+        found = parse_banners(read_log_lines(log), str(log))
+        banners += found
+        if not found:   # a log that judged nothing must not read as "no known risk" from it
+            bare.append(DoctorCheck(
+                check="prealloc_pool", subject=f"log {log}", status=RiskStatus.UNKNOWN,
+                detail="no `Init C++ PageAllocator` banner in it, so nothing was judged from this log (kvcached "
+                       "prints the banner when an engine allocates its KV cache: pass the engine's own log)"))
     env = collect_environment()
     if interpreters:
         # The kvcached build (and versions) each engine's own interpreter imports, not only kvdiag's.
         add_engine_packages(env, interpreters)
-    checks = doctor_checks(env, plans, banners)
+    checks = doctor_checks(env, plans, banners) + bare
     risky = any(c.status is RiskStatus.RISK for c in checks)
-    return redact_obj(DoctorReport(kvdiag_version=__version__, scenario=scen_name, environment=env, checks=checks,
+    return redact_obj(DoctorReport(kvdiag_version=__version__, scenario=scen_name, logs=[str(p) for p in logs],
+                                   environment=env, checks=checks,
                                    risky=risky, exit_code=ExitCode.DEADLOCK if risky else ExitCode.OK))

@@ -11,12 +11,14 @@ from pathlib import Path
 
 import httpx
 
+from kvdiag.defaults import Clock
 from kvdiag.errors import EngineFailed, UsageError
 from kvdiag.launch.engines import LaunchPlan, plan_engine
 from kvdiag.launch.process import EngineProcess, ProcessSet
 from kvdiag.launch.vllm import expand
 from kvdiag.logs.lines import MAX_LINE, LogState, feed_line, root_error
-from kvdiag.model import EnginePhase, EngineRecord, MetricsSnapshot, TimelineEvent
+from kvdiag.model.kinds import EnginePhase
+from kvdiag.model.run import EngineRecord, MetricsSnapshot, TimelineEvent
 from kvdiag.osread.net import listening_ports
 from kvdiag.osread.ptable import process_tree
 from kvdiag.ports import free_port, port_in_use
@@ -31,8 +33,6 @@ from kvdiag.watch.probe import (
 )
 from kvdiag.watch.serving import RequestLoop
 from kvdiag.watch.stall import Observation, ServingStall, StallDetector
-
-Clock = Callable[[], float]
 
 
 class Outcome(str, Enum):

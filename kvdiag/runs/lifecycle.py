@@ -29,10 +29,10 @@ from kvdiag.launch.interpreters import engine_interpreters
 from kvdiag.launch.owned import remove_unheld
 from kvdiag.launch.process import ProcessSet, private_temp_path
 from kvdiag.launch.reaper import run_device_name
-from kvdiag.model import (
-    Bundle,
-)
-from kvdiag.redact import Tally, copy_redacted, note_file, write_redacted
+from kvdiag.model.bundle import Bundle
+from kvdiag.redact.bundle import note_file
+from kvdiag.redact.files import copy_redacted, write_redacted
+from kvdiag.redact.rules import Tally
 from kvdiag.runs.engines import ScenarioRun
 from kvdiag.runs.output import RunArtifacts, finish
 from kvdiag.scenario.models import Scenario

@@ -7,14 +7,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvdiag.analyze import diagnose
-from kvdiag.analyze.diagnosis import complete
+from kvdiag.analyze.diagnosis import complete, diagnose
 from kvdiag.analyze.soak import judged_soak, stall_to_verdict_s
-from kvdiag.bundle import write_bundle
-from kvdiag.model import Bundle, Diagnosis, TimelineEvent, Verdict
-from kvdiag.redact import redact_bundle
-from kvdiag.report import ReportView, run_view, write_view
-from kvdiag.runs.outdir import default_out_dir, prepare_out_dir
+from kvdiag.bundle.io import write_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.run import TimelineEvent
+from kvdiag.model.verdict import Diagnosis, Verdict
+from kvdiag.redact.bundle import redact_bundle
+from kvdiag.report import run_view, write_view
+from kvdiag.report.view import ReportView
 
 
 @dataclass
@@ -37,7 +38,7 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     capture that said its verdict before the environment record was in: the rules read no
     environment). Renderers read only the diagnosis stored in the bundle.
     """
-    red = redact_bundle(bundle)   # once, on the way in: analysis sees what the bundle keeps
+    red = redact_bundle(bundle)   # kvdiag.redact says why here
     if red.soak is not None:   # the soak's judgement, stored beside the readings it came from
         red.soak = judged_soak(red.soak, red.metrics)
     diag = diagnosis if diagnosis is not None else diagnose(red, runs)
@@ -51,4 +52,4 @@ def finish(out_dir: Path, bundle: Bundle, *, runs: dict[str, Bundle] | None = No
     return RunArtifacts(out_dir, red, diag.verdict, diag.verdicts_by_engine, diag.exit_code, paths, view)
 
 
-__all__ = ["RunArtifacts", "default_out_dir", "finish", "prepare_out_dir"]
+__all__ = ["RunArtifacts", "finish"]

@@ -17,11 +17,14 @@ from kvdiag.capture.bundle import capture_engine
 from kvdiag.errors import UsageError
 from kvdiag.kvcached.runtime import collect_runtime
 from kvdiag.launch.preflight import check_launchable
-from kvdiag.model import Bundle, TimelineEvent
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.run import TimelineEvent
 from kvdiag.runs.engines import EngineWatch, Outcome, RunResult
 from kvdiag.runs.lifecycle import LaunchedRun, RunPlan, RunStages, new_bundle, run_lifecycle
-from kvdiag.runs.output import RunArtifacts, finish, prepare_out_dir
-from kvdiag.scenario import Scenario, load_scenario
+from kvdiag.runs.outdir import prepare_out_dir
+from kvdiag.runs.output import RunArtifacts, finish
+from kvdiag.scenario.loader import load_scenario
+from kvdiag.scenario.models import Scenario
 
 
 def launchable(path: Path | None, switching: str | None = None) -> tuple[Scenario, str, str]:

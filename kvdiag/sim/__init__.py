@@ -1,7 +1,7 @@
 """The simulated engine: a vLLM-shaped server (API server + EngineCore) on kvdiag's page allocators.
 
 Run it with ``python -m kvdiag.sim serve ...`` or ``kvdiag sim serve ...`` (``--help`` lists every
-flag); build its command line from Python with :func:`command`; start/stop it from Python with
+flag); build its command line from Python with :func:`kvdiag.sim.cmdline.command`; start/stop it from Python with
 :class:`kvdiag.sim.harness.SimProcess`.
 
 Behaviours and the options that produce them (all real: the processes really hang or die):
@@ -22,9 +22,3 @@ Behaviours and the options that produce them (all real: the processes really han
 
 Kept import-light: the EngineCore spawn child imports this package, and it must not pay for uvicorn.
 """
-
-from __future__ import annotations
-
-from kvdiag.sim.cmdline import command
-
-__all__ = ["command"]

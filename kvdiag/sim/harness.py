@@ -21,7 +21,7 @@ from kvdiag.osread.process import read_comm
 from kvdiag.ports import free_port
 from kvdiag.sim.cmdline import command
 
-__all__ = ["SimProcess", "children"]
+__all__ = ["SimProcess"]
 
 
 class SimProcess:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 
 # Sample name -> field of ServerMetrics; label sets (engines, finish reasons) are summed.
 _FIELDS = {

@@ -14,15 +14,13 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 
-from kvdiag.model import MetricsSnapshot
+from kvdiag.defaults import Clock
+from kvdiag.model.run import MetricsSnapshot
 from kvdiag.watch.metrics import parse_metrics
-
-Clock = Callable[[], float]
 
 
 @dataclass(eq=False)

@@ -6,7 +6,7 @@ import time
 
 import httpx
 
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 from kvdiag.osread.stat import read_stat
 from kvdiag.osread.tasks import list_tids
 from kvdiag.watch.metrics import parse_metrics

@@ -6,13 +6,12 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
+from kvdiag.defaults import Clock
 from kvdiag.osread.host import cpu_times
 from kvdiag.osread.stat import read_stat
-
-Clock = Callable[[], float]
 
 
 def _ticks(pids: Iterable[int]) -> dict[int, int]:

@@ -9,10 +9,9 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
-Clock = Callable[[], float]
+from kvdiag.defaults import Clock
 
 
 @dataclass(frozen=True)

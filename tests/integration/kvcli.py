@@ -36,7 +36,7 @@ def read_report(out: Path) -> dict[str, object]:
 
 
 def assert_one_raw_layout(bundle_dir: Path) -> int:
-    """Every raw tool output of the bundle sits at ``raw/<pid>/`` (kvdiag.bundle.raw_dir, the one layout
+    """Every raw tool output of the bundle sits at ``raw/<pid>/`` (kvdiag.bundle.io.raw_dir, the one layout
     of capture, repro, ab and soak) and exists; returns how many there are."""
     data = json.loads((bundle_dir / "bundle.json").read_text())
     n = 0

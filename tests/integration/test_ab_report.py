@@ -13,7 +13,8 @@ from urllib.parse import unquote
 import pytest
 from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 
-from kvdiag.model import ABComparison, Report
+from kvdiag.model.report import Report
+from kvdiag.model.verdict import ABComparison
 from kvdiag.report.view import ab_view
 
 pytestmark = pytest.mark.timeout(400)
@@ -159,7 +160,7 @@ def test_one_outcome_everywhere_analyze_report_json_and_pages(ab_run: Path) -> N
     # The A/B's outcome (and ab's exit code), never the stock side's gil_cycle as the run's verdict.
     analyzed = run_kvdiag("analyze", str(ab_run), timeout=120)
     assert analyzed.returncode == 0, analyzed.stderr
-    assert analyzed.stdout.splitlines()[0] == "outcome: A/B separated (stock: gil_cycle, fixed: healthy)"
+    assert analyzed.stdout.splitlines()[0] == "outcome: A/B separated (stock: gil_cycle, fixed: healthy)  exit 0"
     rendered = run_kvdiag("report", str(ab_run), timeout=120)
     assert rendered.returncode == 0, rendered.stderr
     assert "A/B separated (stock: gil_cycle, fixed: healthy)  exit 0" in rendered.stdout

@@ -24,10 +24,10 @@ from pathlib import Path
 import pytest
 
 from kvdiag.agent.protocol import ENABLE_ENV
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.capture.agent import Armed, armed, parse_dump, request_dump
 from kvdiag.capture.bundle import capture_tree
-from kvdiag.model import GilState, VerdictKind
+from kvdiag.model.kinds import GilState, VerdictKind
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 sys.path.insert(0, str(FIXTURES / "hangers"))

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.model import VerdictKind
+from kvdiag.model.kinds import VerdictKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures" / "blind"))
 sys.path.insert(0, str(Path(__file__).resolve().parent))

@@ -12,7 +12,8 @@ import pytest
 from kvcli import ROOT
 
 from kvdiag.capture.bundle import capture_tree
-from kvdiag.model import Bundle, ProcessEvidence
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
 sys.path.insert(0, str(HANGERS))

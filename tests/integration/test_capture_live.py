@@ -17,12 +17,14 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze
-from kvdiag.bundle import raw_root
-from kvdiag.capture import CAPTURE_SLACK_S, capture_processes, find_engine_processes
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import raw_root
+from kvdiag.capture.discover import find_engine_processes
+from kvdiag.capture.orchestrate import CAPTURE_SLACK_S, capture_processes
 from kvdiag.capture.tools import PystackBackend
 from kvdiag.cli.main import main as kvdiag_main
-from kvdiag.model import Bundle, ProcessRole, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import ProcessRole, VerdictKind
 from kvdiag.osread.ptable import process_tree
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
@@ -76,7 +78,7 @@ def test_capture_gil_cycle_tree_is_read_only_and_finds_the_cycle(gil_tree: hk.Ha
     assert all(run.ok for _, run in ran), [r.error for _, r in ran]
     assert all(run.raw_path and not os.path.isabs(run.raw_path) and (tmp_path / run.raw_path).is_file()
                for _, run in ran)
-    # the bundle's one raw layout (kvdiag.bundle.raw_dir): raw/<pid>/<tool>.txt
+    # the bundle's one raw layout (kvdiag.bundle.io.raw_dir): raw/<pid>/<tool>.txt
     assert all(Path(run.raw_path or "").parts[:2] == ("raw", str(ev.pid)) for ev, run in ran)
     for ev in evidence:
         tools = {run.tool: run for run in ev.tools}

@@ -20,10 +20,10 @@ from types import FrameType
 
 import pytest
 
-from kvdiag.capture import capture_processes
 from kvdiag.capture.base import BackendResult, failed_run, run_tool
+from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.capture.tools import GdbBackend
-from kvdiag.model import ToolRun
+from kvdiag.model.evidence import ToolRun
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ATTACHER = FIXTURES / "tools" / "hung_attacher.py"

@@ -13,7 +13,8 @@ import pytest
 from kvdiag.analyze.doctor import EnginePlan, colocation_checks, headroom_checks
 from kvdiag.environment import collect_environment
 from kvdiag.kvcached.build import fingerprint_tree
-from kvdiag.model import GpuInfo, RiskStatus
+from kvdiag.model.doctor import RiskStatus
+from kvdiag.model.environment import GpuInfo
 
 ROOT = Path(__file__).resolve().parents[2]
 FIXTURES = ROOT / "tests" / "fixtures"

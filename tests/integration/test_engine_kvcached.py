@@ -16,9 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.environment import installed_kvcached
 from kvdiag.environment import interpreter as interp
 from kvdiag.environment.interpreter import engines_packages, packages_of, pid_packages
+from kvdiag.kvcached.build import installed_kvcached
 
 ROOT = Path(__file__).resolve().parents[2]
 PREFIX = ROOT / "tests" / "fixtures" / "kvcached_prefix"

@@ -13,10 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import exit_code_for
-from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.analyze.diagnosis import diagnose, exit_code_for
 from kvdiag.capture.bundle import capture_tree
-from kvdiag.model import WaitPurpose
+from kvdiag.model.verdict import WaitPurpose
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
 sys.path.insert(0, str(HANGERS))

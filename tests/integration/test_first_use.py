@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 from kvcli import ROOT, read_report, run_kvdiag
 
-from kvdiag.model import ToolRun
-from kvdiag.scenario import load_scenario
+from kvdiag.model.evidence import ToolRun
+from kvdiag.scenario.loader import load_scenario
 
 pytestmark = pytest.mark.timeout(120)
 

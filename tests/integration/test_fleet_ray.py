@@ -88,6 +88,22 @@ def test_python_abba_inside_a_ray_worker_is_a_lock_order_inversion(cluster: Clus
     assert "waited on across nodes" in v["summary"]
 
 
+def test_one_hang_signs_the_same_however_it_was_selected(cluster: ClusterHost, tmp_path: Path) -> None:
+    """The signature depends on the hang, not on how it was captured: the caller and the hung actor (default
+    selection) and the hung actor alone (``--select actors --actor NAME``) sign alike; another hang of the
+    same kind (the Python ABBA) signs differently."""
+    b = cluster.actor("native-b")
+    _, pair, _ = _capture(cluster, tmp_path / "pair", "--actor", "native-*")
+    _, alone, alone_bundle = _capture(cluster, tmp_path / "alone", "--select", "actors", "--actor", "native-b")
+    _, other, _ = _capture(cluster, tmp_path / "other", "--select", "actors", "--actor", "pyabba-b")
+    p, a, o = pair["verdict"], alone["verdict"], other["verdict"]
+    assert {p["kind"], a["kind"], o["kind"]} == {"lock_order_inversion"}, (p["summary"], a["summary"], o["summary"])
+    assert {pr["pid"] for pr in alone_bundle["processes"]} == {b["pid"]}   # the waiter really was left out
+    assert p["signature"] and p["signature"] == a["signature"], (p["signature"], a["signature"])
+    assert o["signature"] and o["signature"] != p["signature"]
+    assert str(b["pid"]) not in p["signature"]
+
+
 def test_healthy_pair_is_healthy(cluster: ClusterHost, tmp_path: Path) -> None:
     code, out, bundle = _capture(cluster, tmp_path / "o", "--actor", "healthy-*")
     assert code == 0 and out["verdict"]["kind"] == "healthy", out["verdict"]["summary"]

@@ -16,9 +16,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze, exit_code_for
+from kvdiag.analyze.diagnosis import exit_code_for
+from kvdiag.analyze.overall import analyze
 from kvdiag.capture.bundle import capture_tree
-from kvdiag.model import Bundle, Verdict, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.verdict import Verdict
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
 sys.path.insert(0, str(HANGERS))

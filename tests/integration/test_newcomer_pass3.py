@@ -50,6 +50,27 @@ def test_banner_off_is_no_risk(tmp_path: Path) -> None:
     assert rows and rows[0]["status"] == "ok", rows
 
 
+def test_doctor_says_what_its_logs_judged(tmp_path: Path) -> None:
+    """`doctor --log` was told "no scenario given: pass --scenario FILE (or --log LOG)", and a log without a
+    banner read "no known risk applies" as if it had been judged; the closing count named three checks
+    for four risks."""
+    bare, engine = tmp_path / "bare.log", tmp_path / "engine.log"
+    bare.write_text("INFO server started\n")
+    engine.write_text(SOAK_BANNER + "\n")
+    doctor = run_kvdiag("doctor", "--log", str(bare), "--log", str(engine))
+    assert doctor.returncode == 10, doctor.stdout[-2000:] + doctor.stderr
+    text = " ".join(doctor.stdout.split())    # the terminal's wrapping undone
+    assert "no scenario given" not in text and f"logs: {bare}, {engine}" in text
+    assert f"unknown prealloc_pool log {bare}" in text and "no `Init C++ PageAllocator` banner" in text
+    assert doctor.stdout.strip().splitlines()[-1] == "1 known risk(s) apply: prealloc_pool (exit 10)"
+    plan = run_kvdiag("doctor", "--scenario", "two-engine")
+    last = plan.stdout.strip().splitlines()[-1]
+    risks = sum(1 for ln in plan.stdout.splitlines() if ln.startswith("risk "))
+    named = last.split(": ", 1)[1].rsplit(" (exit", 1)[0].split(", ")
+    assert risks == sum(int(n.split(" ×")[1]) if " ×" in n else 1 for n in named), plan.stdout
+    assert last.startswith(f"{len(named)} known risk(s) apply: "), last
+
+
 def _umask_run(args: list[str], umask: int) -> subprocess.CompletedProcess[str]:
     code = (f"import os, runpy, sys; os.umask({umask:#o}); sys.argv = ['kvdiag', *{args!r}]; "
             "runpy.run_module('kvdiag', run_name='__main__')")
@@ -223,3 +244,24 @@ def test_a_healthy_two_engine_repro_names_both_engines(tmp_path: Path) -> None:
     assert isinstance(verdict, dict) and verdict["engine"] is None
     summary = verdict["summary"]
     assert summary.startswith("all 2 engines healthy") and "coder" in summary and "vlm" in summary, summary
+
+
+def test_a_gil_cycle_is_never_said_to_have_no_stuck_wait(tmp_path: Path) -> None:
+    """The first command of the README names a GIL cycle and printed "waits: 0 outcome-wait(s) stuck": the
+    main thread's wait on alloc_page was judged completable by another thread, the one the cycle blocks. The
+    cycle's cited thread, seen not to advance, is stuck in report.json and the report's thread table."""
+    with hk.running("gil_cycle", build_dir=tmp_path / "build", title="VLLM::EngineCore", bound_s=90) as h:
+        done = run_kvdiag("capture", "--pid", str(h.pid), "--out", str(tmp_path / "c"), timeout=120)
+    assert done.returncode == 10, done.stdout[-2000:] + done.stderr[-2000:]
+    report = read_report(tmp_path / "c")
+    verdict = report["verdict"]
+    assert isinstance(verdict, dict) and verdict["kind"] == "gil_cycle", verdict
+    cited = {(e["pid"], e["tid"]) for e in verdict["evidence"]}
+    waits = report["thread_waits"]
+    assert isinstance(waits, list)
+    holder = [w for w in waits if (w["pid"], w["tid"]) in cited and w["purpose"] == "outcome"]
+    assert holder and all(w["advanced"] is False and w["stuck"] for w in holder), waits
+    md = (tmp_path / "c" / "report.md").read_text()
+    assert f"| {holder[0]['pid']} | {holder[0]['tid']} | MainThread | an outcome, stuck |" in md, md
+    # a plain capture's process group is named after its pid: no "engine pid-N" in the sentence
+    assert "(the EngineCore)" in verdict["summary"] and "of engine pid-" not in verdict["summary"], verdict["summary"]

@@ -82,8 +82,9 @@ def test_mismatched_collectives_from_either_rank(tmp_path: Path) -> None:
             code, result, bundle = capture(pid, tmp_path / f"cap{n}")
             kind, summary = _summary(result)
             assert (code, kind) == (10, "collective_mismatch"), summary
-            assert "rank 0 waits in all_reduce at gloo_job.py" in summary
-            assert "rank 1 is in broadcast at gloo_job.py" in summary and "mismatched_broadcast" in summary
+            # each rank's step, read from its frames' `step` local (py-spy --locals, nothing else kept)
+            assert "rank 0 waits in all_reduce (step 1) at gloo_job.py" in summary
+            assert "rank 1 is in broadcast (step 1) at gloo_job.py" in summary and "mismatched_broadcast" in summary
             assert _ranks(bundle) == {0: pids[0], 1: pids[1]}
 
 
@@ -92,7 +93,7 @@ def test_four_ranks_one_stuck_on_a_lock(tmp_path: Path) -> None:
         code, result, bundle = capture(pids[3], tmp_path / "cap")
     kind, summary = _summary(result)
     assert (code, kind) == (10, "collective_mismatch"), summary
-    assert summary.startswith("ranks 0,1,3 wait in all_reduce at gloo_job.py")
+    assert summary.startswith("ranks 0,1,3 wait in all_reduce (step 1) at gloo_job.py")
     assert "rank 2 never arrived: it is blocked on a lock" in summary and "stuck_on_lock" in summary
     assert _ranks(bundle) == dict(enumerate(pids))
 

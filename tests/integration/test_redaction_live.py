@@ -28,7 +28,7 @@ from kvcli import assert_one_raw_layout, read_report, run_kvdiag
 from kvdiag.allocator import remove_device_files
 from kvdiag.launch.engines import sim_argv
 from kvdiag.ports import free_port
-from kvdiag.redact import REDACTED
+from kvdiag.redact.rules import REDACTED
 from kvdiag.scenario.models import EngineSpec, SimParams
 
 pytestmark = pytest.mark.timeout(400)

@@ -23,25 +23,11 @@ from pathlib import Path
 import pytest
 
 from kvdiag.analyze.engines import diagnosis_of
-from kvdiag.model import (
-    ABComparison,
-    BannerInfo,
-    Bundle,
-    Confidence,
-    EnginePhase,
-    EngineRecord,
-    EvidenceItem,
-    Finding,
-    Frame,
-    GilState,
-    ProcessEvidence,
-    ProcessRole,
-    ThreadEvidence,
-    TimelineEvent,
-    ToolRun,
-    Verdict,
-    VerdictKind,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame, ProcessEvidence, ThreadEvidence, ToolRun
+from kvdiag.model.kinds import Confidence, EnginePhase, GilState, ProcessRole, VerdictKind
+from kvdiag.model.run import BannerInfo, EngineRecord, Finding, TimelineEvent
+from kvdiag.model.verdict import ABComparison, EvidenceItem, Verdict
 from kvdiag.report import run_view, write_view
 
 MARK = "KVDIAG-PWNED"

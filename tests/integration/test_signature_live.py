@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.capture.bundle import capture_tree
-from kvdiag.model import VerdictKind
+from kvdiag.model.kinds import VerdictKind
 
 HANGERS = Path(__file__).resolve().parents[1] / "fixtures" / "hangers"
 sys.path.insert(0, str(HANGERS))

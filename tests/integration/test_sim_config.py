@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvdiag.pymodule import module_argv
-from kvdiag.sim import command
+from kvdiag.sim.cmdline import command
 from kvdiag.sim.config import PRESETS, SimConfig, parse_args
 
 _KVCACHED_ENV = ("KVCACHED_PAGE_PREALLOC_ENABLED", "KVCACHED_GPU_UTILIZATION", "KVCACHED_PAGE_SIZE_MB",

@@ -22,8 +22,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvdiag.allocator import remove_device_files
+from kvdiag.osread.children import children
 from kvdiag.osread.ptable import alive as process_alive
-from kvdiag.sim.harness import SimProcess, children
+from kvdiag.sim.harness import SimProcess
 
 pytestmark = pytest.mark.timeout(120)
 

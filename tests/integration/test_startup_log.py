@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.capture.bundle import capture_tree
-from kvdiag.model import Confidence, VerdictKind
+from kvdiag.model.kinds import Confidence, VerdictKind
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "fixtures" / "hangers"))
 import hanger_kit as hk  # noqa: E402

@@ -6,8 +6,12 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvdiag.analyze.engines import diagnosis_of
-from kvdiag.model import ABComparison, Bundle, Report, Verdict
-from kvdiag.report import ReportView, build_view, report_of, run_view, write_view
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.report import Report
+from kvdiag.model.verdict import ABComparison, Verdict
+from kvdiag.report import run_view, write_view
+from kvdiag.report.json import report_of
+from kvdiag.report.view import ReportView, build_view
 
 
 def build_report(bundle: Bundle, verdict: Verdict, *, command: str, exit_code: int,

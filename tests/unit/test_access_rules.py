@@ -9,24 +9,16 @@ import sys
 
 import pytest
 
-from kvdiag.analyze import analyze, exit_code_for
 from kvdiag.analyze.access import evidence_outcome, process_outcome
+from kvdiag.analyze.diagnosis import exit_code_for
+from kvdiag.analyze.overall import analyze
 from kvdiag.capture.access import _explain, check_target, host_ptrace_facts, is_kernel_thread
-from kvdiag.model import (
-    NO_EVIDENCE_KINDS,
-    Bundle,
-    EnginePhase,
-    EngineRecord,
-    Finding,
-    ProcessEvidence,
-    PtraceAccess,
-    TargetAccess,
-    ThreadEvidence,
-    ThreadState,
-    ToolRun,
-    Verdict,
-    VerdictKind,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.environment import PtraceAccess
+from kvdiag.model.evidence import ProcessEvidence, TargetAccess, ThreadEvidence, ToolRun
+from kvdiag.model.kinds import NO_EVIDENCE_KINDS, EnginePhase, ThreadState, VerdictKind
+from kvdiag.model.run import EngineRecord, Finding
+from kvdiag.model.verdict import Verdict
 
 REFUSED = TargetAccess(uid=0, our_uid=1000, ptrace_ok=False,
                        refused=["open /proc/42/mem (...): Permission denied",

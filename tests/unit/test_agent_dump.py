@@ -6,7 +6,8 @@ from __future__ import annotations
 from kvdiag.agent.protocol import AGENT_FIX, ArmedRecord, starttime_of
 from kvdiag.analyze.access import evidence_outcome, process_outcome
 from kvdiag.capture.agent import AgentThread, _gil, _interleave, choose_path, dump_threads, parse_dump
-from kvdiag.model import Frame, GilState, ProcessEvidence, TargetAccess, ThreadEvidence, ToolRun, VerdictKind
+from kvdiag.model.evidence import Frame, ProcessEvidence, TargetAccess, ThreadEvidence, ToolRun
+from kvdiag.model.kinds import GilState, VerdictKind
 
 DUMP = """kvdiag-agent 1
 pid 100

@@ -14,7 +14,8 @@ from collections.abc import Iterator, Sequence
 import pytest
 
 from kvdiag import _native as native  # built by the package: a missing build fails, never skips
-from kvdiag.allocator import PageAllocator, kvcached_env_kwargs, make_allocator
+from kvdiag.allocator import kvcached_env_kwargs, make_allocator
+from kvdiag.allocator.protocol import PageAllocator
 from kvdiag.errors import AllocatorError
 
 MB = 1024 * 1024

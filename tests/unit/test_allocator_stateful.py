@@ -13,7 +13,8 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from kvdiag.allocator import PageAllocator, make_allocator
+from kvdiag.allocator import make_allocator
+from kvdiag.allocator.protocol import PageAllocator
 
 PAGE = 64 * 1024
 LAYERS = 2

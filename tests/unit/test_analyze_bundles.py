@@ -11,20 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze, analyze_by_engine, classify_process, exit_code_for
-from kvdiag.analyze.classify import WaitKind
-from kvdiag.bundle import load_bundle
+from kvdiag.analyze.classify import WaitKind, classify_process
+from kvdiag.analyze.diagnosis import exit_code_for
+from kvdiag.analyze.overall import analyze, analyze_by_engine
+from kvdiag.bundle.io import load_bundle
 from kvdiag.kvcached.banner import parse_banner
-from kvdiag.model import (
-    Bundle,
-    Confidence,
-    EnginePhase,
-    EngineRecord,
-    GilState,
-    MetricsSnapshot,
-    ProcessRole,
-    VerdictKind,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import Confidence, EnginePhase, GilState, ProcessRole, VerdictKind
+from kvdiag.model.run import EngineRecord, MetricsSnapshot
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 sys.path.insert(0, str(FIXTURES))

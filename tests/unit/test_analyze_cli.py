@@ -22,7 +22,7 @@ def run(*argv: str) -> tuple[int, str]:
 def test_analyze_gil_cycle_bundle_exits_10() -> None:
     code, out = run("analyze", str(BUNDLES / "gil_cycle"))
     assert code == 10
-    assert out.startswith("verdict: gil_cycle (confidence high)")
+    assert out.startswith("verdict: gil_cycle  (high confidence)")
     assert "alloc_page" in out and "map_pages" in out and "wait-for cycle:" in out
 
 

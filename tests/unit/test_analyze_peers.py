@@ -13,18 +13,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.analyze import analyze, analyze_by_engine, analyze_process, exit_code_for
-from kvdiag.bundle import load_bundle
-from kvdiag.model import (
-    Bundle,
-    EnginePhase,
-    EngineRecord,
-    FdInfo,
-    ProcessEvidence,
-    ProcessRole,
-    ThreadState,
-    VerdictKind,
-)
+from kvdiag.analyze.diagnosis import exit_code_for
+from kvdiag.analyze.overall import analyze, analyze_by_engine
+from kvdiag.analyze.process import analyze_process
+from kvdiag.bundle.io import load_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import FdInfo, ProcessEvidence
+from kvdiag.model.kinds import EnginePhase, ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.run import EngineRecord
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 
@@ -209,7 +205,7 @@ def test_idle_vllm_tree_with_fd_peers_is_healthy() -> None:
 def test_vllm_engine_liveness_monitor_is_idle_by_design() -> None:
     """The API server's MPClientEngineMonitor waits, with no timeout, on the EngineCore's process
     sentinel (a pipe) for it to die: that wait is the engine's health, not a read."""
-    from kvdiag.analyze import classify_process
+    from kvdiag.analyze.classify import classify_process
 
     bundle, api, core, _ = _idle_vllm_engine()
     monitor = api.threads[-1].model_copy(deep=True)

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.analyze import analyze, classify_process
-from kvdiag.analyze.classify import WaitKind
+from kvdiag.analyze.classify import WaitKind, classify_process
+from kvdiag.analyze.overall import analyze
 from kvdiag.analyze.vocab import is_system_frame, norm
 from kvdiag.analyze.waitgraph import WaitGraph
-from kvdiag.bundle import load_bundle
-from kvdiag.model import Bundle, Confidence, Frame, GilState, VerdictKind
+from kvdiag.bundle.io import load_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame
+from kvdiag.model.kinds import Confidence, GilState, VerdictKind
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 

@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.analyze import analyze
-from kvdiag.bundle import load_bundle
-from kvdiag.model import Bundle, VerdictKind
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import load_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "blind"
 

@@ -14,7 +14,8 @@ from kvdiag.capture.base import BackendResult
 from kvdiag.capture.discover import _log_role, classify_title, log_prefix_pids
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.parsers import parse_gdb, parse_gdb_frame, parse_pyspy, parse_pystack
-from kvdiag.model import GilState, ProcessRole, ThreadEvidence, ToolRun
+from kvdiag.model.evidence import ThreadEvidence, ToolRun
+from kvdiag.model.kinds import GilState, ProcessRole
 from kvdiag.osread.elfsym import elf_symbol
 from kvdiag.osread.syscall import futex_wait_of, parse_syscall
 from kvdiag.osread.tasks import parse_kernel_stack
@@ -218,3 +219,26 @@ def test_pystack_locals_keep_only_lock_objects() -> None:
     a, b = frames
     assert a.locks["first"] == b.locks["second"] and a.locks["second"] == b.locks["first"]
     assert all(not f.locks for t in threads for f in t.frames if f.name != "t1")
+
+
+def test_pyspy_locals_keep_only_integer_step_counters() -> None:
+    """Real `py-spy dump --nonblocking --locals` output of a gloo rank parked in broadcast
+    (tests/fixtures/raw/pyspy_locals_rank.txt): only the integer step counters survive, on their frames;
+    every other local (tensors, modules, kwargs, a rank argument) and the Arguments/Locals headers go."""
+    from kvdiag.capture.parsers import keep_step_locals
+
+    text = (Path(__file__).resolve().parents[1] / "fixtures" / "raw" / "pyspy_locals_rank.txt").read_text()
+    assert "<Tensor at" in text and "kwargs:" in text and "rank: 1" in text
+    kept = keep_step_locals(text)
+    for gone in ("<Tensor at", "kwargs", "rank:", "src:", "Arguments:", "Locals:", "odd:", "<module at"):
+        assert gone not in kept, gone
+    threads, version = parse_pyspy(kept)
+    assert version == "3.11.7" and len(threads) == 1
+    frames = threads[0].frames
+    assert [f.name for f in frames][:3] == ["broadcast", "_exception_logger.<locals>.wrapper", "mismatched_broadcast"]
+    assert all(f.kind == "python" for f in frames)
+    counted = {f.name: f.counters for f in frames if f.counters}
+    assert counted == {"mismatched_broadcast": {"step": 1}, "_rank_main": {"step": 1}}
+    # The same parser reads py-spy without --locals as before: no counters.
+    plain, _ = parse_pyspy("\n".join(ln for ln in kept.splitlines() if ": " not in ln or "Thread" in ln))
+    assert plain[0].frames == [f.model_copy(update={"counters": {}}) for f in frames]

@@ -12,7 +12,7 @@ from kvdiag.capture.job import ProcessJob
 from kvdiag.capture.orchestrate import _minor, _raised, _window_pyspy, make_backends
 from kvdiag.capture.slots import ToolSlots
 from kvdiag.capture.tools import GdbBackend, PyspyBackend, PystackBackend
-from kvdiag.model import Frame, ThreadEvidence, ToolRun
+from kvdiag.model.evidence import Frame, ThreadEvidence, ToolRun
 
 
 def test_a_free_slot_goes_to_the_most_urgent_waiter() -> None:

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.analyze import diagnose
+from kvdiag.analyze.diagnosis import diagnose
 from kvdiag.analyze.signature import hang_signature, project_frames
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 
@@ -38,7 +38,7 @@ def test_a_ray_actor_blocked_on_a_hung_actor_is_not_healthy() -> None:
 
 def test_a_place_never_ends_with_a_dangling_arrow() -> None:
     from kvdiag.analyze.xverdict import _place
-    from kvdiag.model import EvidenceItem
+    from kvdiag.model.verdict import EvidenceItem
     item = EvidenceItem(pid=1, tid=1, role="r", frames=["accept4 (libc.so.6)", " (x.py:3)"], key_frames=[0, 1])
     assert _place(item) == " in accept4"
 

@@ -155,3 +155,26 @@ def test_pinned_cli_libraries_are_the_installed_ones() -> None:
         assert name in pins and pins[name].specifier, f"{name} is not pinned in pyproject.toml"
         assert any(s.operator == "<" for s in pins[name].specifier), f"{name} has no upper bound"
         assert pins[name].specifier.contains(version(name)), (name, version(name), str(pins[name].specifier))
+
+
+def test_every_commands_line_in_the_help_says_what_it_does() -> None:
+    """`kvdiag --help` listed redact as "Exit 0 when nothing credential-shaped is left in FOLDER, 10 when
+    something is (file:line and kind" with a line break inside: a command's line says what it does."""
+    code, text = run("--help")
+    assert code == 0
+    listed = re.findall(r"^│ (\w+)\s{2,}(\S.*?)\s*│$", text.split("Commands", 1)[1], re.M)
+    assert {name for name, _ in listed} >= {"soak", "capture", "redact", "watch", "sweep"}, text
+    for name, line in listed:
+        assert not line.startswith("Exit"), (name, line)
+
+
+def test_analyze_of_a_sweep_folder_names_a_run_to_pass(tmp_path: Path) -> None:
+    """`kvdiag analyze SWEEP_DIR` said "no bundle.json found; pass a run folder" of a folder kvdiag wrote."""
+    from kvdiag.runs.sweep.session import PLAN_FILE
+    sweep = tmp_path / "sweep"
+    (sweep / "cells" / "c1" / "run-0" / "bundle").mkdir(parents=True)
+    (sweep / PLAN_FILE).write_text("{}")
+    (sweep / "report.json").write_text("{}")
+    code, text = run("analyze", str(sweep))
+    assert code == 2, text
+    assert "holds one bundle per run" in text and f"kvdiag analyze {sweep / 'cells' / 'c1' / 'run-0'}" in text, text

@@ -10,8 +10,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from kvdiag.analyze import analyze
-from kvdiag.model import Bundle, Confidence, EnginePhase, EngineRecord, SoakStats, VerdictKind
+from kvdiag.analyze.overall import analyze
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import Confidence, EnginePhase, VerdictKind
+from kvdiag.model.run import EngineRecord, SoakStats
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 

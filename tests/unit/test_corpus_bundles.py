@@ -12,10 +12,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze, exit_code_for
-from kvdiag.bundle import load_bundle
+from kvdiag.analyze.diagnosis import exit_code_for
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import load_bundle
 from kvdiag.capture.merge import bundle_without_tool
-from kvdiag.model import Bundle, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 CORPUS = FIXTURES / "bundles" / "corpus"

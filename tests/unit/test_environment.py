@@ -11,8 +11,8 @@ import pytest
 from kvdiag.environment import collect_environment
 from kvdiag.environment.host import relevant_env
 from kvdiag.environment.ptrace import judge
-from kvdiag.model import EnvironmentRecord, PtraceAccess
-from kvdiag.redact import REDACTED
+from kvdiag.model.environment import EnvironmentRecord, PtraceAccess
+from kvdiag.redact.rules import REDACTED
 
 
 def test_record_of_this_host_round_trips() -> None:

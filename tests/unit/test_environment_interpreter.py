@@ -18,7 +18,7 @@ from kvdiag.environment.interpreter import (
     site_versions,
     venv_site_dirs,
 )
-from kvdiag.model import EnvironmentRecord
+from kvdiag.model.environment import EnvironmentRecord
 from kvdiag.report.envtext import environment_lines, package_summary
 
 FAKE = {"vllm": "0.32.0+cpu", "kvcached": "0.1.6", "torch": "2.9.0+cu128"}

@@ -17,7 +17,7 @@ from kvdiag.kvcached.build import (
     fingerprint_tree,
     installed_kvcached,
 )
-from kvdiag.model import DefectStatus, KvcachedBuild
+from kvdiag.model.environment import DefectStatus, KvcachedBuild
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

@@ -7,11 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import diagnose
 from kvdiag.analyze import vocab as v
-from kvdiag.bundle import load_bundle
-from kvdiag.model import Bundle, EvidenceItem, Frame
-from kvdiag.report import build_view, report_of
+from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.bundle.io import load_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame
+from kvdiag.model.verdict import EvidenceItem
+from kvdiag.report.json import report_of
+from kvdiag.report.view import build_view
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
 ALL = sorted(str(p.parent.relative_to(BUNDLES)) for p in BUNDLES.glob("**/bundle.json"))

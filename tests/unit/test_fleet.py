@@ -17,11 +17,13 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze, analyze_by_engine, analyze_process
-from kvdiag.bundle import load_bundle
+from kvdiag.analyze.overall import analyze, analyze_by_engine
+from kvdiag.analyze.process import analyze_process
+from kvdiag.bundle.io import load_bundle
 from kvdiag.cli.main import main
 from kvdiag.errors import BundleError
-from kvdiag.model import Frame, RayActorRecord
+from kvdiag.model.evidence import Frame
+from kvdiag.model.fleet import RayActorRecord
 from kvdiag.runs.fleet.pack import pack_dir, unpack_dir
 from kvdiag.runs.fleet.refusal import access_refusal, task_failure
 from kvdiag.runs.fleet.select import RayNode, RayWorker, node_names, select_targets

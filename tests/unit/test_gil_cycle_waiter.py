@@ -15,8 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze
-from kvdiag.model import Bundle, VerdictKind
+from kvdiag.analyze.overall import analyze
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
 
 BUNDLE = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "soak_gil_cycle" / "bundle.json"
 PREALLOC_TID, OUTPUT_TID = 1757, 1759

@@ -12,26 +12,19 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze_process, diagnose
+from kvdiag.analyze.diagnosis import diagnose
 from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.analyze.gpu import cuda_wait
-from kvdiag.bundle import load_bundle, save_bundle
+from kvdiag.analyze.process import analyze_process
+from kvdiag.bundle.io import load_bundle, save_bundle
 from kvdiag.capture.base import BackendResult
 from kvdiag.capture.merge import merge_threads
 from kvdiag.capture.parsers import parse_gdb, parse_pyspy, parse_pystack
-from kvdiag.model import (
-    Bundle,
-    Confidence,
-    EnginePhase,
-    EngineRecord,
-    GpuReadings,
-    ProcessEvidence,
-    ProgressSample,
-    ThreadEvidence,
-    ThreadState,
-    ToolRun,
-    VerdictKind,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence, ProgressSample, ThreadEvidence, ToolRun
+from kvdiag.model.gpu import GpuReadings
+from kvdiag.model.kinds import Confidence, EnginePhase, ThreadState, VerdictKind
+from kvdiag.model.run import EngineRecord
 from kvdiag.osread.nvml import GpuSampler, parse_lines
 from kvdiag.report import run_view, write_view
 
@@ -273,7 +266,7 @@ def test_a_process_that_writes_is_a_busy_engine_not_a_hang() -> None:
 
 
 def test_a_nccl_watchdog_is_not_a_wait_on_the_gpu() -> None:
-    from kvdiag.model import Frame
+    from kvdiag.model.evidence import Frame
 
     frames = [Frame(name="std::condition_variable::wait_for", library="libstdc++.so.6"),
               Frame(name="c10d::ProcessGroupNCCL::Watchdog::runLoop()", library="libtorch_cuda.so"),

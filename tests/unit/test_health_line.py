@@ -14,8 +14,12 @@ import pytest
 from reportkit import build_report, view_of, write_outputs
 from rich.console import Console
 
-from kvdiag.model import Bundle, EnginePhase, EngineRecord, Verdict, VerdictKind, engine_health
-from kvdiag.report import render_markdown
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.health import engine_health
+from kvdiag.model.kinds import EnginePhase, VerdictKind
+from kvdiag.model.run import EngineRecord
+from kvdiag.model.verdict import Verdict
+from kvdiag.report.markdown import render_markdown
 from kvdiag.report.terminal import render_terminal
 
 
@@ -65,8 +69,9 @@ def test_every_verdict_kind_is_one_complete_definition() -> None:
     """A kind is one line in KIND_SPECS: exit code, rank, display; the schema lists it too."""
     import json as _json
 
-    from kvdiag.analyze import SEVERITY, exit_code_for
-    from kvdiag.model import KIND_SPECS
+    from kvdiag.analyze.diagnosis import exit_code_for
+    from kvdiag.analyze.rulekit import SEVERITY
+    from kvdiag.model.kinds import KIND_SPECS
     from kvdiag.report.html import KIND_CLASS
 
     assert set(KIND_SPECS) == set(VerdictKind)

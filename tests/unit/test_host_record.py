@@ -8,10 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import diagnose
-from kvdiag.bundle import load_bundle, save_bundle
+from kvdiag.analyze.diagnosis import diagnose
+from kvdiag.bundle.io import load_bundle, save_bundle
 from kvdiag.environment.host import host_record
-from kvdiag.model import Bundle, EnvironmentRecord, HostRecord, ProcessRole
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.environment import EnvironmentRecord, HostRecord
+from kvdiag.model.kinds import ProcessRole
 from kvdiag.osread.syscall import SYSCALLS
 from kvdiag.runs.capture import core_decides
 from kvdiag.runs.lifecycle import new_bundle

@@ -17,10 +17,13 @@ import jsonschema
 import pytest
 from reportkit import build_report, view_of
 
-from kvdiag.analyze import analyze
-from kvdiag.bundle import load_bundle
-from kvdiag.model import Bundle, EvidenceItem, Verdict
-from kvdiag.report import render_html, render_json, render_markdown
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import load_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.verdict import EvidenceItem, Verdict
+from kvdiag.report.html import render_html
+from kvdiag.report.json import render_json
+from kvdiag.report.markdown import render_markdown
 from kvdiag.report.view import format_frame
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze
 from kvdiag.analyze.diagnosis import diagnose
 from kvdiag.analyze.outcome import stuck_outcome
-from kvdiag.bundle import load_bundle
-from kvdiag.model import Bundle, WaitPurpose
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import load_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.verdict import WaitPurpose
 from kvdiag.osread.locks import parse_locks
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

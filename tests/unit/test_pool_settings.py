@@ -16,7 +16,8 @@ from kvdiag.kvcached.settings import read_settings
 from kvdiag.launch import engines
 from kvdiag.runs.doctor import engine_plans
 from kvdiag.runs.sweep.rule import engine_features
-from kvdiag.scenario import Scenario, load_scenario
+from kvdiag.scenario.loader import load_scenario
+from kvdiag.scenario.models import Scenario
 from kvdiag.sim.config import parse_args
 
 SCENARIOS = sorted((Path(__file__).resolve().parents[2] / "scenarios").glob("*.yaml"))

@@ -15,8 +15,10 @@ from kvdiag.analyze.engine_rules import engine_verdict
 from kvdiag.cli.main import main
 from kvdiag.errors import ScenarioError
 from kvdiag.launch.preflight import check_launchable
-from kvdiag.model import Bundle, EnginePhase, EngineRecord, VerdictKind
-from kvdiag.scenario import parse_scenario
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import EnginePhase, VerdictKind
+from kvdiag.model.run import EngineRecord
+from kvdiag.scenario.loader import parse_scenario
 
 
 def _venv_with_vllm(root: Path) -> Path:

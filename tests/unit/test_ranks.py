@@ -5,11 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.analyze.ranks import judge_ranks, rank_groups
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 from kvdiag.capture.ranks import rank_from_environ
-from kvdiag.model import Bundle, EdgeKind, FleetRecord, NodeRecord, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.fleet import FleetRecord, NodeRecord
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.waits import EdgeKind
 from kvdiag.runs.fleet.merge import NodePart, merge_parts
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
@@ -101,8 +104,9 @@ def test_ranks_across_nodes_are_grouped_in_a_merged_bundle() -> None:
     merged = merge_parts(parts, command="merge", fleet=FleetRecord())
     verdict = analyze(merged)
     assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
-    assert verdict.summary.startswith("ranks 0,2,3 wait in all_reduce")
-    assert "rank 1 never arrived: it is blocked on a lock" in verdict.summary
+    # ranks on more than one node are named with their node
+    assert verdict.summary.startswith("ranks 0,2,3 on node-a,node-b wait in all_reduce")
+    assert "rank 1 on node-a never arrived: it is blocked on a lock" in verdict.summary
     assert {(e.node, e.pid) for e in verdict.evidence} == {(p.node, p.pid) for p in merged.processes}
 
 
@@ -163,3 +167,43 @@ def test_ranks_no_environment_names_are_grouped_by_parent_and_named_by_pid() -> 
     assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
     assert f"pid {first} waits in all_reduce at gloo_job.py:68" in verdict.summary
     assert f"pid {second} is in broadcast at gloo_job.py:72" in verdict.summary
+
+
+def _set_step(bundle: Bundle, steps: dict[int, int]) -> None:
+    """Each rank's step counter on its calling frame, as py-spy --locals reads it (Frame.counters)."""
+    for p in bundle.processes:
+        if p.rank is not None and p.rank.rank in steps:
+            for t in p.threads:
+                for f in t.frames:
+                    if f.name in ("step_all_reduce", "stuck_on_lock", "mismatched_broadcast"):
+                        f.counters["step"] = steps[p.rank.rank]
+
+
+def test_each_ranks_step_is_named_and_ranks_at_another_step_left() -> None:
+    bundle = _bundle("gloo_lock_4")
+    _set_step(bundle, {0: 412, 1: 412, 2: 412, 3: 412})
+    verdict = analyze(bundle)
+    assert verdict.summary.startswith("ranks 0,2,3 wait in all_reduce (step 412) at gloo_job.py:68"), verdict.summary
+    # the same collective at the same call site, one step ahead: that rank left the group's step
+    _set_step(bundle, {3: 413})
+    verdict = analyze(bundle)
+    assert verdict.kind is VerdictKind.COLLECTIVE_MISMATCH
+    assert verdict.summary.startswith("ranks 0,2 wait in all_reduce (step 412) at gloo_job.py:68"), verdict.summary
+    assert "rank 3 is in all_reduce (step 413) at gloo_job.py:68" in verdict.summary
+    assert "rank 1 never arrived: it is blocked on a lock" in verdict.summary
+
+
+def test_a_step_read_for_some_ranks_only_does_not_split_the_group() -> None:
+    bundle = _bundle("gloo_lock_4")
+    _set_step(bundle, {0: 412, 3: 413})     # ranks 2's step not read: steps are not compared
+    verdict = analyze(bundle)
+    assert verdict.summary.startswith("ranks 0,2,3 wait in all_reduce at gloo_job.py:68"), verdict.summary
+
+
+def test_without_the_progress_window_steps_are_not_compared() -> None:
+    bundle = _bundle("gloo_lock_4")
+    _set_step(bundle, {0: 412, 1: 412, 2: 412, 3: 413})
+    for p in bundle.processes:
+        p.progress = None
+    rank3 = next(r for g in rank_groups(bundle) for r in g.ranks if r.label == "3")
+    assert rank3.step == 413 and rank3.key == ("all_reduce", rank3.site, None)

@@ -1,4 +1,4 @@
-"""One raw layout for every command (kvdiag.bundle.raw_dir), and bundles in the older layout stay readable.
+"""One raw layout for every command (kvdiag.bundle.io.raw_dir), and bundles in the older layout stay readable.
 
 Until this layout, repro/ab/soak wrote ``raw/<engine>/<pid>/`` while capture wrote ``raw/<pid>/``; a
 bundle saved then must still load and render its raw tool outputs.
@@ -10,8 +10,10 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.bundle import load_run, raw_dir, raw_root, save_bundle
-from kvdiag.model import Bundle, EngineRecord, ProcessEvidence, ToolRun
+from kvdiag.bundle.io import load_run, raw_dir, raw_root, save_bundle
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence, ToolRun
+from kvdiag.model.run import EngineRecord
 from kvdiag.report.html import raw_outputs
 
 

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.bundle import save_bundle
+from kvdiag.bundle.io import save_bundle
 from kvdiag.cli.main import main as kvdiag_main
-from kvdiag.model import Bundle, ProcessEvidence, ThreadEvidence, ToolRun
-from kvdiag.redact import (
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence, ThreadEvidence, ToolRun
+from kvdiag.redact.files import scan_tree
+from kvdiag.redact.rules import (
     KINDS,
     REDACTED,
     Tally,
@@ -22,7 +24,6 @@ from kvdiag.redact import (
     redact_obj,
     redact_text,
     scan_text,
-    scan_tree,
 )
 
 PLAIN = "Zq7plainValue42x"   # no credential shape: only the flag's name can tell it is secret

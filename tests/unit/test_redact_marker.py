@@ -15,8 +15,9 @@ from pathlib import Path
 
 import yaml
 
-from kvdiag.model import Bundle
-from kvdiag.redact import OLD_MARKERS, REDACTED, redact_argv, redact_text, scan_text, scan_tree
+from kvdiag.model.bundle import Bundle
+from kvdiag.redact.files import scan_tree
+from kvdiag.redact.rules import OLD_MARKERS, REDACTED, redact_argv, redact_text, scan_text
 from kvdiag.runs.lifecycle import LaunchedRun
 from kvdiag.scenario.loader import parse_scenario
 

@@ -17,35 +17,18 @@ import pytest
 from reportkit import build_report, view_of, write_outputs
 from rich.console import Console
 
-from kvdiag.bundle import save_bundle
+from kvdiag.bundle.io import save_bundle
 from kvdiag.cli.main import main
-from kvdiag.model import (
-    ABComparison,
-    ABEngine,
-    ABSide,
-    BannerInfo,
-    Bundle,
-    Confidence,
-    EnginePhase,
-    EngineRecord,
-    EvidenceItem,
-    Finding,
-    Frame,
-    FrameRef,
-    GilState,
-    ProcessEvidence,
-    ProcessRole,
-    Report,
-    SoakStats,
-    ThreadEvidence,
-    ThreadState,
-    TimelineEvent,
-    ToolRun,
-    Verdict,
-    VerdictKind,
-)
-from kvdiag.report import render_html, render_json, render_markdown
-from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, script_json
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import Frame, ProcessEvidence, ThreadEvidence, ToolRun
+from kvdiag.model.kinds import Confidence, EnginePhase, GilState, ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.report import Report
+from kvdiag.model.run import BannerInfo, EngineRecord, Finding, SoakStats, TimelineEvent
+from kvdiag.model.verdict import ABComparison, ABEngine, ABSide, EvidenceItem, Verdict
+from kvdiag.model.waits import FrameRef
+from kvdiag.report.html import RAW_FILE_CAP, cycle_diagram, render_html, script_json
+from kvdiag.report.json import render_json
+from kvdiag.report.markdown import render_markdown
 from kvdiag.report.terminal import render_terminal
 
 SCHEMA_PATH = Path(__file__).resolve().parents[2] / "schema" / "report.schema.json"

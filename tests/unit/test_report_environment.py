@@ -8,11 +8,17 @@ from pathlib import Path
 from reportkit import build_report, view_of, write_outputs
 from rich.console import Console
 
-from kvdiag.analyze import analyze
-from kvdiag.bundle import load_bundle
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import load_bundle
 from kvdiag.environment import collect_environment
 from kvdiag.kvcached.build import fingerprint_tree
-from kvdiag.model import InterpreterPackages, IpcSocket, KvcachedBuild, KvcachedRuntime, ShmSegment
+from kvdiag.model.environment import (
+    InterpreterPackages,
+    IpcSocket,
+    KvcachedBuild,
+    KvcachedRuntime,
+    ShmSegment,
+)
 from kvdiag.report.terminal import render_terminal
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"

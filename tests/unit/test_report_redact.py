@@ -8,8 +8,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvdiag.model import ProcessEvidence, ThreadEvidence
-from kvdiag.redact import REDACTED, is_secret_name, redact_obj, redact_shapes, redact_text
+from kvdiag.model.evidence import ProcessEvidence, ThreadEvidence
+from kvdiag.redact.rules import REDACTED, is_secret_name, redact_obj, redact_shapes, redact_text
 
 HF = "hf_" + "Abc123XyZ" * 4
 SK = "sk-proj-" + "Q1w2E3r4T5y6U7i8" * 2

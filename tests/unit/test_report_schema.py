@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import jsonschema
 
-from kvdiag.model import Report
+from kvdiag.model.report import Report
 from kvdiag.report.schema import SCHEMA_FILE, main, report_schema, schema_text
 
 

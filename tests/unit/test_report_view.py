@@ -11,10 +11,10 @@ import pytest
 from rich.console import Console
 
 import kvdiag.report.json as report_json
-from kvdiag.bundle import load_bundle
-from kvdiag.cli.common import print_summary
+from kvdiag.bundle.io import load_bundle
+from kvdiag.cli.common import print_outcome
 from kvdiag.cli.main import main
-from kvdiag.model import Report
+from kvdiag.model.report import Report
 from kvdiag.runs.output import finish
 
 BUNDLES = Path(__file__).resolve().parents[1] / "fixtures" / "bundles"
@@ -33,7 +33,7 @@ def test_a_run_builds_its_report_once(tmp_path: Path, monkeypatch: pytest.Monkey
     bundle.diagnosis = None
     arts = finish(tmp_path, bundle)
     out = io.StringIO()
-    print_summary(arts, Console(file=out, width=200, color_system=None))
+    print_outcome(arts, con=Console(file=out, width=200, color_system=None))
     assert len(built) == 1
     data = json.loads((tmp_path / "report.json").read_text())
     assert data["verdict"]["kind"] == "gil_cycle" and "verdict: gil_cycle" in out.getvalue()

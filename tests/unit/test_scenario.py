@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from kvdiag.errors import ScenarioError
-from kvdiag.scenario import load_scenario, parse_scenario
+from kvdiag.scenario.loader import load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -6,12 +6,15 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze
 from kvdiag.analyze.known import KNOWN
+from kvdiag.analyze.overall import analyze
 from kvdiag.analyze.signature import canonical_name, hang_signature, signature_groups
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 from kvdiag.capture.parsers import parse_pystack
-from kvdiag.model import Bundle, EvidenceItem, ProcessEvidence, ProcessRole, ThreadState, Verdict, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.kinds import ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.verdict import EvidenceItem, Verdict
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 BUNDLES = FIXTURES / "bundles"

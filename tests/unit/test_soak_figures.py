@@ -12,10 +12,10 @@ from types import SimpleNamespace
 from reportkit import build_report, view_of
 from rich.console import Console
 
-from kvdiag.analyze import analyze, analyze_by_engine
+from kvdiag.analyze.overall import analyze, analyze_by_engine
 from kvdiag.load.progress import ProgressView
-from kvdiag.model import Bundle
-from kvdiag.report import render_markdown
+from kvdiag.model.bundle import Bundle
+from kvdiag.report.markdown import render_markdown
 from kvdiag.report.terminal import render_terminal
 
 BUNDLE = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "soak_gil_cycle" / "bundle.json"
@@ -77,7 +77,7 @@ def test_a_stalled_engine_is_not_reported_healthy_even_if_health_answered() -> N
 
 
 def test_summary_rate_is_labelled_an_average_over_the_load() -> None:
-    from kvdiag.model import SoakStats
+    from kvdiag.model.run import SoakStats
     from kvdiag.report.soakview import soak_lines
 
     stats = SoakStats(requests_ok=10, tokens=3191, duration_s=10.0, drain_s=0.5)

@@ -12,7 +12,8 @@ from typing import Any
 import pytest
 import uvicorn
 
-from kvdiag.load.loadgen import LoadConfig, LoadGenerator
+from kvdiag.load.loadgen import LoadGenerator
+from kvdiag.load.request import LoadConfig
 from kvdiag.load.stream import RequestStatus
 from kvdiag.ports import free_port
 from kvdiag.watch.poller import MetricsPoller

@@ -7,20 +7,14 @@ import subprocess
 import sys
 import time
 
-from kvdiag.analyze import diagnose, exit_code_for
+from kvdiag.analyze.diagnosis import diagnose, exit_code_for
 from kvdiag.analyze.saturation import judge
 from kvdiag.analyze.soak import judged_soak, saturation_verdict, stall_to_verdict_s
 from kvdiag.errors import ExitCode
-from kvdiag.model import (
-    Bundle,
-    EnginePhase,
-    EngineRecord,
-    MetricsSnapshot,
-    SoakStats,
-    TimelineEvent,
-    Verdict,
-    VerdictKind,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import EnginePhase, VerdictKind
+from kvdiag.model.run import EngineRecord, MetricsSnapshot, SoakStats, TimelineEvent
+from kvdiag.model.verdict import Verdict
 from kvdiag.osread.host import cpu_times
 from kvdiag.watch.saturation import SaturationSampler
 

@@ -12,7 +12,7 @@ from kvdiag.capture.locate import is_local_host, server_pid, url_host_port
 from kvdiag.errors import UsageError
 from kvdiag.osread.net import listening_pids
 from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, single_engine
-from kvdiag.scenario import load_scenario
+from kvdiag.scenario.loader import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 

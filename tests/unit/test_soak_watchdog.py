@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvdiag.analyze.soak import flat_generation_span
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 from kvdiag.watch.stall import ServingStall
 
 

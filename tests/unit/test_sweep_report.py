@@ -9,8 +9,9 @@ from pathlib import Path
 
 import jsonschema
 
-from kvdiag.model import SweepAxis, SweepCell, SweepReport, SweepRun
+from kvdiag.model.sweep import SweepAxis, SweepCell, SweepReport, SweepRun
 from kvdiag.report.sweep import render_sweep_html
+from kvdiag.report.sweepview import sweep_view
 from kvdiag.runs.sweep.summarize import conclude
 
 SCHEMA = Path(__file__).resolve().parents[2] / "schema" / "sweep.schema.json"
@@ -40,7 +41,7 @@ def test_the_schema_file_is_the_models_and_a_report_follows_it() -> None:
     schema = json.loads(SCHEMA.read_text())
     generated = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": "kvdiag sweep report.json",
                  **SweepReport.model_json_schema()}
-    assert schema == generated, "regenerate schema/sweep.schema.json from kvdiag.model.SweepReport"
+    assert schema == generated, "regenerate schema/sweep.schema.json from kvdiag.model.sweep.SweepReport"
     report = _report()
     jsonschema.validate(json.loads(report.model_dump_json()), schema)
     assert report.exit_code == 10 and report.rule is not None and report.rule.fits
@@ -49,7 +50,7 @@ def test_the_schema_file_is_the_models_and_a_report_follows_it() -> None:
 
 def test_html_is_escaped_self_contained_and_draws_every_cell() -> None:
     evil = '<script>alert("x")</script>'
-    page = render_sweep_html(_report(evil))
+    page = render_sweep_html(sweep_view(_report(evil)))
     assert "<script>" not in page and "&lt;script&gt;" in page
     assert not re.search(r"""(src|href)=["']?(https?:)?//""", page)
     assert page.count('class="c') >= 4 and "pages per layer ≤ min_reserved_pages" in page
@@ -88,7 +89,7 @@ def test_a_bisected_axis_reports_where_the_outcome_changes() -> None:
     report = conclude(SweepReport(axes=axes, cells=cells, finished=True))
     assert report.boundaries == ["min_reserved_pages=2: hang at kv_per_layer_mb=4, healthy at 6",
                                  "min_reserved_pages=9: hang from kv_per_layer_mb=2 to 16 (no change)"]
-    assert "healthy at 6" in render_sweep_html(report)
+    assert "healthy at 6" in render_sweep_html(sweep_view(report))
 
 
 def test_an_interrupted_sweep_states_no_rule_and_names_what_did_not_run() -> None:
@@ -105,6 +106,29 @@ def test_an_interrupted_sweep_states_no_rule_and_names_what_did_not_run() -> Non
 
 
 def test_the_sweep_page_has_the_run_reports_header_bar_with_its_exit_code() -> None:
-    page = render_sweep_html(_report())
+    page = render_sweep_html(sweep_view(_report()))
     bar = page.split('<header class="top">', 1)[1].split("</header>", 1)[0]
     assert "exit code: <b>10</b>" in bar and "command: <b>sweep</b>" in bar, bar
+
+
+def test_a_one_axis_grid_and_an_ab_page_say_each_thing_once() -> None:
+    """`ab --repeat`'s page printed its sentence twice, and a one-axis grid labelled "all cells" and an empty
+    "rows ↑"; a three-axis sweep keeps each panel's setting and both axes."""
+    axes = [SweepAxis(field="allocator", values=["stock", "fixed"], label="allocator")]
+    cells = [SweepCell(key=a, params={"allocator": a}, repeat=2, runs=[
+        SweepRun(index=i, outcome="hang" if a == "stock" else "healthy", exit_code=10 if a == "stock" else 0,
+                 verdict="gil_cycle" if a == "stock" else "healthy") for i in range(2)]) for a in ("stock", "fixed")]
+    ab = conclude(SweepReport(command="ab", axes=axes, repeat=2, finished=True, cells=cells))
+    assert ab.ab is not None
+    page = render_sweep_html(ab)
+    main = page.split("<main>", 1)[1]
+    assert main.count(html_escape(ab.ab.text)) == 1, main[:1500]
+    grid = main.split("<h2>Phase diagram</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "rows ↑" not in grid and "all cells" not in grid and "columns → allocator" in grid
+    three = render_sweep_html(_report()).split("<h2>Phase diagram</h2>", 1)[1].split("<h2>", 1)[0]
+    assert "rows ↑ tag" in three and "columns → kv_per_layer_mb" in three and "min_reserved_pages=1" in three
+
+
+def html_escape(text: str) -> str:
+    import html
+    return html.escape(text, quote=True)

@@ -11,12 +11,12 @@ import pytest
 
 from kvdiag.cli.main import main
 from kvdiag.errors import UsageError
-from kvdiag.model import SweepCell, SweepRun
+from kvdiag.model.sweep import SweepCell, SweepRun
 from kvdiag.runs.sweep.axes import cell_scenario, parse_vary
 from kvdiag.runs.sweep.plan import SweepPlan
 from kvdiag.runs.sweep.rates import clopper_pearson, rate_text
 from kvdiag.runs.sweep.rule import banner_check, cell_features, infer_rule
-from kvdiag.scenario import load_scenario
+from kvdiag.scenario.loader import load_scenario
 
 
 def _cell(key: str, outcome: str, banner: bool | None = None, **features: object) -> SweepCell:

@@ -16,7 +16,10 @@ from pathlib import Path
 
 from kvdiag.analyze.tcp_match import TcpIndex, parse_addr, split_connection
 from kvdiag.cli.main import main
-from kvdiag.model import Bundle, EnvironmentRecord, NodeRecord, ProcessEvidence, TcpSocket
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.environment import EnvironmentRecord
+from kvdiag.model.evidence import ProcessEvidence, TcpSocket
+from kvdiag.model.fleet import NodeRecord
 from kvdiag.runs.fleet.merge import NodePart, captures_apart, same_host_twice
 
 

@@ -20,8 +20,7 @@ from kvdiag.launch.process import ENGINE_TEMP_DIRS, ProcessSet
 from kvdiag.launch.vllm import ENTRY_POINT_GROUP, expand, stage_plugin
 from kvdiag.osread.holders import file_id
 from kvdiag.osread.net import listening_ports
-from kvdiag.scenario import load_scenario
-from kvdiag.scenario.loader import parse_scenario
+from kvdiag.scenario.loader import load_scenario, parse_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -7,11 +7,13 @@ import os
 from multiprocessing import shared_memory
 from pathlib import Path
 
-from kvdiag.analyze import diagnose
+from kvdiag.analyze.diagnosis import diagnose
 from kvdiag.analyze.xproc import CrossProcess
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 from kvdiag.capture import vllmrings
-from kvdiag.model import Bundle, EdgeKind, ProcessRole, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import ProcessRole, VerdictKind
+from kvdiag.model.waits import EdgeKind
 from kvdiag.osread.maps import shared_file_mappings
 from kvdiag.osread.shmring import ring_geometry
 

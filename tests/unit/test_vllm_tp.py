@@ -15,7 +15,7 @@ import pytest
 
 from kvdiag.launch.owned import sweep_shm, vllm_dist_idents
 from kvdiag.osread.holders import file_id
-from kvdiag.scenario import load_scenario
+from kvdiag.scenario.loader import load_scenario
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -65,7 +65,7 @@ def test_tp2_scenario_serves_after_startup() -> None:
 
 def test_a_tensor_parallel_worker_is_named_by_its_rank() -> None:
     from kvdiag.analyze.vllm_titles import process_title, worker_rank
-    from kvdiag.model import ProcessEvidence
+    from kvdiag.model.evidence import ProcessEvidence
 
     tp1 = ProcessEvidence(pid=2, comm="VLLM::Worker_TP", cmdline=["VLLM::Worker_TP1\0\0"])
     assert process_title(tp1) == "Worker_TP1" and worker_rank(tp1) == 1

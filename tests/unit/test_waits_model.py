@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-from kvdiag.model import (
-    Bundle,
-    Diagnosis,
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.verdict import Diagnosis, Verdict
+from kvdiag.model.waits import (
     EdgeEvidence,
     EdgeKind,
     FrameRef,
     NodeRef,
     SharedMapping,
-    Verdict,
-    VerdictKind,
     WaitChain,
     WaitEdge,
     WaitGraphRecord,

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvdiag.logs.lines import LogState, feed_line
-from kvdiag.model import EnginePhase
+from kvdiag.model.kinds import EnginePhase
 from kvdiag.watch.logs import LogFollower, scan_file
 from kvdiag.watch.metrics import parse_metrics
 from kvdiag.watch.stall import Observation, StallDetector

@@ -12,10 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.analyze import analyze, diagnose, exit_code_for
-from kvdiag.bundle import load_bundle
+from kvdiag.analyze.diagnosis import diagnose, exit_code_for
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import load_bundle
 from kvdiag.capture.merge import bundle_without_tool
-from kvdiag.model import Bundle, Diagnosis, VerdictKind
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.verdict import Diagnosis
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 XPROC = FIXTURES / "bundles" / "xproc"

@@ -3,23 +3,13 @@ processes keyed by (node, pid), and the OS-reading decoders it rests on."""
 
 from __future__ import annotations
 
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.analyze.xproc import CrossProcess
 from kvdiag.analyze.xverdict import judge_across
-from kvdiag.model import (
-    Bundle,
-    EdgeKind,
-    FdInfo,
-    Frame,
-    ProcessEvidence,
-    ProcessRole,
-    ProgressSample,
-    SharedMapping,
-    TargetAccess,
-    ThreadEvidence,
-    ThreadState,
-    VerdictKind,
-)
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import FdInfo, Frame, ProcessEvidence, ProgressSample, TargetAccess, ThreadEvidence
+from kvdiag.model.kinds import ProcessRole, ThreadState, VerdictKind
+from kvdiag.model.waits import EdgeKind, SharedMapping
 from kvdiag.osread.maps import parse_maps_line
 from kvdiag.osread.waitargs import blocked_call
 

@@ -14,10 +14,13 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from kvdiag import __version__
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.errors import BundleError, UsageError
-from kvdiag.model import Bundle, EnvironmentRecord, Finding, FleetRecord, NodeRecord
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.environment import EnvironmentRecord
+from kvdiag.model.fleet import FleetRecord, NodeRecord
+from kvdiag.model.run import Finding
 
 NODES_DIR = "nodes"
 

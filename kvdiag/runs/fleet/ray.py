@@ -19,10 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvdiag.bundle import load_bundle
+from kvdiag.bundle.io import load_bundle
 from kvdiag.capture.orchestrate import CAPTURE_SLACK_S
 from kvdiag.errors import KvdiagError, ToolMissing, UsageError
-from kvdiag.model import Bundle, Finding, FleetRecord, NodeOutcome, NodeRecord, RayActorRecord, RayTaskRecord
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.fleet import FleetRecord, NodeOutcome, NodeRecord, RayActorRecord, RayTaskRecord
+from kvdiag.model.run import Finding
 from kvdiag.runs.fleet.merge import NODES_DIR, NodePart, merge_parts, node_dir_name
 from kvdiag.runs.fleet.node import capture_on_node
 from kvdiag.runs.fleet.pack import unpack_dir

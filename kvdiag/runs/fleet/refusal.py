@@ -10,7 +10,9 @@ import re
 
 from kvdiag.agent.protocol import AGENT_FIX
 from kvdiag.analyze.access import attach_refused
-from kvdiag.model import Bundle, NodeOutcome, ProcessEvidence
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.evidence import ProcessEvidence
+from kvdiag.model.fleet import NodeOutcome
 
 # Errors that mean the node (or the worker on it) went away while its capture ran.
 DIED_ERRORS = ("NodeDiedError", "WorkerCrashedError", "ObjectLostError", "OwnerDiedError",

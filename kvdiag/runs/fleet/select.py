@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from kvdiag.errors import UsageError
-from kvdiag.model import RayActorRecord
+from kvdiag.model.fleet import RayActorRecord
 
 SELECTORS = ("vllm", "actors", "workers")
 # vLLM's Ray actors: the tensor/pipeline-parallel workers (RayWorkerWrapper) and the data-parallel

@@ -20,20 +20,21 @@ from rich.console import Console
 
 from kvdiag import interrupts
 from kvdiag.analyze.soak import flat_generation_span
+from kvdiag.defaults import Clock
 from kvdiag.errors import Interrupted
 from kvdiag.load.loadgen import LoadGenerator
 from kvdiag.load.progress import ProgressView
 from kvdiag.load.request import LoadConfig
 from kvdiag.load.stats import SoakSummary
 from kvdiag.logs.lines import feed_line
-from kvdiag.model import Finding, MetricsSnapshot, SoakSample
+from kvdiag.model.run import Finding, MetricsSnapshot
+from kvdiag.model.soakseries import SoakSample
 from kvdiag.runs.soak.options import SoakOptions
 from kvdiag.runs.soak.subject import Subject, healthy, server_pids
 from kvdiag.watch.poller import MetricsPoller
 from kvdiag.watch.saturation import SaturationSampler
 from kvdiag.watch.stall import ServingStall
 
-Clock = Callable[[], float]
 _TICK_S = 0.25
 _SAMPLE_S = 0.5          # the client's counters, for the report's plots
 _MAX_SAMPLES = 4000

@@ -10,8 +10,7 @@ from kvdiag.capture.locate import url_host_port
 from kvdiag.defaults import STALL_WINDOW_S
 from kvdiag.errors import UsageError
 from kvdiag.launch.vllm import expand
-from kvdiag.scenario import load_scenario
-from kvdiag.scenario.loader import parse_scenario
+from kvdiag.scenario.loader import load_scenario, parse_scenario
 from kvdiag.scenario.models import EngineSpec, Scenario
 
 DEFAULT_SCENARIO = "soak-hybrid.yaml"

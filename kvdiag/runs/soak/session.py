@@ -15,15 +15,14 @@ verdict and report are written before anything is torn down.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 
-from kvdiag.capture.bundle import capture_engine
+from kvdiag.capture.bundle import engine_pids
 from kvdiag.capture.locate import is_local_host, local_server, url_host_port
-from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S
+from kvdiag.defaults import DEFAULT_TOOLS, STALL_WINDOW_S, TOOL_TIMEOUT_S, Clock
 from kvdiag.errors import EngineFailed, KvdiagError
 from kvdiag.load.loadgen import LoadGenerator
 from kvdiag.load.stats import SoakSummary
@@ -31,6 +30,8 @@ from kvdiag.model.bundle import Bundle
 from kvdiag.model.evidence import ProcessEvidence
 from kvdiag.model.kinds import EnginePhase, ProcessRole
 from kvdiag.model.run import EngineRecord, Finding, MetricsSnapshot, SoakStats, TimelineEvent
+from kvdiag.model.verdict import Diagnosis
+from kvdiag.runs.capture import capture_evidence
 from kvdiag.runs.engines import EngineWatch, Outcome
 from kvdiag.runs.lifecycle import LaunchedRun, RunPlan, new_bundle, run_lifecycle
 from kvdiag.runs.output import RunArtifacts
@@ -39,7 +40,6 @@ from kvdiag.runs.soak.options import SoakOptions, load_soak_scenario, request_mo
 from kvdiag.runs.soak.subject import Subject, served_model, server_answers
 from kvdiag.scenario.models import Scenario
 
-Clock = Callable[[], float]
 COMMAND = "soak"
 
 
@@ -244,14 +244,26 @@ class SoakRun:
         self.event("capturing", f"{s.name} (pid {s.root_pid} and its engine processes) with "
                    f"{', '.join(self.tools)}", engine=s.name)
         try:
-            evidence, findings = capture_engine(s.name, s.root_pid, self.bundle_dir, timeout_s=self.tool_timeout_s,
-                                                backends=self.tools, log_pids=log_pids)
+            # The one capture of a running engine (kvdiag.runs.capture): its EngineCore first, its early verdict
+            # said at once; the report's verdict is judged later, with the load's figures.
+            captured, _ = capture_evidence(s.root_pid, engine_pids(s.root_pid, log_pids), self.bundle_dir,
+                                           timeout_s=self.tool_timeout_s, tools=self.tools, command=COMMAND,
+                                           log_pids=log_pids, on_verdict=self._said,
+                                           progress=self._echo)
         except BaseException as exc:   # interrupted mid-capture: the partial report says what was resumed
             self.findings.extend(getattr(exc, "capture_findings", []))
             raise
-        self.processes.extend(evidence)
-        self.findings.extend(findings)
-        self.event("capture finished", f"{len(evidence)} process(es)", engine=s.name)
+        for ev in captured.processes:
+            ev.engine = s.name
+        for f in captured.findings:
+            f.engine = f.engine or s.name
+        self.processes.extend(captured.processes)
+        self.findings.extend(captured.findings)
+        self.event("capture finished", f"{len(captured.processes)} process(es)", engine=s.name)
+
+    def _said(self, diagnosis: Diagnosis) -> None:
+        v = diagnosis.verdict
+        self._echo(f"the stacks say: {v.kind.value} ({v.confidence.value} confidence)")
 
     # -- verdict and report ------------------------------------------------------------------------
     def _fill_common(self) -> None:

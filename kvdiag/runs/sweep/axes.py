@@ -24,7 +24,7 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ValidationError
 
 from kvdiag.errors import UsageError
-from kvdiag.model import Scalar, SweepAxis
+from kvdiag.model.sweep import Scalar, SweepAxis
 from kvdiag.scenario.models import EngineSpec, Scenario
 
 _RANGE = re.compile(r"^\s*(-?\d+(?:\.\d+)?)\s*\.\.\s*(-?\d+(?:\.\d+)?)\s*(?::\s*(\d+(?:\.\d+)?))?\s*$")

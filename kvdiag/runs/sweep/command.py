@@ -8,7 +8,7 @@ from pathlib import Path
 
 from kvdiag import defaults as D
 from kvdiag.errors import UsageError
-from kvdiag.runs.output import default_out_dir
+from kvdiag.runs.outdir import default_out_dir
 from kvdiag.runs.repro import launchable
 from kvdiag.runs.sweep.session import SweepConfig, stored_identity
 from kvdiag.scenario.models import Scenario

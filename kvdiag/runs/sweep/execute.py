@@ -26,10 +26,11 @@ from pydantic import ValidationError
 
 from kvdiag.bundle.io import atomic_write_text
 from kvdiag.errors import ExitCode
-from kvdiag.model import Report, Scalar, SweepCell, SweepRun
+from kvdiag.model.report import Report
 from kvdiag.model.scalar import show_scalar
+from kvdiag.model.sweep import Scalar, SweepCell, SweepRun
 from kvdiag.pymodule import module_argv
-from kvdiag.redact import redact_text
+from kvdiag.redact.rules import redact_text
 from kvdiag.runs.sweep.plan import Params, SweepPlan
 from kvdiag.runs.sweep.summarize import run_from_report, summarize_cell
 from kvdiag.scenario.models import Scenario

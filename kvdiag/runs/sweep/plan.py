@@ -9,8 +9,8 @@ import json
 import re
 from dataclasses import dataclass, field
 
-from kvdiag.model import Scalar
 from kvdiag.model.scalar import show_scalar
+from kvdiag.model.sweep import Scalar
 from kvdiag.runs.sweep.axes import Axis
 
 Params = dict[str, Scalar]

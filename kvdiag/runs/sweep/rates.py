@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-from kvdiag.model import Distribution, Interval
+from kvdiag.model.sweep import Distribution, Interval
 
 INTERVAL_LEVEL = 0.95
 

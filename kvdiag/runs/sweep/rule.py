@@ -17,8 +17,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from kvdiag.launch.engines import launched_pool
-from kvdiag.model import BannerCheck, BannerDisagreement, Scalar, SweepCell, SweepRule
 from kvdiag.model.scalar import show_scalar
+from kvdiag.model.sweep import BannerCheck, BannerDisagreement, Scalar, SweepCell, SweepRule
 from kvdiag.scenario.models import EngineSpec, Scenario
 
 BANNER_RULE = ("risk ⇔ prealloc on and pages per layer (mem_size_per_layer / page_size) ≤ min_reserved_pages, "

@@ -13,8 +13,9 @@ from typing import Any
 from kvdiag import __version__
 from kvdiag.bundle.io import atomic_write_text
 from kvdiag.errors import UsageError
-from kvdiag.model import SweepReport
-from kvdiag.report.sweep import render_sweep_html, render_sweep_text
+from kvdiag.model.sweep import SweepReport
+from kvdiag.report.sweep import SWEEP_RENDERERS, render_sweep_html
+from kvdiag.report.sweepview import sweep_view
 from kvdiag.runs.sweep.axes import Axis, cell_scenario, parse_vary, unique_labels
 from kvdiag.runs.sweep.execute import RUN_SLACK_S, CellSpec, Progress, SweepExecutor, SweepStore
 from kvdiag.runs.sweep.plan import Params, SweepPlan, cell_key
@@ -148,9 +149,10 @@ def _check_folder(cfg: SweepConfig) -> None:
 
 
 def write_reports(out_dir: Path, report: SweepReport) -> dict[str, Path]:
-    paths = {"report.json": out_dir / "report.json", "report.html": out_dir / "report.html"}
-    atomic_write_text(paths["report.json"], report.model_dump_json(indent=1) + "\n")
-    atomic_write_text(paths["report.html"], render_sweep_html(report))
+    view = sweep_view(report)
+    paths = {name: out_dir / name for name in SWEEP_RENDERERS}
+    for name, render in SWEEP_RENDERERS.items():   # report.json first: it is the contract
+        atomic_write_text(paths[name], render(view))
     return paths
 
 
@@ -166,12 +168,9 @@ def rerender_sweep(folder: Path, html: Path | None, out: Path | None) -> dict[st
         raise UsageError(f"{folder}: unreadable sweep report.json: {exc}") from None
     target = html if html is not None else (out or folder) / "report.html"
     try:
-        atomic_write_text(target, render_sweep_html(report))
+        atomic_write_text(target, render_sweep_html(sweep_view(report)))
     except OSError as exc:
         raise UsageError(f"cannot write the report: {exc.strerror or exc}",
                          hint="pass --out DIR or --html FILE pointing at a writable place") from None
     return {"report.html": target}
 
-
-def summary_text(report: SweepReport) -> str:
-    return render_sweep_text(report)

@@ -7,19 +7,11 @@ from collections.abc import Sequence
 
 from kvdiag.errors import ExitCode
 from kvdiag.kvcached.banner import assess_risk_for
-from kvdiag.model import (
-    ABRates,
-    BannerInfo,
-    RateLine,
-    Report,
-    SweepCell,
-    SweepReport,
-    SweepRule,
-    SweepRun,
-    TimelineEvent,
-    VerdictKind,
-)
+from kvdiag.model.kinds import VerdictKind
+from kvdiag.model.report import Report
+from kvdiag.model.run import BannerInfo, TimelineEvent
 from kvdiag.model.scalar import show_scalar
+from kvdiag.model.sweep import ABRates, RateLine, SweepCell, SweepReport, SweepRule, SweepRun
 from kvdiag.runs.sweep.rates import clopper_pearson, distribution, rate_text
 from kvdiag.runs.sweep.rule import banner_check, infer_rule, rule_predicts
 

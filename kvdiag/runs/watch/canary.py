@@ -23,12 +23,10 @@ from typing import Any
 
 import httpx
 
-from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S
+from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S, Clock
 from kvdiag.runs.watch.events import PROBE, PROBE_ANSWERED, PROBE_FAILED, WatchEvent
 from kvdiag.runs.watch.sentinel import EngineTracker
 from kvdiag.watch.reading import Look
-
-Clock = Callable[[], float]
 
 PROMPT = "kvdiag readiness probe"
 USER_AGENT = "kvdiag-watch-probe"

@@ -12,12 +12,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvdiag.capture.locate import Located
+from kvdiag.defaults import Clock
 from kvdiag.osread.ptable import alive
 from kvdiag.osread.stat import read_stat
 from kvdiag.osread.tasks import read_wchan
 from kvdiag.watch.reading import CoreSample
-
-Clock = Callable[[], float]
 
 
 def sample_core(pid: int) -> CoreSample | None:
@@ -61,4 +60,4 @@ class LocalEngine:
         return self.server_pid, core
 
 
-__all__ = ["LocalEngine", "Located", "sample_core"]
+__all__ = ["LocalEngine", "sample_core"]

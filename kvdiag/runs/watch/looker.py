@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import httpx
 
+from kvdiag.defaults import Clock
 from kvdiag.runs.watch.local import LocalEngine
 from kvdiag.watch.metrics import parse_server_metrics
 from kvdiag.watch.reading import Look
-
-Clock = Callable[[], float]
 
 
 @dataclass

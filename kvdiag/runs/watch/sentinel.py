@@ -17,8 +17,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvdiag.defaults import Clock
 from kvdiag.errors import ExitCode
-from kvdiag.model import MetricsSnapshot
+from kvdiag.model.run import MetricsSnapshot
 from kvdiag.runs.watch.events import (
     ERROR,
     RECOVERED,
@@ -33,8 +34,6 @@ from kvdiag.runs.watch.events import (
 )
 from kvdiag.watch.reading import CoreSample, Look
 from kvdiag.watch.stall import ServingStall
-
-Clock = Callable[[], float]
 
 # A start time that moved by more than this is another process (the exposition rounds it).
 _START_TIME_SLACK_S = 1.0

@@ -25,9 +25,12 @@ from kvdiag import interrupts
 from kvdiag.capture.locate import locate, url_host_port
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS, make_backends
 from kvdiag.capture.select import capture_scope
-from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S, WATCH_WINDOW_S
+from kvdiag.defaults import DEFAULT_PROBE_PERIOD_S, WATCH_WINDOW_S, Clock
 from kvdiag.errors import UsageError
-from kvdiag.model import Bundle, EnginePhase, EngineRecord, TimelineEvent, Verdict
+from kvdiag.model.bundle import Bundle
+from kvdiag.model.kinds import EnginePhase
+from kvdiag.model.run import EngineRecord, TimelineEvent
+from kvdiag.model.verdict import Verdict
 from kvdiag.osread.stat import read_stat
 from kvdiag.runs.capture import capture_run
 from kvdiag.runs.fleet.ray import capture_cluster
@@ -156,7 +159,7 @@ def _add_watch_record(bundle: Bundle, req: CaptureRequest) -> None:
 
 
 def capture_stall(req: CaptureRequest, announce: Callable[[CaptureResult], None], opts: WatchOptions, t0: float,
-                  clock: Callable[[], float], human: Callable[[str], None] = lambda line: None) -> CaptureResult:
+                  clock: Clock, human: Callable[[str], None] = lambda line: None) -> CaptureResult:
     """Capture the stalled EngineCore's tree read-only into a report folder under --out (as ``kvdiag capture
     --engine-core-of``; with --ray, every node of the cluster as ``kvdiag capture --ray``), with the watch's
     metrics and timeline in the bundle; ``announce`` the verdict as soon as the evidence is in; prune to --keep."""
@@ -220,7 +223,7 @@ def status_line(tr: EngineTracker, look: Look, took_s: float) -> str:
 class _StatusLines:
     """Every look with --verbose, else one line per engine every ``every_s``."""
 
-    def __init__(self, human: Callable[[str], None], verbose: bool, clock: Callable[[], float],
+    def __init__(self, human: Callable[[str], None], verbose: bool, clock: Clock,
                  every_s: float = 60.0) -> None:
         self.human, self.verbose, self.clock, self.every_s = human, verbose, clock, every_s
         self._last: dict[str, float] = {}
@@ -245,7 +248,7 @@ class _StopFlag:
 
 
 def run_watch(opts: WatchOptions, stdout: TextIO, human: Callable[[str], None],
-              clock: Callable[[], float] = time.monotonic) -> WatchOutcome:
+              clock: Clock = time.monotonic) -> WatchOutcome:
     """Watch until stopped (SIGTERM/SIGHUP, --duration) or, with --once, until a stall is named."""
     flag = _StopFlag()
     sink = EventSink(stdout, human)
