@@ -15,6 +15,7 @@ from kvdiag.model.bundle import Bundle
 from kvdiag.model.sweep import SweepAxis, SweepCell, SweepReport, SweepRun
 from kvdiag.report import run_view, write_view
 from kvdiag.report.sweep import render_sweep_html
+from kvdiag.report.sweepview import sweep_view
 from kvdiag.runs.sweep.summarize import conclude
 
 BUNDLE = Path(__file__).resolve().parents[1] / "fixtures" / "bundles" / "soak_gil_cycle" / "bundle.json"
@@ -78,8 +79,8 @@ def test_sweep_ab_and_watch_pages_read_in_a_browser(tmp_path: Path) -> None:
     if browser is None:
         pytest.skip("chromium is not installed (Debian: apt-get install -y chromium)")
     sweep, ab = tmp_path / "sweep.html", tmp_path / "ab.html"
-    sweep.write_text(render_sweep_html(_sweep()))
-    ab.write_text(render_sweep_html(_ab()))
+    sweep.write_text(render_sweep_html(sweep_view(_sweep())))
+    ab.write_text(render_sweep_html(sweep_view(_ab())))
     pages = {"sweep": (sweep, 10, 12), "ab": (ab, 0, 2), "watch": (_watch_page(tmp_path / "watch"), 10, 0)}
     for name, (page, code, cells) in pages.items():
         seen = evaluate(browser, page, _LAYOUT, tmp_path / f"{name}-browser")

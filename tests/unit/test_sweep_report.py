@@ -120,12 +120,12 @@ def test_a_one_axis_grid_and_an_ab_page_say_each_thing_once() -> None:
                  verdict="gil_cycle" if a == "stock" else "healthy") for i in range(2)]) for a in ("stock", "fixed")]
     ab = conclude(SweepReport(command="ab", axes=axes, repeat=2, finished=True, cells=cells))
     assert ab.ab is not None
-    page = render_sweep_html(ab)
+    page = render_sweep_html(sweep_view(ab))
     main = page.split("<main>", 1)[1]
     assert main.count(html_escape(ab.ab.text)) == 1, main[:1500]
     grid = main.split("<h2>Phase diagram</h2>", 1)[1].split("<h2>", 1)[0]
     assert "rows ↑" not in grid and "all cells" not in grid and "columns → allocator" in grid
-    three = render_sweep_html(_report()).split("<h2>Phase diagram</h2>", 1)[1].split("<h2>", 1)[0]
+    three = render_sweep_html(sweep_view(_report())).split("<h2>Phase diagram</h2>", 1)[1].split("<h2>", 1)[0]
     assert "rows ↑ tag" in three and "columns → kv_per_layer_mb" in three and "min_reserved_pages=1" in three
 
 
