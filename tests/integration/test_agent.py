@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.agent.protocol import ENABLE_ENV
+from kvdiag.agent.protocol import DIR_ENV, ENABLE_ENV, ArmedRecord
 from kvdiag.analyze import analyze
 from kvdiag.capture.agent import Armed, armed, parse_dump, request_dump
 from kvdiag.capture.bundle import capture_tree
@@ -213,3 +213,56 @@ def test_agent_after_the_kernel_refused_every_attach(tmp_path: Path) -> None:
     assert got["kind"] == "gil_cycle", got
     assert got["tools"]["agent"][0] and not got["tools"]["pystack"][0], got["tools"]
     assert any("refused every ptrace tool's attach" in p for p in got["paths"]), got["paths"]
+
+
+_PARKED = "import sys, time; print('up', flush=True); time.sleep(float(sys.argv[1]))"
+
+
+@contextmanager
+def _parked(env: dict[str, str], bound_s: float = 60.0) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", _PARKED, str(bound_s)], stdout=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def test_a_record_left_by_a_target_killed_with_sigkill_is_ignored_and_removed(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = tmp_path / "agent"
+    monkeypatch.setenv(DIR_ENV, str(directory))
+    env = {**AGENT_ENV, DIR_ENV: str(directory)}
+    gone, gone2 = subprocess.Popen(["true"]), subprocess.Popen(["true"])
+    gone.wait(timeout=10)
+    gone2.wait(timeout=10)
+    with _parked(env) as live, _parked(env) as victim, _parked({**os.environ, DIR_ENV: str(directory)}) as plain:
+        _wait_armed(live.pid)
+        arm = _wait_armed(victim.pid)
+        assert arm.directory == directory
+        # What kvdiag did not write stays, whoever's pid it names: a note, a link, a record-named file of
+        # another format, a record that names another pid.
+        foreign = {"notes.txt": "mine", f"{gone.pid}.armed": "not a record\n",
+                   f"{gone2.pid}.armed": ArmedRecord(gone.pid, 1, 40, 41, "3").render()}
+        for name, text in foreign.items():
+            (directory / name).write_text(text)
+        os.symlink(directory / "notes.txt", directory / f"{gone.pid}.7.dump")
+        # A record for a live pid with another start time: that pid was reused since the record was written.
+        reused = directory / f"{plain.pid}.armed"
+        reused.write_text(ArmedRecord(plain.pid, 1, arm.record.trigger, arm.record.thread, "3").render())
+        (directory / f"{victim.pid}.5.tmp").write_text("a dump cut short")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        record = directory / f"{victim.pid}.armed"
+        assert record.exists()        # SIGKILL: the agent had no chance to remove it
+        got, why = armed(victim.pid)
+        assert got is None and "gone" in why
+        assert not record.exists() and not (directory / f"{victim.pid}.5.tmp").exists() and not reused.exists()
+        reused.write_text(ArmedRecord(plain.pid, 1, arm.record.trigger, arm.record.thread, "3").render())
+        got, why = armed(plain.pid)
+        assert got is None and "earlier process" in why and not reused.exists()
+        assert armed(live.pid)[0] is not None and (directory / f"{live.pid}.armed").exists()
+        assert {p.name for p in directory.iterdir()} == {*foreign, f"{gone.pid}.7.dump", f"{live.pid}.armed"}
