@@ -266,3 +266,32 @@ def test_a_record_left_by_a_target_killed_with_sigkill_is_ignored_and_removed(tm
         assert got is None and "earlier process" in why and not reused.exists()
         assert armed(live.pid)[0] is not None and (directory / f"{live.pid}.armed").exists()
         assert {p.name for p in directory.iterdir()} == {*foreign, f"{gone.pid}.7.dump", f"{live.pid}.armed"}
+
+
+_NODE = """
+import json, sys
+from pathlib import Path
+from kvdiag.analyze import analyze
+from kvdiag.bundle.io import load_bundle
+from kvdiag.capture.orchestrate import DEFAULT_BACKENDS
+from kvdiag.runs.fleet.node import capture_on_node
+from kvdiag.runs.fleet.pack import unpack_dir
+out = capture_on_node([int(sys.argv[1])], 10.0, list(DEFAULT_BACKENDS), "test")
+unpack_dir(out["pack"], Path(sys.argv[2]))
+bundle, _ = load_bundle(Path(sys.argv[2]))
+print(json.dumps({"kind": analyze(bundle).kind.value,
+                  "paths": [f.message for f in bundle.findings if f.kind == "capture_path"]}))
+"""
+
+
+def test_a_fleet_node_capture_reads_an_armed_process_through_the_agent(tmp_path: Path) -> None:
+    # What a fleet capture runs on each node (capture_on_node), on a node where ptrace is refused.
+    with hk.running("gil_cycle", env=AGENT_ENV) as h:
+        _wait_armed(h.pid)
+        env = {k: v for k, v in os.environ.items() if k != ENABLE_ENV}
+        r = subprocess.run([sys.executable, str(FIXTURES / "no_ptrace.py"), sys.executable, "-c", _NODE, str(h.pid),
+                            str(tmp_path / "node")], capture_output=True, text=True, timeout=90, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["kind"] == "gil_cycle", got
+    assert any(p.startswith(f"pid {h.pid}: read through kvdiag's in-process agent") for p in got["paths"]), got
