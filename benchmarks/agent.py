@@ -18,7 +18,7 @@ round with its 95 % interval and the same-server noise floor; the armed server's
 process; then the plugin's GIL cycle injected in the armed EngineCore, captured under the seccomp filter.
 
     python benchmarks/agent.py [--corpus pick|all] [--only NAME ...] [--skip-vllm] [--skip-corpus] [--no-tp2]
-                               [--pairs 40] [--jobs 3] [--write FILE]
+                               [--pairs 150] [--jobs 3] [--write FILE]
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def main() -> None:
     ap.add_argument("--skip-vllm", action="store_true")
     ap.add_argument("--skip-corpus", action="store_true")
     ap.add_argument("--no-tp2", action="store_true", help="without the TP=2 repro")
-    ap.add_argument("--pairs", type=int, default=40, help="paired rounds armed/not (at most --pairs-budget-s)")
-    ap.add_argument("--pairs-budget-s", type=float, default=45.0)
+    ap.add_argument("--pairs", type=int, default=150, help="paired rounds armed/not (at most --pairs-budget-s)")
+    ap.add_argument("--pairs-budget-s", type=float, default=60.0)
     ap.add_argument("--jobs", type=int, default=3, help="corpus programs at a time")
     ap.add_argument("--write", type=Path, default=None, help="also write the table to this file")
     args = ap.parse_args()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -65,6 +66,7 @@ def test_gil_cycle_named_through_the_agent_alone_under_a_seccomp_filter(tmp_path
     (proc,) = [p for p in bundle["processes"] if p["pid"] == h.pid]
     tools = {t["tool"]: t for t in proc["tools"]}
     assert tools["agent"]["ok"] and tools["pystack"]["skipped"] and tools["gdb"]["skipped"], tools
+    assert tools["proc"]["ok"], tools     # /proc needs no ptrace: its readings join the agent's
     holder = next(t for t in proc["threads"] if t["tid"] == h.pid)
     assert holder["gil_by_tool"]["agent"] == GilState.HOLDS.value
     assert any(f["name"] == "alloc_page" for f in holder["frames_by_tool"]["agent"])
@@ -295,3 +297,56 @@ def test_a_fleet_node_capture_reads_an_armed_process_through_the_agent(tmp_path:
     got = json.loads(r.stdout.strip().splitlines()[-1])
     assert got["kind"] == "gil_cycle", got
     assert any(p.startswith(f"pid {h.pid}: read through kvdiag's in-process agent") for p in got["paths"]), got
+
+
+_SLEEPERS = """
+import ctypes, sys, threading, time
+libc = ctypes.CDLL(None)
+ids = []
+def csleep():
+    ids.append(threading.get_native_id())
+    libc.sleep(60)
+    print("woke", flush=True)
+def timed():
+    ids.append(threading.get_native_id())
+    c = threading.Condition()
+    with c:
+        c.wait(60)
+threading.Thread(target=csleep, daemon=True).start()
+time.sleep(0.2)
+threading.Thread(target=timed, daemon=True).start()
+time.sleep(0.2)
+print(*ids, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_sleep_resumed_after_a_stop_is_not_woken_and_a_timed_wait_is_read() -> None:
+    # After SIGSTOP/SIGCONT (or a debugger) both a C sleep() and a timed futex wait sit in restart_syscall:
+    # a handler would end the sleep early, while a timed wait (a GIL waiter's) must still be read.
+    proc = subprocess.Popen([sys.executable, "-c", _SLEEPERS, "30"], stdout=subprocess.PIPE, text=True,
+                            env=AGENT_ENV, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        sleeper, waiter = map(int, proc.stdout.readline().split())
+        arm = _wait_armed(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        out = request_dump(proc.pid, arm, 5.0)
+        assert out.text is not None, out.error
+        dump = parse_dump(out.text)
+        assert dump is not None
+        states = {t.tid: t.state for t in dump.threads}
+        # the waiter is signalled (a thread kept off a loaded CPU past the 300 ms collect may miss it: noanswer)
+        assert states[sleeper] == "asleep" and states[waiter] in ("answered", "noanswer"), states
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        assert not ready, "the C sleep() ended early"
+        assert proc.poll() is None
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
