@@ -193,7 +193,7 @@ _ATTACH_TIME = """
 import json, sys
 from pathlib import Path
 import kvdiag.capture.agent as agent
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.capture.bundle import capture_tree
 # As under an LSM that refuses the attach itself: kvdiag cannot tell beforehand (its probe says ptrace is allowed).
 agent.ptrace_refused_here = lambda: False
@@ -273,7 +273,7 @@ def test_a_record_left_by_a_target_killed_with_sigkill_is_ignored_and_removed(tm
 _NODE = """
 import json, sys
 from pathlib import Path
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.bundle.io import load_bundle
 from kvdiag.capture.orchestrate import DEFAULT_BACKENDS
 from kvdiag.runs.fleet.node import capture_on_node
