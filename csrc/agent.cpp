@@ -19,7 +19,8 @@
 //            parks in its handler at most kParkMs until the trigger handler releases it. A thread that
 //            sleeps uninterruptibly or is gone is written as "noanswer"; one that blocks the thread signal
 //            (its SigBlk, read from /proc/self/task/TID/status) is not signalled and written as "blocked";
-//            nor is one asleep in nanosleep/clock_nanosleep ("asleep": a handler would end its sleep early).
+//            nor is one asleep in nanosleep/clock_nanosleep, or resuming such a sleep after a stop ("asleep":
+//            a handler would end its sleep early).
 //            The interpreter's thread-state list (read as faulthandler reads it) names their Python stacks.
 //   Signals: two real-time signals picked at arm time among those with no handler. Requests are honoured
 //            only from sigqueue(2) by the same uid (or root) naming an existing request file in the
@@ -263,16 +264,8 @@ bool blocks_signal(int tid, int sig) {
     return (mask >> (sig - 1)) & 1ULL;
 }
 
-// Whether thread ``tid`` sleeps in nanosleep/clock_nanosleep (its /proc/self/task/TID/syscall): a handler
-// would end the sleep early (Linux never restarts these), and C code calling sleep() once would wake.
-bool asleep(int tid) {
-#if defined(__x86_64__)
-    constexpr long kNanosleep = 35, kClockNanosleep = 230;
-#elif defined(__aarch64__)
-    constexpr long kNanosleep = 101, kClockNanosleep = 115;
-#else
-    constexpr long kNanosleep = -2, kClockNanosleep = -2;
-#endif
+// Reads /proc/self/task/TID/NAME into buf (NUL-terminated); the byte count, or -1. Signal-safe.
+ssize_t read_task_file(int tid, const char* name, char* buf, size_t size) {
     char path[64];
     const char* head = "/proc/self/task/";
     size_t n = strlen(head);
@@ -282,16 +275,41 @@ bool asleep(int tid) {
     unsigned v = static_cast<unsigned>(tid);
     do { d[k++] = static_cast<char>('0' + v % 10); v /= 10; } while (v && k < 16);
     while (k) path[n++] = d[--k];
-    memcpy(path + n, "/syscall", 9);
+    path[n++] = '/';
+    size_t len = strlen(name);
+    if (n + len + 1 > sizeof(path)) return -1;
+    memcpy(path + n, name, len + 1);
     int fd = open(path, O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return false;
-    char buf[32];
-    ssize_t got = read(fd, buf, sizeof(buf) - 1);
+    if (fd < 0) return -1;
+    ssize_t got = read(fd, buf, size - 1);
     close(fd);
+    buf[got > 0 ? got : 0] = '\0';
+    return got;
+}
+
+// Whether thread ``tid`` sleeps in nanosleep/clock_nanosleep (its /proc/self/task/TID/syscall): a handler
+// would end the sleep early (Linux never restarts these), and C code calling sleep() once would wake.
+// A sleep that a stop (SIGSTOP, a debugger) interrupted resumes in restart_syscall, as do timed futex waits
+// (a GIL waiter's in take_gil, which must be read): there the kernel's wait channel tells them apart, a
+// futex wait naming futex, a resumed sleep naming the nanosleep restart (or only the syscall entry, where
+// that restart is inlined).
+bool asleep(int tid) {
+#if defined(__x86_64__)
+    constexpr long kNanosleep = 35, kClockNanosleep = 230, kRestart = 219;
+#elif defined(__aarch64__)
+    constexpr long kNanosleep = 101, kClockNanosleep = 115, kRestart = 128;
+#else
+    constexpr long kNanosleep = -2, kClockNanosleep = -2, kRestart = -2;
+#endif
+    char buf[64];
+    ssize_t got = read_task_file(tid, "syscall", buf, sizeof(buf));
     if (got <= 0 || buf[0] < '0' || buf[0] > '9') return false;
     long nr = 0;
     for (ssize_t i = 0; i < got && buf[i] >= '0' && buf[i] <= '9'; ++i) nr = nr * 10 + (buf[i] - '0');
-    return nr == kNanosleep || nr == kClockNanosleep;
+    if (nr == kNanosleep || nr == kClockNanosleep) return true;
+    if (nr != kRestart) return false;
+    if (read_task_file(tid, "wchan", buf, sizeof(buf)) <= 0) return false;
+    return strstr(buf, "nanosleep") != nullptr || strcmp(buf, "do_syscall_64") == 0;
 }
 
 // Every thread state of every interpreter: its pthread id and kernel tid, so the Python stack of a thread

@@ -19,7 +19,14 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvdiag.agent.protocol import ArmedRecord, agent_dir, armed_name, ensure_private_dir, starttime_of
+from kvdiag.agent.protocol import (
+    ArmedRecord,
+    agent_dir,
+    armed_name,
+    ensure_private_dir,
+    prune_stale,
+    starttime_of,
+)
 
 NATIVE_ENV = "KVDIAG_AGENT_NATIVE"   # where the dumper is when kvdiag is only on PYTHONPATH (a staged plugin)
 _state: dict[str, object] = {}
@@ -54,25 +61,6 @@ def _own_starttime() -> int:
     if started is None:
         raise OSError("cannot read /proc/self/stat")
     return started
-
-
-def _prune(directory: Path) -> None:
-    """Remove the armed records of processes that are gone (one killed with SIGKILL never removed its own):
-    a record whose pid no longer exists, or exists with another start time."""
-    for path in directory.glob("*.armed"):
-        try:
-            record = ArmedRecord.parse(path.read_text(encoding="ascii"))
-            if record is None or str(record.pid) != path.name.split(".")[0]:
-                continue
-            try:
-                with open(f"/proc/{record.pid}/stat", encoding="ascii") as fh:
-                    alive = starttime_of(fh.read()) == record.starttime
-            except FileNotFoundError:
-                alive = False
-            if not alive:
-                path.unlink()
-        except (OSError, UnicodeDecodeError):
-            continue
 
 
 def _write_armed(directory: Path, trigger: int, thread: int) -> Path:
@@ -130,7 +118,7 @@ def arm() -> Path:
     _dumper.install()
     _state.update(dir=directory, trigger=trigger, thread=thread)
     _state["armed"] = _write_armed(directory, trigger, thread)
-    _prune(directory)
+    prune_stale(directory)   # records of processes killed with SIGKILL, which never removed their own
     atexit.register(_forget)
     os.register_at_fork(after_in_child=_after_fork_in_child)
     return _state["armed"]  # type: ignore[return-value]

@@ -5,11 +5,17 @@ The directory is per user, 0700 and owned by that user: ``$KVDIAG_AGENT_DIR``, e
 ``/dev/shm/kvdiag-agent-UID`` (shared by the containers of one pod), else ``$TMPDIR/kvdiag-agent-UID``.
 In it, per armed process ``PID.armed`` (written at arm time), and per request ``PID.NONCE.req``
 (kvdiag's), ``PID.NONCE.tmp`` while the agent writes and ``PID.NONCE.dump`` once complete.
+
+A process killed with SIGKILL leaves its ``PID.armed`` behind. Readers never trust one: it names the pid's
+start time, checked against /proc. :func:`prune_stale` removes such leftovers, and only those: in the
+private directory, regular files of ours, named as kvdiag names them, for a pid that is gone (an armed
+record also when its pid now belongs to a later process).
 """
 
 from __future__ import annotations
 
 import os
+import re
 import stat
 import tempfile
 from dataclasses import dataclass
@@ -108,3 +114,95 @@ def starttime_of(stat_text: str) -> int | None:
         return int(stat_text[stat_text.rindex(")") + 2:].split()[19])
     except (ValueError, IndexError):
         return None
+
+
+_ARMED_FILE = re.compile(r"^(\d+)\.armed$")
+# What else kvdiag leaves keyed by a pid: requests and dumps (NONCE), an armed record being written, one set aside.
+_PID_FILE = re.compile(r"^(\d+)\.(?:\d+\.(?:req|tmp|dump)|armed\.tmp|armed\.stale\.\d+)$")
+_RECORD_MAX = 4096
+
+
+def proc_starttime(pid: int) -> int | None:
+    """The start time of ``pid`` (/proc/PID/stat field 22), None when it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as fh:
+            return starttime_of(fh.read())
+    except OSError:
+        return None
+
+
+def _ours(st: os.stat_result, uid: int) -> bool:
+    return stat.S_ISREG(st.st_mode) and st.st_uid == uid
+
+
+def _remove_stale_record(path: Path, pid: int, uid: int) -> bool:
+    """Remove the armed record ``path`` when the process it names is no longer running; True when removed.
+
+    Read through a descriptor that follows no link; removed by renaming it aside first and checking that the
+    file set aside is the one read: a process that took the pid over and armed in between (its record
+    replaces the file atomically) keeps its record."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        seen = os.fstat(fd)
+        if not _ours(seen, uid) or seen.st_size > _RECORD_MAX:
+            return False
+        record = ArmedRecord.parse(os.read(fd, _RECORD_MAX).decode("ascii"))
+    except (OSError, UnicodeDecodeError):
+        return False
+    finally:
+        os.close(fd)
+    if record is None or record.pid != pid or proc_starttime(pid) == record.starttime:
+        return False
+    aside = path.with_name(f"{path.name}.stale.{os.getpid()}")
+    try:
+        os.rename(path, aside)
+    except OSError:
+        return False
+    try:
+        now = os.lstat(aside)
+        if (now.st_dev, now.st_ino) == (seen.st_dev, seen.st_ino):
+            os.unlink(aside)
+            return True
+        try:
+            os.link(aside, path)     # a newer record moved aside by mistake: back, never over a newer one
+        except OSError:
+            pass
+        os.unlink(aside)
+    except OSError:
+        pass
+    return False
+
+
+def prune_stale(directory: Path, uid: int | None = None) -> list[str]:
+    """Remove from the private agent ``directory`` what kvdiag left there for processes that are gone (a
+    target killed with SIGKILL never removes its own armed record); the names removed. Anything not named
+    the way kvdiag names its files, not a regular file, or not ``uid``'s is left alone, as is every file of
+    a live pid (an armed record whose pid is live with another start time is stale: that pid was reused)."""
+    who = os.getuid() if uid is None else uid
+    if private_dir_problem(directory, who) is not None:
+        return []
+    removed: list[str] = []
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    for name in names:
+        path = directory / name
+        armed = _ARMED_FILE.match(name)
+        if armed:
+            if _remove_stale_record(path, int(armed.group(1)), who):
+                removed.append(name)
+            continue
+        other = _PID_FILE.match(name)
+        if other is None or proc_starttime(int(other.group(1))) is not None:
+            continue
+        try:
+            if _ours(os.lstat(path), who):
+                os.unlink(path)
+                removed.append(name)
+        except OSError:
+            continue
+    return removed

@@ -255,7 +255,10 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
             kind = WaitKind.IO_READ
         elif any(wchan.startswith(w) for w in v.WCHAN_EVENT) or (nr is not None and nr in sysnames["event"]):
             kind = WaitKind.EVENT_WAIT
-        elif any(wchan.startswith(w) for w in v.WCHAN_SLEEP) or (nr is not None and nr in sysnames["sleep"]):
+        elif any(wchan.startswith(w) for w in v.WCHAN_SLEEP) or (nr is not None and nr in sysnames["sleep"]) or (
+                nr is not None and nr in sysnames["restart"]):
+            # restart_syscall: a timed wait (a sleep, a timed futex or poll) resumed after a stop; it ends by
+            # itself like a sleep, and the kernel no longer says which it was.
             kind = WaitKind.SLEEP
         elif th.futex_addr is not None or any(wchan.startswith(w) for w in v.WCHAN_FUTEX) or (
                 nr is not None and nr in sysnames["futex"]):
@@ -263,6 +266,8 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
             kind = WaitKind.MUTEX_WAIT if op == 0 or th.futex_owner_tid else WaitKind.FUTEX_WAIT
         if kind is not None:
             wait_frame = f"wchan {wchan}" if wchan else f"syscall {nr}"
+            if nr is not None and nr in sysnames["restart"]:
+                wait_frame = "restart_syscall (a timed wait resumed after a stop)"
     if view.waits_gil:
         kind = WaitKind.GIL_WAIT
         wait_frame = gil_frame or wait_frame

@@ -34,6 +34,7 @@ from kvdiag.agent.protocol import (
     agent_dir,
     armed_name,
     private_dir_problem,
+    prune_stale,
     request_name,
     starttime_of,
 )
@@ -71,10 +72,26 @@ def _dir_for(pid: int, uid: int | None) -> Path:
     return Path(explicit) if explicit else agent_dir(uid)
 
 
+_PRUNE_EVERY_S = 30.0
+_pruned_at: dict[Path, float] = {}
+
+
+def _prune(directory: Path, force: bool = False) -> None:
+    """Remove the records and requests that processes gone without cleaning up left in our agent directory
+    (a target killed with SIGKILL): at most every ``_PRUNE_EVERY_S`` per directory unless ``force``."""
+    now = time.monotonic()
+    last = _pruned_at.get(directory)
+    if not force and last is not None and now - last < _PRUNE_EVERY_S:
+        return
+    _pruned_at[directory] = now
+    prune_stale(directory)
+
+
 def armed(pid: int) -> tuple[Armed | None, str]:
     """The agent armed in ``pid``, else None and why not (one line)."""
     status = read_status(pid)
     if status is None:
+        _prune(agent_dir(), force=True)
         return None, f"pid {pid} is gone"
     directory = _dir_for(pid, status.uid)
     problem = private_dir_problem(directory)
@@ -83,6 +100,7 @@ def armed(pid: int) -> tuple[Armed | None, str]:
         started = env is not None and env.get(ENABLE_ENV) == "1"
         return None, (f"the agent directory is not usable ({problem})" if started
                       else f"pid {pid} was not started with {ENABLE_ENV}=1")
+    _prune(directory)
     text = read_text(directory / armed_name(pid))
     record = ArmedRecord.parse(text) if text else None
     if record is None or record.pid != pid:
@@ -93,6 +111,7 @@ def armed(pid: int) -> tuple[Armed | None, str]:
         return None, f"pid {pid} was not started with {ENABLE_ENV}=1"
     stat = read_text(f"/proc/{pid}/stat")
     if stat is None or starttime_of(stat) != record.starttime:
+        _prune(directory, force=True)
         return None, f"the agent record for pid {pid} belongs to an earlier process with that pid"
     if status.sig_caught is None or not status.sig_caught >> (record.trigger - 1) & 1:
         return None, f"pid {pid} has no handler for the agent's signal {record.trigger} (it exec'd, or exited)"

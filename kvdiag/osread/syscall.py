@@ -14,19 +14,23 @@ import platform
 # epoll: epoll_wait/epoll_pwait (first argument the epoll fd, fourth the timeout);
 # event: any wait for an event source (poll, select, epoll, accept, pause, signals, io_uring); sleep:
 # nanosleep family; futex; yield: sched_yield; flock, fcntl (F_SETLKW waits for a record lock); open: open,
-# openat, openat2 (the path is the first argument of open, the second of the others).
+# openat, openat2 (the path is the first argument of open, the second of the others); restart: restart_syscall,
+# where a timed wait (nanosleep, a futex wait with a timeout, poll/select with one) resumes after a stop (a
+# debugger's attach, SIGSTOP/SIGCONT), with no argument saying which it was.
 SYSCALLS: dict[str, dict[str, frozenset[int]]] = {
     "x86_64": {"read": frozenset({0, 17, 19, 45, 47, 295, 299}), "epoll": frozenset({232, 281}),
                "write": frozenset({1, 18, 20, 44, 46, 296, 307}), "wait4": frozenset({61}), "waitid": frozenset({247}),
                "event": frozenset({7, 23, 232, 281, 270, 271, 288, 43, 441, 34, 130, 128}),
                "sleep": frozenset({35, 230}), "futex": frozenset({202}), "yield": frozenset({24}),
-               "flock": frozenset({73}), "fcntl": frozenset({72}), "open": frozenset({2, 257, 437})},
+               "flock": frozenset({73}), "fcntl": frozenset({72}), "open": frozenset({2, 257, 437}),
+               "restart": frozenset({219})},
     "aarch64": {"read": frozenset({63, 65, 67, 69, 207, 212, 243}), "epoll": frozenset({22}),
                 "write": frozenset({64, 66, 68, 206, 211, 70, 269}), "wait4": frozenset({260}),
                 "waitid": frozenset({95}),
                 "event": frozenset({73, 72, 22, 242, 202, 133, 137, 441}),
                 "sleep": frozenset({101, 115}), "futex": frozenset({98}), "yield": frozenset({124}),
-                "flock": frozenset({32}), "fcntl": frozenset({25}), "open": frozenset({56, 437})},
+                "flock": frozenset({32}), "fcntl": frozenset({25}), "open": frozenset({56, 437}),
+                "restart": frozenset({128})},
 }
 # poll/ppoll: nr -> index of the int timeout argument; -1 for ppoll, whose timeout is a pointer (NULL: forever).
 POLL_TIMEOUT_ARG: dict[str, dict[int, int]] = {"x86_64": {7: 2, 271: -1}, "aarch64": {73: -1}}

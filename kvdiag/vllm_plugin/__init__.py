@@ -19,6 +19,8 @@ With the stock allocator and the seed's engine-2 pool (5 pages == min_reserved_p
 for real in the GIL cycle of kvcached issue #371; with the fixed one the engine starts and serves.
 ``KVDIAG_VLLM_STALL_AFTER_S=T`` (optional) injects that same start-up path once, T seconds into
 serving, on the EngineCore main thread: a runtime stall whose cause is known.
+``KVDIAG_VLLM_STALL_WHEN=PATH`` with it (optional) holds that stall back until the file PATH exists as well,
+so a driver can serve measured requests first and inject the stall when it is done.
 ``KVDIAG_VLLM_STEP_DELAY_MS=D`` (optional) makes each EngineCore step with requests D ms longer, the step
 time of a real model (a tiny one steps faster than the API server can stream, so nothing queues in it).
 
@@ -55,6 +57,7 @@ from kvdiag.allocator import kvcached_env_kwargs, make_allocator
 
 ENABLE_ENV = "KVDIAG_VLLM_ALLOCATOR"
 STALL_ENV = "KVDIAG_VLLM_STALL_AFTER_S"
+STALL_WHEN_ENV = "KVDIAG_VLLM_STALL_WHEN"
 HANG_RANK_ENV = "KVDIAG_VLLM_HANG_RANK"
 STEP_DELAY_ENV = "KVDIAG_VLLM_STEP_DELAY_MS"
 BRANCH_ENV = "KVDIAG_VLLM_RANK_BRANCH"
@@ -241,6 +244,7 @@ def _patch(cls: Any, kind: str) -> None:
     per_layer = int(float(_env("KVDIAG_VLLM_KV_PER_LAYER_MB", "11")) * MB)
     # With a hang rank the stall goes into that worker (see _arm_worker_stall), not here.
     stall_after = os.environ.get(STALL_ENV) if _hang_rank() is None else None
+    stall_when = os.environ.get(STALL_WHEN_ENV) or None
     state: dict[str, float | bool] = {"ready_t": 0.0, "stalled": False}
 
     def __init__(self: Any, num_gpu_blocks: int, *args: Any, **kwargs: Any) -> None:
@@ -260,6 +264,8 @@ def _patch(cls: Any, kind: str) -> None:
         if stall_after is None or state["stalled"] or not state["ready_t"]:
             return
         if time.monotonic() - float(state["ready_t"]) < float(stall_after):
+            return
+        if stall_when is not None and not os.path.exists(stall_when):
             return
         state["stalled"] = True
         _log.warning("kvdiag plugin: KVDIAG_VLLM_STALL_AFTER_S=%s: growing the pool by a stock engine-2 pool "
@@ -366,5 +372,6 @@ def rank_local_barrier() -> None:
     get_tp_group().barrier()
 
 
-__all__ = ["BRANCH_ENV", "ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "STEP_DELAY_ENV", "PoolBacking", "build_allocator",
+__all__ = ["BRANCH_ENV", "ENABLE_ENV", "HANG_RANK_ENV", "STALL_ENV", "STALL_WHEN_ENV", "STEP_DELAY_ENV", "PoolBacking",
+           "build_allocator",
            "rank_local_barrier", "register", "take_null_block"]

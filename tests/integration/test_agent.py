@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import select
 import signal
 import socket
 import subprocess
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from kvdiag.agent.protocol import ENABLE_ENV
+from kvdiag.agent.protocol import DIR_ENV, ENABLE_ENV, ArmedRecord
 from kvdiag.analyze.overall import analyze
 from kvdiag.capture.agent import Armed, armed, parse_dump, request_dump
 from kvdiag.capture.bundle import capture_tree
@@ -65,6 +66,7 @@ def test_gil_cycle_named_through_the_agent_alone_under_a_seccomp_filter(tmp_path
     (proc,) = [p for p in bundle["processes"] if p["pid"] == h.pid]
     tools = {t["tool"]: t for t in proc["tools"]}
     assert tools["agent"]["ok"] and tools["pystack"]["skipped"] and tools["gdb"]["skipped"], tools
+    assert tools["proc"]["ok"], tools     # /proc needs no ptrace: its readings join the agent's
     holder = next(t for t in proc["threads"] if t["tid"] == h.pid)
     assert holder["gil_by_tool"]["agent"] == GilState.HOLDS.value
     assert any(f["name"] == "alloc_page" for f in holder["frames_by_tool"]["agent"])
@@ -191,7 +193,7 @@ _ATTACH_TIME = """
 import json, sys
 from pathlib import Path
 import kvdiag.capture.agent as agent
-from kvdiag.analyze import analyze
+from kvdiag.analyze.overall import analyze
 from kvdiag.capture.bundle import capture_tree
 # As under an LSM that refuses the attach itself: kvdiag cannot tell beforehand (its probe says ptrace is allowed).
 agent.ptrace_refused_here = lambda: False
@@ -213,3 +215,138 @@ def test_agent_after_the_kernel_refused_every_attach(tmp_path: Path) -> None:
     assert got["kind"] == "gil_cycle", got
     assert got["tools"]["agent"][0] and not got["tools"]["pystack"][0], got["tools"]
     assert any("refused every ptrace tool's attach" in p for p in got["paths"]), got["paths"]
+
+
+_PARKED = "import sys, time; print('up', flush=True); time.sleep(float(sys.argv[1]))"
+
+
+@contextmanager
+def _parked(env: dict[str, str], bound_s: float = 60.0) -> Iterator[subprocess.Popen[str]]:
+    proc = subprocess.Popen([sys.executable, "-c", _PARKED, str(bound_s)], stdout=subprocess.PIPE, text=True,
+                            env=env, start_new_session=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline() == "up\n"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)
+
+
+def test_a_record_left_by_a_target_killed_with_sigkill_is_ignored_and_removed(tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    directory = tmp_path / "agent"
+    monkeypatch.setenv(DIR_ENV, str(directory))
+    env = {**AGENT_ENV, DIR_ENV: str(directory)}
+    gone, gone2 = subprocess.Popen(["true"]), subprocess.Popen(["true"])
+    gone.wait(timeout=10)
+    gone2.wait(timeout=10)
+    with _parked(env) as live, _parked(env) as victim, _parked({**os.environ, DIR_ENV: str(directory)}) as plain:
+        _wait_armed(live.pid)
+        arm = _wait_armed(victim.pid)
+        assert arm.directory == directory
+        # What kvdiag did not write stays, whoever's pid it names: a note, a link, a record-named file of
+        # another format, a record that names another pid.
+        foreign = {"notes.txt": "mine", f"{gone.pid}.armed": "not a record\n",
+                   f"{gone2.pid}.armed": ArmedRecord(gone.pid, 1, 40, 41, "3").render()}
+        for name, text in foreign.items():
+            (directory / name).write_text(text)
+        os.symlink(directory / "notes.txt", directory / f"{gone.pid}.7.dump")
+        # A record for a live pid with another start time: that pid was reused since the record was written.
+        reused = directory / f"{plain.pid}.armed"
+        reused.write_text(ArmedRecord(plain.pid, 1, arm.record.trigger, arm.record.thread, "3").render())
+        (directory / f"{victim.pid}.5.tmp").write_text("a dump cut short")
+        os.kill(victim.pid, signal.SIGKILL)
+        victim.wait(timeout=10)
+        record = directory / f"{victim.pid}.armed"
+        assert record.exists()        # SIGKILL: the agent had no chance to remove it
+        got, why = armed(victim.pid)
+        assert got is None and "gone" in why
+        assert not record.exists() and not (directory / f"{victim.pid}.5.tmp").exists() and not reused.exists()
+        reused.write_text(ArmedRecord(plain.pid, 1, arm.record.trigger, arm.record.thread, "3").render())
+        got, why = armed(plain.pid)
+        assert got is None and "earlier process" in why and not reused.exists()
+        assert armed(live.pid)[0] is not None and (directory / f"{live.pid}.armed").exists()
+        assert {p.name for p in directory.iterdir()} == {*foreign, f"{gone.pid}.7.dump", f"{live.pid}.armed"}
+
+
+_NODE = """
+import json, sys
+from pathlib import Path
+from kvdiag.analyze.overall import analyze
+from kvdiag.bundle.io import load_bundle
+from kvdiag.capture.orchestrate import DEFAULT_BACKENDS
+from kvdiag.runs.fleet.node import capture_on_node
+from kvdiag.runs.fleet.pack import unpack_dir
+out = capture_on_node([int(sys.argv[1])], 10.0, list(DEFAULT_BACKENDS), "test")
+unpack_dir(out["pack"], Path(sys.argv[2]))
+bundle, _ = load_bundle(Path(sys.argv[2]))
+print(json.dumps({"kind": analyze(bundle).kind.value,
+                  "paths": [f.message for f in bundle.findings if f.kind == "capture_path"]}))
+"""
+
+
+def test_a_fleet_node_capture_reads_an_armed_process_through_the_agent(tmp_path: Path) -> None:
+    # What a fleet capture runs on each node (capture_on_node), on a node where ptrace is refused.
+    with hk.running("gil_cycle", env=AGENT_ENV) as h:
+        _wait_armed(h.pid)
+        env = {k: v for k, v in os.environ.items() if k != ENABLE_ENV}
+        r = subprocess.run([sys.executable, str(FIXTURES / "no_ptrace.py"), sys.executable, "-c", _NODE, str(h.pid),
+                            str(tmp_path / "node")], capture_output=True, text=True, timeout=90, env=env)
+    assert r.returncode == 0, r.stderr[-3000:]
+    got = json.loads(r.stdout.strip().splitlines()[-1])
+    assert got["kind"] == "gil_cycle", got
+    assert any(p.startswith(f"pid {h.pid}: read through kvdiag's in-process agent") for p in got["paths"]), got
+
+
+_SLEEPERS = """
+import ctypes, sys, threading, time
+libc = ctypes.CDLL(None)
+ids = []
+def csleep():
+    ids.append(threading.get_native_id())
+    libc.sleep(60)
+    print("woke", flush=True)
+def timed():
+    ids.append(threading.get_native_id())
+    c = threading.Condition()
+    with c:
+        c.wait(60)
+threading.Thread(target=csleep, daemon=True).start()
+time.sleep(0.2)
+threading.Thread(target=timed, daemon=True).start()
+time.sleep(0.2)
+print(*ids, flush=True)
+time.sleep(float(sys.argv[1]))
+"""
+
+
+def test_a_sleep_resumed_after_a_stop_is_not_woken_and_a_timed_wait_is_read() -> None:
+    # After SIGSTOP/SIGCONT (or a debugger) both a C sleep() and a timed futex wait sit in restart_syscall:
+    # a handler would end the sleep early, while a timed wait (a GIL waiter's) must still be read.
+    proc = subprocess.Popen([sys.executable, "-c", _SLEEPERS, "30"], stdout=subprocess.PIPE, text=True,
+                            env=AGENT_ENV, start_new_session=True)
+    try:
+        assert proc.stdout is not None
+        sleeper, waiter = map(int, proc.stdout.readline().split())
+        arm = _wait_armed(proc.pid)
+        os.kill(proc.pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5
+        while Path(f"/proc/{proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "T":
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGCONT)
+        time.sleep(0.2)
+        out = request_dump(proc.pid, arm, 5.0)
+        assert out.text is not None, out.error
+        dump = parse_dump(out.text)
+        assert dump is not None
+        states = {t.tid: t.state for t in dump.threads}
+        # the waiter is signalled (a thread kept off a loaded CPU past the 300 ms collect may miss it: noanswer)
+        assert states[sleeper] == "asleep" and states[waiter] in ("answered", "noanswer"), states
+        ready, _, _ = select.select([proc.stdout], [], [], 0.5)
+        assert not ready, "the C sleep() ended early"
+        assert proc.poll() is None
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=10)

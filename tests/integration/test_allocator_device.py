@@ -4,7 +4,6 @@ VMM lock (the fixed allocator's reserve backs off while another process holds it
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -14,6 +13,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from procs import kill_group
 
 from kvdiag import _native as native  # built by the package: a missing build fails, never skips
 from kvdiag.allocator import make_allocator
@@ -44,13 +44,7 @@ def holder(device: str, *args: str) -> Iterator[subprocess.Popen[str]]:
         assert line.startswith("HOLDER READY"), line
         yield proc
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        kill_group(proc, 30)
 
 
 def test_usage_of_a_co_located_process_is_counted_while_it_lives() -> None:

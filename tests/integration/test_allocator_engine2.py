@@ -7,7 +7,6 @@ import os
 import queue
 import re
 import shutil
-import signal
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+from procs import kill_group
 
 from kvdiag import _native as native  # built by the package: a missing build fails, never skips
 
@@ -65,13 +65,7 @@ def engine2(allocator: str, prealloc: str) -> Iterator[Engine2]:
     try:
         yield Engine2(proc)
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
-        if proc.stdout is not None:
-            proc.stdout.close()
+        kill_group(proc, 30)
         # A SIGKILLed fixture cannot remove its modelled device's files itself.
         native.remove_stale_device_files(f"kvdiag-e2-{proc.pid}")
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from procs import reaper_run_id, wait_for
 from steadyload import SteadyLoad, served_model
 from watchproc import WatchProc
 
@@ -58,27 +59,6 @@ engines:
 """
 
 
-def wait_for(cond: Callable[[], object], bound_s: float) -> bool:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return bool(cond())
-
-
-def reaper_run_id(kvdiag_pid: int) -> str | None:
-    """The run id kvdiag handed its reaper (``python -m kvdiag.launch.reaper RUN_ID GRACE KVDIAG_PID``)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            args = [a.decode() for a in Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0") if a]
-        except OSError:
-            continue
-        if "kvdiag.launch.reaper" in args and args[-1] == str(kvdiag_pid):
-            return args[args.index("kvdiag.launch.reaper") + 1]
-    return None
 
 
 class Bystander:

@@ -13,12 +13,12 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import FrameType
 
 import pytest
+from procs import wait_for
 
 from kvdiag.capture.base import BackendResult, failed_run, run_tool
 from kvdiag.capture.orchestrate import capture_processes
@@ -51,15 +51,6 @@ def stopped(pid: int) -> bool:
     state, _, threads = states(pid)
     return state in "Tt" or bool(threads & {"T", "t"})
 
-
-def wait_for(cond: object, bound_s: float = 10.0) -> bool:
-    """Poll ``cond()`` until true or the bound (which only stops a broken test from hanging)."""
-    end = time.monotonic() + bound_s
-    while time.monotonic() < end:
-        if cond():  # type: ignore[operator]
-            return True
-        time.sleep(0.02)
-    return bool(cond())  # type: ignore[operator]
 
 
 class HungAttacher:

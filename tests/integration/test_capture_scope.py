@@ -10,7 +10,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -19,6 +18,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from procs import kill_group
 
 from kvdiag.capture.select import capture_scope, engine_cores_of
 from kvdiag.cli.main import main as kvdiag_main
@@ -50,11 +50,7 @@ def tree(script: str, children: int) -> Iterator[int]:
             time.sleep(0.05)
         yield proc.pid
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+        kill_group(proc, 30)
 
 
 ENGINE_CORES = ("import subprocess, time\n"

@@ -8,7 +8,6 @@ import io
 import json
 import os
 import select
-import signal
 import subprocess
 import time
 from collections.abc import Iterator
@@ -16,6 +15,7 @@ from contextlib import contextmanager, redirect_stderr, redirect_stdout
 from pathlib import Path
 
 import pytest
+from procs import kill_group
 
 from kvdiag.cli.main import main as kvdiag_main
 from kvdiag.ports import free_port
@@ -48,11 +48,7 @@ def gloo_job(tmp: Path, world: int, mode: str, odd: int = 1, bound_s: float = 30
         time.sleep(1.0)   # every rank is past its readiness line and into the step that parks
         yield [int(p) for p in line.split()[1:]]
     finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        proc.wait(timeout=30)
+        kill_group(proc, 30)
 
 
 def capture(pid: int, out: Path) -> tuple[int, dict[str, object], dict[str, object]]:

@@ -9,12 +9,11 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import uuid
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from procs import reaper_run_id, wait_for
 
 from kvdiag.allocator import native_module, remove_device_files
 from kvdiag.sim.harness import SimProcess
@@ -28,28 +27,6 @@ def device_files(name: str) -> list[str]:
     return [p for p in (native.device_account_path(name), native.device_lock_path(name)) if os.path.exists(p)]
 
 
-def wait_for(cond: Callable[[], object], bound_s: float) -> bool:
-    deadline = time.monotonic() + bound_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.1)
-    return bool(cond())
-
-
-def reaper_run_id(kvdiag_pid: int) -> str | None:
-    """The run id kvdiag handed its reaper (``python -m kvdiag.launch.reaper RUN_ID GRACE KVDIAG_PID``)."""
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            argv = Path(f"/proc/{entry}/cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        args = [a.decode() for a in argv if a]
-        if "kvdiag.launch.reaper" in args and args[-1] == str(kvdiag_pid):
-            return args[args.index("kvdiag.launch.reaper") + 1]
-    return None
 
 
 def test_sigkill_of_kvdiag_leaves_no_device_files(tmp_path: Path) -> None:

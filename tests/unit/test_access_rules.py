@@ -172,3 +172,17 @@ def test_preflight_on_real_processes() -> None:
     if is_kernel_thread(2):
         k = check_target(2)
         assert k.kernel_thread and not k.ptrace_ok and k.python is False
+
+
+def test_a_timed_wait_resumed_after_a_stop_is_read_as_a_sleep() -> None:
+    """After SIGSTOP/SIGCONT or a debugger's attach, a thread asleep in nanosleep (or a timed futex or poll) is
+    parked in restart_syscall and its wchan reads do_syscall_64: /proc alone still says it waits by itself."""
+    from kvdiag.analyze.classify import WaitKind, classify_thread
+
+    for machine, nr in (("x86_64", 219), ("aarch64", 128)):
+        th = ThreadEvidence(tid=7, state=ThreadState.SLEEPING, wchan="do_syscall_64", syscall=f"{nr} 0x0 0x0 0x0",
+                            syscall_nr=nr, cpu_ticks_delta=0)
+        proc = ProcessEvidence(pid=7, threads=[th])
+        view = classify_thread(th, proc, machine)
+        assert view.kind is WaitKind.SLEEP, (machine, view.kind)
+        assert "restart_syscall" in (view.wait_frame or "")
