@@ -8,12 +8,15 @@ import socket
 import subprocess
 import sys
 import time
-from multiprocessing import resource_tracker
 from pathlib import Path
+
+import pytest
 
 from kvdiag.capture.discover import multiprocessing_helper
 from kvdiag.capture.orchestrate import capture_processes
 from kvdiag.osread.net import TcpEntry, process_tcp
+
+pytestmark = pytest.mark.timeout(60)   # bounds the reads of the children's output
 
 
 def test_the_tcp_tables_of_one_namespace_are_read_once_and_give_the_same_sockets() -> None:
@@ -35,11 +38,20 @@ def test_the_tcp_tables_of_one_namespace_are_read_once_and_give_the_same_sockets
 
 
 def test_multiprocessing_resource_tracker_is_a_helper_and_a_plain_python_process_is_not() -> None:
-    resource_tracker.ensure_running()
-    tracker = resource_tracker._resource_tracker._pid   # the real tracker this interpreter started
-    assert tracker is not None and multiprocessing_helper(tracker)
-    assert not multiprocessing_helper(os.getpid())
-    assert not multiprocessing_helper(2 ** 22 + 12345)   # no such process
+    # A fresh interpreter starts its real tracker, says its pid and waits (bounded) until told to go.
+    code = ("import sys, time\nfrom multiprocessing import resource_tracker as rt\nrt.ensure_running()\n"
+            "print(rt._resource_tracker._pid, flush=True)\nsys.stdin.readline()\n")
+    owner = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             start_new_session=True)
+    try:
+        assert owner.stdout is not None
+        tracker = int(owner.stdout.readline())
+        assert multiprocessing_helper(tracker)
+        assert not multiprocessing_helper(owner.pid) and not multiprocessing_helper(os.getpid())
+        assert not multiprocessing_helper(2 ** 22 + 12345)   # no such process
+    finally:
+        owner.kill()   # the tracker ends when its last user's pipe closes
+        owner.wait(timeout=10)
 
 
 def test_what_runs_beside_starts_inside_the_window_not_before_it(tmp_path: Path) -> None:
