@@ -303,7 +303,14 @@ def install_info(native: Any) -> tuple[str, str]:
     if info["stock"] != info["fixed"]:
         raise SystemExit(f"stock and fixed were compiled differently, a ratio would compare builds:\n"
                          f"  stock: {info['stock']}\n  fixed: {info['fixed']}")
-    where = f"{kind}: kvdiag from {pkg}, _native from {so}"
+    def short(path: Path) -> str:
+        """The path from the checkout or from site-packages: a results file names no machine's folders."""
+        if path.is_relative_to(ROOT):
+            return str(path.relative_to(ROOT))
+        parts = path.parts
+        return str(Path(*parts[parts.index("site-packages"):])) if "site-packages" in parts else path.name
+
+    where = f"{kind}: kvdiag from {short(pkg)}, _native from {short(so)}"
     return where, info["fixed"]
 
 
