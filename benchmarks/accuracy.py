@@ -52,6 +52,7 @@ from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import ExitStack
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -235,6 +236,19 @@ def capture_cli(root_pid: int, out: Path, timeout_s: float = 10.0) -> tuple[int,
     return proc.returncode, verdict
 
 
+def _stop_prefetch(pending: Future[tuple[ExitStack, Any]] | None, starter: ThreadPoolExecutor | None,
+                   tmp: Path) -> None:
+    """Stop the program started ahead for the next round (if any), the starter thread, and remove ``tmp``."""
+    if pending is not None:
+        try:
+            pending.result()[0].close()
+        except Exception:   # noqa: BLE001 (a program that failed to start: nothing to stop)
+            pass
+    if starter is not None:
+        starter.shutdown(wait=True)
+    shutil.rmtree(tmp, ignore_errors=True)
+
+
 def _blind_start(name: str) -> tuple[ExitStack, blind.Target]:
     stack = ExitStack()
     try:
@@ -280,14 +294,7 @@ def blind_corpus(args: argparse.Namespace) -> int:
                 shutil.copytree(tmp / f"{name}-{run}", args.keep_wrong / f"{name}-{run}", dirs_exist_ok=True)
             shutil.rmtree(tmp / f"{name}-{run}", ignore_errors=True)
     finally:
-        if pending is not None:
-            try:
-                pending.result()[0].close()
-            except Exception:   # noqa: BLE001 (a program that failed to start: nothing to stop)
-                pass
-        if starter is not None:
-            starter.shutdown(wait=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _stop_prefetch(pending, starter, tmp)
 
     width = max(len(n) for n in names) + 1
     print(f"blind corpus: {len(names)} programs x {args.runs} run(s), captured by `kvdiag capture --pid`")
@@ -404,14 +411,7 @@ def main() -> int:
                 keep_bundle(bundle, args.keep_bundles / kind, kind)
             shutil.rmtree(tmp / f"{kind}-{run}", ignore_errors=True)
     finally:
-        if pending is not None:
-            try:
-                pending.result()[0].close()
-            except Exception:   # noqa: BLE001 (a program that failed to start: nothing to stop)
-                pass
-        if starter is not None:
-            starter.shutdown(wait=True)
-        shutil.rmtree(tmp, ignore_errors=True)
+        _stop_prefetch(pending, starter, tmp)
 
     results: dict[str, dict[str, float]] = {}
     for mode in MODES:
