@@ -104,6 +104,10 @@ def _with_ranks(overall: Verdict, bundle: Bundle, ranks: Verdict | None = None) 
     return sign(ranks, bundle)
 
 
+_NOTHING_TO_JUDGE = frozenset({VerdictKind.EXITED, VerdictKind.ZOMBIE, VerdictKind.NOT_PYTHON,
+                               VerdictKind.KERNEL_THREAD})
+
+
 def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdict:
     if not by:
         return Verdict(kind=VerdictKind.HEALTHY, confidence=Confidence.LOW,
@@ -111,7 +115,11 @@ def _worst(by: dict[str, Verdict], bundle: Bundle, whole: bool = True) -> Verdic
     # Of equal severity, a group on a node named as not (fully) captured never heads the verdict: a
     # node whose stack tools were refused may show only Python stacks, too little to lead with.
     partial = tuple(f"{f.node}/" for f in bundle.findings if f.kind == "node_not_captured" and f.node)
-    ranked = sorted(by.items(), key=lambda kv: (severity(kv[1].kind), bool(partial) and kv[0].startswith(partial)))
+    # A group with nothing in it to judge (it exited, a zombie, no Python, a kernel thread) says nothing of the
+    # others: where any other group was judged, it is named beside their verdict, never instead of it.
+    judged = any(v.kind not in _NOTHING_TO_JUDGE for v in by.values())
+    ranked = sorted(by.items(), key=lambda kv: (judged and kv[1].kind in _NOTHING_TO_JUDGE, severity(kv[1].kind),
+                                                bool(partial) and kv[0].startswith(partial)))
     name, worst = ranked[0]
     overall = worst.model_copy(deep=True)
     if whole and len(ranked) > 1 and all(v.kind is VerdictKind.HEALTHY for _, v in ranked):
