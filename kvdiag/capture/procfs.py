@@ -422,6 +422,7 @@ class ProcBackend:
 
 _MAX_POLL_FDS = 64
 _IO_KEYS = ("rchar", "wchar", "syscr", "syscw")
+_WAIT_FIELDS = 5     # a /proc/.../syscall line: the number, then six arguments, the stack and instruction pointers
 
 
 def _observation(a: TaskReading, b: TaskReading | None, sys_a: str | None, sys_b: str | None,
@@ -435,7 +436,10 @@ def _observation(a: TaskReading, b: TaskReading | None, sys_a: str | None, sys_b
 
     same = None
     if sys_a and sys_b and sys_a.strip() != "running" and sys_b.strip() != "running":
-        same = sys_a.split()[:7] == sys_b.split()[:7]
+        # The number and the first four arguments name a wait (the fd, the futex word and op, the timespec); the
+        # last two are often unused by the call and hold whatever the registers held, so a timer loop that sleeps
+        # again in the same call would read as "somewhere else" from them.
+        same = sys_a.split()[:_WAIT_FIELDS] == sys_b.split()[:_WAIT_FIELDS]
     elif (sys_a or "").strip() == "running" or (sys_b or "").strip() == "running":
         same = False
     io = {k: io_b[k] - io_a[k] for k in _IO_KEYS if io_a and io_b and k in io_a and k in io_b}

@@ -93,3 +93,21 @@ def test_waits_for_new_work_are_told_apart_from_outcomes() -> None:
     stuck = [w for w in waits if w.stuck]
     assert len(stuck) == 1 and stuck[0].purpose is WaitPurpose.OUTCOME and "AsyncResult" in stuck[0].what
     assert sum(1 for w in waits if w.purpose is WaitPurpose.NEW_WORK) >= 3   # the pool's threads and workers
+
+
+def test_a_timer_loop_back_in_the_same_sleep_is_not_somewhere_else() -> None:
+    """clock_nanosleep takes four arguments: the last two of a /proc syscall line are whatever the registers held,
+    and a heartbeat loop sleeping again in the same call must not read as having moved (it made a TCP server with
+    a lock-order inversion look alive under load)."""
+    from kvdiag.capture.procfs import _observation
+    from kvdiag.osread.tasks import TaskReading
+
+    a = TaskReading(tid=7, utime=10, stime=0, voluntary=5, nonvoluntary=0)
+    b = TaskReading(tid=7, utime=10, stime=0, voluntary=6, nonvoluntary=0)
+    first = "230 0x1 0x1 0x7ffd32261810 0x0 0x0 0x7f3a00000001 0x7ffd322617f0 0x7f3a1c0e2a3d"
+    again = "230 0x1 0x1 0x7ffd32261810 0x0 0x55d0a0 0x7f3a00000bad 0x7ffd322617f0 0x7f3a1c0e2a3d"
+    obs = _observation(a, b, first, again, None, None)
+    assert obs is not None and obs.same_syscall is True and not obs.advanced
+    other = "202 0x55b6c8ad0300 0x189 0x0 0x0 0x0 0xf 0x7ffd322617f0 0x7f3a1c0e2a3d"
+    moved = _observation(a, b, first, other, None, None)
+    assert moved is not None and moved.same_syscall is False and moved.advanced
