@@ -55,6 +55,7 @@ import hanger_kit as hk  # noqa: E402
 from kvdiag.analyze.overall import analyze  # noqa: E402
 from kvdiag.capture.discover import find_engine_processes  # noqa: E402
 from kvdiag.capture.orchestrate import capture_processes  # noqa: E402
+from kvdiag.launch.owned import OwnedFiles, sweep_shm, vllm_dist_idents  # noqa: E402
 from kvdiag.model.bundle import Bundle  # noqa: E402
 from kvdiag.model.evidence import ProcessEvidence  # noqa: E402
 from kvdiag.model.kinds import ProcessRole  # noqa: E402
@@ -222,6 +223,8 @@ def idle_vllm_tree(tp: int, start_timeout_s: float = 600.0) -> Iterator[int]:
         argv = [str(VLLM_VENV / "bin" / "vllm"), "serve", str(VLLM_MODEL), "--port", str(port), "--enforce-eager",
                 "--dtype", "float32", "--max-model-len", "512", "--kv-cache-memory-bytes", "4M",
                 *(["--tensor-parallel-size", str(tp)] if tp > 1 else [])]
+        started = time.time()
+        owned = OwnedFiles()
         with open(f"{tmp}/serve.log", "wb") as log:
             proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True)
@@ -243,6 +246,7 @@ def idle_vllm_tree(tp: int, start_timeout_s: float = 600.0) -> Iterator[int]:
                   f"{len(process_tree(proc.pid))} processes", flush=True)
             yield proc.pid
         finally:
+            owned.observe(process_tree(proc.pid))   # what the tree holds is what may be removed after it
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(proc.pid, signal.SIGTERM)
             try:
@@ -254,6 +258,8 @@ def idle_vllm_tree(tp: int, start_timeout_s: float = 600.0) -> Iterator[int]:
                 os.killpg(proc.pid, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=10)
+            # vLLM's TP segments outlive a killed tree: kvdiag's own rule removes those it held, once unused.
+            sweep_shm(started, owned.seen, idents=vllm_dist_idents([tmp]))
 
 
 # A `kvdiag capture` run that prints when each phase ends (seconds from the interpreter's start) on
