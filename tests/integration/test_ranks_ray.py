@@ -13,16 +13,13 @@ each job); the same rule on one host is test_ranks_gloo.py.
 
 from __future__ import annotations
 
-import fcntl
 import importlib.metadata
 import json
 import os
 import select
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -64,15 +61,6 @@ _WHY = ray_host.unavailable() or netns_pair.unavailable() or _no_ray_torch_pytho
 pytestmark = [pytest.mark.timeout(360), pytest.mark.skipif(_WHY is not None, reason=str(_WHY))]
 
 
-def _ray_start(host: netns_pair.Host, folder: Path, *args: str) -> None:
-    log = open(folder / f"ray-{host.name}.log", "w")  # noqa: SIM115 - the child's; closed when it ends
-    env = dict(netns_pair._env(), RAY_USAGE_STATS_ENABLED="0")
-    host.popen(str(PYTHON), "-m", "ray.scripts.scripts", "start", "--block", f"--node-ip-address={host.address}",
-               "--num-cpus=1", "--num-gpus=0", f"--resources={{\"n{host.name}\": 1}}",
-               f"--object-store-memory={100 * 1024 * 1024}", f"--temp-dir={folder / host.name}", *args,
-               stdout=log, stderr=log, stdin=None, env=env)
-
-
 @dataclass
 class Cluster:
     net: netns_pair.NetnsPair
@@ -82,20 +70,8 @@ class Cluster:
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
-    folder = Path(tempfile.mkdtemp(prefix="kvrg-"))    # short: Ray's unix socket paths must fit
-    lock = open(ray_host.LOCK, "a")  # noqa: SIM115 - one Ray cluster at a time on the machine
-    fcntl.flock(lock, fcntl.LOCK_EX)
-    try:
-        with netns_pair.NetnsPair(bound_s=600) as net:
-            gcs = f"{net.a.address}:6379"
-            _ray_start(net.a, folder, "--head", "--port=6379", "--include-dashboard=true",
-                       f"--dashboard-host={net.a.address}")
-            _ray_start(net.b, folder, f"--address={gcs}")
-            yield Cluster(net, gcs, folder)
-        assert not net.a.left() and not net.b.left(), "processes of the cluster survived its teardown"
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-        lock.close()
+    with ray_host.two_node_cluster("kvrg-", 600, str(PYTHON), check_left=True) as (net, gcs, folder):
+        yield Cluster(net, gcs, folder)
 
 
 @contextmanager
