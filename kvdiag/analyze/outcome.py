@@ -373,11 +373,11 @@ def health_basis(procs: list[ProcessEvidence], machine: str | None = None) -> tu
     in the window (a thread ran, a process did I/O or wrote its log), or every blocked thread waiting for new
     work (an idle service). Neither: the stacks show no hang pattern, and that is all that is known."""
     live = [p for p in procs if p.alive and p.threads]
-    moved = progress_seen(live, machine)
-    if moved is None:
+    if not observed(live):
         # Where a sample happened to catch a thread (on a CPU or not) is timing, not progress.
         return "the stacks show no hang pattern; progress was not observed (no window)", False
     waits = {p.pid: process_waits(p, machine) for p in live}
+    moved = _advanced(live, waits)
     if moved:
         more = f" and {len(moved) - 3} more" if len(moved) > 3 else ""
         return f"progress observed in the window: {'; '.join(moved[:3])}{more}", True
