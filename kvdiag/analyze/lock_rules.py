@@ -190,7 +190,9 @@ def rule_lost_wakeup(proc: ProcessEvidence, views: list[ThreadView], engine: str
     # A thread in a timed wait, or one that woke during the window, may still signal.
     if possible_signallers(views, [w for w in waiters if not w.is_main], proc):
         return None
-    waiters.sort(key=lambda t: (t.is_main, t.tid))   # the main thread is usually the one joining
+    # The application's waiter first (a thread with Python frames: it waits for an outcome), before a native
+    # library's own threads parked between jobs; then worker threads before the main thread.
+    waiters.sort(key=lambda t: (not any(f.kind == "python" for f in t.frames), t.is_main, t.tid))
     native = [t for t in waiters if t.kind is WaitKind.COND_WAIT]
     first = (native or waiters)[0]
     if native:

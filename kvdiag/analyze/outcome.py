@@ -225,7 +225,12 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
         if words is None and any(s in f.name for f in th.frames[:24] for s in _POOL_FRAMES):
             words = "a thread team's barrier"
         if words is None and not any(f.kind == "python" for f in t.frames):
-            # A native thread on a condvar or futex: a pool's idle worker and a waiter for a result look alike.
+            lib = _parked_native_worker(th, t)
+            if lib is not None:
+                return w(WaitPurpose.NEW_WORK, f"a native library's own worker thread ({lib}), parked in its "
+                                               "start routine's loop between jobs")
+            # A native thread on a condvar or futex deeper in its work: a pool's idle worker and a waiter for a
+            # result look alike.
             return w(WaitPurpose.OTHER, f"a native {t.kind.value.replace('_', ' ')} ({t.wait_frame or '?'}): "
                                         "for work or for a result, its frames do not say")
         if words is None and t.kind is WaitKind.MUTEX_WAIT:
@@ -234,6 +239,36 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
             words = "a lock or condition"
         return w(WaitPurpose.OUTCOME, f"{words} ({_frames_text(t)})")
     return w(WaitPurpose.OTHER, t.kind.value)
+
+
+# Native frames that are the C library's own (the wait, the thread start), not the code the thread runs.
+_LIBC = ("libc.so", "libc-", "libpthread", "ld-linux")
+# Frames of the interpreter (by the file's name, or the function's): a thread that ran Python (or waits to) is
+# not a native library's own worker.
+_INTERPRETER_FILES = ("libpython", "python")
+_INTERPRETER_FUNCS = ("PyEval", "PyGILState", "take_gil", "_Py", "Py_")
+
+
+def _parked_native_worker(th: ThreadEvidence, t: ThreadView) -> str | None:
+    """The library whose own worker thread ``th`` is, when its whole native stack says it never ran anything
+    else: started by pthread_create into that one library, which parks it in an untimed condvar or futex wait
+    (OpenBLAS's and a Rust thread pool's workers between jobs). None where the stack says more: frames of the
+    interpreter, of a second library, a mutex (whose holder it waits for), or no native frames read."""
+    if t.kind not in (WaitKind.COND_WAIT, WaitKind.FUTEX_WAIT) or t.timed:
+        return None
+    native = [f for f in th.frames if f.kind == "native"]
+    if not native or not any(f.name in ("start_thread", "clone3", "clone") or "pthread_create" in (f.file or "")
+                             for f in native[-3:]):
+        return None
+    libs: set[str] = set()
+    for f in native:
+        where_ = f.library or f.file or ""
+        base = where_.rsplit("/", 1)[-1]
+        if base.startswith(_INTERPRETER_FILES) or any(s in f.name for s in _INTERPRETER_FUNCS):
+            return None
+        if base and not any(s in where_ for s in _LIBC) and not where_.startswith((".", "../")):
+            libs.add(base)
+    return next(iter(libs)) if len(libs) == 1 else None
 
 
 def _long_sleep(x: Wait) -> bool:

@@ -30,7 +30,8 @@ FAMILIES = [k for k, spec in hk.KINDS.items() if spec.script == "families.py"]
 def test_family_is_named_with_its_chain(kind: str, tmp_path: Path) -> None:
     spec = hk.KINDS[kind]
     with hk.running(kind, bound_s=60) as h:
-        bundle = capture_tree(h.root_pid, tmp_path / "bundle", timeout_s=10.0, backends=["proc", "py-spy"])
+        tools = ["proc", "py-spy", "pystack"] if spec.native else ["proc", "py-spy"]
+        bundle = capture_tree(h.root_pid, tmp_path / "bundle", timeout_s=10.0, backends=tools)
     diag = diagnose(bundle)
     verdict = diag.verdict
     assert verdict.kind.value == spec.expect, f"{kind} ({spec.shape}): {verdict.summary}"
