@@ -37,6 +37,10 @@ programs given a hang or failure verdict; missed deadlocks = hanging programs ca
 slow_start.
 
     python benchmarks/accuracy.py --corpus blind [--runs 1] [--only NAME ...] [--keep-wrong DIR]
+
+``--corpus blind3`` does the same for the third blind corpus (tests/fixtures/blind3: families the first
+one does not cover). ``--cli-cwd DIR`` runs ``python -m kvdiag`` from another checkout, to score that
+checkout's analyzer with these programs.
 """
 
 from __future__ import annotations
@@ -58,7 +62,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "hangers"))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind"))
+sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind3"))
 
+import blind3_cases as blind3  # noqa: E402
 import blind_cases as blind  # noqa: E402
 import hanger_kit as hk  # noqa: E402
 
@@ -223,10 +229,11 @@ def print_cross(x: CrossResult, skipped: dict[str, str]) -> None:
 FAILED_EXIT = frozenset({4, 10})   # capture's exit codes that claim a hang or a failed engine
 
 
-def capture_cli(root_pid: int, out: Path, timeout_s: float = 10.0) -> tuple[int, dict[str, object]]:
+def capture_cli(root_pid: int, out: Path, timeout_s: float = 10.0,
+                cwd: Path = ROOT) -> tuple[int, dict[str, object]]:
     """`kvdiag capture --pid ROOT --out OUT` as a user runs it; (exit code, report.json's verdict)."""
     proc = subprocess.run([sys.executable, "-m", "kvdiag", "capture", "--pid", str(root_pid), "--out", str(out),
-                           "--timeout", str(timeout_s)], capture_output=True, text=True, cwd=ROOT,
+                           "--timeout", str(timeout_s)], capture_output=True, text=True, cwd=cwd,
                           timeout=timeout_s + 120)
     report = out / "report.json"
     if not report.exists():
@@ -249,17 +256,18 @@ def _stop_prefetch(pending: Future[tuple[ExitStack, Any]] | None, starter: Threa
     shutil.rmtree(tmp, ignore_errors=True)
 
 
-def _blind_start(name: str) -> tuple[ExitStack, blind.Target]:
+def _blind_start(name: str, corpus: Any = blind) -> tuple[ExitStack, blind.Target]:
     stack = ExitStack()
     try:
-        return stack, stack.enter_context(blind.running(name, bound_s=90))
+        return stack, stack.enter_context(corpus.running(name, bound_s=90))
     except BaseException:
         stack.close()
         raise
 
 
-def blind_corpus(args: argparse.Namespace) -> int:
-    """Score the blind corpus through the real CLI; prints the table and the RESULT line."""
+def blind_corpus(args: argparse.Namespace, blind: Any = blind) -> int:
+    """Score a blind corpus (``blind_cases`` or ``blind3_cases``) through the real CLI; prints the table and
+    the RESULT line."""
     names = [n for n in (args.only or blind.CASES) if n in blind.CASES]
     unknown = [n for n in (args.only or []) if n not in blind.CASES]
     if unknown:
@@ -274,7 +282,7 @@ def blind_corpus(args: argparse.Namespace) -> int:
     try:
         for i, (run, name) in enumerate(order):
             if pending is None:
-                pending = starter.submit(_blind_start, name) if starter else _done(_blind_start(name))
+                pending = starter.submit(_blind_start, name, blind) if starter else _done(_blind_start(name, blind))
             try:
                 stack, target = pending.result()
             except (TimeoutError, OSError) as e:
@@ -284,9 +292,9 @@ def blind_corpus(args: argparse.Namespace) -> int:
             pending = None
             with stack:
                 if i + 1 < len(order) and starter is not None:
-                    pending = starter.submit(_blind_start, order[i + 1][1])
+                    pending = starter.submit(_blind_start, order[i + 1][1], blind)
                 t0 = time.monotonic()
-                rc, verdict = capture_cli(target.root_pid, tmp / f"{name}-{run}")
+                rc, verdict = capture_cli(target.root_pid, tmp / f"{name}-{run}", cwd=args.cli_cwd)
                 took = time.monotonic() - t0
             kind = str(verdict.get("kind"))
             rows.append((name, run, kind, rc, str(verdict.get("summary", "")), took))
@@ -297,7 +305,8 @@ def blind_corpus(args: argparse.Namespace) -> int:
         _stop_prefetch(pending, starter, tmp)
 
     width = max(len(n) for n in names) + 1
-    print(f"blind corpus: {len(names)} programs x {args.runs} run(s), captured by `kvdiag capture --pid`")
+    print(f"{args.corpus} corpus: {len(names)} programs x {args.runs} run(s), captured by `kvdiag capture --pid`"
+          f" (kvdiag from {args.cli_cwd})")
     print(f"\n{'case':{width}} {'hangs':5} {'expected (accepted)':44} {'got':22} {'exit':4} {'right':5} {'rule':6} "
           "mentions")
     right = hanging = progressing = missed = false_dl = 0
@@ -353,9 +362,12 @@ def _done(value: tuple[ExitStack, blind.Target]) -> Future[tuple[ExitStack, blin
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", choices=("hangers", "blind"), default="hangers",
+    ap.add_argument("--corpus", choices=("hangers", "blind", "blind3"), default="hangers",
                     help="hangers: tests/fixtures/hangers with every tool missing in turn (default); blind: the "
-                         "blind corpus (tests/fixtures/blind) through `kvdiag capture --pid`")
+                         "blind corpus (tests/fixtures/blind) through `kvdiag capture --pid`; blind3: the same "
+                         "for tests/fixtures/blind3")
+    ap.add_argument("--cli-cwd", type=Path, default=ROOT,
+                    help="blind corpora: run `python -m kvdiag` from this checkout (default: this one)")
     ap.add_argument("--runs", type=int, default=None, help="runs of each program (default 3; blind: 1)")
     ap.add_argument("--no-overlap", dest="overlap", action="store_false",
                     help="start each program only after the previous one was captured (default: the next one "
@@ -366,9 +378,9 @@ def main() -> int:
     ap.add_argument("--keep-wrong", type=Path, default=None,
                     help="save here the bundle of every capture whose all-tools verdict is wrong")
     args = ap.parse_args()
-    if args.corpus == "blind":
+    if args.corpus in ("blind", "blind3"):
         args.runs = args.runs or 1
-        return blind_corpus(args)
+        return blind_corpus(args, blind if args.corpus == "blind" else blind3)
     args.runs = args.runs or 3
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-accuracy-"))
     chosen = [k for k in (args.only or hk.KINDS) if k not in hk.BENCH_EXCLUDE]
