@@ -33,6 +33,7 @@ class WaitKind(str, Enum):
     PY_LOCK_WAIT = "py_lock_wait"      # Python-level Lock/Condition/Event/Queue/join (semaphore)
     FUTEX_WAIT = "futex_wait"          # a futex wait we cannot attribute further
     IO_READ = "io_read"
+    IO_WRITE = "io_write"              # a write/send blocked on a full pipe or socket: waits for its reader
     EVENT_WAIT = "event_wait"          # poll/epoll/select/accept/signal wait: waits for the outside world
     SLEEP = "sleep"
     STOPPED = "stopped"
@@ -41,7 +42,7 @@ class WaitKind(str, Enum):
 
 
 BLOCKED_KINDS = frozenset({WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.PY_LOCK_WAIT, WaitKind.FUTEX_WAIT,
-                           WaitKind.IO_READ, WaitKind.GIL_WAIT})
+                           WaitKind.IO_READ, WaitKind.IO_WRITE, WaitKind.GIL_WAIT})
 
 
 @dataclass
@@ -241,7 +242,10 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     view.owner_tid = th.futex_owner_tid
     view.socket_read = any(wchan.startswith(w) for w in v.WCHAN_SOCKET_READ)
     view.tty_read = any(wchan.startswith(w) for w in v.WCHAN_TTY)
-    view.proc_saw_read = any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"])
+    # A send or write parks in the same kernel waits as a read (wait_woken): the syscall says which it is.
+    writing = nr is not None and nr in sysnames["write"]
+    view.proc_saw_read = not writing and (any(wchan.startswith(w) for w in v.WCHAN_READ) or (
+        nr is not None and nr in sysnames["read"]))
     view.proc_saw_other = not view.proc_saw_read and (bool(wchan) or nr is not None)
     if kind is None:
         if view.py_wait == "join" or view.py_wait == "py_cond":
@@ -251,7 +255,10 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         elif view.py_wait == "event":
             kind = WaitKind.EVENT_WAIT
     if kind is None:
-        if any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"]):
+        if writing and (th.write_fds or any(wchan.startswith(w) for w in (*v.WCHAN_READ, "pipe_write",
+                                                                           "sk_stream_wait_memory"))):
+            kind = WaitKind.IO_WRITE
+        elif any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"]):
             kind = WaitKind.IO_READ
         elif any(wchan.startswith(w) for w in v.WCHAN_EVENT) or (nr is not None and nr in sysnames["event"]):
             kind = WaitKind.EVENT_WAIT

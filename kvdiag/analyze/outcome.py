@@ -287,11 +287,34 @@ def _completer(x: Wait) -> bool:
         x.view.timed and x.view.kind is not WaitKind.GIL_WAIT)
 
 
+def _self_fed(w: Wait) -> bool:
+    """A read, or a poll with no timeout, only on pipes or socketpairs whose other end no process but its own
+    holds (no listening socket, no signal it waits to be told by): only another thread of it can feed it."""
+    fds = w.th.blocked_fds
+    if w.view.kind not in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or not fds:
+        return False
+    if w.view.kind is WaitKind.EVENT_WAIT and (not w.view.wait_forever or wake_signals(w.proc)):
+        return False
+    # A pipe with no writer outside its process still blocks a reader only while its own process holds the
+    # write end (with no writer at all the read would end): the holders scan names other processes only.
+    return all(_self_pair(f, w.proc.pid) or (f.kind == "pipe" and f.writer_pids == []) for f in fds)
+
+
 def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wait]:
     if not proc.alive or not proc.threads:
         return []
     out = [classify_wait(proc, th, t, machine)
            for th, t in zip(proc.threads, classify_process(proc, machine), strict=False)]
+    # A thread fed only by its own process waits for work while another thread of it may still act (take new
+    # work, run, sleep, time out); when none can, nothing will ever be written: it waits for an outcome.
+    for w in out:
+        if _self_fed(w) and w.purpose is not WaitPurpose.OUTCOME and not any(
+                x is not w and (x.purpose is WaitPurpose.NEW_WORK or (_completer(x) and not _self_fed(x)))
+                for x in out):
+            w.purpose = WaitPurpose.OUTCOME
+            how = "a poll on pipes" if w.view.kind is WaitKind.EVENT_WAIT else "a read of a pipe"
+            w.what = (f"{how} only its own process writes, while no other thread of it can act "
+                      f"({_frames_text(w.view)})")
     for w in out:
         if w.purpose is WaitPurpose.OUTCOME and w.in_process:
             w.may_be_completed = any(x is not w and _completer(x) for x in out)
@@ -465,6 +488,13 @@ class _Chain:
                          cycle=True)
         ws = self.waits.get(pid, [])
         stuck = [w for w in ws if w.stuck]
+        # A read whose writers are all already on this chain (they wait, directly or not, for this process)
+        # will not be fed: it is the chain's way back, not a thread that may still act.
+        fed_back = [w for w in ws if _completer(w) and (pe := _peers(w)) and set(pe) - {pid}
+                    and set(pe) - {pid} <= seen]
+        acting = [w for w in ws if _completer(w) and w not in fed_back]
+        if fed_back and not acting and not stuck and depth < 4:
+            return self.step(fed_back[0], seen | {pid}, depth + 1)
         if _may_act(ws) and not stuck:
             return _Step(f"{self.label(pid)} may still act", VerdictKind.UNKNOWN, [], live=True)
         if stuck and depth < 4:
@@ -514,8 +544,8 @@ class _Chain:
         if peers is not None:
             others = [q for q in peers if q != w.proc.pid]
             if not others:
-                return _Step(f"{who} waits in {w.what}; the only process holding the other end is itself: the "
-                             "peer that would answer is gone", VerdictKind.BLOCKED_IPC_READ, [w])
+                return _Step(f"{who} waits in {w.what}; the only process holding the other end is itself, and "
+                             "none of its threads will write it", VerdictKind.BLOCKED_IPC_READ, [w])
             nxt = self.doing(others[0], seen, depth)
             if w.th.write_fds:
                 only = "only " if len(others) == 1 else ""

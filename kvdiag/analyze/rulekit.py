@@ -30,6 +30,7 @@ HOLDER_BLOCKED = frozenset({WaitKind.COND_WAIT, WaitKind.MUTEX_WAIT, WaitKind.FU
 WAIT_WORDS = {
     WaitKind.COND_WAIT: "waiting on a condition variable", WaitKind.MUTEX_WAIT: "waiting for a mutex",
     WaitKind.FUTEX_WAIT: "blocked in a futex wait", WaitKind.IO_READ: "blocked reading a socket/pipe",
+    WaitKind.IO_WRITE: "blocked writing into a full socket/pipe",
     WaitKind.PY_LOCK_WAIT: "blocked on a lock", WaitKind.GIL_WAIT: "waiting for the GIL",
 }
 

@@ -49,6 +49,7 @@ from kvdiag.osread.syscall import (
     FUTEX_WAIT,
     HOST_MACHINE,
     HOST_POLL_TIMEOUT_ARG,
+    HOST_SELECT_TIMEOUT,
     HOST_SYSCALLS,
     futex_wait_of,
     int_timeout,
@@ -478,6 +479,8 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
                 timeout = int_timeout(args[idx])
             else:
                 timeout = -1 if args[2] == 0 else None   # ppoll: a NULL timespec waits forever
+        elif nr in HOST_SELECT_TIMEOUT and len(args) >= 5:
+            fds, timeout = _select_wait(nr, args, mem)
         elif nr in HOST_SYSCALLS.get("sleep", ()) and args:
             timeout = _sleep_left_ms(nr, args, mem)
         else:
@@ -490,6 +493,25 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
         infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
     return {tid: ([infos[fd].model_copy() for fd in wanted.get(tid, []) if fd in infos], timeout)
             for tid, timeout in timeouts.items()}
+
+
+def _select_wait(nr: int, args: list[int], mem: TargetMemory) -> tuple[list[int], int | None]:
+    """The fds a select/pselect6 waits to read (its read set, a bitmap in the target's memory) and its
+    timeout in ms (-1: a NULL timeout, forever; None: unread)."""
+    nfds = min(args[0], _MAX_POLL_FDS * 16)
+    fds: list[int] = []
+    if args[1] and nfds > 0 and mem.ok:
+        raw = mem.read(args[1], 8 * ((nfds + 63) // 64))
+        if raw is not None:
+            bits = int.from_bytes(raw, "little")
+            fds = [fd for fd in range(nfds) if bits >> fd & 1]
+    if args[4] == 0:
+        return fds, -1
+    raw = mem.read(args[4], 16) if mem.ok else None
+    if raw is None:
+        return fds, None
+    sec, frac = struct.unpack("<qq", raw)
+    return fds, max(0, sec * 1000 + (frac // 1000 if HOST_SELECT_TIMEOUT[nr] == "timeval" else frac // 1_000_000))
 
 
 _TIMER_ABSTIME = 1

@@ -34,10 +34,14 @@ SYSCALLS: dict[str, dict[str, frozenset[int]]] = {
 }
 # poll/ppoll: nr -> index of the int timeout argument; -1 for ppoll, whose timeout is a pointer (NULL: forever).
 POLL_TIMEOUT_ARG: dict[str, dict[int, int]] = {"x86_64": {7: 2, 271: -1}, "aarch64": {73: -1}}
+# select/pselect6: nr -> what its timeout points to ("timeval" or "timespec"; NULL: forever). The read set is the
+# second argument, a bitmap of the first argument's number of fds.
+SELECT_TIMEOUT: dict[str, dict[int, str]] = {"x86_64": {23: "timeval", 270: "timespec"}, "aarch64": {72: "timespec"}}
 
 HOST_MACHINE = platform.machine()
 HOST_SYSCALLS: dict[str, frozenset[int]] = SYSCALLS.get(HOST_MACHINE, {})
 HOST_POLL_TIMEOUT_ARG: dict[int, int] = POLL_TIMEOUT_ARG.get(HOST_MACHINE, {})
+HOST_SELECT_TIMEOUT: dict[int, str] = SELECT_TIMEOUT.get(HOST_MACHINE, {})
 FUTEX_SYSCALL_NR = min(HOST_SYSCALLS.get("futex", frozenset({202})))
 
 # wchan of a task parked in futex(2): newer kernels say futex_do_wait, older ones futex_wait_queue /

@@ -3,8 +3,8 @@ program is started, waited for until it reports readiness (parked in its hang, o
 and captured with its whole process tree. The rule that never bends: a hanging program is never called
 healthy or slow_start, and a healthy one is never given a hang kind or a failure exit.
 
-Cases kvdiag got wrong when the corpus was first scored (benchmarks/results/accuracy_blind3.txt) are
-expected failures (not strict), so a fix shows up as XPASS.
+The first-try misses (benchmarks/results/accuracy_blind3.txt) are fixed by general rules; none is expected
+to fail.
 """
 
 from __future__ import annotations
@@ -24,19 +24,6 @@ import blind3_cases as blind3  # noqa: E402
 
 FAILED_EXIT = frozenset({4, 10})   # capture's exit codes that claim a hang or a failed engine
 
-# First-try misses that break the rule (what kvdiag said, and what the program really does).
-WRONG_FIRST_TRY = {
-    "pthread_join_read": "called healthy: main is in pthread_join() of a native thread blocked in read() on a "
-                         "pipe nobody writes",
-    "select_self_pipe": "called healthy: the parent waits in select() for EOF on a pipe whose only write end "
-                        "it holds itself",
-    "popen_stdin_open": "called healthy: the parent is in wait() for `sort`, which reads a stdin pipe the "
-                        "parent never closed",
-    "healthy_socket_backpressure": "called blocked_ipc_read: the sender is in send() on a full buffer, but the "
-                                   "reader drains 16 KiB every 20 ms",
-}
-
-
 def _claims_hang(kind: str) -> bool:
     try:
         return VerdictKind(kind).is_hang
@@ -44,15 +31,7 @@ def _claims_hang(kind: str) -> bool:
         return False
 
 
-def _params() -> list[object]:
-    out: list[object] = []
-    for name in blind3.CASES:
-        marks = [pytest.mark.xfail(strict=False, reason=WRONG_FIRST_TRY[name])] if name in WRONG_FIRST_TRY else []
-        out.append(pytest.param(name, marks=marks, id=name))
-    return out
-
-
-@pytest.mark.parametrize("name", _params())
+@pytest.mark.parametrize("name", list(blind3.CASES))
 def test_blind3_rule(name: str, tmp_path: Path) -> None:
     case = blind3.CASES[name]
     with blind3.running(name, bound_s=60) as target:
