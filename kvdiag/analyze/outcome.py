@@ -18,6 +18,7 @@ Pure: reads the bundle only. A bundle captured before threads were observed one 
 from __future__ import annotations
 
 import re
+import signal
 from dataclasses import dataclass
 
 from kvdiag.analyze import vocab as v
@@ -30,6 +31,7 @@ from kvdiag.model.evidence import FdInfo, ProcessEvidence, ThreadEvidence
 from kvdiag.model.kinds import Confidence, VerdictKind
 from kvdiag.model.run import Finding
 from kvdiag.model.verdict import EvidenceItem, ThreadWait, Verdict, WaitPurpose
+from kvdiag.osread.syscall import syscalls_of
 
 # Python frames (file tail, function) that wait for the next task or job: a worker's idle loop.
 # What only a join or a result is: a main thread with a signal handler waiting on anything else (an Event its
@@ -187,6 +189,20 @@ def classify_wait(proc: ProcessEvidence, th: ThreadEvidence, t: ThreadView, mach
     if th.waited_pid is not None:
         whom = f"child pid {th.waited_pid}" if th.waited_pid > 0 else "any child"
         return w(WaitPurpose.OUTCOME, f"waitpid for {whom} ({_frames_text(t)})")
+    calls = syscalls_of(machine)
+    if th.syscall_nr is not None and th.syscall_nr in calls["connect"] and (th.wchan or "").startswith(
+            "unix_wait_for_peer"):
+        # A Unix-socket connect() parks until the listener accepts (its backlog is full): no timeout ends it.
+        return w(WaitPurpose.OUTCOME, f"connect() to a Unix socket whose listener has not accepted it (its backlog "
+                                      f"is full) ({_frames_text(t)})")
+    if th.wait_signals and not t.running:
+        names = ", ".join(_signame(n) for n in th.wait_signals[:4])
+        kids = proc.children
+        if set(th.wait_signals) == {_SIGCHLD} and kids is not None and set(kids) <= set(proc.exited_children or ()):
+            gone = f"its {len(kids)} child(ren) already exited" if kids else "it has no child"
+            return w(WaitPurpose.OUTCOME, f"sigwait for SIGCHLD while no child of it is alive ({gone}; a child's "
+                                          f"exit is the only sender) ({_frames_text(t)})")
+        return w(WaitPurpose.NEW_WORK, f"a wait for a signal ({names}) ({_frames_text(t)})")
     if t.kind is WaitKind.GIL_WAIT:
         return w(WaitPurpose.OTHER, "waits for the GIL")
     if t.kind is WaitKind.SLEEP:
@@ -269,6 +285,16 @@ def _parked_native_worker(th: ThreadEvidence, t: ThreadView) -> str | None:
         if base and not any(s in where_ for s in _LIBC) and not where_.startswith((".", "../")):
             libs.add(base)
     return next(iter(libs)) if len(libs) == 1 else None
+
+
+_SIGCHLD = 17   # Linux, x86_64 and aarch64 alike
+
+
+def _signame(n: int) -> str:
+    try:
+        return signal.Signals(n).name
+    except ValueError:
+        return f"signal {n}"
 
 
 def _long_sleep(x: Wait) -> bool:
@@ -369,6 +395,11 @@ def _advanced(procs: list[ProcessEvidence], waits: dict[int, list[Wait]] | None 
             out.append(f"pid {p.pid} did I/O")
         if any(pr.shared_changed.values()):
             out.append(f"pid {p.pid}'s shared memory changed")
+        ended = _ended(p)
+        if ended and len(ended) == len(p.threads):
+            out.append(f"pid {p.pid} exited during the window")
+        elif ended:
+            out.append(f"thread {ended[0]} of pid {p.pid} ended during the window")
         mine = {w.th.tid: w for w in (waits or {}).get(p.pid, [])}
         for th in p.threads:
             moved = mine[th.tid].advanced if th.tid in mine else th.observed is not None and th.observed.advanced
@@ -403,10 +434,16 @@ def spinners_on(bundle: Bundle, pids: set[int]) -> list[str]:
 
 
 def observed(procs: list[ProcessEvidence]) -> bool:
-    """Every live process was watched over the window and its threads observed one by one."""
+    """Every live process was watched over the window and its threads observed one by one (a thread gone by
+    the second sample was observed too: it ended, see :func:`_ended`)."""
     live = [p for p in procs if p.alive and p.threads]
-    return bool(live) and all(p.progress is not None and all(t.observed is not None for t in p.threads)
-                              for p in live)
+    return bool(live) and all(p.progress is not None for p in live)
+
+
+def _ended(p: ProcessEvidence) -> list[int]:
+    """Threads of ``p`` seen at the window's first sample and gone by its second: they ended (a process that
+    exited in the window, a worker thread that finished), which is progress."""
+    return [t.tid for t in p.threads if t.observed is None] if p.progress is not None else []
 
 
 def progress_seen(procs: list[ProcessEvidence], machine: str | None = None) -> list[str] | None:
@@ -502,6 +539,9 @@ class _Chain:
             return self.step(w, seen | {pid}, depth + 1)
         if ws and all(w.purpose is WaitPurpose.NEW_WORK for w in ws):
             first = next((w for w in ws if w.view.is_main), ws[0])
+            if first.th.wait_signals:
+                return _Step(f"{self.label(pid)} waits for a signal (its main thread in {first.what}); none of the "
+                             "processes on this chain will send it", VerdictKind.UNKNOWN, [first])
             return _Step(f"{self.label(pid)} is idle, waiting for new work (its main thread in {first.what}): the "
                          "request it should answer was lost", VerdictKind.BLOCKED_IPC_READ, [first])
         return _Step(f"{self.label(pid)} shows no wait that would complete it", VerdictKind.UNKNOWN, ws[:1])
@@ -554,7 +594,7 @@ class _Chain:
             return _Step(f"{who} waits in {w.what} from {self.label(others[0])}; {nxt.text}", nxt.kind,
                          [w, *nxt.cite], nxt.live, nxt.cycle)
         if (w.view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) or w.th.write_fds) and not \
-                _loop_on_itself(w.proc, w.view):
+                _loop_on_itself(w.proc, w.view) and not w.th.wait_signals and not _self_fed(w):
             # A read or write whose other end was not read: whoever holds it may still answer.
             return _Step(f"{who} waits in {w.what}; who holds the other end was not read", VerdictKind.UNKNOWN,
                          [w], live=True)

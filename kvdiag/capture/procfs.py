@@ -311,6 +311,10 @@ class ProcBackend:
                 kw = w.kernel_waits.get(th.tid)
                 if kw is not None and kw[0] == th.syscall:
                     th.kernel_wait = kw[1]
+                if th.syscall:
+                    th.wait_signals, timeout = _sigwait(th.syscall, mem)
+                    if th.wait_signals is not None:
+                        th.wait_timeout_ms = timeout
                 th.observed = _observation(first[th.tid], second.get(th.tid), first[th.tid].syscall,
                                            second_sys.get(th.tid), w.task_io.get(th.tid), io_second.get(th.tid))
             shared = w.shared or xwaits.begin(pid)
@@ -493,6 +497,26 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
         infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
     return {tid: ([infos[fd].model_copy() for fd in wanted.get(tid, []) if fd in infos], timeout)
             for tid, timeout in timeouts.items()}
+
+
+def _sigwait(raw: str, mem: TargetMemory) -> tuple[list[int] | None, int | None]:
+    """The signals an rt_sigtimedwait waits for (its set, read from memory) and its timeout in ms (-1: a NULL
+    timeout, forever); (None, None) for any other syscall or an unreadable set."""
+    nr, args = parse_syscall(raw)
+    if nr is None or nr not in HOST_SYSCALLS.get("sigwait", ()) or len(args) < 3 or not mem.ok:
+        return None, None
+    raw_set = mem.read(args[0], 8)
+    if raw_set is None:
+        return None, None
+    bits = int.from_bytes(raw_set, "little")
+    signals = [n + 1 for n in range(64) if bits >> n & 1]
+    if args[2] == 0:
+        return signals, -1
+    ts = mem.read(args[2], 16)
+    if ts is None:
+        return signals, None
+    sec, nsec = struct.unpack("<qq", ts)
+    return signals, max(0, sec * 1000 + nsec // 1_000_000)
 
 
 def _select_wait(nr: int, args: list[int], mem: TargetMemory) -> tuple[list[int], int | None]:

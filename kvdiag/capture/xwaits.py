@@ -19,6 +19,7 @@ from kvdiag.osread.children import children
 from kvdiag.osread.fds import scan_holders
 from kvdiag.osread.maps import mapping_at, read_head, shared_file_mappings
 from kvdiag.osread.net import tcp_listeners
+from kvdiag.osread.status import read_status
 from kvdiag.osread.waitargs import blocked_call
 
 # Only these shared mappings are sampled for progress: /dev/shm segments (rings, queues, semaphores).
@@ -69,6 +70,8 @@ def finish(w: SharedWindow, proc: ProcessEvidence, threads: list[ThreadEvidence]
     proc.shared_maps = w.maps
     proc.shm_rings = vllmrings.finish(w.rings) if w.rings is not None else None
     proc.children = children(pid)
+    if proc.children is not None:
+        proc.exited_children = [c for c in proc.children if (st := read_status(c)) is not None and st.state == "Z"]
     if proc.progress is not None:
         for m in _sampled(w.maps or []):
             before = w.heads.get(mapping_key(m))

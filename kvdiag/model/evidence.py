@@ -173,6 +173,9 @@ class ThreadEvidence(_Model):
     # What a blocked syscall waits on beyond a read (None/empty: not such a wait, or not read):
     write_fds: list[FdInfo] = Field(default_factory=list)   # write/send blocked on these fds
     waited_pid: int | None = None    # wait4/waitid's pid argument (-1: any child)
+    # The signals a sigwait (rt_sigtimedwait) waits for, read from its set in memory (None: not such a wait, or
+    # unread).
+    wait_signals: list[int] | None = None
     futex_mapping: SharedMapping | None = None   # the MAP_SHARED file mapping the futex address lies in
     observed: ThreadObservation | None = None   # its own two samples in the progress window (None: not observed)
     kernel_wait: KernelWait | None = None       # a file lock or FIFO open it is blocked in, and who holds it
@@ -237,6 +240,7 @@ class ProcessEvidence(_Model):
     # vLLM's shared-memory rings among them, their flags at both ends of the window (None: it maps none).
     shm_rings: list[RingReading] | None = None
     children: list[int] | None = None   # child pids (/proc/PID/task/*/children; None: not read)
+    exited_children: list[int] | None = None   # of ``children``: those that exited and wait to be reaped
     # Why this process was captured although outside the requested tree: the wait edge that led to it.
     followed_from: str | None = None
     # Processes outside the tree a captured thread waits on: captured too, or named with why not.
