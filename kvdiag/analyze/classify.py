@@ -244,7 +244,8 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
     view.tty_read = any(wchan.startswith(w) for w in v.WCHAN_TTY)
     # A send or write parks in the same kernel waits as a read (wait_woken): the syscall says which it is.
     writing = nr is not None and nr in sysnames["write"]
-    view.proc_saw_read = not writing and (any(wchan.startswith(w) for w in v.WCHAN_READ) or (
+    receiving = nr is not None and nr in sysnames["mq_receive"]   # a POSIX message queue: a read
+    view.proc_saw_read = receiving or not writing and (any(wchan.startswith(w) for w in v.WCHAN_READ) or (
         nr is not None and nr in sysnames["read"]))
     view.proc_saw_other = not view.proc_saw_read and (bool(wchan) or nr is not None)
     if kind is None:
@@ -258,7 +259,8 @@ def classify_thread(th: ThreadEvidence, proc: ProcessEvidence, machine: str | No
         if writing and (th.write_fds or any(wchan.startswith(w) for w in (*v.WCHAN_READ, "pipe_write",
                                                                            "sk_stream_wait_memory"))):
             kind = WaitKind.IO_WRITE
-        elif any(wchan.startswith(w) for w in v.WCHAN_READ) or (nr is not None and nr in sysnames["read"]):
+        elif receiving or any(wchan.startswith(w) for w in v.WCHAN_READ) or (
+                nr is not None and nr in sysnames["read"]):
             kind = WaitKind.IO_READ
         elif any(wchan.startswith(w) for w in v.WCHAN_EVENT) or (nr is not None and nr in sysnames["event"]):
             kind = WaitKind.EVENT_WAIT

@@ -78,7 +78,7 @@ def rule_blocked_read(proc: ProcessEvidence, views: list[ThreadView], engine: st
         return None
     r = sorted(picked, key=lambda t: (not t.holds_gil, not t.is_main, t.tid))[0]
     from_frames = r.wait_frame is not None and not r.wait_frame.startswith(("wchan", "syscall"))
-    conns = [f for f in r.blocked_fds if f.kind in ("socket", "pipe")]
+    conns = [f for f in r.blocked_fds if f.kind in ("socket", "pipe", "mqueue")]
     if not conns and not r.proc_saw_read:
         # Neither the fd's peer nor the sample window covers this read (it came from the stacks alone).
         return unresolved_read(proc, r, engine)

@@ -323,7 +323,8 @@ def _self_fed(w: Wait) -> bool:
         return False
     # A pipe with no writer outside its process still blocks a reader only while its own process holds the
     # write end (with no writer at all the read would end): the holders scan names other processes only.
-    return all(_self_pair(f, w.proc.pid) or (f.kind == "pipe" and f.writer_pids == []) for f in fds)
+    # A message queue has no end-of-file: with no other process that may send, only its own threads can.
+    return all(_self_pair(f, w.proc.pid) or (f.kind in ("pipe", "mqueue") and f.writer_pids == []) for f in fds)
 
 
 def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wait]:
@@ -651,10 +652,11 @@ def _peers(w: Wait) -> list[int] | None:
     read = False
     for f in w.th.blocked_fds:
         # A loop's own wakeup pipe is no peer: who writes it is a thread of the same process.
-        if f.kind not in ("socket", "pipe") or f.listening or (
+        if f.kind not in ("socket", "pipe", "mqueue") or f.listening or (
                 w.view.kind is WaitKind.EVENT_WAIT and _self_pair(f, w.proc.pid)):
             continue
-        pids = (f.writer_pids if f.writer_pids is not None else f.peer_pids) if f.kind == "pipe" else f.peer_pids
+        pids = (f.writer_pids if f.writer_pids is not None else f.peer_pids) if f.kind in ("pipe", "mqueue") \
+            else f.peer_pids
         if pids is None:
             continue
         read = True

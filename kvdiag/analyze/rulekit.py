@@ -138,7 +138,8 @@ def outside_peer(t: ThreadView, pid: int) -> bool:
 
 def peer_phrase(info: FdInfo) -> str:
     """``tcp socket 127.0.0.1:5 -> 127.0.0.1:6 (peer: pid 123 python3)``: one phrase for a report."""
-    what = f"{info.proto} socket" if info.kind == "socket" and info.proto else info.kind
+    what = f"{info.proto} socket" if info.kind == "socket" and info.proto else (
+        f"message queue {info.target.removesuffix(' (deleted)')}" if info.kind == "mqueue" else info.kind)
     if info.address and info.kind == "socket":
         what += f" {info.address}"
     if info.peer_pids:
@@ -153,6 +154,8 @@ def peer_phrase(info: FdInfo) -> str:
         what += " (peer not resolved)"   # sock_diag gave no peer inode: unknown, not absent
     elif info.kind in ("socket", "pipe"):
         what += " (no process holds the other end)"
+    elif info.kind == "mqueue":
+        what += " (no other process holds it: nobody else can send)"
     if info.partial:
         what += f" [peer lookup partial: {info.partial}]"
     return what

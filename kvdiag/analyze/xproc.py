@@ -176,13 +176,13 @@ class CrossProcess:
             out.append(self._zmq(p, view, names))
         elif view.kind in (WaitKind.IO_READ, WaitKind.EVENT_WAIT) and not view.running:
             for f in view.blocked_fds:
-                if f.kind not in ("socket", "pipe") or f.listening:
+                if f.kind not in ("socket", "pipe", "mqueue") or f.listening:
                     continue
                 if view.kind is WaitKind.EVENT_WAIT and not view.wait_forever:
                     continue
-                if f.kind == "pipe":
+                if f.kind in ("pipe", "mqueue"):
                     peers = f.writer_pids if f.writer_pids is not None else f.peer_pids
-                    kind = EdgeKind.PIPE_READ
+                    kind = EdgeKind.PIPE_READ if f.kind == "pipe" else EdgeKind.MQUEUE_READ
                 else:
                     peers = f.peer_pids or (f.listener_pids or [])
                     kind = EdgeKind.SOCKET_READ
@@ -259,7 +259,7 @@ class CrossProcess:
         return [dep] if dep is not None else []
 
     def _read_purpose(self, p: ProcessEvidence, view: ThreadView, f: FdInfo) -> str:
-        peers = f.writer_pids if f.kind == "pipe" and f.writer_pids is not None else f.peer_pids
+        peers = f.writer_pids if f.kind in ("pipe", "mqueue") and f.writer_pids is not None else f.peer_pids
         if self._own_engine(p, [q for q in peers if q != p.pid]):
             return "depends"
         if view.read_role == "request" or f.accepted or self._from_parent(p, peers):
@@ -416,7 +416,10 @@ class CrossProcess:
             nxt = self._next_dep(q, dep)
             if nxt is not None:
                 return 0 if nxt.purpose in ("blocked", "reply") else 1
-            return {"hung": 1, "blocked": 2, "stopped": 3, "parked": 5, "running": 6}.get(self.root_of(q).state, 4)
+            # A process outside the capture explains the wait only where no captured candidate can: a pipe's
+            # write end is inherited by every child forked meanwhile (a short-lived job the capture never saw).
+            return {"hung": 1, "blocked": 2, "stopped": 3, "parked": 5, "running": 6,
+                    "not_captured": 7}.get(self.root_of(q).state, 4)
         return sorted(dep.dsts, key=rank)[0]
 
     def chain_from(self, start: Dep) -> Chain:

@@ -22,6 +22,7 @@ from kvdiag.model.waits import EdgeKind, WaitChain, WaitGraphRecord
 # How each kind of edge reads in the chain's text.
 _WORDS = {
     EdgeKind.SOCKET_READ: "waits on a socket for", EdgeKind.PIPE_READ: "waits on a pipe for",
+    EdgeKind.MQUEUE_READ: "waits on a message queue for",
     EdgeKind.SOCKET_WRITE_FULL: "is blocked writing a full socket to", EdgeKind.PIPE_WRITE_FULL:
         "is blocked writing a full pipe only drained by", EdgeKind.CHILD_WAIT: "waits (wait4) for its child",
     EdgeKind.SHARED_FUTEX: "waits on a shared futex that only another mapper can post:",

@@ -91,6 +91,23 @@ class FdResolver:
                 info.peer_comm = read_comm(info.peer_pids[0]) or None
         return infos
 
+    def as_mqueue(self, info: FdInfo) -> None:
+        """``info`` is a POSIX message queue (a thread waits in mq_timedreceive on it): the other processes
+        holding the same queue (by identity: its name may be unlinked), and those that may send on it."""
+        st = fd_stat(self.pid, info.fd)
+        info.kind = "mqueue"
+        if st is None:
+            return
+        info.inode = st.st_ino
+        scan = scan_holders({info.target}, self.deadline)
+        same = [h for h in scan.by_link.get(info.target, []) if h.pid != self.pid
+                and (s := fd_stat(h.pid, h.fd)) is not None and (s.st_dev, s.st_ino) == (st.st_dev, st.st_ino)]
+        info.peer_pids = sorted({h.pid for h in same})
+        info.writer_pids = sorted({h.pid for h in same if "w" in h.mode or not h.mode})
+        info.partial = scan.partial
+        if info.peer_pids:
+            info.peer_comm = read_comm(info.peer_pids[0]) or None
+
     def _basic(self, fd: int) -> FdInfo | None:
         link = readlink(self.pid, fd)
         if link is None:

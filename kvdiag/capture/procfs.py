@@ -461,6 +461,7 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
     All threads' fds are resolved together: one host-wide socket table and one /proc/*/fd scan."""
     timeouts: dict[int, int | None] = {}
     wanted: dict[int, list[int]] = {}
+    mqueues: set[int] = set()   # fds an mq_timedreceive waits on: POSIX message queues
     for tid, syscall in syscalls.items():
         nr, args = parse_syscall(syscall)
         if nr is None or nr < 0 or not args:
@@ -469,6 +470,10 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
         timeout: int | None = None
         if nr in HOST_SYSCALLS.get("read", ()):
             fds = [args[0]]
+        elif nr in HOST_SYSCALLS.get("mq_receive", ()) and len(args) >= 5:
+            fds = [args[0]]
+            mqueues.add(args[0])
+            timeout = -1 if args[4] == 0 else None   # an absolute timespec: unread
         elif nr in HOST_SYSCALLS.get("epoll", ()) and len(args) >= 4:
             fds = epoll_targets(pid, args[0])
             timeout = int_timeout(args[3])
@@ -495,6 +500,8 @@ def _fd_waits(pid: int, syscalls: dict[int, str], mem: TargetMemory,
     infos: dict[int, FdInfo] = {}
     if wanted:
         infos = {i.fd: i for i in resolver.describe(sorted({fd for fds in wanted.values() for fd in fds}))}
+        for fd in mqueues & set(infos):
+            resolver.as_mqueue(infos[fd])
     return {tid: ([infos[fd].model_copy() for fd in wanted.get(tid, []) if fd in infos], timeout)
             for tid, timeout in timeouts.items()}
 

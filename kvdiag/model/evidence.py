@@ -63,7 +63,7 @@ class FdInfo(_Model):
     """One open file descriptor of a target, as /proc and sock_diag describe it (read-only)."""
 
     fd: int
-    kind: Literal["socket", "pipe", "file", "anon", "other"] = "other"
+    kind: Literal["socket", "pipe", "mqueue", "file", "anon", "other"] = "other"
     target: str = ""                 # readlink of /proc/PID/fd/N: "socket:[123]", "pipe:[9]", a path
     inode: int | None = None
     proto: str | None = None         # "unix", "tcp", "tcp6", "udp" for sockets
@@ -74,7 +74,7 @@ class FdInfo(_Model):
     peer_comm: str | None = None
     address: str | None = None       # "127.0.0.1:5000 -> 127.0.0.1:41234", a unix path
     partial: str | None = None       # why peer_inode/peer_pids may be incomplete (capture deadline, netlink)
-    # A pipe's other processes by the end they hold (fdinfo flags); None: not read.
+    # A pipe's (or POSIX message queue's) other processes by the end they hold (fdinfo flags); None: not read.
     reader_pids: list[int] | None = None
     writer_pids: list[int] | None = None
     # A TCP connection no process holds the other end of: it waits unaccepted in the listen queue of the

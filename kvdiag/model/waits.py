@@ -61,6 +61,7 @@ class EdgeKind(str, Enum):
     # thread -> process (or a thread of it, when known)
     SOCKET_READ = "socket_read"          # read/recv on a connected socket -> the peer (TCP: may be another node)
     PIPE_READ = "pipe_read"              # read on a pipe -> every process holding its write end
+    MQUEUE_READ = "mqueue_read"          # mq_receive on a POSIX message queue -> every other process that may send
     SOCKET_WRITE_FULL = "socket_write_full"   # send blocked on a full socket buffer -> the peer (its reader)
     PIPE_WRITE_FULL = "pipe_write_full"  # write blocked on a full pipe -> every process holding its read end
     CHILD_WAIT = "child_wait"            # wait4/waitpid/waitid -> the child (any child for pid -1)

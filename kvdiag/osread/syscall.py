@@ -23,7 +23,7 @@ SYSCALLS: dict[str, dict[str, frozenset[int]]] = {
                "event": frozenset({7, 23, 232, 281, 270, 271, 288, 43, 441, 34, 130, 128}),
                "sleep": frozenset({35, 230}), "futex": frozenset({202}), "yield": frozenset({24}),
                "flock": frozenset({73}), "fcntl": frozenset({72}), "open": frozenset({2, 257, 437}),
-               "connect": frozenset({42}), "sigwait": frozenset({128}),
+               "connect": frozenset({42}), "sigwait": frozenset({128}), "mq_receive": frozenset({243}),
                "restart": frozenset({219})},
     "aarch64": {"read": frozenset({63, 65, 67, 69, 207, 212, 243}), "epoll": frozenset({22}),
                 "write": frozenset({64, 66, 68, 206, 211, 70, 269}), "wait4": frozenset({260}),
@@ -31,7 +31,8 @@ SYSCALLS: dict[str, dict[str, frozenset[int]]] = {
                 "event": frozenset({73, 72, 22, 242, 202, 133, 137, 441}),
                 "sleep": frozenset({101, 115}), "futex": frozenset({98}), "yield": frozenset({124}),
                 "flock": frozenset({32}), "fcntl": frozenset({25}), "open": frozenset({56, 437}),
-                "connect": frozenset({203}), "sigwait": frozenset({137}), "restart": frozenset({128})},
+                "connect": frozenset({203}), "sigwait": frozenset({137}), "mq_receive": frozenset({183}),
+                "restart": frozenset({128})},
 }
 # poll/ppoll: nr -> index of the int timeout argument; -1 for ppoll, whose timeout is a pointer (NULL: forever).
 POLL_TIMEOUT_ARG: dict[str, dict[int, int]] = {"x86_64": {7: 2, 271: -1}, "aarch64": {73: -1}}
