@@ -40,7 +40,7 @@ slow_start.
 
 ``--corpus blind3`` does the same for the third blind corpus (tests/fixtures/blind3: families the first
 one does not cover), ``--corpus blind4`` for the fourth (tests/fixtures/blind4: families none of
-the earlier ones cover) ``--corpus blind5`` for the fifth (tests/fixtures/blind5: again new
+the earlier ones cover), ``--corpus blind5`` for the fifth (tests/fixtures/blind5: again new
 families) and ``--corpus blind6`` for the sixth (tests/fixtures/blind6: again new families).
 ``--cli-cwd DIR`` runs ``python -m kvdiag`` from another checkout, to score that
 checkout's analyzer with these programs.
