@@ -40,8 +40,9 @@ slow_start.
 
 ``--corpus blind3`` does the same for the third blind corpus (tests/fixtures/blind3: families the first
 one does not cover), ``--corpus blind4`` for the fourth (tests/fixtures/blind4: families none of
-the earlier ones cover) and ``--corpus blind5`` for the fifth (tests/fixtures/blind5: again new
-families). ``--cli-cwd DIR`` runs ``python -m kvdiag`` from another checkout, to score that
+the earlier ones cover), ``--corpus blind5`` for the fifth (tests/fixtures/blind5: again new
+families) and ``--corpus blind6`` for the sixth (tests/fixtures/blind6: again new families).
+``--cli-cwd DIR`` runs ``python -m kvdiag`` from another checkout, to score that
 checkout's analyzer with these programs.
 """
 
@@ -67,10 +68,12 @@ sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind"))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind3"))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind4"))
 sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind5"))
+sys.path.insert(0, str(ROOT / "tests" / "fixtures" / "blind6"))
 
 import blind3_cases as blind3  # noqa: E402
 import blind4_cases as blind4  # noqa: E402
 import blind5_cases as blind5  # noqa: E402
+import blind6_cases as blind6  # noqa: E402
 import blind_cases as blind  # noqa: E402
 import hanger_kit as hk  # noqa: E402
 
@@ -272,7 +275,8 @@ def _blind_start(name: str, corpus: Any = blind) -> tuple[ExitStack, blind.Targe
 
 
 def blind_corpus(args: argparse.Namespace, blind: Any = blind) -> int:
-    """Score a blind corpus (``blind_cases``, ``blind3_cases``, ``blind4_cases`` or ``blind5_cases``)
+    """Score a blind corpus (``blind_cases``, ``blind3_cases``, ``blind4_cases``, ``blind5_cases`` or
+    ``blind6_cases``)
     through the real CLI; prints the table and the RESULT line."""
     names = [n for n in (args.only or blind.CASES) if n in blind.CASES]
     unknown = [n for n in (args.only or []) if n not in blind.CASES]
@@ -368,10 +372,10 @@ def _done(value: tuple[ExitStack, blind.Target]) -> Future[tuple[ExitStack, blin
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--corpus", choices=("hangers", "blind", "blind3", "blind4", "blind5"), default="hangers",
+    ap.add_argument("--corpus", choices=("hangers", "blind", "blind3", "blind4", "blind5", "blind6"), default="hangers",
                     help="hangers: tests/fixtures/hangers with every tool missing in turn (default); blind: the "
                          "blind corpus (tests/fixtures/blind) through `kvdiag capture --pid`; blind3: the same "
-                         "for tests/fixtures/blind3; blind4, blind5: for tests/fixtures/blind4, blind5")
+                         "for tests/fixtures/blind3; blind4, blind5, blind6: for tests/fixtures/blind4, blind5, blind6")
     ap.add_argument("--cli-cwd", type=Path, default=ROOT,
                     help="blind corpora: run `python -m kvdiag` from this checkout (default: this one)")
     ap.add_argument("--runs", type=int, default=None, help="runs of each program (default 3; blind: 1)")
@@ -384,9 +388,10 @@ def main() -> int:
     ap.add_argument("--keep-wrong", type=Path, default=None,
                     help="save here the bundle of every capture whose all-tools verdict is wrong")
     args = ap.parse_args()
-    if args.corpus in ("blind", "blind3", "blind4", "blind5"):
+    if args.corpus in ("blind", "blind3", "blind4", "blind5", "blind6"):
         args.runs = args.runs or 1
-        corpora = {"blind": blind, "blind3": blind3, "blind4": blind4, "blind5": blind5}
+        corpora = {"blind": blind, "blind3": blind3, "blind4": blind4, "blind5": blind5,
+                   "blind6": blind6}
         return blind_corpus(args, corpora[args.corpus])
     args.runs = args.runs or 3
     tmp = Path(tempfile.mkdtemp(prefix="kvdiag-bench-accuracy-"))

@@ -1,4 +1,4 @@
-"""The later blind corpora (tests/fixtures/blind3, blind4, blind5) through `kvdiag capture --pid`, as a
+"""The later blind corpora (tests/fixtures/blind3, blind4, blind5, blind6) through `kvdiag capture --pid`, as a
 user runs it: each program is started, waited for until it reports readiness (parked in its hang, or steady if
 healthy), and captured with its whole process tree. The rule that never bends: a hanging program is never called
 healthy or slow_start, and a healthy one is never given a hang kind or a failure exit.
@@ -21,7 +21,7 @@ from kvcli import read_report, run_kvdiag
 from kvdiag.model.kinds import VerdictKind
 
 ROOT = Path(__file__).resolve().parents[2]
-CORPORA = ("blind3", "blind4", "blind5")
+CORPORA = ("blind3", "blind4", "blind5", "blind6")
 FAILED_EXIT = frozenset({4, 10})   # capture's exit codes that claim a hang or a failed engine
 
 
