@@ -323,8 +323,11 @@ def _self_fed(w: Wait) -> bool:
         return False
     # A pipe with no writer outside its process still blocks a reader only while its own process holds the
     # write end (with no writer at all the read would end): the holders scan names other processes only.
-    # A message queue has no end-of-file: with no other process that may send, only its own threads can.
-    return all(_self_pair(f, w.proc.pid) or (f.kind in ("pipe", "mqueue") and f.writer_pids == []) for f in fds)
+    # A message queue has no end-of-file: with no other process that may send, only its own threads can. An
+    # eventfd is written by whoever holds it: its own threads, or a child that inherited it.
+    alone = set(w.proc.children or ()) <= set(w.proc.exited_children or ())
+    return all(_self_pair(f, w.proc.pid) or (f.kind in ("pipe", "mqueue") and f.writer_pids == [])
+               or (alone and f.kind == "anon" and "eventfd" in f.target) for f in fds)
 
 
 def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wait]:
@@ -339,7 +342,7 @@ def process_waits(proc: ProcessEvidence, machine: str | None = None) -> list[Wai
                 x is not w and (x.purpose is WaitPurpose.NEW_WORK or (_completer(x) and not _self_fed(x)))
                 for x in out):
             w.purpose = WaitPurpose.OUTCOME
-            how = "a poll on pipes" if w.view.kind is WaitKind.EVENT_WAIT else "a read of a pipe"
+            how = "a poll on descriptors" if w.view.kind is WaitKind.EVENT_WAIT else "a read of a pipe or queue"
             w.what = (f"{how} only its own process writes, while no other thread of it can act "
                       f"({_frames_text(w.view)})")
     for w in out:
