@@ -20,7 +20,8 @@ from kvdiag.runs.fleet.pack import pack_dir
 def capture_on_node(pids: Sequence[int], timeout_s: float, backends: Sequence[str], command: str) -> dict[str, object]:
     """Capture ``pids`` of this host exactly as ``kvdiag capture --pid`` does; the bundle folder, packed.
 
-    Returns ``{"pack": bytes, "seconds": float, "skipped": [pid], "node_died": bool}``; the capturing process
+    Returns ``{"pack": bytes, "seconds": float, "skipped": [pid], "node_died": bool, "vanished": [pid]}``
+    (``vanished``: targets gone by the end of the capture); the capturing process
     itself is never a target (a Ray worker may be both). ``node_died``: the process that started this one (a
     Ray worker's parent is its node's raylet) went away during the capture, so the node is going down and
     its processes were being killed while they were read; Ray's own table says so only seconds later.
@@ -40,4 +41,5 @@ def capture_on_node(pids: Sequence[int], timeout_s: float, backends: Sequence[st
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return {"pack": data, "seconds": round(time.monotonic() - began, 3),
-            "skipped": [p for p in pids if p == me], "node_died": os.getppid() != parent}
+            "skipped": [p for p in pids if p == me], "node_died": os.getppid() != parent,
+            "vanished": [p for p in wanted if not os.path.exists(f"/proc/{p}")]}

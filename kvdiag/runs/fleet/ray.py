@@ -28,7 +28,7 @@ from kvdiag.model.run import Finding
 from kvdiag.runs.fleet.merge import NODES_DIR, NodePart, merge_parts, node_dir_name
 from kvdiag.runs.fleet.node import capture_on_node
 from kvdiag.runs.fleet.pack import unpack_dir
-from kvdiag.runs.fleet.refusal import access_refusal, task_failure
+from kvdiag.runs.fleet.refusal import GENERIC_FAILURE, access_refusal, task_failure
 from kvdiag.runs.fleet.select import RayNode, RayWorker, Selection, node_names, select_targets
 
 RAY_HINT = "pip install 'kvdiag[ray]'  (Ray with its dashboard: the state API needs it)"
@@ -67,6 +67,7 @@ class NodeCapture:
     pack: bytes | None = None
     seconds: float | None = None
     node_died: bool = False         # the node's raylet went away while its capture ran (the node said so)
+    vanished: bool = False          # some of its targets were gone by the end of the capture (the node said so)
 
 
 def connect(address: str) -> Any:
@@ -143,7 +144,8 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
                 outcome, reason = task_failure(type(exc).__name__, str(exc))
                 out[node_id] = NodeCapture(outcome=outcome, reason=reason, seconds=spent)
                 continue
-            out[node_id] = NodeCapture(pack=answer["pack"], seconds=spent, node_died=bool(answer.get("node_died")))
+            out[node_id] = NodeCapture(pack=answer["pack"], seconds=spent, node_died=bool(answer.get("node_died")),
+                                       vanished=bool(answer.get("vanished")))
     for ref, node_id in pending.items():
         # Not force: the task gets KeyboardInterrupt, and the capture kills its tools and resumes any
         # target they left stopped before the worker ends (a killed worker would leave that undone).
@@ -151,6 +153,10 @@ def run_node_captures(ray: Any, by_node: dict[str, list[int]], *, timeout_s: flo
         out[node_id] = NodeCapture(outcome="unreachable", reason=f"no answer within {bound:.0f}s",
                                    seconds=round(time.monotonic() - began, 3))
     return out
+
+
+# How long a failure nothing else explains waits for Ray to list its node as dead (its health check's period).
+_DEATH_SETTLE_S = 6.0
 
 
 def _alive_now(ray: Any) -> set[str]:
@@ -216,6 +222,15 @@ def _capture_cluster(address: str, out_bundle_dir: Path, *, select: str, pattern
         # Asked after every capture: a node can die after its capture task answered (a small result travels
         # to the driver without its raylet), and what such a node sent is the evidence of a dying host.
         alive = _alive_now(ray)
+        # A node killed while its capture ran can answer before Ray marks it dead: a failure nothing else
+        # explains (the task failed there, or the processes it read vanished under the tools) waits, bounded,
+        # for Ray's view of that node to settle.
+        suspects = {nid for nid, a in answers.items() if nid in alive and (
+            (a.pack is None and (a.reason or "").startswith(GENERIC_FAILURE)) or a.vanished)}
+        settle_until = time.monotonic() + _DEATH_SETTLE_S
+        while suspects & alive and time.monotonic() < settle_until:
+            time.sleep(0.5)
+            alive = _alive_now(ray) or alive
     finally:
         ray.shutdown()
     parts: list[NodePart] = []

@@ -22,6 +22,8 @@ _NO_MODULE = re.compile(r"No module named '([\w.]+)'")
 # Ray's "failed to import on the worker" error lists the worker's sys.path: its site-packages say which
 # Python (which venv, which image) the node runs.
 _SITE_PACKAGES = re.compile(r"'([^']*?(?:site|dist)-packages)'")
+# The reason of a task failure no known error explains (a node dying under it is one explanation).
+GENERIC_FAILURE = "the capture task failed there"
 _MERGE_HINT = "or run `kvdiag capture --pid` on that host and `kvdiag merge` the folders"
 
 
@@ -44,7 +46,7 @@ def task_failure(error_name: str, text: str) -> tuple[NodeOutcome, str]:
         return "refused", (f"kvdiag cannot be imported on that node: No module named '{module}'{python}; "
                            f"install kvdiag with its dependencies there ({_MERGE_HINT})")
     last = next((ln.strip() for ln in reversed(text.splitlines()) if ln.strip()), error_name)
-    return "refused", f"the capture task failed there: {last[:300]}"
+    return "refused", f"{GENERIC_FAILURE}: {last[:300]}"
 
 
 def _others(procs: list[ProcessEvidence]) -> str:
